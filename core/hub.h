@@ -1,0 +1,202 @@
+// The reference server as a pure state machine.
+//
+//   hub.step(input, now_ms, effects)
+//
+// consumes one input (a client request, a data-plane report, a connection loss, or a clock tick) and
+// appends what must happen as a result to `effects`: replies to requests, and instructions to clients
+// ("read shard 3 of version 7 from replica r2", "offload version 7", "serve this grant"). It performs
+// no I/O, reads no clock and draws no random numbers, so the server, the simulator and the property
+// tests run exactly the same code. See hub_state.h for the states and transitions of copies and
+// DESIGN.md §5 for the invariants `check_invariants` verifies.
+//
+// Calls and how they block (a reply is an Effect carrying a Reply with the request's seq):
+//   open       immediate, except when resuming after a failover: waits until every shard re-opened
+//              (Errc::kBarrierTimeout after settings.barrier_timeout_ms)
+//   publish    when every shard of the replica has published (the version is then visible)
+//   unpublish  when no transfer reads the replica's copy any more, after an offload if retention needs
+//   replicate  when the version exists and every shard has received it; a lost version fails with
+//              kVersionUnavailable; an optional timeout fails with kTimeout
+//   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate
+//   list       immediate
+//   wait       when the predicate holds (or its timeout, or kVersionUnavailable)
+//   close      when the replica's copies have drained
+// Every call of a replica is a transaction: its shards get identical answers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include "core/hub_state.h"
+#include "core/messages.h"
+#include "core/types.h"
+
+namespace th {
+
+#ifdef TH_CANARY
+// Deliberately broken behaviours, compiled only into the canary build of core (tests only), that
+// prove the checkers can fail. Each names the invariant it breaks.
+struct CanaryBugs {
+  bool early_unpublish_ack = false;  // integrity: acknowledge unpublish before readers drained
+  bool skip_offload = false;         // retention: never offload the last copy
+  bool ignore_fanout = false;        // load: pick sources without regard to the fan-out limit
+  bool prefer_remote = false;        // topology: choose another datacenter first
+  bool per_shard_resolve = false;    // consistency: every shard resolves `latest` for itself
+};
+#endif
+
+struct HubStats {
+  std::uint64_t requests = 0;
+  std::uint64_t reports = 0;
+  std::uint64_t transfers_started = 0;
+  std::uint64_t transfers_completed = 0;
+  std::uint64_t source_failures = 0;
+  std::uint64_t offloads_started = 0;
+  std::uint64_t evictions = 0;
+};
+
+class Hub {
+ public:
+  explicit Hub(HubSettings settings);
+#ifdef TH_CANARY
+  Hub(HubSettings settings, CanaryBugs bugs);
+#endif
+  Hub(const Hub&) = delete;
+  Hub& operator=(const Hub&) = delete;
+  ~Hub();
+
+  // `now_ms` must not decrease from one call to the next.
+  void step(const Input& input, TimeMs now_ms, Effects& effects);
+
+  // ---- Read-only introspection (th-ctl, tests, simulator checkers) ----
+  const HubSettings& settings() const { return settings_; }
+  std::optional<Version> latest(std::string_view model) const;
+  std::optional<ListSnapshot> snapshot(std::string_view model) const;
+  bool retained(std::string_view model, Version version) const;
+  const HubStats& stats() const { return stats_; }
+  std::size_t client_count() const { return clients_.size(); }
+
+  // Verifies every structural invariant; throws AssertionFailure naming the first that fails.
+  void check_invariants() const;
+
+ private:
+  using Model = detail::Model;
+  using Replica = detail::Replica;
+  using Copy = detail::Copy;
+  using Transfer = detail::Transfer;
+  using Txn = detail::Txn;
+  using VersionRecord = detail::VersionRecord;
+
+  struct Resolution;
+  enum class Pick : std::uint8_t;
+  struct SourceChoice;
+
+  // Inputs.
+  void on_request(const Request& request);
+  void on_open(ClientId client, std::uint64_t seq, const OpenRequest& open);
+  void on_report(const Report& report);
+  void on_tick();
+  void on_transfer_done(Replica& replica, std::uint32_t shard, const TransferDone& done);
+  void on_transfer_failed(Replica& replica, std::uint32_t shard, const TransferFailed& failed);
+  void on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done);
+
+  // Transactions.
+  Txn* txn_for(Replica& replica, std::uint32_t shard, std::uint64_t seq, const OpKey& op);
+  void arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestBody& body);
+  void on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const PublishRequest& request);
+  void on_unpublish(Replica& replica, Txn& txn);
+  void on_replicate(Replica& replica, Txn& txn, std::uint32_t shard, const ReplicateRequest& request);
+  void on_update(Replica& replica, Txn& txn, std::uint32_t shard, const UpdateRequest& request);
+  void on_wait(Replica& replica, Txn& txn, const WaitRequest& request);
+  void on_close(Replica& replica, Txn& txn);
+  void finish(Replica& replica, Txn& txn, Outcome outcome);
+  void abort_txn(Replica& replica, Txn& txn, const Error& error);
+  void send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome);
+  void collect_txn(Replica& replica, std::uint64_t seq);
+  bool record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout);
+
+  // Versions, sources and transfers.
+  Resolution resolve(const Model& model, const Selector& selector) const;
+  void try_resolve(Replica& replica, Txn& txn);
+  void begin_receive(Replica& replica, Txn& txn, Version version);
+  void maybe_start_transfer(Replica& replica, Txn& txn);
+  void try_assign(Transfer& transfer);
+  SourceChoice select_source(const Transfer& transfer) const;
+  void assign(Transfer& transfer, Copy& source);
+  void emit_start_read(const Transfer& transfer, std::uint32_t shard);
+  void detach_source(Transfer& transfer);
+  void reassign(Transfer& transfer);
+  void complete_transfer(Transfer& transfer);
+  void fail_transfer(Transfer& transfer, const Error& error);
+  void enqueue_waiting(Transfer& transfer);
+  void dequeue_waiting(Transfer& transfer);
+  bool smart_skip(const VersionRecord& record, detail::DcId dc) const;
+
+  // Copies.
+  Copy& create_copy(Replica& owner, VersionRecord& record, CopyKind kind, detail::CopyState state);
+  void remove_copy(Copy& copy);
+  void set_state(Copy& copy, detail::CopyState state);
+  void set_readers(Copy& copy, std::uint32_t readers);
+  void set_failed(Copy& copy);
+  void reindex(Copy& copy);
+  detail::Contribution contribution(const Copy& copy) const;
+  void apply(Copy& copy, const detail::Contribution& contribution, int sign);
+  void on_copy_complete(Copy& copy);
+  void start_drain(Copy& copy, detail::DrainPurpose purpose);
+  void on_drained(Copy& copy);
+  void after_primary_drained(Replica& replica, detail::DrainPurpose purpose);
+  Copy& start_offload(Replica& replica, VersionRecord& record);
+  bool needs_offload(const Copy& copy) const;
+  Status commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
+                      const LayoutRef& layout, const ChecksumsRef& checksums);
+  Status check_shard(const Model& model, const VersionRecord& record, std::uint32_t shard,
+                     const LayoutRef& layout, const ChecksumsRef& checksums) const;
+
+  // Replicas, retention, failover.
+  void evict(Replica& replica, Errc reason, const std::string& detail);
+  void remove_replica(Replica& replica);
+  void unbind(Replica& replica, std::uint32_t shard);
+  void add_retention(Model& model, const Retention& retention, int sign);
+  bool is_retained(const Model& model, Version version) const;
+  void complete_barrier(Replica& replica);
+  void fail_barrier(Replica& replica, const Error& error);
+  bool announce(Replica& replica, Txn* seeded);
+  void reconcile_offloads(Model& model);
+  bool evaluate_wait(const Model& model, const WaitPredicate& predicate, Error* error) const;
+  std::shared_ptr<const ListSnapshot> make_snapshot(const Model& model) const;
+
+  // Work deferred to the end of a step, so that no handler re-enters another.
+  void settle();
+  void settle_model(Model& model);
+  void mark_dirty(Model& model) { model.dirty = true; }
+
+  VersionRecord& record_for(Model& model, Version version);
+  void forget_versions(Model& model);
+  detail::DcId intern_dc(const std::string& datacenter);
+  void emit(ClientId client, Message message) { effects_->push_back(Effect{client, std::move(message)}); }
+  void emit_to_replica(const Replica& replica, const Message& message);
+
+  HubSettings settings_;
+#ifdef TH_CANARY
+  CanaryBugs bugs_;
+#endif
+  HubStats stats_;
+  std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
+  // Lookup only (never iterated to decide anything): which replica and shard a client is.
+  std::unordered_map<ClientId, detail::Binding> clients_;
+  std::map<std::string, detail::DcId, std::less<>> datacenters_;
+  std::vector<std::string> datacenter_names_;
+  std::uint64_t next_copy_id_ = 1;
+  TransferId next_transfer_id_ = 1;
+  std::uint64_t next_ticket_ = 1;
+  TimeMs now_ms_ = 0;
+  Effects* effects_ = nullptr;  // valid during step()
+  // Deferred work (see settle()), in the order it arose; dirty models are visited in name order.
+  std::deque<std::pair<Model*, TransferId>> orphans_;
+  std::deque<std::pair<Model*, detail::CopyId>> drained_;
+};
+
+}  // namespace th

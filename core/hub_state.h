@@ -1,0 +1,236 @@
+// The hub's internal state. Not part of the public API: hub.h is. Declared in a header of its own so
+// that the invariant checker and the tests' HubTestPeer can read it.
+//
+// Ownership: Hub owns Models (unique_ptr); a Model owns its Replicas, Copies, Transfers and
+// VersionRecords. Every other pointer below is non-owning and is cleared before its target dies.
+//
+// A copy is one replica's holding of one version (its GPU buffers: kPrimary; or a CPU copy made to
+// honour retention: kOffload). Its states and transitions:
+//
+//   primary, published:   kPublishing --all shards published--> kComplete
+//   primary, received:    kGathering --all shards called--> kWaiting <--source lost--> kActive
+//                         kActive --all shards done--> kComplete
+//   offload:              kOffloading --all shards reported OffloadDone--> kComplete
+//   any kComplete:        --unpublish/update/close/release--> kDraining --readers == 0--> removed
+//                         (a draining primary of the last safe holder of a retained version first
+//                          makes an offload copy, then is removed)
+//   any state:            --replica evicted--> removed; its readers get another source
+//
+// Sources are kComplete copies and, under pipeline replication, kActive ones. A transfer fills one
+// reader copy from one source copy at a time; `epoch` counts the sources it has had.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/messages.h"
+#include "core/types.h"
+
+namespace th::detail {
+
+using DcId = std::uint32_t;
+using CopyId = std::uint64_t;
+
+struct Model;
+struct Replica;
+struct Transfer;
+struct VersionRecord;
+
+enum class CopyState : std::uint8_t {
+  kPublishing,
+  kGathering,
+  kWaiting,
+  kActive,
+  kComplete,
+  kOffloading,
+  kDraining,
+};
+std::string_view copy_state_name(CopyState state);
+
+// Why a copy drains, and so what happens once its last reader is gone.
+enum class DrainPurpose : std::uint8_t {
+  kUnpublish,  // answer the unpublish transaction (after an offload if retention needs one)
+  kUpdate,     // then receive the update's target version
+  kClose,      // then finish the close transaction
+  kRelease,    // an offload copy no longer needed: tell its owner to free it
+};
+
+// Order of preference among sources: least loaded, then complete before partial, then oldest.
+// The copy id makes every key unique, so the order never depends on a pointer value.
+struct SourceKey {
+  std::uint32_t readers = 0;
+  std::uint8_t partial = 0;
+  CopyId id = 0;
+  friend auto operator<=>(const SourceKey&, const SourceKey&) = default;
+};
+
+// What one copy adds to its version's counters and indexes. Computed from the copy alone (see
+// Hub::contribution) and remembered in the copy, so that removing the contribution again is exact.
+struct Contribution {
+  bool eligible = false;        // in by_dc[dc].eligible under `key`
+  SourceKey key;
+  bool servable = false;        // kComplete or kActive, not failed
+  bool complete = false;        // kComplete, not failed (primary or offload)
+  bool complete_primary = false;
+  bool safe_primary = false;    // complete, not failed, primary of a non-spot replica
+  bool safe_offload = false;    // complete, not failed, offload
+  bool potential = false;       // may serve now or soon: see Hub::contribution
+  bool seeding = false;         // kActive and receiving from another datacenter
+
+  friend bool operator==(const Contribution&, const Contribution&) = default;
+};
+
+struct Copy {
+  CopyId id = 0;
+  Replica* owner = nullptr;
+  VersionRecord* record = nullptr;
+  CopyKind kind = CopyKind::kPrimary;
+  CopyState state = CopyState::kPublishing;
+  ShardSet ready;                  // shards whose bytes are in place
+  std::uint32_t readers = 0;       // transfers whose current source is this copy
+  Transfer* incoming = nullptr;    // kGathering, kWaiting, kActive
+  bool failed = false;             // a reader could not read it; never chosen again
+  DrainPurpose drain_purpose = DrainPurpose::kUnpublish;
+  CopyId awaiting_offload = 0;     // a draining primary waits for this offload copy to complete
+  // While kPublishing: what each shard published, committed to the model/version on completion.
+  std::vector<LayoutRef> pending_layouts;
+  std::vector<ChecksumsRef> pending_checksums;
+  Contribution counted;            // what this copy currently adds to record/model counters
+};
+
+struct DcSources {
+  std::set<std::pair<SourceKey, Copy*>> eligible;
+  std::uint32_t servable = 0;
+  std::uint32_t complete = 0;
+  std::uint32_t seeding = 0;
+};
+
+struct VersionRecord {
+  Version version = 0;
+  bool ever_complete = false;               // some copy completed: the version "exists"
+  std::vector<ChecksumsRef> checksums;      // per shard, fixed by the first complete copy
+  std::vector<Copy*> copies;
+  std::map<DcId, DcSources> by_dc;
+  std::uint32_t safe_primaries = 0;
+  std::uint32_t safe_offloads = 0;
+  std::uint32_t complete_primaries = 0;
+  std::uint32_t potential = 0;
+  std::deque<Transfer*> waiting;            // transfers waiting for a source, in arrival order
+  bool dirty = false;                       // sources changed since `waiting` was last retried
+};
+
+struct Transfer {
+  TransferId id = 0;
+  Copy* reader = nullptr;
+  Copy* source = nullptr;        // null while waiting
+  std::uint32_t epoch = 0;
+  std::uint32_t failures = 0;
+  ShardSet started;              // shards told to read from `source` in this epoch
+  bool cross_dc = false;
+  bool queued = false;           // in reader->record->waiting
+  std::uint64_t txn_seq = 0;     // the reader's transaction that completes with this transfer
+  std::string last_source;       // name of the replica the data came from, for the reply
+};
+
+// Where a transaction of a replica stands.
+enum class TxnStage : std::uint8_t {
+  kNew,
+  kPublishing,    // publish: shards are publishing into the primary copy
+  kUnresolved,    // replicate: the version does not exist yet
+  kDrainingOld,   // update: the held version drains before the new one is received
+  kReceiving,     // replicate/update: a transfer fills the primary copy
+  kDraining,      // unpublish: waiting for readers (and maybe an offload)
+  kWaiting,       // wait: predicate not yet true
+  kClosing,       // close: waiting for copies to drain
+};
+
+struct Txn {
+  std::uint64_t seq = 0;
+  OpKey op;
+  ShardSet expected;  // shards that take part (all, except in a transaction seeded by failover)
+  ShardSet arrived;
+  ShardSet replied;
+  TxnStage stage = TxnStage::kNew;
+  bool seeded = false;
+  std::optional<Outcome> result;       // once set, every expected shard gets exactly this
+  std::optional<Version> target;       // replicate/update: the version settled on
+  std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout
+  TimeMs deadline_ms = 0;              // 0: none
+  std::uint64_t ticket = 0;            // position in Model::unresolved / Model::waits
+};
+
+struct ShardSlot {
+  std::optional<ClientId> client;
+  std::uint64_t last_seq = 0;
+  std::uint64_t open_seq = 0;
+  std::optional<Reply> last_reply;     // re-sent if the same request arrives again
+  TimeMs last_seen_ms = 0;
+  Retention retention;
+  std::string endpoint;
+  std::optional<Resume> resume;
+};
+
+enum class ReplicaPhase : std::uint8_t {
+  kLive,
+  kResuming,  // re-opened after a failover: waits until every shard has re-opened
+  kClosing,
+};
+
+struct Replica {
+  Model* model = nullptr;
+  std::string name;
+  std::uint64_t incarnation = 0;
+  std::uint32_t num_shards = 0;
+  DcId dc = 0;
+  std::string datacenter;
+  bool spot = false;
+  std::string role;
+  ReplicaPhase phase = ReplicaPhase::kLive;
+  TimeMs barrier_deadline_ms = 0;
+  std::vector<ShardSlot> shards;
+  std::uint32_t bound_shards = 0;
+  Copy* primary = nullptr;
+  std::vector<Copy*> offloads;
+  std::map<std::uint64_t, Txn> txns;
+};
+
+struct TxnRef {
+  Replica* replica = nullptr;
+  std::uint64_t seq = 0;
+};
+
+struct Model {
+  std::string name;
+  std::uint32_t num_shards = 0;
+  std::vector<LayoutRef> layouts;  // per shard, fixed by the first complete copy
+  std::optional<Version> latest;
+  std::map<Version, VersionRecord> versions;
+  std::map<std::string, std::unique_ptr<Replica>> replicas;
+  std::map<CopyId, std::unique_ptr<Copy>> copies;
+  std::map<TransferId, std::unique_ptr<Transfer>> transfers;
+  std::set<CopyId> offload_copies;
+  // The union of the retention rules of every open shard.
+  std::multiset<std::uint64_t> keep_latest;
+  std::map<Version, std::uint32_t> pinned;
+  // Blocked transactions, by ticket (arrival order), and call deadlines.
+  std::map<std::uint64_t, TxnRef> unresolved;
+  std::map<std::uint64_t, TxnRef> waits;
+  std::multimap<TimeMs, TxnRef> deadlines;
+  std::set<Version> versions_with_waiters;
+  std::vector<Version> forgettable;  // records whose last copy went before the version completed
+  bool dirty = false;  // latest, replicas or retention changed: re-evaluate blocked calls
+};
+
+struct Binding {
+  Replica* replica = nullptr;
+  std::uint32_t shard = 0;
+};
+
+}  // namespace th::detail

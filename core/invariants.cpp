@@ -1,0 +1,226 @@
+// Hub::check_invariants: recomputes everything the hub maintains incrementally and compares, and
+// checks the structural halves of DESIGN.md §5 (load, topology, monotonicity, consistency of the
+// bookkeeping that integrity and retention rest on). The behavioural halves (what clients observe)
+// are checked by the tests' observers and the simulator's checkers.
+#include <algorithm>
+#include <set>
+
+#include "core/hub.h"
+
+namespace th {
+
+using detail::Contribution;
+using detail::CopyId;
+using detail::CopyState;
+using detail::DcSources;
+using detail::ReplicaPhase;
+using detail::ShardSlot;
+using detail::TxnStage;
+
+void Hub::check_invariants() const {
+  TH_ASSERT(orphans_.empty() && drained_.empty(), "deferred work is settled after every step");
+  bool canary_load = false;
+  bool canary_topology = false;
+#ifdef TH_CANARY
+  canary_load = bugs_.ignore_fanout;
+  canary_topology = bugs_.prefer_remote;
+#endif
+  std::size_t bound_total = 0;
+
+  for (const auto& [model_name, model_ptr] : models_) {
+    const Model& model = *model_ptr;
+    TH_ASSERT(model.name == model_name);
+    TH_ASSERT(model.layouts.size() == model.num_shards);
+    TH_ASSERT(!model.dirty, "dirty models are settled after every step");
+
+    // ---- replicas ----
+    std::multiset<std::uint64_t> keep_latest;
+    std::map<Version, std::uint32_t> pinned;
+    for (const auto& [name, replica_ptr] : model.replicas) {
+      const Replica& replica = *replica_ptr;
+      TH_ASSERT(replica.model == &model && replica.name == name);
+      TH_ASSERT(replica.num_shards == model.num_shards);
+      TH_ASSERT(replica.shards.size() == replica.num_shards);
+      std::uint32_t bound = 0;
+      for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+        const ShardSlot& slot = replica.shards[shard];
+        if (!slot.client) continue;
+        ++bound;
+        auto found = clients_.find(*slot.client);
+        TH_ASSERT(found != clients_.end() && found->second.replica == &replica &&
+                      found->second.shard == shard,
+                  "a bound shard is in the client map");
+        if (slot.retention.keep_latest) keep_latest.insert(*slot.retention.keep_latest);
+        for (Version version : slot.retention.pinned) ++pinned[version];
+      }
+      TH_ASSERT(bound == replica.bound_shards, "bound shard count");
+      TH_ASSERT(bound > 0, "a replica without shards is removed");
+      bound_total += bound;
+      if (replica.primary != nullptr) {
+        TH_ASSERT(replica.primary->owner == &replica && replica.primary->kind == CopyKind::kPrimary);
+        TH_ASSERT(model.copies.contains(replica.primary->id));
+      }
+      TH_ASSERT(replica.offloads.size() <= limits::kOffloadsPerReplicaMax);
+      for (const Copy* offload : replica.offloads) {
+        TH_ASSERT(offload->owner == &replica && offload->kind == CopyKind::kOffload);
+        TH_ASSERT(model.copies.contains(offload->id) && model.offload_copies.contains(offload->id));
+      }
+      if (!replica.txns.empty()) {
+        TH_ASSERT(replica.txns.rbegin()->first - replica.txns.begin()->first <
+                      limits::kTxnWindowMax,
+                  "transaction window");
+      }
+      for (const auto& [seq, txn] : replica.txns) {
+        TH_ASSERT(txn.seq == seq);
+        TH_ASSERT((txn.arrived & ~txn.expected).none(), "only expected shards arrive");
+        TH_ASSERT((txn.replied & ~txn.arrived).none(), "only arrived shards are answered");
+        TH_ASSERT(txn.replied.none() || txn.result.has_value(), "answers come from the result");
+        TH_ASSERT(!txn.result || txn.replied == txn.arrived, "a result reaches every arrived shard");
+        TH_ASSERT(txn.replied != txn.expected || txn.expected.none(), "answered transactions go");
+        if (txn.ticket != 0) {
+          TH_ASSERT(!txn.result);
+          TH_ASSERT(txn.stage == TxnStage::kUnresolved || txn.stage == TxnStage::kWaiting);
+          const auto& tickets = txn.stage == TxnStage::kUnresolved ? model.unresolved : model.waits;
+          auto found = tickets.find(txn.ticket);
+          TH_ASSERT(found != tickets.end() && found->second.replica == &replica &&
+                    found->second.seq == seq);
+        }
+      }
+    }
+    TH_ASSERT(keep_latest == model.keep_latest, "retention union: latest-k rules");
+    TH_ASSERT(pinned == model.pinned, "retention union: pinned versions");
+    for (const auto* tickets : {&model.unresolved, &model.waits}) {
+      for (const auto& [ticket, ref] : *tickets) {
+        auto txn = ref.replica->txns.find(ref.seq);
+        TH_ASSERT(txn != ref.replica->txns.end() && txn->second.ticket == ticket, "ticket owner");
+      }
+    }
+
+    // ---- copies ----
+    std::map<const VersionRecord*, VersionRecord> expected;  // recomputed counters per record
+    for (const auto& [id, copy_ptr] : model.copies) {
+      const Copy& copy = *copy_ptr;
+      TH_ASSERT(copy.id == id);
+      auto owner = model.replicas.find(copy.owner->name);
+      TH_ASSERT(owner != model.replicas.end() && owner->second.get() == copy.owner, "copy owner");
+      auto record = model.versions.find(copy.record->version);
+      TH_ASSERT(record != model.versions.end() && &record->second == copy.record, "copy record");
+      TH_ASSERT(std::count(copy.record->copies.begin(), copy.record->copies.end(), &copy) == 1);
+      if (copy.kind == CopyKind::kPrimary) {
+        TH_ASSERT(copy.owner->primary == &copy, "a primary copy is its owner's primary");
+        TH_ASSERT(copy.state != CopyState::kOffloading);
+      } else {
+        TH_ASSERT(copy.state == CopyState::kOffloading || copy.state == CopyState::kComplete ||
+                  copy.state == CopyState::kDraining);
+      }
+      const bool reading = copy.state == CopyState::kWaiting || copy.state == CopyState::kActive;
+      TH_ASSERT(!reading || copy.incoming != nullptr, "a receiving copy has a transfer");
+      if (copy.incoming != nullptr) {
+        TH_ASSERT(reading || copy.state == CopyState::kGathering);
+        TH_ASSERT(copy.incoming->reader == &copy);
+      }
+      if (copy.state == CopyState::kComplete || copy.state == CopyState::kDraining) {
+        TH_ASSERT(copy.ready.count() == copy.owner->num_shards, "complete copies have every shard");
+      }
+      std::uint32_t readers = 0;
+      for (const auto& [transfer_id, transfer] : model.transfers) {
+        if (transfer->source == &copy) ++readers;
+      }
+      TH_ASSERT(readers == copy.readers, "reader count of copy", id, ":", copy.readers, "vs", readers);
+      // Load (§5.4): a source serves at most its fan-out limit at a time.
+      TH_ASSERT(canary_load || copy.readers <= settings_.fanout_max, "fan-out limit exceeded");
+      TH_ASSERT(copy.counted == contribution(copy), "stale contribution of copy", id);
+      if (copy.awaiting_offload != 0) {
+        TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
+        auto offload = model.copies.find(copy.awaiting_offload);
+        TH_ASSERT(offload != model.copies.end() && offload->second->owner == copy.owner &&
+                      offload->second->state == CopyState::kOffloading,
+                  "a draining primary waits for its own offload copy");
+      }
+      VersionRecord& sums = expected[copy.record];
+      const Contribution& c = copy.counted;
+      DcSources& sources = sums.by_dc[copy.owner->dc];
+      if (c.eligible) sources.eligible.emplace(c.key, const_cast<Copy*>(&copy));
+      sources.servable += c.servable;
+      sources.complete += c.complete;
+      sources.seeding += c.seeding;
+      sums.safe_primaries += c.safe_primary;
+      sums.safe_offloads += c.safe_offload;
+      sums.complete_primaries += c.complete_primary;
+      sums.potential += c.potential;
+    }
+    for (CopyId id : model.offload_copies) {
+      TH_ASSERT(model.copies.contains(id) && model.copies.at(id)->kind == CopyKind::kOffload);
+    }
+
+    // ---- transfers ----
+    for (const auto& [id, transfer_ptr] : model.transfers) {
+      const Transfer& transfer = *transfer_ptr;
+      TH_ASSERT(transfer.id == id);
+      const Copy& reader = *transfer.reader;
+      TH_ASSERT(model.copies.contains(reader.id) && reader.incoming == &transfer);
+      TH_ASSERT((reader.state == CopyState::kActive) == (transfer.source != nullptr),
+                "a transfer has a source exactly while its reader is active");
+      TH_ASSERT(transfer.queued == (reader.state == CopyState::kWaiting),
+                "a waiting transfer is queued for a source");
+      TH_ASSERT(transfer.queued == (std::count(reader.record->waiting.begin(),
+                                               reader.record->waiting.end(), &transfer) == 1));
+      TH_ASSERT((transfer.started & reader.ready).none(), "done shards are not reading");
+      if (transfer.source != nullptr) {
+        const Copy& source = *transfer.source;
+        TH_ASSERT(model.copies.contains(source.id) && source.record == reader.record);
+        TH_ASSERT(&source != &reader);
+        TH_ASSERT(source.state == CopyState::kComplete || source.state == CopyState::kActive ||
+                      source.state == CopyState::kWaiting || source.state == CopyState::kDraining,
+                  "source state", copy_state_name(source.state));
+        // The chain of partial sources ends at a copy that does not receive: no cycles.
+        const Copy* at = &source;
+        std::size_t hops = 0;
+        while (at->incoming != nullptr && at->incoming->source != nullptr) {
+          at = at->incoming->source;
+          TH_ASSERT(++hops <= model.copies.size(), "the source chain has a cycle");
+        }
+      }
+    }
+
+    // ---- version records ----
+    bool any_complete = false;
+    for (const auto& [version, record] : model.versions) {
+      TH_ASSERT(record.version == version);
+      TH_ASSERT(record.checksums.size() == model.num_shards);
+      const VersionRecord& sums = expected[&record];
+      for (const auto& [dc, sources] : record.by_dc) {
+        auto found = sums.by_dc.find(dc);
+        const DcSources empty;
+        const DcSources& want = found == sums.by_dc.end() ? empty : found->second;
+        TH_ASSERT(sources.eligible == want.eligible, "eligible sources of version", version);
+        TH_ASSERT(sources.servable == want.servable && sources.complete == want.complete &&
+                      sources.seeding == want.seeding,
+                  "datacenter counters of version", version);
+        // Topology (§5.5): at most one seeding replica per datacenter per version at a time.
+        TH_ASSERT(canary_topology || sources.seeding <= 1, "two seeding replicas in one datacenter");
+      }
+      for (const auto& [dc, want] : sums.by_dc) {
+        TH_ASSERT(record.by_dc.contains(dc), "a datacenter with copies has counters");
+      }
+      TH_ASSERT(record.safe_primaries == sums.safe_primaries &&
+                    record.safe_offloads == sums.safe_offloads &&
+                    record.complete_primaries == sums.complete_primaries &&
+                    record.potential == sums.potential,
+                "version counters of", version);
+      TH_ASSERT(model.versions_with_waiters.contains(version) == !record.waiting.empty());
+      for (const Transfer* transfer : record.waiting) {
+        TH_ASSERT(transfer->reader->record == &record && transfer->queued);
+      }
+      if (record.ever_complete) {
+        any_complete = true;
+        // Monotonicity (§5.7) rests on this: latest covers every version that ever completed.
+        TH_ASSERT(model.latest && version <= *model.latest, "latest is below a complete version");
+      }
+    }
+    TH_ASSERT(!any_complete || model.latest.has_value());
+  }
+  TH_ASSERT(bound_total == clients_.size(), "every client is bound to one shard");
+}
+
+}  // namespace th

@@ -1,0 +1,40 @@
+// Every queue, fan-out, retry and retained set in core/ has a named upper bound here. The hub asserts
+// them (our bug) or rejects a request that would cross one with Errc::kLimitExceeded (the caller's
+// choice), so that no input can make the state grow without bound.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace th::limits {
+
+inline constexpr std::size_t kModelsMax = 64;
+inline constexpr std::size_t kReplicasPerModelMax = 16384;
+inline constexpr std::uint32_t kShardsMax = 256;  // model-parallel group size
+inline constexpr std::size_t kTensorsPerShardMax = 65536;
+inline constexpr std::size_t kNameBytesMax = 256;  // model, replica, datacenter, role, tensor names
+inline constexpr std::size_t kEndpointBytesMax = 512;
+inline constexpr std::size_t kDatacentersMax = 256;
+
+// Retention: how far back `latest-k` reaches and how many versions one open may pin.
+inline constexpr std::uint64_t kKeepLatestMax = 64;
+inline constexpr std::size_t kPinnedPerOpenMax = 16;
+// A replica holds at most one offload copy per retained version.
+inline constexpr std::size_t kOffloadsPerReplicaMax = kKeepLatestMax + 1 + kPinnedPerOpenMax;
+
+// Versions whose last copy is gone are remembered (to answer "unavailable" instead of "not found")
+// for this many versions below `latest`.
+inline constexpr std::uint64_t kForgottenVersionsWindow = 1024;
+
+// Replica transactions: how far the fastest shard of a replica may run ahead of the slowest one.
+// Calls that wait for the whole group (publish, replicate, update, unpublish, close) stop a fast
+// shard at once, so only list/wait can pile up here.
+inline constexpr std::size_t kTxnWindowMax = 64;
+
+// A reader's source may fail this many times in one transfer before the hub gives up on it.
+inline constexpr std::uint32_t kSourceFailuresPerTransferMax = 64;
+
+// Upper bound on heartbeat timeout and call deadlines accepted from a client (one day).
+inline constexpr std::int64_t kDeadlineMsMax = 24LL * 3600 * 1000;
+
+}  // namespace th::limits

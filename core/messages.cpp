@@ -1,0 +1,61 @@
+#include "core/messages.h"
+
+#include "core/hub_state.h"
+
+namespace th {
+
+std::string_view op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kPublish: return "publish";
+    case OpKind::kUnpublish: return "unpublish";
+    case OpKind::kReplicate: return "replicate";
+    case OpKind::kUpdate: return "update";
+    case OpKind::kList: return "list";
+    case OpKind::kWait: return "wait";
+    case OpKind::kClose: return "close";
+  }
+  return "unknown-op";
+}
+
+std::string_view update_status_name(UpdateStatus status) {
+  switch (status) {
+    case UpdateStatus::kUpdated: return "updated";
+    case UpdateStatus::kNoNewerVersion: return "no-newer-version";
+    case UpdateStatus::kNotYet: return "not-yet";
+  }
+  return "unknown-status";
+}
+
+OpKind op_kind(const RequestBody& body) {
+  struct Visitor {
+    OpKind operator()(const OpenRequest&) const {
+      TH_REQUIRE(false, "open is not a transaction");
+    }
+    OpKind operator()(const PublishRequest&) const { return OpKind::kPublish; }
+    OpKind operator()(const UnpublishRequest&) const { return OpKind::kUnpublish; }
+    OpKind operator()(const ReplicateRequest&) const { return OpKind::kReplicate; }
+    OpKind operator()(const UpdateRequest&) const { return OpKind::kUpdate; }
+    OpKind operator()(const ListRequest&) const { return OpKind::kList; }
+    OpKind operator()(const WaitRequest&) const { return OpKind::kWait; }
+    OpKind operator()(const CloseRequest&) const { return OpKind::kClose; }
+  };
+  return std::visit(Visitor{}, body);
+}
+
+namespace detail {
+
+std::string_view copy_state_name(CopyState state) {
+  switch (state) {
+    case CopyState::kPublishing: return "publishing";
+    case CopyState::kGathering: return "gathering";
+    case CopyState::kWaiting: return "waiting";
+    case CopyState::kActive: return "receiving";
+    case CopyState::kComplete: return "complete";
+    case CopyState::kOffloading: return "offloading";
+    case CopyState::kDraining: return "draining";
+  }
+  return "unknown-state";
+}
+
+}  // namespace detail
+}  // namespace th

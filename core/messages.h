@@ -1,0 +1,273 @@
+// The inputs the hub consumes and the effects it produces. Plain data: the server shell turns wire
+// messages into these and effects back into wire messages; the simulator routes them through its
+// simulated network; tests build them by hand.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "core/result.h"
+#include "core/types.h"
+
+namespace th {
+
+// ---- Requests: numbered per shard, matched across the shards of a replica ---------------------------
+
+struct WaitPredicate {
+  enum class Kind : std::uint8_t {
+    kVersionAtLeast,  // some version >= `version` has been published
+    kReplicasHold,    // at least `replicas_min` replicas hold `version` completely
+    kRoleHolds,       // every live replica whose role is `role` holds a version >= `version`
+  };
+  Kind kind = Kind::kVersionAtLeast;
+  Version version = 0;
+  std::uint32_t replicas_min = 1;
+  std::string role;
+
+  friend bool operator==(const WaitPredicate&, const WaitPredicate&) = default;
+};
+
+enum class OpKind : std::uint8_t {
+  kPublish, kUnpublish, kReplicate, kUpdate, kList, kWait, kClose,
+};
+std::string_view op_name(OpKind kind);
+
+enum class UpdateStatus : std::uint8_t { kUpdated, kNoNewerVersion, kNotYet };
+std::string_view update_status_name(UpdateStatus status);
+
+// What identifies "the same operation" for replica transactions: two shards calling with different
+// OpKeys at the same sequence number have diverged.
+struct OpKey {
+  OpKind kind = OpKind::kList;
+  Selector selector;        // replicate, update
+  Version version = 0;      // publish
+  WaitPredicate predicate;  // wait
+
+  friend bool operator==(const OpKey&, const OpKey&) = default;
+};
+
+// A copy of a version that a client announces when it re-opens on a (new) server.
+struct HeldCopy {
+  Version version = 0;
+  LayoutRef layout;
+  ChecksumsRef checksums;
+};
+
+// The group-level result of a transaction, as a client remembers it for failover (see Resume).
+struct TxnRecord {
+  std::uint64_t seq = 0;
+  OpKey op;
+  std::optional<Errc> error;  // the call failed with this code
+  Version version = 0;        // publish/replicate/update: the version it settled on
+  UpdateStatus update_status = UpdateStatus::kUpdated;
+};
+
+// Sent with `open` by a client that was connected to a previous server (failover) or was evicted:
+// what it holds, so that the new server is populated at once, and the last transaction it completed,
+// so that shards which did not complete it get the same answer here.
+struct Resume {
+  std::optional<HeldCopy> primary;
+  std::vector<HeldCopy> offloads;
+  std::optional<TxnRecord> last_txn;
+};
+
+struct OpenRequest {
+  std::string model;
+  std::string replica;
+  std::uint64_t incarnation = 0;  // a restarted replica opens with a larger incarnation
+  std::uint32_t shard = 0;
+  std::uint32_t num_shards = 1;
+  std::string datacenter;
+  bool spot = false;
+  std::string role;           // free label, e.g. "trainer" or "rollout", for wait(kRoleHolds)
+  Retention retention;
+  std::string data_endpoint;  // opaque to the hub: where peers reach this shard's data server
+  std::optional<Resume> resume;
+};
+struct PublishRequest {
+  Version version = 0;
+  LayoutRef layout;
+  ChecksumsRef checksums;
+};
+struct UnpublishRequest {};
+struct ReplicateRequest {
+  Selector selector;
+  LayoutRef layout;
+  TimeMs timeout_ms = 0;  // 0: wait as long as it takes
+};
+struct UpdateRequest {
+  Selector selector;
+  LayoutRef layout;
+};
+struct ListRequest {};
+struct WaitRequest {
+  WaitPredicate predicate;
+  TimeMs timeout_ms = 0;  // 0: wait as long as it takes
+};
+struct CloseRequest {};
+
+using RequestBody = std::variant<OpenRequest, PublishRequest, UnpublishRequest, ReplicateRequest,
+                                 UpdateRequest, ListRequest, WaitRequest, CloseRequest>;
+
+struct Request {
+  ClientId client = 0;
+  // 0 for a fresh open (the first call after it is 1); a resuming open carries the sequence number
+  // of the last call the client completed.
+  std::uint64_t seq = 0;
+  RequestBody body;
+};
+
+// ---- Reports: data-plane facts, idempotent, not part of transactions ---------------------------------
+
+enum class ReadFailure : std::uint8_t { kSourceUnreachable, kChecksumMismatch, kSourceRefused };
+
+struct Heartbeat {};
+struct TransferDone {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+};
+struct TransferFailed {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+  ReadFailure reason = ReadFailure::kSourceUnreachable;
+};
+struct OffloadDone {
+  Version version = 0;
+};
+using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone>;
+
+struct Report {
+  ClientId client = 0;
+  ReportBody body;
+};
+
+struct ConnectionLost {
+  ClientId client = 0;
+};
+// Drives heartbeat expiry, barrier timeouts and call deadlines.
+struct Tick {};
+
+using Input = std::variant<Request, Report, ConnectionLost, Tick>;
+
+// ---- Effects ---------------------------------------------------------------------------------------
+
+enum class CopyKind : std::uint8_t { kPrimary, kOffload };
+
+struct ListSnapshot {
+  struct VersionInfo {
+    Version version = 0;
+    std::uint32_t complete = 0;  // complete copies (primary and offload)
+    std::uint32_t partial = 0;   // copies being published or received
+    bool retained = false;
+    bool offloaded = false;
+  };
+  struct ReplicaInfo {
+    std::string name;
+    std::uint64_t incarnation = 0;
+    std::string datacenter;
+    bool spot = false;
+    std::string role;
+    std::uint32_t num_shards = 0;
+    std::string state;  // "empty", "publishing", "receiving", "waiting", "complete", "draining", …
+    std::optional<Version> version;
+    std::uint32_t serving = 0;  // transfers this replica's copies serve now
+    std::vector<Version> offloads;
+  };
+  std::string model;
+  std::optional<Version> latest;
+  std::vector<VersionInfo> versions;
+  std::vector<ReplicaInfo> replicas;
+};
+
+struct OpenOk {
+  std::uint32_t num_shards = 0;
+  std::optional<Version> latest;
+};
+struct PublishOk {
+  Version version = 0;
+};
+struct UnpublishOk {};
+struct ReplicateOk {
+  Version version = 0;
+  std::string source_replica;
+};
+struct UpdateOk {
+  UpdateStatus status = UpdateStatus::kNoNewerVersion;
+  Version version = 0;  // the version now held (kUpdated) or the one still held
+  std::string source_replica;
+};
+struct ListOk {
+  std::shared_ptr<const ListSnapshot> snapshot;
+};
+struct WaitOk {};
+struct CloseOk {};
+
+using Outcome = std::variant<Error, OpenOk, PublishOk, UnpublishOk, ReplicateOk, UpdateOk, ListOk,
+                             WaitOk, CloseOk>;
+
+struct Reply {
+  std::uint64_t seq = 0;
+  Outcome outcome;
+};
+
+struct SourceRef {
+  std::string replica;
+  std::uint64_t incarnation = 0;
+  std::string datacenter;
+  std::string endpoint;  // the data endpoint of the source's shard with the reader's shard index
+  CopyKind kind = CopyKind::kPrimary;
+  bool partial = false;  // still receiving: read its progress counter, take the prefix, repeat
+};
+
+// To a reader shard: read your shard of `version` from `source`, verify against `checksums`.
+struct StartRead {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;  // bumps each time the hub picks another source for this transfer
+  Version version = 0;
+  std::uint32_t shard = 0;
+  SourceRef source;
+  ChecksumsRef checksums;
+};
+// To a source shard: a grant; serve reads of (version, kind) to this transfer and epoch only.
+struct ServeRead {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+  Version version = 0;
+  CopyKind kind = CopyKind::kPrimary;
+  std::uint32_t shard = 0;
+  std::string reader_replica;
+};
+// To a source shard: the grant is withdrawn (finished, reassigned or cancelled).
+struct StopServing {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+};
+// To every shard of a replica: copy your buffers of `version` to CPU memory, then report OffloadDone.
+struct Offload {
+  Version version = 0;
+};
+// To every shard of a replica: the offload copy of `version` is no longer needed; free it.
+struct ReleaseOffload {
+  Version version = 0;
+};
+// To a shard: your replica was removed; re-open (with a new incarnation) to continue.
+struct Evicted {
+  Errc reason = Errc::kReplicaEvicted;
+  std::string detail;
+};
+
+using Message = std::variant<Reply, StartRead, ServeRead, StopServing, Offload, ReleaseOffload, Evicted>;
+
+struct Effect {
+  ClientId client = 0;
+  Message message;
+};
+using Effects = std::vector<Effect>;
+
+OpKind op_kind(const RequestBody& body);  // TH_REQUIREs that body is not an OpenRequest
+
+}  // namespace th

@@ -1,0 +1,88 @@
+// The one error type of the codebase: expected outcomes are values, never exceptions.
+//
+// `Errc` names every case a client can run into. `Result<T>` carries either a value or an `Error`.
+// Exceptions are reserved for bugs (assert.h) and, in the shells, for I/O logistics.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+
+#include "core/assert.h"
+
+namespace th {
+
+enum class Errc : std::uint8_t {
+  // The request itself is malformed or out of range.
+  kInvalidArgument,
+  kBadSelector,
+  // The client is not (or no longer) known to the hub.
+  kUnknownClient,
+  kAlreadyOpen,
+  kShardAlreadyOpen,
+  kOpenMismatch,       // num_shards, datacenter, spot or role differ from the replica's other shards
+  kStaleIncarnation,   // a newer incarnation of this replica is already open
+  kSequenceGap,        // a request skipped a sequence number (client bug or lost request)
+  kLimitExceeded,      // a named limit (models_max, replicas_per_model_max, …) would be exceeded
+  // Versions.
+  kVersionNotFound,     // never published here, or forgotten long ago
+  kVersionUnavailable,  // was published, but no copy that could serve it is left
+  kStaleVersion,        // publishing a version older than anything the model still knows
+  kNotPublished,        // unpublish without a published version
+  kAlreadyHolding,      // publish/replicate while the replica already holds a version
+  kLayoutMismatch,      // tensor names, dtypes or sizes differ from the model's layout
+  kChecksumConflict,    // a second publisher of a version announced different checksums
+  // Replica transactions and lifecycle.
+  kDivergentCall,    // shards of one replica issued different operations at the same position
+  kReplicaEvicted,   // the replica was removed (heartbeat timeout, connection loss, restart)
+  kReplicaClosed,    // another shard of the replica closed it
+  kBarrierTimeout,   // not every shard re-opened within the failover barrier
+  kTimeout,          // the call's own deadline passed
+};
+
+std::string_view errc_name(Errc code);
+
+struct Error {
+  Errc code;
+  std::string detail;  // human-readable; never parsed
+
+  friend bool operator==(const Error& a, const Error& b) { return a.code == b.code; }
+};
+
+inline Error make_error(Errc code, std::string detail = {}) { return Error{code, std::move(detail)}; }
+
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : state_(std::move(value)) {}          // NOLINT: implicit by design
+  Result(Error error) : state_(std::move(error)) {}      // NOLINT: implicit by design
+
+  bool ok() const { return std::holds_alternative<T>(state_); }
+  explicit operator bool() const { return ok(); }
+
+  const T& value() const& {
+    TH_ASSERT(ok(), "Result holds an error:", errc_name(error().code));
+    return std::get<T>(state_);
+  }
+  T&& value() && {
+    TH_ASSERT(ok(), "Result holds an error:", errc_name(error().code));
+    return std::get<T>(std::move(state_));
+  }
+  const Error& error() const {
+    TH_ASSERT(!ok(), "Result holds a value");
+    return std::get<Error>(state_);
+  }
+
+ private:
+  std::variant<T, Error> state_;
+};
+
+// For operations whose success carries nothing.
+struct Unit {
+  friend bool operator==(Unit, Unit) { return true; }
+};
+using Status = Result<Unit>;
+
+}  // namespace th

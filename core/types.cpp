@@ -1,0 +1,190 @@
+#include "core/types.h"
+
+#include <array>
+#include <charconv>
+#include <limits>
+
+namespace th {
+
+std::string_view errc_name(Errc code) {
+  switch (code) {
+    case Errc::kInvalidArgument: return "invalid-argument";
+    case Errc::kBadSelector: return "bad-selector";
+    case Errc::kUnknownClient: return "unknown-client";
+    case Errc::kAlreadyOpen: return "already-open";
+    case Errc::kShardAlreadyOpen: return "shard-already-open";
+    case Errc::kOpenMismatch: return "open-mismatch";
+    case Errc::kStaleIncarnation: return "stale-incarnation";
+    case Errc::kSequenceGap: return "sequence-gap";
+    case Errc::kLimitExceeded: return "limit-exceeded";
+    case Errc::kVersionNotFound: return "version-not-found";
+    case Errc::kVersionUnavailable: return "version-unavailable";
+    case Errc::kStaleVersion: return "stale-version";
+    case Errc::kNotPublished: return "not-published";
+    case Errc::kAlreadyHolding: return "already-holding";
+    case Errc::kLayoutMismatch: return "layout-mismatch";
+    case Errc::kChecksumConflict: return "checksum-conflict";
+    case Errc::kDivergentCall: return "divergent-call";
+    case Errc::kReplicaEvicted: return "replica-evicted";
+    case Errc::kReplicaClosed: return "replica-closed";
+    case Errc::kBarrierTimeout: return "barrier-timeout";
+    case Errc::kTimeout: return "timeout";
+  }
+  return "unknown-error";
+}
+
+// ---- Selectors ------------------------------------------------------------------------------------
+
+namespace {
+
+// Parses a non-empty run of decimal digits that fills `text` exactly. No sign, no spaces, no overflow.
+std::optional<std::uint64_t> parse_decimal(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+  }
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
+Result<Selector> parse_selector(std::string_view text) {
+  constexpr std::string_view kLatest = "latest";
+  if (text == kLatest) return Selector::latest();
+  if (text.starts_with(kLatest)) {
+    std::string_view rest = text.substr(kLatest.size());
+    if (rest.starts_with('-')) {
+      if (auto k = parse_decimal(rest.substr(1))) return Selector::latest(*k);
+    }
+  } else if (auto version = parse_decimal(text)) {
+    return Selector::absolute(*version);
+  }
+  return make_error(Errc::kBadSelector,
+                    "'" + std::string(text.substr(0, 64)) + "' is not N, latest or latest-k");
+}
+
+std::string format_selector(const Selector& selector) {
+  if (selector.kind == Selector::Kind::kAbsolute) return std::to_string(selector.value);
+  if (selector.value == 0) return "latest";
+  return "latest-" + std::to_string(selector.value);
+}
+
+// ---- DTypes -----------------------------------------------------------------------------------------
+
+namespace {
+constexpr std::array<std::string_view, kDTypeCount> kDTypeNames = {
+    "float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "float64",
+    "int8",    "uint8",   "int16",    "int32",       "int64",       "bool",
+};
+}  // namespace
+
+std::string_view dtype_name(DType dtype) {
+  const auto index = static_cast<std::size_t>(dtype);
+  TH_ASSERT(index < kDTypeNames.size(), "dtype", index);
+  return kDTypeNames[index];
+}
+
+std::optional<DType> parse_dtype(std::string_view name) {
+  for (std::size_t i = 0; i < kDTypeNames.size(); ++i) {
+    if (kDTypeNames[i] == name) return static_cast<DType>(i);
+  }
+  return std::nullopt;
+}
+
+// ---- Layouts ----------------------------------------------------------------------------------------
+
+namespace {
+
+// FNV-1a: a fixed, portable function, so digests agree across machines and builds.
+constexpr std::uint64_t kFnvOffset = 0xcbf29ce484222325ULL;
+constexpr std::uint64_t kFnvPrime = 0x100000001b3ULL;
+
+void fnv_mix(std::uint64_t& hash, std::string_view bytes) {
+  for (unsigned char c : bytes) {
+    hash ^= c;
+    hash *= kFnvPrime;
+  }
+}
+
+void fnv_mix(std::uint64_t& hash, std::uint64_t value) {
+  for (int i = 0; i < 8; ++i) {
+    hash ^= (value >> (8 * i)) & 0xff;
+    hash *= kFnvPrime;
+  }
+}
+
+}  // namespace
+
+ShardLayout::ShardLayout(std::vector<TensorSpec> tensors) : tensors_(std::move(tensors)) {
+  digest_ = kFnvOffset;
+  for (const TensorSpec& tensor : tensors_) {
+    fnv_mix(digest_, tensor.name.size());
+    fnv_mix(digest_, tensor.name);
+    fnv_mix(digest_, static_cast<std::uint64_t>(tensor.dtype));
+    fnv_mix(digest_, tensor.bytes);
+    total_bytes_ += tensor.bytes;
+  }
+}
+
+Result<LayoutRef> ShardLayout::make(std::vector<TensorSpec> tensors) {
+  if (tensors.empty()) return make_error(Errc::kInvalidArgument, "a shard layout needs a tensor");
+  if (tensors.size() > limits::kTensorsPerShardMax) {
+    return make_error(Errc::kLimitExceeded, "more than " +
+                                                std::to_string(limits::kTensorsPerShardMax) +
+                                                " tensors in one shard");
+  }
+  std::uint64_t total_bytes = 0;
+  for (const TensorSpec& tensor : tensors) {
+    if (tensor.name.empty() || tensor.name.size() > limits::kNameBytesMax) {
+      return make_error(Errc::kInvalidArgument, "tensor names must have 1 to " +
+                                                    std::to_string(limits::kNameBytesMax) +
+                                                    " bytes");
+    }
+    if (static_cast<int>(tensor.dtype) >= kDTypeCount) {
+      return make_error(Errc::kInvalidArgument, "tensor '" + tensor.name + "' has no valid dtype");
+    }
+    if (tensor.bytes > std::numeric_limits<std::uint64_t>::max() - total_bytes) {
+      return make_error(Errc::kInvalidArgument, "shard size overflows 64 bits");
+    }
+    total_bytes += tensor.bytes;
+  }
+  return LayoutRef(new ShardLayout(std::move(tensors)));
+}
+
+std::optional<std::string> ShardLayout::mismatch(const ShardLayout& other) const {
+  if (digest_ == other.digest_ && tensors_ == other.tensors_) return std::nullopt;
+  if (tensors_.size() != other.tensors_.size()) {
+    return "expected " + std::to_string(tensors_.size()) + " tensors, got " +
+           std::to_string(other.tensors_.size());
+  }
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorSpec& want = tensors_[i];
+    const TensorSpec& got = other.tensors_[i];
+    if (want == got) continue;
+    return "tensor " + std::to_string(i) + ": expected " + want.name + " " +
+           std::string(dtype_name(want.dtype)) + " " + std::to_string(want.bytes) + " bytes, got " +
+           got.name + " " + std::string(dtype_name(got.dtype)) + " " + std::to_string(got.bytes) +
+           " bytes";
+  }
+  TH_ASSERT(false, "layouts differ but no tensor does");
+}
+
+// ---- Settings ---------------------------------------------------------------------------------------
+
+Status validate(const HubSettings& settings) {
+  if (settings.heartbeat_timeout_ms <= 0 || settings.heartbeat_timeout_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "heartbeat timeout must be in (0, 1 day] ms");
+  }
+  if (settings.barrier_timeout_ms <= 0 || settings.barrier_timeout_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "barrier timeout must be in (0, 1 day] ms");
+  }
+  if (settings.fanout_max == 0) {
+    return make_error(Errc::kInvalidArgument, "fan-out limit must be at least 1");
+  }
+  return Unit{};
+}
+
+}  // namespace th

@@ -1,0 +1,115 @@
+// Value types shared by every layer: identifiers, version selectors, tensor layouts, retention rules.
+#pragma once
+
+#include <bitset>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/limits.h"
+#include "core/result.h"
+
+namespace th {
+
+// A client is one shard handle, named by the shell (a connection may carry several handles).
+using ClientId = std::uint64_t;
+using Version = std::uint64_t;
+using TransferId = std::uint64_t;
+// Milliseconds on the clock of whoever drives the state machine (virtual in the simulator).
+using TimeMs = std::int64_t;
+
+// One bit per shard of a replica.
+using ShardSet = std::bitset<limits::kShardsMax>;
+
+// ---- Version selectors: `N`, `latest`, `latest-k` -------------------------------------------------
+
+struct Selector {
+  enum class Kind : std::uint8_t { kAbsolute, kLatest };
+  Kind kind = Kind::kLatest;
+  std::uint64_t value = 0;  // the version (kAbsolute) or k (kLatest: latest minus k)
+
+  static Selector absolute(Version version) { return {Kind::kAbsolute, version}; }
+  static Selector latest(std::uint64_t minus = 0) { return {Kind::kLatest, minus}; }
+
+  friend bool operator==(const Selector&, const Selector&) = default;
+};
+
+// Parses "42", "latest", "latest-3". Anything else (spaces, signs, "latest-", overflow) is kBadSelector.
+Result<Selector> parse_selector(std::string_view text);
+std::string format_selector(const Selector& selector);
+
+// ---- Tensor layouts ---------------------------------------------------------------------------------
+
+enum class DType : std::uint8_t {
+  kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kFloat8E5M2, kFloat64,
+  kInt8, kUInt8, kInt16, kInt32, kInt64, kBool,
+};
+inline constexpr int kDTypeCount = 12;
+std::string_view dtype_name(DType dtype);
+std::optional<DType> parse_dtype(std::string_view name);
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::uint64_t bytes = 0;
+
+  friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
+};
+
+// The ordered tensors one shard registers. Immutable once made, shared by reference; `digest` makes
+// the common comparison (equal layouts) one integer compare.
+class ShardLayout {
+ public:
+  static Result<std::shared_ptr<const ShardLayout>> make(std::vector<TensorSpec> tensors);
+
+  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  std::uint64_t digest() const { return digest_; }
+  std::uint64_t total_bytes() const { return total_bytes_; }
+
+  // Why `other` is not compatible with this layout, or nothing when it is.
+  std::optional<std::string> mismatch(const ShardLayout& other) const;
+
+ private:
+  explicit ShardLayout(std::vector<TensorSpec> tensors);
+  std::vector<TensorSpec> tensors_;
+  std::uint64_t digest_ = 0;
+  std::uint64_t total_bytes_ = 0;
+};
+using LayoutRef = std::shared_ptr<const ShardLayout>;
+
+// One checksum per tensor of a shard, in layout order (computed by the publishing client).
+using Checksums = std::vector<std::uint64_t>;
+using ChecksumsRef = std::shared_ptr<const Checksums>;
+
+// ---- Retention --------------------------------------------------------------------------------------
+
+// What one open asks the hub to keep available. The hub keeps the union of the rules of every open
+// shard of a model. `keep_latest = k` keeps versions latest-k … latest (so `latest-k` stays readable).
+struct Retention {
+  std::optional<std::uint64_t> keep_latest;
+  std::vector<Version> pinned;
+
+  friend bool operator==(const Retention&, const Retention&) = default;
+};
+
+// ---- Hub settings -----------------------------------------------------------------------------------
+
+struct HubSettings {
+  TimeMs heartbeat_timeout_ms = 10'000;
+  // How long a re-opened replica (after a server failover) waits for all of its shards.
+  TimeMs barrier_timeout_ms = 30'000;
+  // Pipeline replication: a replica still receiving a version already serves it to others.
+  bool pipeline = true;
+  // Transfers one source copy serves at a time. Under pipeline replication the paper uses 1.
+  std::uint32_t fanout_max = 1;
+  // `update` answers "not yet" while a datacenter's only copies hang off a cross-datacenter seeder.
+  bool smart_skipping = true;
+};
+
+// Checks settings before a hub is built from them.
+Status validate(const HubSettings& settings);
+
+}  // namespace th

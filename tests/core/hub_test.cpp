@@ -1,0 +1,915 @@
+// Unit tests of the Hub: each operation, each typed error, each mechanism of paper §3–§4.5. Every
+// step also runs Hub::check_invariants and the Observer (see testkit/driver.h).
+#include <gtest/gtest.h>
+
+#include "tests/core/testkit/driver.h"
+
+namespace th::test {
+namespace {
+
+ReplicaSpec trainer(std::string name, std::uint32_t shards = 2) {
+  ReplicaSpec spec;
+  spec.name = std::move(name);
+  spec.num_shards = shards;
+  spec.role = "trainer";
+  return spec;
+}
+
+ReplicaSpec rollout(std::string name, std::uint32_t shards = 2, std::string datacenter = "dc0") {
+  ReplicaSpec spec;
+  spec.name = std::move(name);
+  spec.num_shards = shards;
+  spec.datacenter = std::move(datacenter);
+  return spec;
+}
+
+ReplicateRequest replicate(Selector selector, std::uint32_t shard, TimeMs timeout_ms = 0) {
+  return ReplicateRequest{selector, layout_for(shard), timeout_ms};
+}
+
+// Every shard calls replicate(selector).
+void start_replicate(Driver& driver, const std::vector<ClientId>& shards, Selector selector) {
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    driver.call(shards[shard], replicate(selector, shard));
+  }
+}
+
+void start_update(Driver& driver, const std::vector<ClientId>& shards, Selector selector) {
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    driver.call(shards[shard], UpdateRequest{selector, layout_for(shard)});
+  }
+}
+
+// The source the hub told the reader's shard to read from.
+std::optional<StartRead> read_of(Driver& driver, ClientId client) {
+  const auto& reads = driver.inbox(client).reads;
+  if (reads.empty()) return std::nullopt;
+  return reads.rbegin()->second;
+}
+
+std::string expect_error(const std::optional<Outcome>& outcome, Errc code) {
+  if (!outcome) return "no reply";
+  if (!is_error(*outcome, code)) return "got " + describe(*outcome);
+  return {};
+}
+
+// ---- open -----------------------------------------------------------------------------------------
+
+TEST(HubOpen, RejectsMalformedRequests) {
+  Driver driver;
+  auto rejected = [&](OpenRequest request, Errc code) {
+    const ClientId client = driver.new_client();
+    driver.open(client, request);
+    auto reply = driver.take_reply(client);
+    EXPECT_TRUE(reply && is_error(reply->outcome, code))
+        << (reply ? describe(reply->outcome) : "no reply");
+  };
+  OpenRequest request = driver.open_request(rollout("r"), 0);
+  request.shard = 2;
+  rejected(request, Errc::kInvalidArgument);
+  request = driver.open_request(rollout("r"), 0);
+  request.model.clear();
+  rejected(request, Errc::kInvalidArgument);
+  request = driver.open_request(rollout("r"), 0);
+  request.num_shards = 0;
+  rejected(request, Errc::kInvalidArgument);
+  request = driver.open_request(rollout("r"), 0);
+  request.retention.keep_latest = 1000;
+  rejected(request, Errc::kLimitExceeded);
+  EXPECT_EQ(driver.hub().client_count(), 0u);
+}
+
+TEST(HubOpen, TypedErrorsForConflictingOpens) {
+  Driver driver;
+  const auto shards = driver.open_replica(rollout("r"));
+  // The same handle again, another num_shards for the model, another datacenter for the replica,
+  // a shard that is already open, an older incarnation.
+  auto rejected = [&](ClientId client, const OpenRequest& request, Errc code) {
+    driver.open(client, request, 5);
+    auto reply = driver.take_reply(client);
+    EXPECT_TRUE(reply && is_error(reply->outcome, code))
+        << errc_name(code) << ": " << (reply ? describe(reply->outcome) : "no reply");
+  };
+  rejected(shards[0], driver.open_request(rollout("other"), 0), Errc::kAlreadyOpen);
+  rejected(driver.new_client(), driver.open_request(rollout("x", 3), 0), Errc::kOpenMismatch);
+  rejected(driver.new_client(), driver.open_request(rollout("r", 2, "dc9"), 0), Errc::kOpenMismatch);
+  rejected(driver.new_client(), driver.open_request(rollout("r"), 1), Errc::kShardAlreadyOpen);
+  ReplicaSpec old = rollout("r");
+  old.incarnation = 0;
+  rejected(driver.new_client(), driver.open_request(old, 0), Errc::kStaleIncarnation);
+  EXPECT_EQ(driver.hub().client_count(), 2u);
+}
+
+TEST(HubOpen, NewIncarnationReplacesTheOldReplica) {
+  Driver driver;
+  const auto old_shards = driver.open_replica(trainer("t"));
+  driver.publish(old_shards, 1);
+  ReplicaSpec restarted = trainer("t");
+  restarted.incarnation = 2;
+  const auto new_shards = driver.open_replica(restarted);
+  for (ClientId client : old_shards) {
+    ASSERT_EQ(driver.inbox(client).evictions.size(), 1u);
+    EXPECT_EQ(driver.inbox(client).evictions[0].reason, Errc::kReplicaEvicted);
+  }
+  // The restarted replica holds nothing: its copy of version 1 went with the old incarnation.
+  driver.call_all(new_shards, UnpublishRequest{});
+  EXPECT_EQ(expect_error(driver.replies(new_shards), Errc::kNotPublished), "");
+}
+
+// ---- publish / unpublish --------------------------------------------------------------------------
+
+TEST(HubPublish, VisibleOnlyWhenEveryShardPublished) {
+  Driver driver;
+  const auto shards = driver.open_replica(trainer("t", 3));
+  driver.call(shards[0], PublishRequest{7, layout_for(0), checksums_for(7, 0)});
+  driver.call(shards[1], PublishRequest{7, layout_for(1), checksums_for(7, 1)});
+  EXPECT_FALSE(driver.has_reply(shards[0]));
+  EXPECT_FALSE(driver.hub().latest("m").has_value());
+  driver.call(shards[2], PublishRequest{7, layout_for(2), checksums_for(7, 2)});
+  EXPECT_TRUE(is<PublishOk>(driver.replies(shards)));
+  EXPECT_EQ(driver.hub().latest("m"), 7u);
+}
+
+TEST(HubPublish, TypedErrors) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto u = driver.open_replica(trainer("u"));
+  driver.publish(t, 5);
+  // Publishing while holding a version.
+  driver.call(t[0], PublishRequest{6, layout_for(0), checksums_for(6, 0)});
+  driver.call(t[1], PublishRequest{6, layout_for(1), checksums_for(6, 1)});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kAlreadyHolding), "");
+  // Another replica may publish the same version (data-parallel trainers)…
+  driver.publish(u, 5);
+  // …but not with other bytes.
+  driver.call_all(u, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(u)));
+  driver.call(u[0], PublishRequest{5, layout_for(0), checksums_for(99, 0)});
+  driver.call(u[1], PublishRequest{5, layout_for(1), checksums_for(5, 1)});
+  EXPECT_EQ(expect_error(driver.replies(u), Errc::kChecksumConflict), "");
+  // Nor a layout the model does not have.
+  driver.call(u[0], PublishRequest{6, layout_for(0, 8192), checksums_for(6, 0)});
+  driver.call(u[1], PublishRequest{6, layout_for(1), checksums_for(6, 1)});
+  EXPECT_EQ(expect_error(driver.replies(u), Errc::kLayoutMismatch), "");
+  // An old version the model no longer knows.
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.call(t[0], PublishRequest{3, layout_for(0), checksums_for(3, 0)});
+  driver.call(t[1], PublishRequest{3, layout_for(1), checksums_for(3, 1)});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kStaleVersion), "");
+  // Unpublishing what is not published.
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kNotPublished), "");
+  EXPECT_EQ(driver.hub().latest("m"), 5u);
+}
+
+TEST(HubPublish, ChecksumCountMustMatchTensors) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  driver.call(t[0], PublishRequest{1, layout_for(0),
+                                   std::make_shared<const Checksums>(Checksums{1, 2, 3})});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kInvalidArgument), "");
+}
+
+TEST(HubUnpublish, WaitsUntilInFlightReadsDrain) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  driver.publish(t, 1);
+  start_replicate(driver, r, Selector::latest());
+  ASSERT_TRUE(read_of(driver, r[0]));
+  EXPECT_EQ(driver.inbox(t[0]).grants.size(), 1u);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_FALSE(driver.has_reply(t[0])) << "unpublish must wait for the reader";
+  // The unpublished copy is not offered to new readers meanwhile.
+  const auto late = driver.open_replica(rollout("late"));
+  start_replicate(driver, late, Selector::latest());
+  EXPECT_EQ(read_of(driver, late[0])->source.replica, "r");
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  EXPECT_TRUE(driver.inbox(t[0]).grants.empty());
+}
+
+// ---- replicate ------------------------------------------------------------------------------------
+
+TEST(HubReplicate, BlocksUntilTheVersionExistsThenCopiesIt) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  EXPECT_FALSE(read_of(driver, r[0]));
+  driver.publish(t, 4);
+  const auto read = read_of(driver, r[1]);
+  ASSERT_TRUE(read);
+  EXPECT_EQ(read->version, 4u);
+  EXPECT_EQ(read->shard, 1u);
+  EXPECT_EQ(read->source.replica, "t");
+  EXPECT_EQ(read->source.endpoint, "tcp://t/1");
+  EXPECT_FALSE(read->source.partial);
+  EXPECT_EQ(*read->checksums, *checksums_for(4, 1));
+  driver.finish_reads({r[0]});
+  EXPECT_FALSE(driver.has_reply(r[0])) << "replicate answers when every shard has its bytes";
+  driver.finish_reads({r[1]});
+  const auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<ReplicateOk>(outcome));
+  EXPECT_EQ(std::get<ReplicateOk>(*outcome).version, 4u);
+  EXPECT_EQ(std::get<ReplicateOk>(*outcome).source_replica, "t");
+}
+
+TEST(HubReplicate, SelectorsResolveAgainstLatest) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  for (Version version : {1, 2, 3}) {
+    driver.publish(t, version);
+    if (version < 3) {
+      driver.call_all(t, UnpublishRequest{});
+      EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+    }
+  }
+  const auto r = driver.open_replica(rollout("r"));
+  // latest-5 reaches below version 0; version 1 has no copy left; latest-0 == latest.
+  start_replicate(driver, r, Selector::latest(5));
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionNotFound), "");
+  start_replicate(driver, r, Selector::absolute(1));
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
+  start_replicate(driver, r, Selector::latest(0));
+  EXPECT_EQ(read_of(driver, r[0])->version, 3u);
+}
+
+TEST(HubReplicate, SkippedVersionIsNotFoundOnceLatestPassesIt) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::absolute(2));
+  driver.publish(t, 1);
+  EXPECT_FALSE(driver.has_reply(r[0]));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 3);
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionNotFound), "");
+}
+
+TEST(HubReplicate, LayoutMismatchIsATypedError) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  driver.call(r[0], ReplicateRequest{Selector::latest(), layout_for(0, 1024), 0});
+  driver.call(r[1], replicate(Selector::latest(), 1));
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kLayoutMismatch), "");
+  EXPECT_TRUE(driver.inbox(t[0]).grants.empty()) << "nothing is transferred";
+}
+
+TEST(HubReplicate, TimeoutIsATypedError) {
+  Driver driver;
+  const auto r = driver.open_replica(rollout("r"));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    driver.call(r[shard], replicate(Selector::latest(), shard, 500));
+  }
+  driver.advance(400);
+  EXPECT_FALSE(driver.has_reply(r[0]));
+  driver.advance(200);
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kTimeout), "");
+}
+
+TEST(HubReplicate, WhileHoldingIsATypedError) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  start_replicate(driver, t, Selector::latest());
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kAlreadyHolding), "");
+}
+
+// ---- pipeline, load balancing, topology -----------------------------------------------------------
+
+TEST(HubPipeline, ReadersChainFromPartialSources) {
+  Driver driver;  // pipeline on, fan-out 1
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  std::vector<std::vector<ClientId>> readers;
+  for (int i = 0; i < 4; ++i) {
+    readers.push_back(driver.open_replica(rollout("r" + std::to_string(i))));
+    start_replicate(driver, readers.back(), Selector::latest());
+  }
+  // t -> r0 -> r1 -> r2 -> r3, each a partial source for the next.
+  EXPECT_EQ(read_of(driver, readers[0][0])->source.replica, "t");
+  EXPECT_FALSE(read_of(driver, readers[0][0])->source.partial);
+  for (int i = 1; i < 4; ++i) {
+    const auto read = read_of(driver, readers[i][0]);
+    EXPECT_EQ(read->source.replica, "r" + std::to_string(i - 1));
+    EXPECT_TRUE(read->source.partial);
+  }
+  // They finish in any order.
+  for (int i = 3; i >= 0; --i) {
+    driver.finish_reads(readers[i]);
+    EXPECT_TRUE(is<ReplicateOk>(driver.replies(readers[i])));
+  }
+}
+
+TEST(HubPipeline, WithoutPipelineOnlyCompleteCopiesServeUpToTheFanOut) {
+  HubSettings settings;
+  settings.pipeline = false;
+  settings.fanout_max = 2;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  std::vector<std::vector<ClientId>> readers;
+  for (int i = 0; i < 3; ++i) {
+    readers.push_back(driver.open_replica(rollout("r" + std::to_string(i))));
+    start_replicate(driver, readers.back(), Selector::latest());
+  }
+  EXPECT_EQ(read_of(driver, readers[0][0])->source.replica, "t");
+  EXPECT_EQ(read_of(driver, readers[1][0])->source.replica, "t");
+  EXPECT_FALSE(read_of(driver, readers[2][0])) << "the third reader waits for a free source";
+  driver.finish_reads(readers[0]);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(readers[0])));
+  // r0 is now complete and least loaded.
+  EXPECT_EQ(read_of(driver, readers[2][0])->source.replica, "r0");
+}
+
+TEST(HubTopology, PrefersTheReadersDatacenterAndSeedsOncePerDatacenter) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));  // dc0
+  driver.publish(t, 1);
+  const auto far1 = driver.open_replica(rollout("far1", 2, "dc1"));
+  start_replicate(driver, far1, Selector::latest());
+  EXPECT_EQ(read_of(driver, far1[0])->source.replica, "t");
+  EXPECT_EQ(read_of(driver, far1[0])->source.datacenter, "dc0");
+  // The second reader in dc1 reads from the seeding replica, not across datacenters.
+  const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
+  start_replicate(driver, far2, Selector::latest());
+  EXPECT_EQ(read_of(driver, far2[0])->source.replica, "far1");
+  // A reader in dc0 reads from dc0 even though far1/far2 are idle in dc1.
+  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
+  driver.finish_reads(far1);
+  driver.finish_reads(far2);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(far1)));
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(far2)));
+  start_replicate(driver, near, Selector::latest());
+  EXPECT_EQ(read_of(driver, near[0])->source.replica, "t");
+}
+
+TEST(HubTopology, WithoutPipelineASecondReaderWaitsForTheSeederInsteadOfSeedingAgain) {
+  HubSettings settings;
+  settings.pipeline = false;
+  settings.fanout_max = 4;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto far1 = driver.open_replica(rollout("far1", 2, "dc1"));
+  const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
+  start_replicate(driver, far1, Selector::latest());
+  start_replicate(driver, far2, Selector::latest());
+  EXPECT_EQ(read_of(driver, far1[0])->source.replica, "t");
+  EXPECT_FALSE(read_of(driver, far2[0])) << "far2 must not pull across datacenters a second time";
+  driver.finish_reads(far1);
+  EXPECT_EQ(read_of(driver, far2[0])->source.replica, "far1");
+}
+
+TEST(HubTopology, SmartSkippingAnswersNotYetWhileTheSeederFetches) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto seeder = driver.open_replica(rollout("seeder", 2, "dc1"));
+  const auto poller = driver.open_replica(rollout("poller", 2, "dc1"));
+  driver.publish(t, 1);
+  start_replicate(driver, poller, Selector::latest());
+  driver.finish_reads(poller);  // poller holds version 1 (it seeded it)
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(poller)));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 2);
+  start_replicate(driver, seeder, Selector::latest());  // seeds version 2 into dc1
+  EXPECT_EQ(read_of(driver, seeder[0])->source.datacenter, "dc0");
+  start_update(driver, poller, Selector::latest());
+  auto outcome = driver.replies(poller);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNotYet);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 1u);
+  driver.finish_reads(seeder);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(seeder)));
+  start_update(driver, poller, Selector::latest());
+  EXPECT_EQ(read_of(driver, poller[0])->source.replica, "seeder");
+}
+
+TEST(HubTopology, SmartSkippingCanBeSwitchedOff) {
+  HubSettings settings;
+  settings.smart_skipping = false;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  const auto seeder = driver.open_replica(rollout("seeder", 2, "dc1"));
+  const auto poller = driver.open_replica(rollout("poller", 2, "dc1"));
+  driver.publish(t, 1);
+  start_replicate(driver, seeder, Selector::latest());
+  start_update(driver, poller, Selector::latest());
+  EXPECT_EQ(read_of(driver, poller[0])->source.replica, "seeder");
+}
+
+// ---- update ---------------------------------------------------------------------------------------
+
+TEST(HubUpdate, NoNewerVersionAtOnceOtherwiseDrainAndReplicate) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  start_update(driver, r, Selector::latest());
+  auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNoNewerVersion);
+
+  driver.publish(t, 1);
+  start_update(driver, r, Selector::latest());  // holds nothing: like replicate
+  driver.finish_reads(r);
+  outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kUpdated);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 1u);
+
+  start_update(driver, r, Selector::latest());
+  outcome = driver.replies(r);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNoNewerVersion);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 1u);
+
+  // r serves version 1 to a newcomer while version 2 appears: r's update waits for that reader.
+  const auto newcomer = driver.open_replica(rollout("newcomer"));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  start_replicate(driver, newcomer, Selector::absolute(1));
+  EXPECT_EQ(read_of(driver, newcomer[0])->source.replica, "r");
+  driver.publish(t, 2);
+  start_update(driver, r, Selector::latest());
+  EXPECT_TRUE(driver.inbox(r[0]).reads.empty()) << "r's buffers still serve version 1";
+  driver.finish_reads(newcomer);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(newcomer)));
+  EXPECT_EQ(read_of(driver, r[0])->version, 2u);
+  driver.finish_reads(r);
+  outcome = driver.replies(r);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kUpdated);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 2u);
+}
+
+// ---- retention ------------------------------------------------------------------------------------
+
+TEST(HubRetention, LastCopyIsOffloadedBeforeUnpublishReturns) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_FALSE(driver.has_reply(t[0]));
+  ASSERT_EQ(driver.inbox(t[0]).offloads, std::vector<Version>{1});
+  ASSERT_EQ(driver.inbox(t[1]).offloads, std::vector<Version>{1});
+  driver.finish_offloads({t[0]});
+  EXPECT_FALSE(driver.has_reply(t[0])) << "every shard must have offloaded";
+  driver.finish_offloads({t[1]});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  EXPECT_TRUE(driver.hub().retained("m", 1));
+
+  // A reader gets version 1 from the offload copy; once it holds it, the offload is released.
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  const auto read = read_of(driver, r[0]);
+  EXPECT_EQ(read->source.replica, "t");
+  EXPECT_EQ(read->source.kind, CopyKind::kOffload);
+  EXPECT_TRUE(driver.inbox(t[0]).releases.empty());
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1});
+  EXPECT_EQ(driver.inbox(t[1]).releases, std::vector<Version>{1});
+}
+
+TEST(HubRetention, SpotCopiesDoNotCount) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  ReplicaSpec spot = rollout("spot");
+  spot.spot = true;
+  const auto s = driver.open_replica(spot);
+  driver.publish(t, 1);
+  start_replicate(driver, s, Selector::latest());
+  driver.finish_reads(s);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(s)));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_EQ(driver.inbox(t[0]).offloads, std::vector<Version>{1});
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+}
+
+TEST(HubRetention, NoOffloadWhenAnotherNonSpotReplicaHoldsTheVersion) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 2;
+  const auto t = driver.open_replica(spec);
+  const auto r = driver.open_replica(rollout("r"));
+  driver.publish(t, 1);
+  start_replicate(driver, r, Selector::latest());
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  EXPECT_TRUE(driver.inbox(t[0]).offloads.empty());
+}
+
+TEST(HubRetention, OffloadIsReleasedWhenTheVersionLeavesRetention) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 1;  // keeps latest and latest-1
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 2);
+  EXPECT_TRUE(driver.inbox(t[0]).releases.empty()) << "version 1 is latest-1: still retained";
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 3);
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1});
+  EXPECT_FALSE(driver.hub().retained("m", 1));
+  EXPECT_TRUE(driver.hub().retained("m", 2));
+}
+
+TEST(HubRetention, PinnedVersionsAreKept) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.pinned = {1};
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 2);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t))) << "version 2 is not retained: no offload";
+  EXPECT_TRUE(driver.hub().retained("m", 1));
+}
+
+TEST(HubRetention, LastHolderCrashGivesVersionUnavailableNotAHang) {
+  HubSettings settings;
+  settings.heartbeat_timeout_ms = 1000;
+  Driver driver(settings);
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  ASSERT_TRUE(read_of(driver, r[0]));
+  const auto waiter = driver.open_replica(trainer("waiter"));
+  driver.call_all(waiter, WaitRequest{{WaitPredicate::Kind::kReplicasHold, 1, 3, {}}, 0});
+  // The trainer crashes mid-transfer: it stops heartbeating.
+  driver.advance(800, {t[0], t[1]});
+  driver.advance(800, {t[0], t[1]});
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
+  EXPECT_EQ(expect_error(driver.replies(waiter), Errc::kVersionUnavailable), "");
+  start_replicate(driver, r, Selector::latest());
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
+}
+
+// ---- failures -------------------------------------------------------------------------------------
+
+TEST(HubFailures, FailedSourceIsReplacedForTheSameTransfer) {
+  Driver driver;
+  const auto t1 = driver.open_replica(trainer("t1"));
+  const auto t2 = driver.open_replica(trainer("t2"));
+  driver.publish(t1, 1);
+  driver.publish(t2, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  const auto first = *read_of(driver, r[0]);
+  EXPECT_EQ(first.source.replica, "t1");
+  driver.finish_reads({r[1]});  // shard 1 finished before the source failed
+  driver.report(r[0], TransferFailed{first.transfer, first.epoch, ReadFailure::kSourceUnreachable});
+  const auto second = *read_of(driver, r[0]);
+  EXPECT_EQ(second.transfer, first.transfer);
+  EXPECT_EQ(second.epoch, first.epoch + 1);
+  EXPECT_EQ(second.source.replica, "t2");
+  EXPECT_TRUE(driver.inbox(t1[0]).grants.empty());
+  EXPECT_TRUE(driver.inbox(r[1]).reads.empty()) << "a finished shard is not sent again";
+  // A stale report about the old source changes nothing but re-sends where to read.
+  driver.report(r[0], TransferFailed{first.transfer, first.epoch, ReadFailure::kSourceUnreachable});
+  EXPECT_EQ(read_of(driver, r[0])->source.replica, "t2");
+  driver.finish_reads({r[0]});
+  const auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<ReplicateOk>(outcome));
+  EXPECT_EQ(std::get<ReplicateOk>(*outcome).source_replica, "t2");
+  // t1 is never chosen again.
+  const auto r2 = driver.open_replica(rollout("r2"));
+  start_replicate(driver, r2, Selector::latest());
+  EXPECT_NE(read_of(driver, r2[0])->source.replica, "t1");
+}
+
+TEST(HubFailures, EvictedReaderReleasesItsSource) {
+  HubSettings settings;
+  settings.heartbeat_timeout_ms = 1000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_FALSE(driver.has_reply(t[0]));
+  driver.advance(1500, {r[0], r[1]});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t))) << "the crashed reader no longer holds t";
+  EXPECT_EQ(driver.inbox(r[0]).evictions.size(), 1u);
+}
+
+TEST(HubFailures, PipelineReaderWhoseSourceCrashesReadsElsewhere) {
+  HubSettings settings;
+  settings.heartbeat_timeout_ms = 1000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto a = driver.open_replica(rollout("a"));
+  const auto b = driver.open_replica(rollout("b"));
+  start_replicate(driver, a, Selector::latest());
+  start_replicate(driver, b, Selector::latest());
+  EXPECT_EQ(read_of(driver, b[0])->source.replica, "a");
+  driver.advance(1500, {a[0], a[1]});  // a crashes mid-transfer (paper Figure 7(c))
+  EXPECT_EQ(read_of(driver, b[0])->source.replica, "t");
+  EXPECT_EQ(read_of(driver, b[0])->epoch, 2u);
+  driver.finish_reads(b);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
+}
+
+TEST(HubFailures, ConnectionLossEvictsTheWholeReplica) {
+  Driver driver;
+  const auto r = driver.open_replica(rollout("r", 3));
+  driver.lose_connection(r[1]);
+  EXPECT_EQ(driver.inbox(r[0]).evictions.size(), 1u);
+  EXPECT_EQ(driver.inbox(r[2]).evictions.size(), 1u);
+  EXPECT_EQ(driver.hub().client_count(), 0u);
+  driver.call(r[0], ListRequest{});
+  EXPECT_EQ(expect_error(driver.replies({r[0]}), Errc::kUnknownClient), "");
+  driver.report(r[0], Heartbeat{});
+  EXPECT_EQ(driver.inbox(r[0]).evictions.size(), 2u) << "a heartbeat from the past is told to re-open";
+}
+
+// ---- replica transactions -------------------------------------------------------------------------
+
+TEST(HubTransactions, ShardsGetTheAnswerTheFirstShardGot) {
+  // Paper Figure 6: shard 0 of r sees version 1 as latest, version 2 appears, then shard 1 asks.
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto u = driver.open_replica(trainer("u"));
+  const auto r = driver.open_replica(rollout("r"));
+  driver.publish(t, 1);
+  driver.call(r[0], UpdateRequest{Selector::latest(), layout_for(0)});
+  driver.publish(u, 2);
+  driver.call(r[1], UpdateRequest{Selector::latest(), layout_for(1)});
+  EXPECT_EQ(read_of(driver, r[0])->version, 1u);
+  EXPECT_EQ(read_of(driver, r[1])->version, 1u);
+  driver.finish_reads(r);
+  const auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 1u);
+}
+
+TEST(HubTransactions, ListIsTheSameForEveryShard) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  driver.call(r[0], ListRequest{});
+  driver.publish(t, 1);
+  driver.call(r[1], ListRequest{});
+  const auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<ListOk>(outcome));
+  EXPECT_FALSE(std::get<ListOk>(*outcome).snapshot->latest.has_value());
+}
+
+TEST(HubTransactions, DivergentCallsAreAnErrorForEveryShard) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 3));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r", 3));
+  driver.call(r[0], replicate(Selector::latest(), 0));
+  driver.call(r[1], replicate(Selector::latest(), 1));
+  driver.call(r[2], UpdateRequest{Selector::latest(), layout_for(2)});
+  for (ClientId client : r) {
+    auto reply = driver.take_reply(client);
+    ASSERT_TRUE(reply) << "shard " << client;
+    EXPECT_TRUE(is_error(reply->outcome, Errc::kDivergentCall)) << describe(reply->outcome);
+    EXPECT_EQ(driver.inbox(client).evictions.size(), 1u);
+  }
+  EXPECT_EQ(driver.hub().snapshot("m")->replicas.size(), 1u);
+}
+
+TEST(HubTransactions, RetransmissionsAreAnsweredOnceAndGapsAreErrors) {
+  Driver driver;
+  const auto r = driver.open_replica(rollout("r", 1));
+  const std::uint64_t seq = driver.call(r[0], ListRequest{});
+  ASSERT_TRUE(driver.take_reply(r[0]));
+  driver.step(Request{r[0], seq, ListRequest{}});  // the same call again
+  auto again = driver.take_reply(r[0]);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->seq, seq);
+  driver.step(Request{r[0], seq + 5, ListRequest{}});
+  auto gap = driver.take_reply(r[0]);
+  ASSERT_TRUE(gap);
+  EXPECT_TRUE(is_error(gap->outcome, Errc::kSequenceGap));
+}
+
+// ---- wait, list, close ----------------------------------------------------------------------------
+
+TEST(HubWait, PredicatesBlockUntilTheyHold) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  const auto r1 = driver.open_replica(rollout("r1", 1));
+  const auto r2 = driver.open_replica(rollout("r2", 1));
+  driver.call_all(t, WaitRequest{{WaitPredicate::Kind::kVersionAtLeast, 1, 1, {}}, 0});
+  EXPECT_FALSE(driver.has_reply(t[0]));
+  driver.call_all(r1, WaitRequest{{WaitPredicate::Kind::kVersionAtLeast, 1, 1, {}}, 0});
+  // Publishing needs t's call slot, so another trainer publishes.
+  const auto p = driver.open_replica(trainer("p", 1));
+  driver.publish(p, 1);
+  EXPECT_TRUE(is<WaitOk>(driver.replies(t)));
+  EXPECT_TRUE(is<WaitOk>(driver.replies(r1)));
+  // The trainer waits for every rollout to hold version >= 1.
+  driver.call_all(t, WaitRequest{{WaitPredicate::Kind::kRoleHolds, 1, 1, "rollout"}, 0});
+  for (const auto* rollout_shards : {&r1, &r2}) {
+    EXPECT_FALSE(driver.has_reply(t[0]));
+    driver.call((*rollout_shards)[0], replicate(Selector::latest(), 0));
+    driver.finish_reads(*rollout_shards);
+    EXPECT_TRUE(is<ReplicateOk>(driver.replies(*rollout_shards)));
+  }
+  EXPECT_TRUE(is<WaitOk>(driver.replies(t)));
+  driver.call_all(t, WaitRequest{{WaitPredicate::Kind::kReplicasHold, 1, 3, {}}, 0});
+  EXPECT_TRUE(is<WaitOk>(driver.replies(t)));
+  driver.call_all(t, WaitRequest{{WaitPredicate::Kind::kReplicasHold, 1, 4, {}}, 100});
+  driver.advance(150);
+  EXPECT_TRUE(is_error(*driver.replies(t), Errc::kTimeout));
+}
+
+TEST(HubList, DescribesVersionsAndReplicas) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t", 1);
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 3);
+  const auto r = driver.open_replica(rollout("r", 1, "dc1"));
+  driver.call(r[0], replicate(Selector::latest(), 0));
+  driver.call(t[0], ListRequest{});
+  const auto outcome = driver.replies(t);
+  ASSERT_TRUE(is<ListOk>(outcome));
+  const ListSnapshot& snapshot = *std::get<ListOk>(*outcome).snapshot;
+  EXPECT_EQ(snapshot.latest, 3u);
+  ASSERT_EQ(snapshot.versions.size(), 1u);
+  EXPECT_EQ(snapshot.versions[0].complete, 1u);
+  EXPECT_EQ(snapshot.versions[0].partial, 1u);
+  EXPECT_TRUE(snapshot.versions[0].retained);
+  ASSERT_EQ(snapshot.replicas.size(), 2u);
+  EXPECT_EQ(snapshot.replicas[0].name, "r");
+  EXPECT_EQ(snapshot.replicas[0].state, "receiving");
+  EXPECT_EQ(snapshot.replicas[0].datacenter, "dc1");
+  EXPECT_EQ(snapshot.replicas[1].serving, 1u);
+}
+
+TEST(HubClose, DrainsThenForgetsTheReplica) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  driver.call_all(t, CloseRequest{});
+  EXPECT_FALSE(driver.has_reply(t[0]));
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
+  EXPECT_EQ(driver.hub().snapshot("m")->replicas.size(), 1u);
+  EXPECT_EQ(driver.hub().client_count(), 2u);
+}
+
+TEST(HubModels, AreIndependent) {
+  Driver driver;
+  ReplicaSpec a = trainer("t", 1);
+  a.model = "actor";
+  ReplicaSpec c = trainer("t", 4);
+  c.model = "critic";
+  const auto actor = driver.open_replica(a);
+  const auto critic = driver.open_replica(c);
+  driver.publish(actor, 10);
+  driver.publish(critic, 2);
+  EXPECT_EQ(driver.hub().latest("actor"), 10u);
+  EXPECT_EQ(driver.hub().latest("critic"), 2u);
+  EXPECT_FALSE(driver.hub().latest("nothing"));
+}
+
+// ---- server failover ------------------------------------------------------------------------------
+
+OpenRequest resume_request(Driver& driver, const ReplicaSpec& spec, std::uint32_t shard,
+                           std::optional<Version> held, std::optional<TxnRecord> last = {}) {
+  OpenRequest request = driver.open_request(spec, shard);
+  request.resume = Resume{};
+  if (held) request.resume->primary = HeldCopy{*held, layout_for(shard), checksums_for(*held, shard)};
+  request.resume->last_txn = last;
+  return request;
+}
+
+TEST(HubFailover, ReopenedReplicasRepopulateAFreshServer) {
+  Driver driver;  // a fresh server: nothing is known
+  const ReplicaSpec t = trainer("t");
+  std::vector<ClientId> shards;
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    shards.push_back(driver.new_client());
+    driver.open(shards.back(), resume_request(driver, t, shard, 9), 12);
+    EXPECT_EQ(driver.has_reply(shards[0]), shard == 1) << "the barrier waits for every shard";
+  }
+  const auto opened = driver.replies(shards);
+  ASSERT_TRUE(is<OpenOk>(opened));
+  EXPECT_EQ(std::get<OpenOk>(*opened).latest, 9u);
+  // Calls continue after the sequence number the client resumed at.
+  driver.set_next_seq(shards[0], 13);
+  driver.set_next_seq(shards[1], 13);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  EXPECT_EQ(read_of(driver, r[0])->source.replica, "t");
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  driver.call_all(shards, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(shards)));
+}
+
+TEST(HubFailover, BarrierTimesOutWhenAShardNeverReturns) {
+  HubSettings settings;
+  settings.barrier_timeout_ms = 1000;
+  Driver driver(settings);
+  const ClientId client = driver.new_client();
+  driver.open(client, resume_request(driver, trainer("t"), 0, 9), 3);
+  driver.advance(1200);
+  EXPECT_EQ(expect_error(driver.replies({client}), Errc::kBarrierTimeout), "");
+  EXPECT_EQ(driver.hub().client_count(), 0u);
+}
+
+TEST(HubFailover, ShardsBehindTheFailoverGetTheAnswerTheOthersGot) {
+  Driver driver;
+  const auto old = driver.open_replica(trainer("old", 2));
+  const auto source = driver.open_replica(trainer("source", 2));
+  driver.publish(old, 4);
+  driver.publish(source, 5);
+  // Replica r called replicate(latest-1) as call 8 on the old server: shard 0 completed it (version
+  // 4), shard 1 did not. Both resume here; shard 1 calls it again and must get version 4 as well.
+  const ReplicaSpec spec = rollout("r");
+  TxnRecord record;
+  record.seq = 8;
+  record.op.kind = OpKind::kReplicate;
+  record.op.selector = Selector::latest(1);
+  record.version = 4;
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard0, resume_request(driver, spec, 0, 4, record), 8);
+  driver.open(shard1, resume_request(driver, spec, 1, std::nullopt), 7);
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard0, shard1})));
+  driver.set_next_seq(shard1, 8);
+  driver.call(shard1, replicate(Selector::latest(1), 1));
+  EXPECT_TRUE(driver.inbox(shard0).reads.empty()) << "shard 0 already holds its part";
+  const auto read = read_of(driver, shard1);
+  ASSERT_TRUE(read);
+  EXPECT_EQ(read->version, 4u);
+  EXPECT_EQ(read->source.replica, "old");
+  driver.finish_reads({shard1});
+  const auto reply = driver.take_reply(shard1);
+  ASSERT_TRUE(reply && std::holds_alternative<ReplicateOk>(reply->outcome));
+  EXPECT_EQ(std::get<ReplicateOk>(reply->outcome).version, 4u);
+  // From here on the replica is whole: both shards hold version 4.
+  driver.set_next_seq(shard0, 9);
+  driver.call(shard0, ListRequest{});
+  driver.call(shard1, ListRequest{});
+  const auto list = driver.replies({shard0, shard1});
+  ASSERT_TRUE(is<ListOk>(list));
+  const auto& replicas = std::get<ListOk>(*list).snapshot->replicas;
+  ASSERT_EQ(replicas.size(), 2u);
+  EXPECT_EQ(replicas[0].state, "complete");
+}
+
+TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {
+  Driver driver;
+  const ReplicaSpec spec = rollout("r");
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard0, resume_request(driver, spec, 0, std::nullopt), 9);
+  driver.open(shard1, resume_request(driver, spec, 1, std::nullopt), 5);
+  EXPECT_EQ(expect_error(driver.replies({shard0, shard1}), Errc::kDivergentCall), "");
+}
+
+TEST(HubSettingsTest, InvalidSettingsAreRejected) {
+  HubSettings settings;
+  settings.fanout_max = 0;
+  EXPECT_FALSE(validate(settings).ok());
+  EXPECT_THROW(Hub{settings}, RequirementFailure);
+  settings = HubSettings{};
+  settings.heartbeat_timeout_ms = 0;
+  EXPECT_FALSE(validate(settings).ok());
+  EXPECT_TRUE(validate(HubSettings{}).ok());
+}
+
+TEST(HubStep, TimeMustNotGoBackwards) {
+  Hub hub(HubSettings{});
+  Effects effects;
+  hub.step(Tick{}, 100, effects);
+  EXPECT_THROW(hub.step(Tick{}, 99, effects), RequirementFailure);
+}
+
+}  // namespace
+}  // namespace th::test

@@ -1,0 +1,222 @@
+#include "tests/core/testkit/driver.h"
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+namespace th::test {
+
+LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes) {
+  std::vector<TensorSpec> tensors = {
+      {"layer." + std::to_string(shard) + ".weight", DType::kBFloat16, bytes},
+      {"layer." + std::to_string(shard) + ".bias", DType::kFloat32, 64},
+  };
+  return ShardLayout::make(std::move(tensors)).value();
+}
+
+ChecksumsRef checksums_for(Version version, std::uint32_t shard) {
+  return std::make_shared<const Checksums>(
+      Checksums{version * 1000003 + shard * 17 + 1, version * 1000003 + shard * 17 + 2});
+}
+
+std::string describe(const Outcome& outcome) {
+  std::ostringstream out;
+  std::visit(
+      [&](const auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, Error>) {
+          out << "Error{" << errc_name(value.code) << ": " << value.detail << "}";
+        } else if constexpr (std::is_same_v<T, OpenOk>) {
+          out << "OpenOk";
+        } else if constexpr (std::is_same_v<T, PublishOk>) {
+          out << "PublishOk{" << value.version << "}";
+        } else if constexpr (std::is_same_v<T, UnpublishOk>) {
+          out << "UnpublishOk";
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          out << "ReplicateOk{" << value.version << " from " << value.source_replica << "}";
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          out << "UpdateOk{" << update_status_name(value.status) << " " << value.version << "}";
+        } else if constexpr (std::is_same_v<T, ListOk>) {
+          out << "ListOk";
+        } else if constexpr (std::is_same_v<T, WaitOk>) {
+          out << "WaitOk";
+        } else {
+          static_assert(std::is_same_v<T, CloseOk>);
+          out << "CloseOk";
+        }
+      },
+      outcome);
+  return out.str();
+}
+
+bool is_error(const Outcome& outcome, Errc code) {
+  const auto* error = std::get_if<Error>(&outcome);
+  return error != nullptr && error->code == code;
+}
+
+Driver::Driver(HubSettings settings)
+    : hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
+
+#ifdef TH_CANARY
+Driver::Driver(HubSettings settings, CanaryBugs bugs)
+    : hub_(std::make_unique<Hub>(settings, bugs)), observer_(settings.fanout_max) {}
+#endif
+
+void Driver::step(const Input& input) {
+  Effects effects;
+  hub_->step(input, now_ms_, effects);
+  hub_->check_invariants();
+  observer_.on_effects(effects);
+  for (const std::string& name : model_names_) observer_.on_latest(name, hub_->latest(name));
+  route(effects);
+  if (!observer_.violations().empty()) {
+    throw AssertionFailure("observer: " + observer_.violations().front());
+  }
+}
+
+void Driver::route(const Effects& effects) {
+  for (const Effect& effect : effects) {
+    Inbox& box = inboxes_[effect.client];
+    std::visit(
+        [&](const auto& message) {
+          using T = std::decay_t<decltype(message)>;
+          if constexpr (std::is_same_v<T, Reply>) {
+            box.replies.push_back(message);
+          } else if constexpr (std::is_same_v<T, StartRead>) {
+            // The metadata a reader verifies against must be the version's published checksums.
+            if (*message.checksums != *checksums_for(message.version, message.shard)) {
+              throw AssertionFailure("a reader was given checksums of another version");
+            }
+            box.reads[message.transfer] = message;
+          } else if constexpr (std::is_same_v<T, ServeRead>) {
+            box.grants[{message.transfer, message.epoch}] = message;
+          } else if constexpr (std::is_same_v<T, StopServing>) {
+            box.grants.erase({message.transfer, message.epoch});
+          } else if constexpr (std::is_same_v<T, Offload>) {
+            box.offloads.push_back(message.version);
+          } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+            box.releases.push_back(message.version);
+          } else {
+            static_assert(std::is_same_v<T, Evicted>);
+            box.evictions.push_back(message);
+          }
+        },
+        effect.message);
+  }
+}
+
+void Driver::open(ClientId client, const OpenRequest& request, std::uint64_t seq) {
+  model_names_.insert(request.model);
+  observer_.on_open(client, seq, request);
+  seqs_[client] = seq + 1;
+  step(Request{client, seq, request});
+}
+
+std::uint64_t Driver::call(ClientId client, RequestBody body) {
+  const std::uint64_t seq = seqs_[client]++;
+  observer_.on_call(client, seq, body);
+  step(Request{client, seq, std::move(body)});
+  return seq;
+}
+
+void Driver::report(ClientId client, ReportBody body) {
+  observer_.on_report(client, body);
+  step(Report{client, std::move(body)});
+}
+
+void Driver::lose_connection(ClientId client) { step(ConnectionLost{client}); }
+
+void Driver::advance(TimeMs ms, const std::set<ClientId>& silent) {
+  // In slices, so that live clients heartbeat well within any timeout a test sets.
+  constexpr TimeMs kSliceMs = 100;
+  for (TimeMs passed = 0; passed < ms; passed += kSliceMs) {
+    for (const auto& [client, seq] : seqs_) {
+      if (!silent.contains(client) && inboxes_[client].evictions.empty()) {
+        step(Report{client, Heartbeat{}});
+      }
+    }
+    now_ms_ += std::min(kSliceMs, ms - passed);
+    step(Tick{});
+  }
+}
+
+std::optional<Reply> Driver::take_reply(ClientId client) {
+  Inbox& box = inboxes_[client];
+  if (box.replies.empty()) return std::nullopt;
+  Reply reply = std::move(box.replies.front());
+  box.replies.pop_front();
+  return reply;
+}
+
+OpenRequest Driver::open_request(const ReplicaSpec& spec, std::uint32_t shard) const {
+  OpenRequest request;
+  request.model = spec.model;
+  request.replica = spec.name;
+  request.incarnation = spec.incarnation;
+  request.shard = shard;
+  request.num_shards = spec.num_shards;
+  request.datacenter = spec.datacenter;
+  request.spot = spec.spot;
+  request.role = spec.role;
+  request.retention = spec.retention;
+  request.data_endpoint = "tcp://" + spec.name + "/" + std::to_string(shard);
+  return request;
+}
+
+std::vector<ClientId> Driver::open_replica(const ReplicaSpec& spec) {
+  std::vector<ClientId> shards;
+  for (std::uint32_t shard = 0; shard < spec.num_shards; ++shard) {
+    const ClientId client = new_client();
+    open(client, open_request(spec, shard));
+    auto reply = take_reply(client);
+    EXPECT_TRUE(reply && std::holds_alternative<OpenOk>(reply->outcome))
+        << "open of " << spec.name << "/" << shard << ": "
+        << (reply ? describe(reply->outcome) : "no reply");
+    shards.push_back(client);
+  }
+  return shards;
+}
+
+void Driver::call_all(const std::vector<ClientId>& shards, const RequestBody& body) {
+  for (ClientId client : shards) call(client, body);
+}
+
+std::optional<Outcome> Driver::replies(const std::vector<ClientId>& shards) {
+  std::optional<Outcome> first;
+  for (ClientId client : shards) {
+    auto reply = take_reply(client);
+    if (!reply) return std::nullopt;
+    if (!first) {
+      first = reply->outcome;
+    } else {
+      EXPECT_EQ(describe(*first), describe(reply->outcome)) << "shards answered differently";
+    }
+  }
+  return first;
+}
+
+void Driver::publish(const std::vector<ClientId>& shards, Version version) {
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    call(shards[shard], PublishRequest{version, layout_for(shard), checksums_for(version, shard)});
+  }
+  auto outcome = replies(shards);
+  ASSERT_TRUE(is<PublishOk>(outcome)) << (outcome ? describe(*outcome) : "no reply");
+}
+
+void Driver::finish_reads(const std::vector<ClientId>& shards) {
+  for (ClientId client : shards) {
+    auto reads = inbox(client).reads;
+    inbox(client).reads.clear();
+    for (const auto& [transfer, read] : reads) report(client, TransferDone{transfer, read.epoch});
+  }
+}
+
+void Driver::finish_offloads(const std::vector<ClientId>& shards) {
+  for (ClientId client : shards) {
+    auto offloads = inbox(client).offloads;
+    inbox(client).offloads.clear();
+    for (Version version : offloads) report(client, OffloadDone{version});
+  }
+}
+
+}  // namespace th::test

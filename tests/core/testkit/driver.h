@@ -1,0 +1,104 @@
+// A test driver for the Hub: one process plays every client (paper §4.6). It assigns sequence
+// numbers, routes effects into per-client inboxes, checks the hub's invariants after every step and
+// feeds every effect to an Observer that checks DESIGN.md §5 from the outside.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/hub.h"
+#include "tests/core/testkit/observer.h"
+
+namespace th::test {
+
+// Deterministic tensors: shard s of every version has two tensors; checksums depend on the version,
+// so that a mix-up of versions is visible.
+LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes = 4096);
+ChecksumsRef checksums_for(Version version, std::uint32_t shard);
+
+struct Inbox {
+  std::deque<Reply> replies;
+  std::map<TransferId, StartRead> reads;  // the latest instruction per transfer
+  std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
+  std::vector<Version> offloads;          // offload instructions not yet answered
+  std::vector<Version> releases;
+  std::vector<Evicted> evictions;
+};
+
+struct ReplicaSpec {
+  std::string model = "m";
+  std::string name;
+  std::uint32_t num_shards = 1;
+  std::string datacenter = "dc0";
+  bool spot = false;
+  std::string role = "rollout";
+  Retention retention;
+  std::uint64_t incarnation = 1;
+};
+
+class Driver {
+ public:
+  explicit Driver(HubSettings settings = {});
+#ifdef TH_CANARY
+  Driver(HubSettings settings, CanaryBugs bugs);
+#endif
+
+  Hub& hub() { return *hub_; }
+  Observer& observer() { return observer_; }
+  TimeMs now_ms() const { return now_ms_; }
+
+  // Raw steps.
+  void step(const Input& input);
+  ClientId new_client() { return next_client_++; }
+  void open(ClientId client, const OpenRequest& request, std::uint64_t seq = 0);
+  std::uint64_t call(ClientId client, RequestBody body);  // returns the seq used
+  void report(ClientId client, ReportBody body);
+  void lose_connection(ClientId client);
+  // Advances the clock; every client not in `silent` heartbeats first.
+  void advance(TimeMs ms, const std::set<ClientId>& silent = {});
+
+  Inbox& inbox(ClientId client) { return inboxes_[client]; }
+  bool has_reply(ClientId client) { return !inboxes_[client].replies.empty(); }
+  std::optional<Reply> take_reply(ClientId client);
+  std::uint64_t next_seq(ClientId client) { return seqs_[client]; }
+  void set_next_seq(ClientId client, std::uint64_t seq) { seqs_[client] = seq; }
+
+  // Conveniences for tests that run whole replicas. They EXPECT success and fail the test otherwise.
+  OpenRequest open_request(const ReplicaSpec& spec, std::uint32_t shard) const;
+  std::vector<ClientId> open_replica(const ReplicaSpec& spec);
+  void publish(const std::vector<ClientId>& shards, Version version);
+  // Reports every outstanding read of these clients as done (the data plane "finished").
+  void finish_reads(const std::vector<ClientId>& shards);
+  // Answers every outstanding offload instruction of these clients.
+  void finish_offloads(const std::vector<ClientId>& shards);
+  // Sends `body` from every shard, in order.
+  void call_all(const std::vector<ClientId>& shards, const RequestBody& body);
+  // Takes one reply from every shard; all must be equal (replica consistency) and are returned once.
+  std::optional<Outcome> replies(const std::vector<ClientId>& shards);
+
+ private:
+  void route(const Effects& effects);
+
+  std::unique_ptr<Hub> hub_;
+  Observer observer_;
+  TimeMs now_ms_ = 0;
+  ClientId next_client_ = 1;
+  std::map<ClientId, Inbox> inboxes_;
+  std::map<ClientId, std::uint64_t> seqs_;
+  std::set<std::string> model_names_;  // models whose `latest` the observer follows
+};
+
+// Readable one-line description of an outcome, for failure messages.
+std::string describe(const Outcome& outcome);
+bool is_error(const Outcome& outcome, Errc code);
+template <typename T>
+bool is(const std::optional<Outcome>& outcome) {
+  return outcome && std::holds_alternative<T>(*outcome);
+}
+
+}  // namespace th::test

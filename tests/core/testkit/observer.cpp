@@ -1,0 +1,366 @@
+#include "tests/core/testkit/observer.h"
+
+#include <sstream>
+
+namespace th::test {
+
+namespace {
+
+std::string replica_key(const OpenRequest& request) {
+  return request.model + "/" + request.replica + "#" + std::to_string(request.incarnation);
+}
+
+// A canonical summary of an answer: equal summaries mean "the same answer" for replica consistency.
+std::string summarize(const Outcome& outcome) {
+  std::ostringstream out;
+  out << outcome.index() << ':';
+  std::visit(
+      [&](const auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, Error>) {
+          out << errc_name(value.code);
+        } else if constexpr (std::is_same_v<T, OpenOk>) {
+          out << value.num_shards;
+        } else if constexpr (std::is_same_v<T, PublishOk>) {
+          out << value.version;
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          out << value.version << '/' << value.source_replica;
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          out << update_status_name(value.status) << '/' << value.version << '/'
+              << value.source_replica;
+        } else if constexpr (std::is_same_v<T, ListOk>) {
+          const ListSnapshot& snapshot = *value.snapshot;
+          out << (snapshot.latest ? std::to_string(*snapshot.latest) : "-");
+          for (const auto& version : snapshot.versions) {
+            out << " v" << version.version << ':' << version.complete << '+' << version.partial;
+          }
+          for (const auto& replica : snapshot.replicas) {
+            out << ' ' << replica.name << ':' << replica.state << ':'
+                << (replica.version ? std::to_string(*replica.version) : "-");
+          }
+        }
+      },
+      outcome);
+  return out.str();
+}
+
+// Answers that end a call without being the replica's answer to it.
+bool is_exit_error(const Outcome& outcome) {
+  const auto* error = std::get_if<Error>(&outcome);
+  if (error == nullptr) return false;
+  switch (error->code) {
+    case Errc::kReplicaEvicted:
+    case Errc::kDivergentCall:
+    case Errc::kReplicaClosed:
+    case Errc::kUnknownClient:
+    case Errc::kSequenceGap:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+void Observer::on_open(ClientId client, std::uint64_t seq, const OpenRequest& request) {
+  if (auto found = clients_.find(client); found != clients_.end() && found->second.bound) {
+    return;  // the hub answers this open again or rejects it; the client stays what it was
+  }
+  const std::string key = replica_key(request);
+  clients_[client] = ClientInfo{key, request.shard, seq, request.retention, false};
+  ReplicaInfo& replica = replicas_[key];
+  replica.model = request.model;
+  replica.name = request.replica;
+  replica.datacenter = request.datacenter;
+  replica.spot = request.spot;
+  replica.num_shards = request.num_shards;
+  if (request.resume) announced_[client] = *request.resume;
+}
+
+void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& body) {
+  auto found = clients_.find(client);
+  if (found == clients_.end() || !found->second.bound) return;
+  ReplicaInfo& replica = replicas_[found->second.replica_key];
+  if (std::holds_alternative<UnpublishRequest>(body) || std::holds_alternative<CloseRequest>(body)) {
+    replica.leaving = true;
+  } else if (std::holds_alternative<UpdateRequest>(body)) {
+    replica.leaving = true;
+    replica.pending_update_seqs.insert(seq);
+  }
+}
+
+void Observer::on_report(ClientId client, const ReportBody& body) {
+  auto found = clients_.find(client);
+  if (found == clients_.end() || !found->second.bound) return;
+  const ClientInfo& info = found->second;
+  ReplicaInfo& replica = replicas_[info.replica_key];
+  if (const auto* failed = std::get_if<TransferFailed>(&body)) {
+    auto read = reads_.find({client, failed->transfer});
+    if (read != reads_.end() && read->second.source.kind == CopyKind::kPrimary) {
+      const std::string source_key = replica.model + "/" + read->second.source.replica + "#" +
+                                     std::to_string(read->second.source.incarnation);
+      if (auto source = replicas_.find(source_key); source != replicas_.end()) {
+        source->second.failed = true;
+      }
+    }
+  } else if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
+    auto& reporters = replica.offload_reports[offloaded->version];
+    reporters.insert(info.shard);
+    if (reporters.size() == replica.num_shards) replica.offloads.insert(offloaded->version);
+  }
+}
+
+bool Observer::retained(const std::string& model, Version version) const {
+  std::optional<std::uint64_t> keep;
+  for (const auto& [client, info] : clients_) {
+    if (!info.bound) continue;
+    auto replica = replicas_.find(info.replica_key);
+    if (replica == replicas_.end() || replica->second.model != model) continue;
+    for (Version pinned : info.retention.pinned) {
+      if (pinned == version) return true;
+    }
+    if (info.retention.keep_latest) keep = std::max(keep.value_or(0), *info.retention.keep_latest);
+  }
+  auto latest = latest_completed_.find(model);
+  if (!keep || latest == latest_completed_.end()) return false;
+  return version <= latest->second && version + *keep >= latest->second;
+}
+
+std::size_t Observer::safe_holders(const std::string& model, Version version,
+                                   const ReplicaInfo* except) const {
+  std::size_t holders = 0;
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != model) continue;
+    if (&replica != except && !replica.spot && replica.held == version) ++holders;
+    if (replica.offloads.contains(version)) ++holders;
+  }
+  return holders;
+}
+
+void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
+  if (replica.held && !replica.spot && retained(replica.model, *replica.held) &&
+      safe_holders(replica.model, *replica.held, &replica) == 0) {
+    violation("retention: " + replica.name + " stopped holding retained version " +
+              std::to_string(*replica.held) + " (" + why +
+              ") while no other non-spot replica or offload copy held it");
+  }
+  replica.held.reset();
+  replica.failed = false;
+}
+
+void Observer::drop_grants_of(ClientId client) {
+  std::erase_if(grants_, [&](const auto& entry) { return entry.first.source == client; });
+}
+
+void Observer::check_consistency(const ClientInfo& info, const Reply& reply) {
+  if (is_exit_error(reply.outcome) || std::holds_alternative<OpenOk>(reply.outcome)) return;
+  const std::string summary = summarize(reply.outcome);
+  auto [found, inserted] = answers_.try_emplace({info.replica_key, reply.seq}, summary);
+  if (!inserted && found->second != summary) {
+    violation("consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key +
+              " got '" + summary + "' for call " + std::to_string(reply.seq) +
+              " where another shard got '" + found->second + "'");
+  }
+}
+
+void Observer::on_reply(ClientId client, const Reply& reply) {
+  auto found = clients_.find(client);
+  if (found == clients_.end()) return;
+  ClientInfo& info = found->second;
+  ReplicaInfo& replica = replicas_[info.replica_key];
+  if (reply.seq == info.open_seq && !info.bound) {
+    // The answer to an open: not a transaction of the replica.
+    info.bound = std::holds_alternative<OpenOk>(reply.outcome);
+    if (info.bound) on_opened(client, info, replica);
+    return;
+  }
+  const bool first = !answers_.contains({info.replica_key, reply.seq});
+  check_consistency(info, reply);
+  const Outcome& outcome = reply.outcome;
+  auto has_grant = [&](auto predicate) {
+    for (const auto& [grant, serve] : grants_) {
+      if (grant.source == client && predicate(serve)) return true;
+    }
+    return false;
+  };
+
+  if (std::holds_alternative<UnpublishOk>(outcome) &&
+      has_grant([](const ServeRead& serve) { return serve.kind == CopyKind::kPrimary; })) {
+    violation("integrity: shard " + std::to_string(info.shard) + " of " + info.replica_key +
+              " was told its unpublish returned while a reader may still read its buffers");
+  }
+  if (std::holds_alternative<CloseOk>(outcome) && has_grant([](const ServeRead&) { return true; })) {
+    violation("integrity: shard " + std::to_string(info.shard) + " of " + info.replica_key +
+              " was told its close returned while a reader may still read its buffers");
+  }
+  if (!first) return;
+  // State changes, once per call of the replica.
+  auto completed = [&](Version version) {
+    replica.held = version;
+    replica.leaving = false;
+    replica.failed = false;
+    Version& latest = latest_completed_[replica.model];
+    latest = std::max(latest, version);
+  };
+  if (const auto* published = std::get_if<PublishOk>(&outcome)) {
+    completed(published->version);
+  } else if (const auto* replicated = std::get_if<ReplicateOk>(&outcome)) {
+    completed(replicated->version);
+  } else if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
+    replica.pending_update_seqs.erase(reply.seq);
+    if (updated->status == UpdateStatus::kUpdated) {
+      if (replica.held && *replica.held != updated->version) stop_holding(replica, "update");
+      completed(updated->version);
+    } else {
+      replica.leaving = false;
+    }
+  } else if (std::holds_alternative<UnpublishOk>(outcome)) {
+    stop_holding(replica, "unpublish");
+    replica.leaving = false;
+  } else if (std::holds_alternative<CloseOk>(outcome)) {
+    stop_holding(replica, "close");
+    replica.offloads.clear();
+  } else if (std::holds_alternative<Error>(outcome)) {
+    if (replica.pending_update_seqs.erase(reply.seq) > 0 || replica.held) replica.leaving = false;
+  }
+}
+
+void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica) {
+  if (!announced_.contains(client)) return;
+  // Resumed after a failover: the replica holds what every one of its shards announced.
+  std::map<Version, std::size_t> primaries;
+  std::map<Version, std::size_t> offloads;
+  for (const auto& [other, resume] : announced_) {
+    if (clients_[other].replica_key != info.replica_key) continue;
+    if (resume.primary) ++primaries[resume.primary->version];
+    for (const HeldCopy& held : resume.offloads) ++offloads[held.version];
+  }
+  for (const auto& [version, count] : primaries) {
+    if (count != replica.num_shards) continue;
+    replica.held = version;
+    Version& latest = latest_completed_[replica.model];
+    latest = std::max(latest, version);
+  }
+  for (const auto& [version, count] : offloads) {
+    if (count == replica.num_shards) replica.offloads.insert(version);
+  }
+}
+
+void Observer::on_effects(const Effects& effects) {
+  for (const Effect& effect : effects) {
+    const ClientId client = effect.client;
+    std::visit(
+        [&](const auto& message) {
+          using T = std::decay_t<decltype(message)>;
+          if constexpr (std::is_same_v<T, Reply>) {
+            on_reply(client, message);
+            if (std::holds_alternative<CloseOk>(message.outcome)) {
+              if (auto found = clients_.find(client); found != clients_.end()) {
+                found->second.bound = false;
+              }
+            }
+          } else if constexpr (std::is_same_v<T, ServeRead>) {
+            grants_[Grant{client, message.transfer, message.epoch}] = message;
+            std::size_t serving = 0;
+            for (const auto& [grant, serve] : grants_) {
+              if (grant.source == client && serve.kind == message.kind &&
+                  serve.version == message.version) {
+                ++serving;
+              }
+            }
+            if (serving > fanout_max_) {
+              violation("load: a source shard serves " + std::to_string(serving) +
+                        " transfers of version " + std::to_string(message.version) +
+                        " with a fan-out limit of " + std::to_string(fanout_max_));
+            }
+          } else if constexpr (std::is_same_v<T, StopServing>) {
+            grants_.erase(Grant{client, message.transfer, message.epoch});
+          } else if constexpr (std::is_same_v<T, StartRead>) {
+            on_start_read(client, message);
+          } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+            for (const auto& [grant, serve] : grants_) {
+              if (grant.source == client && serve.kind == CopyKind::kOffload &&
+                  serve.version == message.version) {
+                violation("integrity: an offload copy of version " +
+                          std::to_string(message.version) +
+                          " was released while a reader may still read it");
+              }
+            }
+            if (auto found = clients_.find(client); found != clients_.end()) {
+              ReplicaInfo& replica = replicas_[found->second.replica_key];
+              replica.offloads.erase(message.version);
+              replica.offload_reports.erase(message.version);
+            }
+          } else if constexpr (std::is_same_v<T, Evicted>) {
+            drop_grants_of(client);
+            if (auto found = clients_.find(client); found != clients_.end()) {
+              found->second.bound = false;
+              ReplicaInfo& replica = replicas_[found->second.replica_key];
+              replica.held.reset();
+              replica.offloads.clear();
+              replica.offload_reports.clear();
+              replica.leaving = false;
+            }
+          }
+        },
+        effect.message);
+  }
+}
+
+void Observer::on_start_read(ClientId client, const StartRead& read) {
+  auto found = clients_.find(client);
+  if (found == clients_.end()) return;
+  const ClientInfo& info = found->second;
+  const ReplicaInfo& reader = replicas_[info.replica_key];
+  reads_[{client, read.transfer}] = read;
+  // Integrity: the reader's buffers are about to be overwritten with `read.version`.
+  for (const auto& [grant, serve] : grants_) {
+    if (grant.source == client && serve.kind == CopyKind::kPrimary && serve.version != read.version) {
+      violation("integrity: " + info.replica_key + " is told to overwrite its buffers while a reader "
+                "may still read version " + std::to_string(serve.version) + " from them");
+    }
+  }
+  if (read.source.kind == CopyKind::kPrimary && read.source.replica == reader.name) {
+    violation("topology: " + info.replica_key + " is told to read from itself");
+  }
+  // Topology: another datacenter only when no complete, healthy copy is in the reader's own.
+  if (read.source.datacenter != reader.datacenter) {
+    for (const auto& [key, other] : replicas_) {
+      if (&other == &reader || other.model != reader.model) continue;
+      if (other.datacenter == reader.datacenter && other.held == read.version && !other.leaving &&
+          !other.failed) {
+        violation("topology: " + info.replica_key + " reads version " +
+                  std::to_string(read.version) + " from datacenter '" + read.source.datacenter +
+                  "' although " + other.name + " holds it in '" + reader.datacenter + "'");
+      }
+    }
+  }
+}
+
+void Observer::on_latest(const std::string& model, std::optional<Version> latest) {
+  std::optional<Version>& previous = hub_latest_[model];
+  if (previous && (!latest || *latest < *previous)) {
+    violation("monotonicity: latest of model " + model + " moved from " + std::to_string(*previous) +
+              " to " + (latest ? std::to_string(*latest) : "nothing"));
+  }
+  previous = latest;
+}
+
+void Observer::on_server_reset() {
+  grants_.clear();
+  reads_.clear();
+  hub_latest_.clear();
+  latest_completed_.clear();
+  announced_.clear();
+  for (auto& [key, replica] : replicas_) {
+    replica.held.reset();
+    replica.offloads.clear();
+    replica.offload_reports.clear();
+    replica.leaving = false;
+    replica.failed = false;
+    replica.pending_update_seqs.clear();
+  }
+  for (auto& [client, info] : clients_) info.bound = false;
+}
+
+}  // namespace th::test

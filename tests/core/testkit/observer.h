@@ -1,0 +1,90 @@
+// Checks DESIGN.md §5 from the outside: it sees only what clients send and what the hub tells them,
+// and keeps its own (conservative) view of who holds what. It never reads the hub's internals, so a
+// hub whose bookkeeping is wrong cannot fool it.
+//
+//   integrity    no grant to read a replica's buffer is active when the replica is told its
+//                unpublish/close returned, or is told to overwrite that buffer, or to free an offload
+//   retention    when a non-spot holder of a retained version stops holding it by its own call, some
+//                other non-spot holder or an offload copy still holds it
+//   consistency  the shards of a replica get equal answers to the same call
+//   load         a source shard serves at most fanout_max transfers at once
+//   topology     a reader is sent to another datacenter only when no complete, healthy copy is in its own
+//   monotonicity `latest` never decreases on one server
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/messages.h"
+
+namespace th::test {
+
+class Observer {
+ public:
+  explicit Observer(std::uint32_t fanout_max) : fanout_max_(fanout_max) {}
+
+  void on_open(ClientId client, std::uint64_t seq, const OpenRequest& request);
+  void on_call(ClientId client, std::uint64_t seq, const RequestBody& body);
+  void on_report(ClientId client, const ReportBody& body);
+  void on_effects(const Effects& effects);
+  void on_latest(const std::string& model, std::optional<Version> latest);
+  // A new, empty server replaced the old one (failover): server-scoped expectations start over.
+  void on_server_reset();
+
+  const std::vector<std::string>& violations() const { return violations_; }
+
+ private:
+  struct ClientInfo {
+    std::string replica_key;  // model/replica#incarnation
+    std::uint32_t shard = 0;
+    std::uint64_t open_seq = 0;
+    Retention retention;
+    bool bound = false;  // from the OpenOk reply until eviction or close
+  };
+  struct ReplicaInfo {
+    std::string model;
+    std::string name;
+    std::string datacenter;
+    bool spot = false;
+    std::uint32_t num_shards = 1;
+    std::optional<Version> held;     // complete copy, as the replies said
+    bool leaving = false;            // an unpublish/update/close may be draining the held copy
+    bool failed = false;             // a reader reported it could not read the held copy
+    std::map<Version, std::set<std::uint32_t>> offload_reports;
+    std::set<Version> offloads;      // complete offload copies
+    std::set<std::uint64_t> pending_update_seqs;
+  };
+  struct Grant {
+    ClientId source;
+    TransferId transfer;
+    std::uint32_t epoch;
+    friend auto operator<=>(const Grant&, const Grant&) = default;
+  };
+
+  void violation(std::string what) { violations_.push_back(std::move(what)); }
+  void on_reply(ClientId client, const Reply& reply);
+  void on_start_read(ClientId client, const StartRead& read);
+  void on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica);
+  void check_consistency(const ClientInfo& info, const Reply& reply);
+  void stop_holding(ReplicaInfo& replica, const char* why);
+  bool retained(const std::string& model, Version version) const;
+  std::size_t safe_holders(const std::string& model, Version version, const ReplicaInfo* except) const;
+  void drop_grants_of(ClientId client);
+
+  std::uint32_t fanout_max_;
+  std::map<ClientId, ClientInfo> clients_;
+  std::map<std::string, ReplicaInfo> replicas_;
+  std::map<Grant, ServeRead> grants_;
+  std::map<std::pair<ClientId, TransferId>, StartRead> reads_;  // the latest per reader and transfer
+  std::map<ClientId, Resume> announced_;                          // what resumed clients announced
+  std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
+  std::map<std::string, Version> latest_completed_;  // per model, from replies
+  std::map<std::string, std::optional<Version>> hub_latest_;
+  std::vector<std::string> violations_;
+};
+
+}  // namespace th::test

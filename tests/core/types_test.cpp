@@ -1,0 +1,79 @@
+#include <gtest/gtest.h>
+
+#include "core/types.h"
+
+namespace th {
+namespace {
+
+TEST(Selector, ParsesTheThreeForms) {
+  EXPECT_EQ(parse_selector("latest").value(), Selector::latest());
+  EXPECT_EQ(parse_selector("latest-3").value(), Selector::latest(3));
+  EXPECT_EQ(parse_selector("latest-0").value(), Selector::latest(0));
+  EXPECT_EQ(parse_selector("42").value(), Selector::absolute(42));
+  EXPECT_EQ(parse_selector("0").value(), Selector::absolute(0));
+  EXPECT_EQ(parse_selector("18446744073709551615").value(), Selector::absolute(UINT64_MAX));
+}
+
+TEST(Selector, RejectsEverythingElseWithATypedError) {
+  for (const char* text : {"", " latest", "latest ", "Latest", "latest-", "latest-x", "latest+1",
+                           "latest--1", "-1", "+1", "1.5", "0x10", "18446744073709551616",
+                           "latest-18446744073709551616", "newest"}) {
+    const auto parsed = parse_selector(text);
+    ASSERT_FALSE(parsed.ok()) << "'" << text << "'";
+    EXPECT_EQ(parsed.error().code, Errc::kBadSelector) << text;
+  }
+}
+
+TEST(Selector, FormatsBackToItsText) {
+  for (const char* text : {"latest", "latest-7", "12"}) {
+    EXPECT_EQ(format_selector(parse_selector(text).value()), text);
+  }
+}
+
+TEST(Layout, DigestAndMismatchDescribeDifferences) {
+  auto a = ShardLayout::make({{"w", DType::kBFloat16, 100}, {"b", DType::kFloat32, 4}}).value();
+  auto same = ShardLayout::make({{"w", DType::kBFloat16, 100}, {"b", DType::kFloat32, 4}}).value();
+  auto bigger = ShardLayout::make({{"w", DType::kBFloat16, 200}, {"b", DType::kFloat32, 4}}).value();
+  auto shorter = ShardLayout::make({{"w", DType::kBFloat16, 100}}).value();
+  EXPECT_EQ(a->digest(), same->digest());
+  EXPECT_EQ(a->total_bytes(), 104u);
+  EXPECT_FALSE(a->mismatch(*same));
+  EXPECT_NE(a->digest(), bigger->digest());
+  EXPECT_EQ(*a->mismatch(*bigger),
+            "tensor 0: expected w bfloat16 100 bytes, got w bfloat16 200 bytes");
+  EXPECT_EQ(*a->mismatch(*shorter), "expected 2 tensors, got 1");
+}
+
+TEST(Layout, RejectsInvalidTensors) {
+  EXPECT_EQ(ShardLayout::make({}).error().code, Errc::kInvalidArgument);
+  EXPECT_EQ(ShardLayout::make({{"", DType::kInt8, 1}}).error().code, Errc::kInvalidArgument);
+  EXPECT_EQ(ShardLayout::make({{"x", static_cast<DType>(200), 1}}).error().code,
+            Errc::kInvalidArgument);
+  EXPECT_EQ(ShardLayout::make({{"x", DType::kInt8, UINT64_MAX}, {"y", DType::kInt8, 1}})
+                .error()
+                .code,
+            Errc::kInvalidArgument);
+}
+
+TEST(DType, NamesRoundTrip) {
+  for (int i = 0; i < kDTypeCount; ++i) {
+    const auto dtype = static_cast<DType>(i);
+    EXPECT_EQ(parse_dtype(dtype_name(dtype)), dtype);
+  }
+  EXPECT_FALSE(parse_dtype("float128"));
+}
+
+TEST(Result, HoldsAValueOrAnError) {
+  Result<int> value = 3;
+  Result<int> error = make_error(Errc::kTimeout, "late");
+  EXPECT_TRUE(value.ok());
+  EXPECT_EQ(value.value(), 3);
+  EXPECT_FALSE(error.ok());
+  EXPECT_EQ(error.error().code, Errc::kTimeout);
+  EXPECT_THROW((void)error.value(), AssertionFailure);
+  EXPECT_THROW((void)value.error(), AssertionFailure);
+  EXPECT_EQ(errc_name(Errc::kVersionUnavailable), "version-unavailable");
+}
+
+}  // namespace
+}  // namespace th

@@ -879,8 +879,10 @@ TEST(HubFailover, ShardsBehindTheFailoverGetTheAnswerTheOthersGot) {
   const auto list = driver.replies({shard0, shard1});
   ASSERT_TRUE(is<ListOk>(list));
   const auto& replicas = std::get<ListOk>(*list).snapshot->replicas;
-  ASSERT_EQ(replicas.size(), 2u);
-  EXPECT_EQ(replicas[0].state, "complete");
+  ASSERT_EQ(replicas.size(), 3u);
+  EXPECT_EQ(replicas[1].name, "r");
+  EXPECT_EQ(replicas[1].state, "complete");
+  EXPECT_EQ(replicas[1].version, 4u);
 }
 
 TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {

@@ -437,7 +437,7 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
   copy.pending_checksums.clear();
   set_state(copy, CopyState::kComplete);
   on_copy_complete(copy);
-  finish(replica, txn, PublishOk{version});
+  finish(replica, txn, txn.seeded_outcome.value_or(PublishOk{version}));
 }
 
 // ---- unpublish -------------------------------------------------------------------------------------
@@ -839,7 +839,9 @@ void Hub::complete_transfer(Transfer& transfer) {
   auto found = replica.txns.find(seq);
   if (found == replica.txns.end() || found->second.result) return;
   const Version version = reader.record->version;
-  if (found->second.op.kind == OpKind::kUpdate) {
+  if (found->second.seeded_outcome) {
+    finish(replica, found->second, *found->second.seeded_outcome);
+  } else if (found->second.op.kind == OpKind::kUpdate) {
     finish(replica, found->second, UpdateOk{UpdateStatus::kUpdated, version, source_name});
   } else {
     finish(replica, found->second, ReplicateOk{version, source_name});
@@ -1165,7 +1167,8 @@ Contribution Hub::contribution(const Copy& copy) const {
   c.safe_primary = c.complete_primary && !copy.owner->spot;
   c.safe_offload = c.complete && copy.kind == CopyKind::kOffload;
   c.servable = usable && (complete || active);
-  c.seeding = active && copy.incoming != nullptr && copy.incoming->cross_dc;
+  // A seeder a reader reported as failed no longer counts: another may seed (DESIGN.md §5.5).
+  c.seeding = usable && active && copy.incoming != nullptr && copy.incoming->cross_dc;
   // A draining primary of a non-spot replica may still turn into an offload copy.
   const bool may_offload = copy.state == CopyState::kDraining && copy.kind == CopyKind::kPrimary &&
                            !copy.owner->spot && copy.drain_purpose != DrainPurpose::kClose;
@@ -1587,9 +1590,8 @@ void Hub::complete_barrier(Replica& replica) {
       const std::optional<TxnRecord>& last =
           slot.resume ? slot.resume->last_txn : std::optional<TxnRecord>{};
       const bool agrees = last && last->seq == high &&
-                          (!record || (record->op == last->op && record->error == last->error &&
-                                       record->version == last->version &&
-                                       record->update_status == last->update_status));
+                          (!record || (record->op == last->op &&
+                                       same_answer(record->outcome, last->outcome)));
       if (!agrees) {
         fail_barrier(replica, make_error(Errc::kDivergentCall,
                                          "shards of " + describe(replica) +
@@ -1606,26 +1608,21 @@ void Hub::complete_barrier(Replica& replica) {
     for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
       if (replica.shards[shard].open_seq == low) txn.expected.set(shard);
     }
-    const std::string settled = "settled before the failover";
-    if (record->error) {
-      txn.result = make_error(*record->error, settled);
+    // Answers that need nothing of this server are given as they were. A replicate, an update that
+    // moved or a publish still has to happen here for the remaining shards, with the same answer.
+    const Outcome& outcome = record->outcome;
+    const auto* updated = std::get_if<UpdateOk>(&outcome);
+    if (const auto* replicated = std::get_if<ReplicateOk>(&outcome)) {
+      txn.target = replicated->version;
+      txn.seeded_outcome = outcome;
+    } else if (updated != nullptr && updated->status == UpdateStatus::kUpdated) {
+      txn.target = updated->version;
+      txn.seeded_outcome = outcome;
+    } else if (std::holds_alternative<PublishOk>(outcome) ||
+               std::holds_alternative<CloseOk>(outcome)) {
+      txn.seeded_outcome = outcome;
     } else {
-      switch (record->op.kind) {
-        case OpKind::kUnpublish: txn.result = UnpublishOk{}; break;
-        case OpKind::kWait: txn.result = WaitOk{}; break;
-        case OpKind::kReplicate: txn.target = record->version; break;
-        case OpKind::kUpdate:
-          if (record->update_status == UpdateStatus::kUpdated) {
-            txn.target = record->version;
-          } else {
-            txn.result = UpdateOk{record->update_status, record->version, {}};
-          }
-          break;
-        case OpKind::kPublish:
-        case OpKind::kList:
-        case OpKind::kClose:
-          break;  // evaluated when the remaining shards call
-      }
+      txn.result = outcome;
     }
     seeded = &txn;
   }
@@ -1657,12 +1654,13 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
     version = resume->primary->version;
     holders.set(shard);
   }
-  const bool unpublished = seeded != nullptr && seeded->op.kind == OpKind::kUnpublish;
+  const bool unpublished = seeded != nullptr && seeded->op.kind == OpKind::kUnpublish &&
+                           seeded->result && std::holds_alternative<UnpublishOk>(*seeded->result);
   if (version && !unpublished) {
     const bool full = holders.count() == shards;
     CopyState state = CopyState::kComplete;
     if (!full) {
-      if (seeded != nullptr && seeded->op.kind == OpKind::kPublish && !seeded->result &&
+      if (seeded != nullptr && seeded->op.kind == OpKind::kPublish && seeded->seeded_outcome &&
           seeded->op.version == *version) {
         state = CopyState::kPublishing;
       } else if (seeded != nullptr && seeded->target == version) {
@@ -1932,6 +1930,26 @@ std::optional<ListSnapshot> Hub::snapshot(std::string_view model) const {
   auto found = models_.find(model);
   if (found == models_.end()) return std::nullopt;
   return *make_snapshot(*found->second);
+}
+
+HubActivity Hub::activity() const {
+  HubActivity activity;
+  for (const auto& [name, model] : models_) {
+    for (const auto& [id, transfer] : model->transfers) {
+      switch (transfer->reader->state) {
+        case CopyState::kGathering: ++activity.transfers_gathering; break;
+        case CopyState::kWaiting: ++activity.transfers_waiting; break;
+        default: ++activity.transfers_active; break;
+      }
+    }
+    for (const auto& [id, copy] : model->copies) {
+      activity.copies_draining += copy->state == CopyState::kDraining;
+      activity.copies_offloading += copy->state == CopyState::kOffloading;
+    }
+    activity.calls_unresolved += model->unresolved.size();
+    activity.calls_waiting += model->waits.size();
+  }
+  return activity;
 }
 
 bool Hub::retained(std::string_view model, Version version) const {

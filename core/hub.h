@@ -19,7 +19,8 @@
 //   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate
 //   list       immediate
 //   wait       when the predicate holds (or its timeout, or kVersionUnavailable)
-//   close      when the replica's copies have drained
+//   close      when the replica's copies have drained; a departure: no offload is made, since it
+//              would live in the memory of the process that leaves
 // Every call of a replica is a transaction: its shards get identical answers.
 #pragma once
 
@@ -58,6 +59,17 @@ struct HubStats {
   std::uint64_t evictions = 0;
 };
 
+// What is in flight right now (th-ctl, liveness checks).
+struct HubActivity {
+  std::size_t transfers_gathering = 0;  // waiting for the reader's shards to call
+  std::size_t transfers_waiting = 0;    // waiting for a source
+  std::size_t transfers_active = 0;
+  std::size_t copies_draining = 0;
+  std::size_t copies_offloading = 0;
+  std::size_t calls_unresolved = 0;     // replicate of a version that does not exist yet
+  std::size_t calls_waiting = 0;        // wait() whose predicate does not hold yet
+};
+
 class Hub {
  public:
   explicit Hub(HubSettings settings);
@@ -77,6 +89,7 @@ class Hub {
   std::optional<ListSnapshot> snapshot(std::string_view model) const;
   bool retained(std::string_view model, Version version) const;
   const HubStats& stats() const { return stats_; }
+  HubActivity activity() const;
   std::size_t client_count() const { return clients_.size(); }
 
   // Verifies every structural invariant; throws AssertionFailure naming the first that fails.

@@ -82,7 +82,7 @@ struct Contribution {
   bool safe_primary = false;    // complete, not failed, primary of a non-spot replica
   bool safe_offload = false;    // complete, not failed, offload
   bool potential = false;       // may serve now or soon: see Hub::contribution
-  bool seeding = false;         // kActive and receiving from another datacenter
+  bool seeding = false;         // kActive, not failed, receiving from another datacenter
 
   friend bool operator==(const Contribution&, const Contribution&) = default;
 };
@@ -159,6 +159,7 @@ struct Txn {
   ShardSet replied;
   TxnStage stage = TxnStage::kNew;
   bool seeded = false;
+  std::optional<Outcome> seeded_outcome;  // failover: what the shards that completed it were told
   std::optional<Outcome> result;       // once set, every expected shard gets exactly this
   std::optional<Version> target;       // replicate/update: the version settled on
   std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout

@@ -26,6 +26,33 @@ std::string_view update_status_name(UpdateStatus status) {
   return "unknown-status";
 }
 
+bool same_answer(const Outcome& a, const Outcome& b) {
+  if (a.index() != b.index()) return false;
+  return std::visit(
+      [&](const auto& left) {
+        using T = std::decay_t<decltype(left)>;
+        const T& right = std::get<T>(b);
+        if constexpr (std::is_same_v<T, Error>) {
+          return left.code == right.code;
+        } else if constexpr (std::is_same_v<T, OpenOk>) {
+          return left.num_shards == right.num_shards;
+        } else if constexpr (std::is_same_v<T, PublishOk>) {
+          return left.version == right.version;
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          return left.version == right.version && left.source_replica == right.source_replica;
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          return left.status == right.status && left.version == right.version &&
+                 left.source_replica == right.source_replica;
+        } else if constexpr (std::is_same_v<T, ListOk>) {
+          return left.snapshot == right.snapshot ||
+                 (left.snapshot && right.snapshot && *left.snapshot == *right.snapshot);
+        } else {
+          return true;  // UnpublishOk, WaitOk, CloseOk carry nothing
+        }
+      },
+      a);
+}
+
 OpKind op_kind(const RequestBody& body) {
   struct Visitor {
     OpKind operator()(const OpenRequest&) const {

@@ -15,6 +15,71 @@
 
 namespace th {
 
+enum class UpdateStatus : std::uint8_t { kUpdated, kNoNewerVersion, kNotYet };
+std::string_view update_status_name(UpdateStatus status);
+
+// ---- Answers ---------------------------------------------------------------------------------------
+
+enum class CopyKind : std::uint8_t { kPrimary, kOffload };
+
+struct ListSnapshot {
+  struct VersionInfo {
+    Version version = 0;
+    std::uint32_t complete = 0;  // complete copies (primary and offload)
+    std::uint32_t partial = 0;   // copies being published or received
+    bool retained = false;
+    bool offloaded = false;
+    friend bool operator==(const VersionInfo&, const VersionInfo&) = default;
+  };
+  struct ReplicaInfo {
+    std::string name;
+    std::uint64_t incarnation = 0;
+    std::string datacenter;
+    bool spot = false;
+    std::string role;
+    std::uint32_t num_shards = 0;
+    std::string state;  // "empty", "publishing", "receiving", "waiting", "complete", "draining", …
+    std::optional<Version> version;
+    std::uint32_t serving = 0;  // transfers this replica's copies serve now
+    std::vector<Version> offloads;
+    friend bool operator==(const ReplicaInfo&, const ReplicaInfo&) = default;
+  };
+  std::string model;
+  std::optional<Version> latest;
+  std::vector<VersionInfo> versions;
+  std::vector<ReplicaInfo> replicas;
+  friend bool operator==(const ListSnapshot&, const ListSnapshot&) = default;
+};
+
+struct OpenOk {
+  std::uint32_t num_shards = 0;
+  std::optional<Version> latest;
+};
+struct PublishOk {
+  Version version = 0;
+};
+struct UnpublishOk {};
+struct ReplicateOk {
+  Version version = 0;
+  std::string source_replica;
+};
+struct UpdateOk {
+  UpdateStatus status = UpdateStatus::kNoNewerVersion;
+  Version version = 0;  // the version now held (kUpdated) or the one still held
+  std::string source_replica;
+};
+struct ListOk {
+  std::shared_ptr<const ListSnapshot> snapshot;
+};
+struct WaitOk {};
+struct CloseOk {};
+
+using Outcome = std::variant<Error, OpenOk, PublishOk, UnpublishOk, ReplicateOk, UpdateOk, ListOk,
+                             WaitOk, CloseOk>;
+// Whether two answers are the same answer (replica consistency): same kind, same error code, same
+// versions and sources, same listing. Error details (free text) do not count.
+bool same_answer(const Outcome& a, const Outcome& b);
+
 // ---- Requests: numbered per shard, matched across the shards of a replica ---------------------------
 
 struct WaitPredicate {
@@ -36,8 +101,6 @@ enum class OpKind : std::uint8_t {
 };
 std::string_view op_name(OpKind kind);
 
-enum class UpdateStatus : std::uint8_t { kUpdated, kNoNewerVersion, kNotYet };
-std::string_view update_status_name(UpdateStatus status);
 
 // What identifies "the same operation" for replica transactions: two shards calling with different
 // OpKeys at the same sequence number have diverged.
@@ -57,13 +120,12 @@ struct HeldCopy {
   ChecksumsRef checksums;
 };
 
-// The group-level result of a transaction, as a client remembers it for failover (see Resume).
+// The last call a shard completed and the answer it got, as the client remembers it for failover
+// (see Resume).
 struct TxnRecord {
   std::uint64_t seq = 0;
   OpKey op;
-  std::optional<Errc> error;  // the call failed with this code
-  Version version = 0;        // publish/replicate/update: the version it settled on
-  UpdateStatus update_status = UpdateStatus::kUpdated;
+  Outcome outcome;
 };
 
 // Sent with `open` by a client that was connected to a previous server (failover) or was evicted:
@@ -154,60 +216,6 @@ struct Tick {};
 using Input = std::variant<Request, Report, ConnectionLost, Tick>;
 
 // ---- Effects ---------------------------------------------------------------------------------------
-
-enum class CopyKind : std::uint8_t { kPrimary, kOffload };
-
-struct ListSnapshot {
-  struct VersionInfo {
-    Version version = 0;
-    std::uint32_t complete = 0;  // complete copies (primary and offload)
-    std::uint32_t partial = 0;   // copies being published or received
-    bool retained = false;
-    bool offloaded = false;
-  };
-  struct ReplicaInfo {
-    std::string name;
-    std::uint64_t incarnation = 0;
-    std::string datacenter;
-    bool spot = false;
-    std::string role;
-    std::uint32_t num_shards = 0;
-    std::string state;  // "empty", "publishing", "receiving", "waiting", "complete", "draining", …
-    std::optional<Version> version;
-    std::uint32_t serving = 0;  // transfers this replica's copies serve now
-    std::vector<Version> offloads;
-  };
-  std::string model;
-  std::optional<Version> latest;
-  std::vector<VersionInfo> versions;
-  std::vector<ReplicaInfo> replicas;
-};
-
-struct OpenOk {
-  std::uint32_t num_shards = 0;
-  std::optional<Version> latest;
-};
-struct PublishOk {
-  Version version = 0;
-};
-struct UnpublishOk {};
-struct ReplicateOk {
-  Version version = 0;
-  std::string source_replica;
-};
-struct UpdateOk {
-  UpdateStatus status = UpdateStatus::kNoNewerVersion;
-  Version version = 0;  // the version now held (kUpdated) or the one still held
-  std::string source_replica;
-};
-struct ListOk {
-  std::shared_ptr<const ListSnapshot> snapshot;
-};
-struct WaitOk {};
-struct CloseOk {};
-
-using Outcome = std::variant<Error, OpenOk, PublishOk, UnpublishOk, ReplicateOk, UpdateOk, ListOk,
-                             WaitOk, CloseOk>;
 
 struct Reply {
   std::uint64_t seq = 0;

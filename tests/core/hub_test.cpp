@@ -855,7 +855,7 @@ TEST(HubFailover, ShardsBehindTheFailoverGetTheAnswerTheOthersGot) {
   record.seq = 8;
   record.op.kind = OpKind::kReplicate;
   record.op.selector = Selector::latest(1);
-  record.version = 4;
+  record.outcome = ReplicateOk{4, "old"};
   const ClientId shard0 = driver.new_client();
   const ClientId shard1 = driver.new_client();
   driver.open(shard0, resume_request(driver, spec, 0, 4, record), 8);

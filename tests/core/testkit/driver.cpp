@@ -2,9 +2,91 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <iostream>
 #include <sstream>
 
 namespace th::test {
+
+namespace {
+
+// TH_TRACE=1 prints every input and effect: the way to read a failing property case.
+bool tracing() {
+  static const bool enabled = std::getenv("TH_TRACE") != nullptr;
+  return enabled;
+}
+
+std::string describe_input(const Input& input) {
+  std::ostringstream out;
+  std::visit(
+      [&](const auto& in) {
+        using T = std::decay_t<decltype(in)>;
+        if constexpr (std::is_same_v<T, Request>) {
+          out << "request c" << in.client << " #" << in.seq << " ";
+          if (const auto* open = std::get_if<OpenRequest>(&in.body)) {
+            out << "open " << open->replica << "/" << open->shard << " inc " << open->incarnation
+                << (open->resume ? " resume" : "");
+          } else if (const auto* publish = std::get_if<PublishRequest>(&in.body)) {
+            out << "publish " << publish->version;
+          } else if (const auto* replicate = std::get_if<ReplicateRequest>(&in.body)) {
+            out << "replicate " << format_selector(replicate->selector);
+          } else if (const auto* update = std::get_if<UpdateRequest>(&in.body)) {
+            out << "update " << format_selector(update->selector);
+          } else {
+            out << op_name(op_kind(in.body));
+          }
+        } else if constexpr (std::is_same_v<T, Report>) {
+          out << "report c" << in.client << " ";
+          if (const auto* done = std::get_if<TransferDone>(&in.body)) {
+            out << "done t" << done->transfer << "/" << done->epoch;
+          } else if (const auto* failed = std::get_if<TransferFailed>(&in.body)) {
+            out << "failed t" << failed->transfer << "/" << failed->epoch;
+          } else if (const auto* offloaded = std::get_if<OffloadDone>(&in.body)) {
+            out << "offload-done " << offloaded->version;
+          } else {
+            out << "heartbeat";
+          }
+        } else if constexpr (std::is_same_v<T, ConnectionLost>) {
+          out << "connection-lost c" << in.client;
+        } else {
+          out << "tick";
+        }
+      },
+      input);
+  return out.str();
+}
+
+std::string describe_effect(const Effect& effect) {
+  std::ostringstream out;
+  out << "  -> c" << effect.client << " ";
+  std::visit(
+      [&](const auto& message) {
+        using T = std::decay_t<decltype(message)>;
+        if constexpr (std::is_same_v<T, Reply>) {
+          out << "reply #" << message.seq << " " << describe(message.outcome);
+        } else if constexpr (std::is_same_v<T, StartRead>) {
+          out << "start-read t" << message.transfer << "/" << message.epoch << " v"
+              << message.version << " from " << message.source.replica
+              << (message.source.kind == CopyKind::kOffload ? " (offload)" : "")
+              << (message.source.partial ? " (partial)" : "");
+        } else if constexpr (std::is_same_v<T, ServeRead>) {
+          out << "serve t" << message.transfer << "/" << message.epoch << " v" << message.version
+              << " to " << message.reader_replica;
+        } else if constexpr (std::is_same_v<T, StopServing>) {
+          out << "stop-serving t" << message.transfer << "/" << message.epoch;
+        } else if constexpr (std::is_same_v<T, Offload>) {
+          out << "offload v" << message.version;
+        } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+          out << "release-offload v" << message.version;
+        } else {
+          out << "evicted " << errc_name(message.reason) << ": " << message.detail;
+        }
+      },
+      effect.message);
+  return out.str();
+}
+
+}  // namespace
 
 LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes) {
   std::vector<TensorSpec> tensors = {
@@ -55,16 +137,36 @@ bool is_error(const Outcome& outcome, Errc code) {
 }
 
 Driver::Driver(HubSettings settings)
-    : hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
+    : settings_(settings), hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
 
 #ifdef TH_CANARY
 Driver::Driver(HubSettings settings, CanaryBugs bugs)
-    : hub_(std::make_unique<Hub>(settings, bugs)), observer_(settings.fanout_max) {}
+    : settings_(settings),
+      bugs_(bugs),
+      hub_(std::make_unique<Hub>(settings, bugs)),
+      observer_(settings.fanout_max) {}
 #endif
+
+void Driver::restart_server() {
+#ifdef TH_CANARY
+  hub_ = std::make_unique<Hub>(settings_, bugs_);
+#else
+  hub_ = std::make_unique<Hub>(settings_);
+#endif
+  observer_.on_server_reset();
+  inboxes_.clear();
+  seqs_.clear();
+}
 
 void Driver::step(const Input& input) {
   Effects effects;
+  const bool heartbeat = std::holds_alternative<Report>(input) &&
+                         std::holds_alternative<Heartbeat>(std::get<Report>(input).body);
+  if (tracing() && !heartbeat) std::cerr << now_ms_ << " " << describe_input(input) << "\n";
   hub_->step(input, now_ms_, effects);
+  if (tracing()) {
+    for (const Effect& effect : effects) std::cerr << describe_effect(effect) << "\n";
+  }
   hub_->check_invariants();
   observer_.on_effects(effects);
   for (const std::string& name : model_names_) observer_.on_latest(name, hub_->latest(name));

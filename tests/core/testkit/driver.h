@@ -49,6 +49,9 @@ class Driver {
 #endif
 
   Hub& hub() { return *hub_; }
+  // Server failover: a fresh hub with the same settings replaces the old one. Inboxes and sequence
+  // numbers of the old clients are dropped; clients re-open under new ids.
+  void restart_server();
   Observer& observer() { return observer_; }
   TimeMs now_ms() const { return now_ms_; }
 
@@ -84,6 +87,10 @@ class Driver {
  private:
   void route(const Effects& effects);
 
+  HubSettings settings_;
+#ifdef TH_CANARY
+  CanaryBugs bugs_;
+#endif
   std::unique_ptr<Hub> hub_;
   Observer observer_;
   TimeMs now_ms_ = 0;

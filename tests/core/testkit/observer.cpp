@@ -81,12 +81,12 @@ void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& bo
   auto found = clients_.find(client);
   if (found == clients_.end() || !found->second.bound) return;
   ReplicaInfo& replica = replicas_[found->second.replica_key];
-  if (std::holds_alternative<UnpublishRequest>(body) || std::holds_alternative<CloseRequest>(body)) {
-    replica.leaving = true;
-  } else if (std::holds_alternative<UpdateRequest>(body)) {
-    replica.leaving = true;
-    replica.pending_update_seqs.insert(seq);
-  }
+  const bool unpublish = std::holds_alternative<UnpublishRequest>(body);
+  const bool update = std::holds_alternative<UpdateRequest>(body);
+  if (!unpublish && !update && !std::holds_alternative<CloseRequest>(body)) return;
+  if (!replica.leaving) replica.leaving_rules = rules_epoch_[replica.model];
+  replica.leaving = true;
+  if (update) replica.pending_update_seqs.insert(seq);
 }
 
 void Observer::on_report(ClientId client, const ReportBody& body) {
@@ -100,7 +100,7 @@ void Observer::on_report(ClientId client, const ReportBody& body) {
       const std::string source_key = replica.model + "/" + read->second.source.replica + "#" +
                                      std::to_string(read->second.source.incarnation);
       if (auto source = replicas_.find(source_key); source != replicas_.end()) {
-        source->second.failed = true;
+        source->second.failed = read->second.version;
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
@@ -138,14 +138,15 @@ std::size_t Observer::safe_holders(const std::string& model, Version version,
 }
 
 void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
-  if (replica.held && !replica.spot && retained(replica.model, *replica.held) &&
+  const bool rules_unchanged = replica.leaving_rules == rules_epoch_[replica.model];
+  if (replica.held && !replica.spot && rules_unchanged && retained(replica.model, *replica.held) &&
       safe_holders(replica.model, *replica.held, &replica) == 0) {
     violation("retention: " + replica.name + " stopped holding retained version " +
               std::to_string(*replica.held) + " (" + why +
               ") while no other non-spot replica or offload copy held it");
   }
   replica.held.reset();
-  replica.failed = false;
+  replica.failed.reset();
 }
 
 void Observer::drop_grants_of(ClientId client) {
@@ -171,7 +172,10 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   if (reply.seq == info.open_seq && !info.bound) {
     // The answer to an open: not a transaction of the replica.
     info.bound = std::holds_alternative<OpenOk>(reply.outcome);
-    if (info.bound) on_opened(client, info, replica);
+    if (info.bound) {
+      if (info.retention != Retention{}) ++rules_epoch_[replica.model];
+      on_opened(client, info, replica);
+    }
     return;
   }
   const bool first = !answers_.contains({info.replica_key, reply.seq});
@@ -196,9 +200,10 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   if (!first) return;
   // State changes, once per call of the replica.
   auto completed = [&](Version version) {
+    // A copy marked failed while it was still receiving stays failed once complete.
+    if (replica.failed != version) replica.failed.reset();
     replica.held = version;
     replica.leaving = false;
-    replica.failed = false;
     Version& latest = latest_completed_[replica.model];
     latest = std::max(latest, version);
   };
@@ -218,7 +223,8 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     stop_holding(replica, "unpublish");
     replica.leaving = false;
   } else if (std::holds_alternative<CloseOk>(outcome)) {
-    stop_holding(replica, "close");
+    // A departure, like a crash: an offload would live in the memory of the process that leaves.
+    replica.held.reset();
     replica.offloads.clear();
   } else if (std::holds_alternative<Error>(outcome)) {
     if (replica.pending_update_seqs.erase(reply.seq) > 0 || replica.held) replica.leaving = false;
@@ -328,7 +334,7 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
     for (const auto& [key, other] : replicas_) {
       if (&other == &reader || other.model != reader.model) continue;
       if (other.datacenter == reader.datacenter && other.held == read.version && !other.leaving &&
-          !other.failed) {
+          other.failed != read.version) {
         violation("topology: " + info.replica_key + " reads version " +
                   std::to_string(read.version) + " from datacenter '" + read.source.datacenter +
                   "' although " + other.name + " holds it in '" + reader.datacenter + "'");
@@ -357,7 +363,7 @@ void Observer::on_server_reset() {
     replica.offloads.clear();
     replica.offload_reports.clear();
     replica.leaving = false;
-    replica.failed = false;
+    replica.failed.reset();
     replica.pending_update_seqs.clear();
   }
   for (auto& [client, info] : clients_) info.bound = false;

@@ -4,8 +4,9 @@
 //
 //   integrity    no grant to read a replica's buffer is active when the replica is told its
 //                unpublish/close returned, or is told to overwrite that buffer, or to free an offload
-//   retention    when a non-spot holder of a retained version stops holding it by its own call, some
-//                other non-spot holder or an offload copy still holds it
+//   retention    when a non-spot holder of a retained version stops holding it by unpublish or update,
+//                some other non-spot holder or an offload copy still holds it (close and crashes are
+//                departures: what the leaving process held goes with it)
 //   consistency  the shards of a replica get equal answers to the same call
 //   load         a source shard serves at most fanout_max transfers at once
 //   topology     a reader is sent to another datacenter only when no complete, healthy copy is in its own
@@ -53,7 +54,8 @@ class Observer {
     std::uint32_t num_shards = 1;
     std::optional<Version> held;     // complete copy, as the replies said
     bool leaving = false;            // an unpublish/update/close may be draining the held copy
-    bool failed = false;             // a reader reported it could not read the held copy
+    std::uint64_t leaving_rules = 0; // the model's rules_epoch_ when that call was made
+    std::optional<Version> failed;   // a reader could not read this replica's copy of this version
     std::map<Version, std::set<std::uint32_t>> offload_reports;
     std::set<Version> offloads;      // complete offload copies
     std::set<std::uint64_t> pending_update_seqs;
@@ -83,6 +85,9 @@ class Observer {
   std::map<ClientId, Resume> announced_;                          // what resumed clients announced
   std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
   std::map<std::string, Version> latest_completed_;  // per model, from replies
+  // Counts opens that added a retention rule, per model. The hub decides on an offload while a call
+  // runs; a rule added meanwhile may or may not have counted, so such a call is not judged.
+  std::map<std::string, std::uint64_t> rules_epoch_;
   std::map<std::string, std::optional<Version>> hub_latest_;
   std::vector<std::string> violations_;
 };

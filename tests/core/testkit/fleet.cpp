@@ -1,0 +1,608 @@
+#include "tests/core/testkit/fleet.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace th::test {
+
+namespace {
+
+// Fleet tests use a short heartbeat timeout so that a few ticks evict a crashed replica.
+constexpr TimeMs kHeartbeatTimeoutMs = 1000;
+constexpr TimeMs kBarrierTimeoutMs = 2000;
+constexpr std::size_t kProgramBacklogMax = 8;
+constexpr int kHealRoundsMax = 400;
+
+[[noreturn]] void fail(const std::string& what) { throw AssertionFailure("fleet: " + what); }
+
+}  // namespace
+
+std::ostream& operator<<(std::ostream& out, const FleetSpec& spec) {
+  out << "settings{pipeline=" << spec.settings.pipeline << " fanout=" << spec.settings.fanout_max
+      << " smart_skipping=" << spec.settings.smart_skipping << "} faults=" << spec.faults
+      << " closes=" << spec.closes;
+  for (const auto& model : spec.models) out << " model " << model.name << "/" << model.num_shards;
+  for (const auto& replica : spec.replicas) {
+    out << " replica " << replica.name << "{" << spec.models[replica.model].name << " "
+        << replica.datacenter << (replica.spot ? " spot" : "") << (replica.trainer ? " trainer" : "");
+    if (replica.retention.keep_latest) out << " keep-latest-" << *replica.retention.keep_latest;
+    for (Version pinned : replica.retention.pinned) out << " pin-" << pinned;
+    out << "}";
+  }
+  return out;
+}
+
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
+  return rc::gen::exec([faults, closes] {
+    FleetSpec spec;
+    spec.faults = faults;
+    spec.closes = closes;
+    spec.settings.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
+    spec.settings.barrier_timeout_ms = kBarrierTimeoutMs;
+    spec.settings.pipeline = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
+    spec.settings.fanout_max = spec.settings.pipeline
+                                   ? *rc::gen::weightedElement<std::uint32_t>({{3, 1}, {1, 2}})
+                                   : *rc::gen::inRange<std::uint32_t>(1, 4);
+    spec.settings.smart_skipping = *rc::gen::arbitrary<bool>();
+    const int models = *rc::gen::inRange(1, 3);
+    for (int m = 0; m < models; ++m) {
+      spec.models.push_back({"m" + std::to_string(m), *rc::gen::inRange<std::uint32_t>(1, 4)});
+    }
+    const int replicas = *rc::gen::inRange(2, 7);
+    for (int i = 0; i < replicas; ++i) {
+      FleetSpec::ReplicaSpec replica;
+      replica.model = static_cast<std::uint32_t>(i % models);
+      replica.name = "r" + std::to_string(i);
+      replica.trainer = i < models;
+      replica.datacenter = *rc::gen::element<std::string>("dc0", "dc1");
+      replica.spot = *rc::gen::weightedElement<bool>({{3, false}, {1, true}});
+      if (*rc::gen::arbitrary<bool>()) {
+        replica.retention.keep_latest = *rc::gen::inRange<std::uint64_t>(0, 3);
+      }
+      if (*rc::gen::weightedElement<bool>({{4, false}, {1, true}})) {
+        replica.retention.pinned.push_back(*rc::gen::inRange<Version>(1, 4));
+      }
+      spec.replicas.push_back(std::move(replica));
+    }
+    return spec;
+  });
+}
+
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  static constexpr const char* kNames[] = {"plan",  "step", "step-all", "finish-read", "fail-read",
+                                           "offload", "crash", "tick",  "diverge",   "failover"};
+  static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
+                                         "list",    "wait",      "close"};
+  out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
+  if (action.kind == Action::Kind::kPlan) out << "=" << kOps[action.b % 7];
+  out << "," << action.c << "," << action.d << (action.go ? ",go" : "") << ")";
+  return out;
+}
+
+rc::Gen<Action> gen_action(const FleetSpec& spec) {
+  const std::size_t faults = spec.faults ? 1 : 0;
+  const std::size_t closes = spec.closes ? 1 : 0;
+  const auto replicas = static_cast<std::uint32_t>(spec.replicas.size());
+  return rc::gen::exec([=, spec = spec] {
+    Action action;
+    action.kind = *rc::gen::weightedElement<Action::Kind>({
+        {20, Action::Kind::kPlan},
+        {12, Action::Kind::kStep},
+        {14, Action::Kind::kStepAll},
+        {16, Action::Kind::kFinishRead},
+        {2 * faults, Action::Kind::kFailRead},
+        {6, Action::Kind::kOffload},
+        {2 * faults, Action::Kind::kCrash},
+        {5, Action::Kind::kTick},
+        {1 * closes, Action::Kind::kDiverge},
+        {1 * faults, Action::Kind::kFailover},
+    });
+    action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
+    const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
+    switch (action.kind) {
+      case Action::Kind::kPlan:
+        // Ops: 0 publish, 1 unpublish, 2 replicate, 3 update, 4 list, 5 wait, 6 close.
+        if (spec.replicas[action.a].trainer) {
+          action.b = *rc::gen::weightedElement<std::uint32_t>(
+              {{9, 0}, {7, 1}, {1, 2}, {1, 3}, {1, 4}, {2, 5}, {1 * closes, 6}});
+        } else {
+          action.b = *rc::gen::weightedElement<std::uint32_t>(
+              {{1, 0}, {2, 1}, {5, 2}, {9, 3}, {1, 4}, {1, 5}, {1 * closes, 6}});
+        }
+        action.c = *rc::gen::weightedElement<std::uint32_t>({{2, 0}, {5, 1}, {1, 2}, {1, 3}});
+        action.d = *rc::gen::inRange<std::uint32_t>(0, 4);
+        action.go = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
+        break;
+      case Action::Kind::kStep:
+      case Action::Kind::kDiverge:
+        action.b = *rc::gen::inRange<std::uint32_t>(0, shards);
+        break;
+      case Action::Kind::kFinishRead:
+      case Action::Kind::kFailRead:
+      case Action::Kind::kOffload:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, 8);
+        break;
+      case Action::Kind::kCrash:
+        action.b = *rc::gen::inRange<std::uint32_t>(0, 2);
+        break;
+      case Action::Kind::kTick:
+        action.a = *rc::gen::inRange<std::uint32_t>(1, 16);
+        break;
+      default:
+        break;
+    }
+    return action;
+  });
+}
+
+Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings) { init(); }
+
+#ifdef TH_CANARY
+Fleet::Fleet(const FleetSpec& spec, CanaryBugs bugs) : spec_(spec), driver_(spec.settings, bugs) {
+  init();
+}
+#endif
+
+void Fleet::init() {
+  runs_.resize(spec_.replicas.size());
+  for (std::size_t i = 0; i < runs_.size(); ++i) {
+    runs_[i].shards.resize(spec_.models[spec_.replicas[i].model].num_shards);
+  }
+}
+
+void Fleet::apply(const Action& action) {
+  switch (action.kind) {
+    case Action::Kind::kPlan:
+      plan(action.a, action.b, action.c, action.d);
+      if (action.go) apply(Action{Action::Kind::kStepAll, action.a, 0, 0, 0, false});
+      break;
+    case Action::Kind::kStep:
+      step(action.a, action.b);
+      break;
+    case Action::Kind::kStepAll:
+      for (std::uint32_t shard = 0; shard < runs_[action.a].shards.size(); ++shard) {
+        step(action.a, shard);
+        pump();
+      }
+      break;
+    case Action::Kind::kFinishRead:
+    case Action::Kind::kFailRead: {
+      auto reads = outstanding_reads();
+      std::erase_if(reads, [&](const auto& entry) {
+        // A crashed source serves nothing: its reads can only fail.
+        return action.kind == Action::Kind::kFinishRead && crashed_source(entry.second);
+      });
+      if (reads.empty()) break;
+      const auto [client, read] = reads[action.a % reads.size()];
+      driver_.inbox(client).reads.erase(read.transfer);
+      const auto [replica, shard] = owners_.at(client);
+      coverage_.pipelined_reads += read.source.partial;
+      coverage_.cross_dc_reads += read.source.datacenter != spec_.replicas[replica].datacenter;
+      if (action.kind == Action::Kind::kFinishRead) {
+        ++coverage_.reads_done;
+        driver_.report(client, TransferDone{read.transfer, read.epoch});
+      } else {
+        ++coverage_.reads_failed;
+        driver_.report(client, TransferFailed{read.transfer, read.epoch,
+                                              ReadFailure::kSourceUnreachable});
+      }
+      break;
+    }
+    case Action::Kind::kOffload: {
+      const auto offloads = outstanding_offloads();
+      if (offloads.empty()) break;
+      const auto [client, version] = offloads[action.a % offloads.size()];
+      auto& pending = driver_.inbox(client).offloads;
+      pending.erase(std::find(pending.begin(), pending.end(), version));
+      const auto [replica, shard] = owners_.at(client);
+      runs_[replica].shards[shard].offloads[version] =
+          HeldCopy{version, layout_for(shard), checksums_for(version, shard)};
+      ++coverage_.offloads;
+      driver_.report(client, OffloadDone{version});
+      break;
+    }
+    case Action::Kind::kCrash: {
+      ReplicaRun& run = runs_[action.a];
+      if (run.crashed) break;
+      run.crashed = true;
+      if (action.b == 1 && run.shards[0].client != 0) driver_.lose_connection(run.shards[0].client);
+      break;
+    }
+    case Action::Kind::kTick:
+      driver_.advance(static_cast<TimeMs>(action.a) * 100, silent_clients());
+      break;
+    case Action::Kind::kDiverge:
+      step(action.a, action.b, /*diverge=*/true);
+      break;
+    case Action::Kind::kFailover:
+      failover();
+      break;
+  }
+  pump();
+}
+
+void Fleet::plan(std::uint32_t replica, std::uint32_t op, std::uint32_t p1, std::uint32_t p2) {
+  ReplicaRun& run = runs_[replica];
+  std::size_t slowest = run.program.size();
+  for (const ShardRun& shard : run.shards) slowest = std::min(slowest, shard.next_op);
+  if (run.program.size() - slowest >= kProgramBacklogMax) return;
+  const std::string& model = spec_.models[spec_.replicas[replica].model].name;
+  const Version latest = driver_.hub().latest(model).value_or(0);
+  PlannedOp planned;
+  planned.kind = static_cast<OpKind>(op % 7);
+  switch (planned.kind) {
+    case OpKind::kPublish:
+      planned.version = p1 < 3 ? latest + p1 : p2 + 1;
+      break;
+    case OpKind::kReplicate:
+      planned.selector = p1 == 0   ? Selector::latest()
+                         : p1 == 1 ? Selector::latest(1)
+                                   : Selector::absolute(latest + p2 > 0 ? latest + p2 - 1 : 0);
+      planned.timeout_ms = p1 == 3 ? 1500 : 0;
+      break;
+    case OpKind::kUpdate:
+      planned.selector = p1 < 3 ? Selector::latest() : Selector::latest(1);
+      break;
+    case OpKind::kWait:
+      planned.predicate.kind = static_cast<WaitPredicate::Kind>(p1 % 3);
+      planned.predicate.version = planned.predicate.kind == WaitPredicate::Kind::kVersionAtLeast
+                                      ? latest + 1
+                                      : std::max<Version>(latest, 1);
+      planned.predicate.replicas_min = p2 % 3 + 1;
+      planned.predicate.role = "rollout";
+      planned.timeout_ms = p2 % 2 == 0 ? 1000 : 0;
+      break;
+    default:
+      break;
+  }
+  run.program.push_back(planned);
+}
+
+RequestBody Fleet::body_for(const PlannedOp& op, std::uint32_t shard) const {
+  switch (op.kind) {
+    case OpKind::kPublish:
+      return PublishRequest{op.version, layout_for(shard), checksums_for(op.version, shard)};
+    case OpKind::kUnpublish:
+      return UnpublishRequest{};
+    case OpKind::kReplicate:
+      return ReplicateRequest{op.selector, layout_for(shard), op.timeout_ms};
+    case OpKind::kUpdate:
+      return UpdateRequest{op.selector, layout_for(shard)};
+    case OpKind::kList:
+      return ListRequest{};
+    case OpKind::kWait:
+      return WaitRequest{op.predicate, op.timeout_ms};
+    case OpKind::kClose:
+      return CloseRequest{};
+  }
+  fail("unknown op");
+}
+
+OpenRequest Fleet::open_request(std::uint32_t replica, std::uint32_t shard) const {
+  const FleetSpec::ReplicaSpec& spec = spec_.replicas[replica];
+  OpenRequest request;
+  request.model = spec_.models[spec.model].name;
+  request.replica = spec.name;
+  request.incarnation = runs_[replica].incarnation;
+  request.shard = shard;
+  request.num_shards = static_cast<std::uint32_t>(runs_[replica].shards.size());
+  request.datacenter = spec.datacenter;
+  request.spot = spec.spot;
+  request.role = spec.trainer ? "trainer" : "rollout";
+  request.retention = spec.retention;
+  request.data_endpoint = "tcp://" + spec.name + "/" + std::to_string(shard);
+  request.resume = runs_[replica].shards[shard].resume;
+  return request;
+}
+
+void Fleet::open_shard(std::uint32_t replica, std::uint32_t shard) {
+  ShardRun& run = runs_[replica].shards[shard];
+  run.client = driver_.new_client();
+  run.opened = false;
+  run.open_seq = run.last_seq;
+  owners_[run.client] = {replica, shard};
+  driver_.open(run.client, open_request(replica, shard), run.open_seq);
+}
+
+void Fleet::restart(std::uint32_t replica) {
+  ReplicaRun& run = runs_[replica];
+  ++run.incarnation;
+  run.crashed = false;
+  run.program.clear();
+  for (ShardRun& shard : run.shards) shard = ShardRun{};
+}
+
+void Fleet::step(std::uint32_t replica, std::uint32_t shard_index, bool diverge) {
+  ReplicaRun& run = runs_[replica];
+  if (run.crashed) restart(replica);  // the replica's process comes back
+  ShardRun& shard = run.shards[shard_index];
+  if (shard.client == 0) {
+    open_shard(replica, shard_index);
+    return;
+  }
+  if (!shard.opened || shard.pending_seq) return;
+  if (shard.next_op >= run.program.size()) return;
+  if (diverge) {
+    if (run.program[shard.next_op].kind == OpKind::kList) return;
+    shard.pending_diverged = true;
+    shard.pending_seq = driver_.call(shard.client, ListRequest{});
+    return;
+  }
+  shard.wrote_buffers = false;
+  shard.pending_seq = driver_.call(shard.client, body_for(run.program[shard.next_op], shard_index));
+}
+
+void Fleet::pump() {
+  std::set<std::uint32_t> evicted;
+  for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+    ReplicaRun& run = runs_[replica];
+    if (run.crashed) continue;
+    for (std::uint32_t index = 0; index < run.shards.size(); ++index) {
+      ShardRun& shard = run.shards[index];
+      if (shard.client == 0) continue;
+      Inbox& box = driver_.inbox(shard.client);
+      if (!box.evictions.empty()) evicted.insert(replica);
+      if (shard.pending_seq && !box.reads.empty()) shard.wrote_buffers = true;
+      for (Version version : box.releases) shard.offloads.erase(version);
+      box.releases.clear();
+      while (auto reply = driver_.take_reply(shard.client)) {
+        on_reply(replica, index, *reply);
+        if (shard.client == 0) break;
+      }
+    }
+  }
+  for (std::uint32_t replica : evicted) restart(replica);
+  coverage_.evictions += evicted.size();
+  // A replica whose shards all closed leaves; it may come back as a new incarnation.
+  for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+    ReplicaRun& run = runs_[replica];
+    const bool all_closed = std::all_of(run.shards.begin(), run.shards.end(),
+                                        [](const ShardRun& shard) { return shard.closed; });
+    if (all_closed) restart(replica);
+  }
+}
+
+void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& reply) {
+  ReplicaRun& run = runs_[replica];
+  ShardRun& shard = run.shards[index];
+  if (!shard.opened) {
+    if (reply.seq != shard.open_seq) return;
+    if (std::holds_alternative<OpenOk>(reply.outcome)) {
+      shard.opened = true;
+      shard.resume.reset();
+    } else {
+      restart(replica);  // a failed (re-)open: start over as a new incarnation
+    }
+    return;
+  }
+  if (!shard.pending_seq || reply.seq != *shard.pending_seq) return;
+  shard.pending_seq.reset();
+  const bool diverged = std::exchange(shard.pending_diverged, false);
+  if (const auto* error = std::get_if<Error>(&reply.outcome)) {
+    switch (error->code) {
+      case Errc::kReplicaEvicted:
+      case Errc::kDivergentCall:
+      case Errc::kReplicaClosed:
+      case Errc::kUnknownClient:
+        return;  // the eviction notice restarts the replica
+      default:
+        break;
+    }
+  }
+  const std::string& model = spec_.models[spec_.replicas[replica].model].name;
+  const bool spot = spec_.replicas[replica].spot;
+  auto hold = [&](Version version) {
+    shard.held = HeldCopy{version, layout_for(index), checksums_for(version, index)};
+    if (!spot) completed_[model].insert(version);
+  };
+  TxnRecord record;
+  record.seq = reply.seq;
+  record.outcome = reply.outcome;
+  if (!diverged) {
+    const PlannedOp& op = run.program[shard.next_op];
+    static constexpr th::OpKind kKinds[] = {th::OpKind::kPublish, th::OpKind::kUnpublish,
+                                            th::OpKind::kReplicate, th::OpKind::kUpdate,
+                                            th::OpKind::kList,    th::OpKind::kWait,
+                                            th::OpKind::kClose};
+    record.op.kind = kKinds[static_cast<int>(op.kind)];
+    if (op.kind == OpKind::kPublish) record.op.version = op.version;
+    if (op.kind == OpKind::kReplicate || op.kind == OpKind::kUpdate) record.op.selector = op.selector;
+    if (op.kind == OpKind::kWait) record.op.predicate = op.predicate;
+  }
+  std::visit(
+      [&](const auto& outcome) {
+        using T = std::decay_t<decltype(outcome)>;
+        if constexpr (std::is_same_v<T, Error>) {
+          coverage_.unavailable += outcome.code == Errc::kVersionUnavailable;
+          if (shard.wrote_buffers) shard.held.reset();
+        } else if constexpr (std::is_same_v<T, PublishOk>) {
+          hold(outcome.version);
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          hold(outcome.version);
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          if (outcome.status == UpdateStatus::kUpdated) hold(outcome.version);
+        } else if constexpr (std::is_same_v<T, UnpublishOk>) {
+          shard.held.reset();
+        } else if constexpr (std::is_same_v<T, CloseOk>) {
+          shard.held.reset();
+          shard.offloads.clear();
+          shard.closed = true;
+        }
+      },
+      reply.outcome);
+  shard.last_seq = reply.seq;
+  driver_.inbox(shard.client).reads.clear();
+  if (diverged) return;
+  shard.last_txn = record;
+  ++shard.next_op;
+}
+
+std::vector<std::pair<ClientId, StartRead>> Fleet::outstanding_reads() {
+  std::vector<std::pair<ClientId, StartRead>> reads;
+  for (const ReplicaRun& run : runs_) {
+    if (run.crashed) continue;
+    for (const ShardRun& shard : run.shards) {
+      if (shard.client == 0) continue;
+      for (const auto& [transfer, read] : driver_.inbox(shard.client).reads) {
+        reads.emplace_back(shard.client, read);
+      }
+    }
+  }
+  return reads;
+}
+
+std::vector<std::pair<ClientId, Version>> Fleet::outstanding_offloads() {
+  std::vector<std::pair<ClientId, Version>> offloads;
+  for (const ReplicaRun& run : runs_) {
+    if (run.crashed) continue;
+    for (const ShardRun& shard : run.shards) {
+      if (shard.client == 0) continue;
+      for (Version version : driver_.inbox(shard.client).offloads) {
+        offloads.emplace_back(shard.client, version);
+      }
+    }
+  }
+  return offloads;
+}
+
+std::set<ClientId> Fleet::silent_clients() const {
+  std::set<ClientId> live;
+  for (const ReplicaRun& run : runs_) {
+    if (run.crashed) continue;
+    for (const ShardRun& shard : run.shards) {
+      if (shard.client != 0) live.insert(shard.client);
+    }
+  }
+  std::set<ClientId> silent;
+  for (const auto& [client, owner] : owners_) {
+    if (!live.contains(client)) silent.insert(client);
+  }
+  return silent;
+}
+
+bool Fleet::crashed_source(const StartRead& read) const {
+  for (std::size_t i = 0; i < runs_.size(); ++i) {
+    if (spec_.replicas[i].name == read.source.replica) {
+      return runs_[i].crashed || runs_[i].incarnation != read.source.incarnation;
+    }
+  }
+  return false;
+}
+
+void Fleet::failover() {
+  ++coverage_.failovers;
+  driver_.restart_server();
+  for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+    ReplicaRun& run = runs_[replica];
+    if (run.crashed) continue;
+    const bool any_open = std::any_of(run.shards.begin(), run.shards.end(),
+                                      [](const ShardRun& shard) { return shard.opened; });
+    if (!any_open) {
+      for (ShardRun& shard : run.shards) shard = ShardRun{};
+      continue;
+    }
+    for (std::uint32_t index = 0; index < run.shards.size(); ++index) {
+      ShardRun& shard = run.shards[index];
+      // A call in flight that may write the buffers (replicate, update) leaves them dirty: the
+      // shard announces nothing and will call again.
+      const bool may_write =
+          shard.pending_seq && shard.next_op < run.program.size() &&
+          (run.program[shard.next_op].kind == OpKind::kReplicate ||
+           run.program[shard.next_op].kind == OpKind::kUpdate);
+      if (may_write) shard.held.reset();
+      Resume resume;
+      resume.primary = shard.held;
+      for (const auto& [version, held] : shard.offloads) resume.offloads.push_back(held);
+      resume.last_txn = shard.last_txn;
+      shard.resume = resume;
+      shard.pending_seq.reset();
+      shard.pending_diverged = false;
+      shard.wrote_buffers = false;
+      open_shard(replica, index);
+    }
+  }
+}
+
+void Fleet::open_all() {
+  for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+    for (std::uint32_t shard = 0; shard < runs_[replica].shards.size(); ++shard) {
+      if (runs_[replica].shards[shard].client == 0) open_shard(replica, shard);
+    }
+  }
+  pump();
+}
+
+void Fleet::heal_and_check_liveness() {
+  for (int round = 0; round < kHealRoundsMax; ++round) {
+    bool progress = false;
+    for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+      if (runs_[replica].crashed) continue;
+      for (std::uint32_t shard = 0; shard < runs_[replica].shards.size(); ++shard) {
+        const ShardRun before = runs_[replica].shards[shard];
+        step(replica, shard);
+        pump();
+        const ShardRun& after = runs_[replica].shards[shard];
+        progress = progress || before.client != after.client || before.pending_seq != after.pending_seq ||
+                   before.opened != after.opened || before.next_op != after.next_op;
+      }
+    }
+    for (auto reads = outstanding_reads(); !reads.empty(); reads = outstanding_reads()) {
+      std::erase_if(reads, [&](const auto& entry) { return crashed_source(entry.second); });
+      if (reads.empty()) break;
+      apply(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});
+      progress = true;
+    }
+    while (!outstanding_offloads().empty()) {
+      apply(Action{Action::Kind::kOffload, 0, 0, 0, 0, false});
+      progress = true;
+    }
+    apply(Action{Action::Kind::kTick, 3, 0, 0, 0, false});
+    // Run on long enough for crashed replicas to be evicted, then until nothing moves.
+    if (!progress && round * 300 > 3 * kHeartbeatTimeoutMs) break;
+  }
+  const HubActivity activity = driver_.hub().activity();
+  if (activity.transfers_active != 0 || activity.transfers_waiting != 0 ||
+      activity.copies_draining != 0 || activity.copies_offloading != 0) {
+    fail("liveness: after healing, " + std::to_string(activity.transfers_active) +
+         " transfers are active, " + std::to_string(activity.transfers_waiting) + " wait for a source, " +
+         std::to_string(activity.copies_draining) + " copies drain and " +
+         std::to_string(activity.copies_offloading) + " offloads are unfinished");
+  }
+}
+
+void Fleet::check_retained_versions_readable() {
+  for (std::uint32_t m = 0; m < spec_.models.size(); ++m) {
+    const std::string& model = spec_.models[m].name;
+    for (Version version : completed_[model]) {
+      if (!driver_.hub().retained(model, version)) continue;
+      ReplicaSpec probe;
+      probe.model = model;
+      probe.name = "probe-" + std::to_string(version);
+      probe.num_shards = spec_.models[m].num_shards;
+      probe.datacenter = "dc0";
+      const auto shards = driver_.open_replica(probe);
+      for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+        driver_.call(shards[shard],
+                     ReplicateRequest{Selector::absolute(version), layout_for(shard), 0});
+      }
+      std::optional<Outcome> outcome;
+      for (int round = 0; round < kHealRoundsMax && !outcome; ++round) {
+        driver_.finish_reads(shards);
+        apply(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});
+        apply(Action{Action::Kind::kOffload, 0, 0, 0, 0, false});
+        if (driver_.has_reply(shards[0])) outcome = driver_.replies(shards);
+      }
+      if (!is<ReplicateOk>(outcome)) {
+        fail("retention: retained version " + std::to_string(version) + " of " + model +
+             " cannot be read: " + (outcome ? describe(*outcome) : "no answer"));
+      }
+      driver_.call_all(shards, CloseRequest{});
+      for (int round = 0; round < kHealRoundsMax && !driver_.has_reply(shards[0]); ++round) {
+        apply(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});
+      }
+      (void)driver_.replies(shards);
+    }
+  }
+}
+
+}  // namespace th::test

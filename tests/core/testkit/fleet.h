@@ -1,0 +1,158 @@
+// A fleet of simulated SPMD replicas around one Hub, for model-based property tests.
+//
+// Every replica has a program (the calls its user code makes, appended by `plan`); each of its
+// shards runs the program on its own pace (`step`), as real model-parallel workers do. The data
+// plane, offloads, crashes, clock and server failover are actions too. Actions resolve against the
+// fleet as it is when they run (an action with nothing to act on does nothing), so every generated
+// sequence is valid and RapidCheck can shrink freely.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <rapidcheck.h>
+
+#include "tests/core/testkit/driver.h"
+
+namespace th::test {
+
+struct FleetSpec {
+  struct ModelSpec {
+    std::string name;
+    std::uint32_t num_shards = 1;
+  };
+  struct ReplicaSpec {
+    std::uint32_t model = 0;
+    std::string name;
+    std::string datacenter;
+    bool spot = false;
+    bool trainer = false;
+    Retention retention;
+  };
+  HubSettings settings;
+  std::vector<ModelSpec> models;
+  std::vector<ReplicaSpec> replicas;
+  bool faults = true;   // crashes, failed reads, failovers
+  bool closes = true;   // close and divergent calls (a replica leaving on purpose)
+};
+std::ostream& operator<<(std::ostream& out, const FleetSpec& spec);
+
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes);
+
+struct Action {
+  enum class Kind : std::uint8_t {
+    kPlan,        // append an op to replica a's program: op b with parameters c, d; if `go`, every
+                  // shard of the replica steps right away
+    kStep,        // shard b of replica a issues its next op (opening first if needed)
+    kStepAll,     // every shard of replica a steps
+    kFinishRead,  // the a-th outstanding read completes
+    kFailRead,    // the a-th outstanding read fails (source unreachable)
+    kOffload,     // the a-th outstanding offload instruction is carried out
+    kCrash,       // replica a dies (b: its connection drops at once)
+    kTick,        // time passes: a * 100 ms
+    kDiverge,     // shard b of replica a calls list instead of its program's next op
+    kFailover,    // the server dies; a fresh one takes over and every live shard re-opens
+  };
+  Kind kind = Kind::kTick;
+  std::uint32_t a = 0;
+  std::uint32_t b = 0;
+  std::uint32_t c = 0;
+  std::uint32_t d = 0;
+  bool go = false;
+};
+std::ostream& operator<<(std::ostream& out, const Action& action);
+
+rc::Gen<Action> gen_action(const FleetSpec& spec);
+
+class Fleet {
+ public:
+  explicit Fleet(const FleetSpec& spec);
+#ifdef TH_CANARY
+  Fleet(const FleetSpec& spec, CanaryBugs bugs);
+#endif
+
+  void apply(const Action& action);
+  // Opens every shard of every replica, so that all retention rules hold from the start.
+  void open_all();
+  // Faults stop; every live shard runs its program to the end; reads and offloads complete; time
+  // passes. Then nothing may be left in flight (DESIGN.md §5.6, liveness).
+  void heal_and_check_liveness();
+  // Without crashes: every version the hub retains and that was ever complete can be read by a new
+  // replica (DESIGN.md §5.2, retention).
+  void check_retained_versions_readable();
+
+  Driver& driver() { return driver_; }
+
+  // What a run exercised, for RC_CLASSIFY: a property that passes without doing anything proves
+  // nothing.
+  struct Coverage {
+    std::size_t reads_done = 0;
+    std::size_t reads_failed = 0;
+    std::size_t pipelined_reads = 0;
+    std::size_t cross_dc_reads = 0;
+    std::size_t offloads = 0;
+    std::size_t evictions = 0;
+    std::size_t failovers = 0;
+    std::size_t unavailable = 0;
+  };
+  const Coverage& coverage() const { return coverage_; }
+
+ private:
+  enum class OpKind : std::uint8_t { kPublish, kUnpublish, kReplicate, kUpdate, kList, kWait, kClose };
+  struct PlannedOp {
+    OpKind kind = OpKind::kList;
+    Version version = 0;
+    Selector selector;
+    WaitPredicate predicate;
+    TimeMs timeout_ms = 0;
+  };
+  struct ShardRun {
+    ClientId client = 0;          // 0: not open
+    bool opened = false;          // got OpenOk
+    std::uint64_t open_seq = 0;
+    std::optional<Resume> resume;  // announced by the open in flight
+    std::size_t next_op = 0;      // index into the replica's program
+    std::optional<std::uint64_t> pending_seq;
+    bool pending_diverged = false;  // the pending call is not the program's next op
+    bool wrote_buffers = false;   // the pending call received a StartRead
+    bool closed = false;
+    std::uint64_t last_seq = 0;
+    std::optional<TxnRecord> last_txn;
+    std::optional<HeldCopy> held;
+    std::map<Version, HeldCopy> offloads;
+  };
+  struct ReplicaRun {
+    std::uint64_t incarnation = 1;
+    bool crashed = false;
+    std::vector<PlannedOp> program;
+    std::vector<ShardRun> shards;
+  };
+
+  void init();
+  void plan(std::uint32_t replica, std::uint32_t op, std::uint32_t p1, std::uint32_t p2);
+  void step(std::uint32_t replica, std::uint32_t shard, bool diverge = false);
+  void open_shard(std::uint32_t replica, std::uint32_t shard);
+  void restart(std::uint32_t replica);
+  RequestBody body_for(const PlannedOp& op, std::uint32_t shard) const;
+  void pump();
+  void on_reply(std::uint32_t replica, std::uint32_t shard, const Reply& reply);
+  std::vector<std::pair<ClientId, StartRead>> outstanding_reads();
+  std::vector<std::pair<ClientId, Version>> outstanding_offloads();
+  std::set<ClientId> silent_clients() const;
+  bool crashed_source(const StartRead& read) const;
+  void failover();
+  OpenRequest open_request(std::uint32_t replica, std::uint32_t shard) const;
+
+  FleetSpec spec_;
+  Driver driver_;
+  std::vector<ReplicaRun> runs_;
+  std::map<ClientId, std::pair<std::uint32_t, std::uint32_t>> owners_;  // client -> replica, shard
+  std::map<std::string, std::set<Version>> completed_;                  // per model, ever complete
+  Coverage coverage_;
+};
+
+}  // namespace th::test

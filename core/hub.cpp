@@ -1281,10 +1281,17 @@ void Hub::on_drained(Copy& copy) {
     case DrainPurpose::kUpdate:
       if (needs_offload(copy)) {
         // The last safe copy of a retained version: the owner copies it to CPU memory before its
-        // buffers may change, and the unpublish completes once that offload copy exists.
-        Copy& offload = start_offload(owner, *copy.record);
-        copy.awaiting_offload = offload.id;
-        return;
+        // buffers may change, and the unpublish completes once that offload copy exists. If the
+        // owner still has an offload copy of this version that is only draining to be released,
+        // that copy is kept instead: a replica never holds two offload copies of one version, so
+        // ReleaseOffload{version} always names exactly one.
+        if (Copy* releasing = releasing_offload(owner, copy.record->version)) {
+          set_state(*releasing, CopyState::kComplete);
+        } else {
+          Copy& offload = start_offload(owner, *copy.record);
+          copy.awaiting_offload = offload.id;
+          return;
+        }
       }
       remove_copy(copy);
       after_primary_drained(owner, purpose);
@@ -1303,6 +1310,16 @@ void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose) {
     }
     return;
   }
+}
+
+Hub::Copy* Hub::releasing_offload(const Replica& replica, Version version) const {
+  for (Copy* offload : replica.offloads) {
+    if (offload->record->version == version && offload->state == CopyState::kDraining &&
+        offload->drain_purpose == DrainPurpose::kRelease) {
+      return offload;
+    }
+  }
+  return nullptr;
 }
 
 Hub::Copy& Hub::start_offload(Replica& replica, VersionRecord& record) {

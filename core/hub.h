@@ -162,6 +162,7 @@ class Hub {
   void on_drained(Copy& copy);
   void after_primary_drained(Replica& replica, detail::DrainPurpose purpose);
   Copy& start_offload(Replica& replica, VersionRecord& record);
+  Copy* releasing_offload(const Replica& replica, Version version) const;
   bool needs_offload(const Copy& copy) const;
   Status commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
                       const LayoutRef& layout, const ChecksumsRef& checksums);

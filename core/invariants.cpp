@@ -61,7 +61,11 @@ void Hub::check_invariants() const {
         TH_ASSERT(model.copies.contains(replica.primary->id));
       }
       TH_ASSERT(replica.offloads.size() <= limits::kOffloadsPerReplicaMax);
+      std::set<Version> offloaded;
       for (const Copy* offload : replica.offloads) {
+        // ReleaseOffload names a version: a replica holds at most one offload copy of each.
+        TH_ASSERT(offloaded.insert(offload->record->version).second,
+                  "two offload copies of one version in", replica.name);
         TH_ASSERT(offload->owner == &replica && offload->kind == CopyKind::kOffload);
         TH_ASSERT(model.copies.contains(offload->id) && model.offload_copies.contains(offload->id));
       }

@@ -14,21 +14,6 @@
 namespace th::test {
 namespace {
 
-struct FleetCommand : rc::state::Command<FleetSpec, Fleet> {
-  Action action;
-  explicit FleetCommand(Action generated) : action(generated) {}
-  void run(const FleetSpec&, Fleet& fleet) const override { fleet.apply(action); }
-  void show(std::ostream& out) const override { out << action; }
-};
-
-rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command(
-    const FleetSpec& spec) {
-  return rc::gen::map(gen_action(spec), [](Action action) {
-    return std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>(
-        std::make_shared<FleetCommand>(action));
-  });
-}
-
 void classify(const Fleet& fleet) {
   const Fleet::Coverage& seen = fleet.coverage();
   RC_CLASSIFY(seen.reads_done > 0, "reads");

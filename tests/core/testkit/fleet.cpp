@@ -135,6 +135,14 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
   });
 }
 
+rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command(
+    const FleetSpec& spec) {
+  return rc::gen::map(gen_action(spec), [](Action action) {
+    return std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>(
+        std::make_shared<FleetCommand>(action));
+  });
+}
+
 Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings) { init(); }
 
 #ifdef TH_CANARY

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <rapidcheck.h>
+#include <rapidcheck/state.h>
 
 #include "tests/core/testkit/driver.h"
 
@@ -154,5 +155,15 @@ class Fleet {
   std::map<std::string, std::set<Version>> completed_;                  // per model, ever complete
   Coverage coverage_;
 };
+
+// The adapter between rc::state and Fleet: every command is one Action.
+struct FleetCommand : rc::state::Command<FleetSpec, Fleet> {
+  Action action;
+  explicit FleetCommand(Action generated) : action(generated) {}
+  void run(const FleetSpec&, Fleet& fleet) const override { fleet.apply(action); }
+  void show(std::ostream& out) const override { out << action; }
+};
+rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command(
+    const FleetSpec& spec);
 
 }  // namespace th::test

@@ -84,7 +84,7 @@ void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& bo
   const bool unpublish = std::holds_alternative<UnpublishRequest>(body);
   const bool update = std::holds_alternative<UpdateRequest>(body);
   if (!unpublish && !update && !std::holds_alternative<CloseRequest>(body)) return;
-  if (!replica.leaving) replica.leaving_rules = rules_epoch_[replica.model];
+  if (!replica.leaving) replica.leaving_rules = changes_[replica.model];
   replica.leaving = true;
   if (update) replica.pending_update_seqs.insert(seq);
 }
@@ -138,7 +138,7 @@ std::size_t Observer::safe_holders(const std::string& model, Version version,
 }
 
 void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
-  const bool rules_unchanged = replica.leaving_rules == rules_epoch_[replica.model];
+  const bool rules_unchanged = replica.leaving_rules == changes_[replica.model];
   if (replica.held && !replica.spot && rules_unchanged && retained(replica.model, *replica.held) &&
       safe_holders(replica.model, *replica.held, &replica) == 0) {
     violation("retention: " + replica.name + " stopped holding retained version " +
@@ -173,7 +173,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     // The answer to an open: not a transaction of the replica.
     info.bound = std::holds_alternative<OpenOk>(reply.outcome);
     if (info.bound) {
-      if (info.retention != Retention{}) ++rules_epoch_[replica.model];
+      if (info.retention != Retention{}) ++changes_[replica.model];
       on_opened(client, info, replica);
     }
     return;
@@ -226,6 +226,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     // A departure, like a crash: an offload would live in the memory of the process that leaves.
     replica.held.reset();
     replica.offloads.clear();
+    ++changes_[replica.model];
   } else if (std::holds_alternative<Error>(outcome)) {
     if (replica.pending_update_seqs.erase(reply.seq) > 0 || replica.held) replica.leaving = false;
   }
@@ -306,6 +307,7 @@ void Observer::on_effects(const Effects& effects) {
               replica.offloads.clear();
               replica.offload_reports.clear();
               replica.leaving = false;
+              ++changes_[replica.model];
             }
           }
         },

@@ -54,7 +54,7 @@ class Observer {
     std::uint32_t num_shards = 1;
     std::optional<Version> held;     // complete copy, as the replies said
     bool leaving = false;            // an unpublish/update/close may be draining the held copy
-    std::uint64_t leaving_rules = 0; // the model's rules_epoch_ when that call was made
+    std::uint64_t leaving_rules = 0; // the model's changes_ when that call was made
     std::optional<Version> failed;   // a reader could not read this replica's copy of this version
     std::map<Version, std::set<std::uint32_t>> offload_reports;
     std::set<Version> offloads;      // complete offload copies
@@ -85,9 +85,10 @@ class Observer {
   std::map<ClientId, Resume> announced_;                          // what resumed clients announced
   std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
   std::map<std::string, Version> latest_completed_;  // per model, from replies
-  // Counts opens that added a retention rule, per model. The hub decides on an offload while a call
-  // runs; a rule added meanwhile may or may not have counted, so such a call is not judged.
-  std::map<std::string, std::uint64_t> rules_epoch_;
+  // Counts, per model, opens that added a retention rule and departures (close, eviction). The hub
+  // decides on an offload at some point while a call runs; a rule added or a holder gone meanwhile
+  // may or may not have counted, so such a call is not judged.
+  std::map<std::string, std::uint64_t> changes_;
   std::map<std::string, std::optional<Version>> hub_latest_;
   std::vector<std::string> violations_;
 };

@@ -249,7 +249,10 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
     latest = std::max(latest, version);
   }
   for (const auto& [version, count] : offloads) {
-    if (count == replica.num_shards) replica.offloads.insert(version);
+    if (count != replica.num_shards) continue;
+    replica.offloads.insert(version);
+    Version& latest = latest_completed_[replica.model];
+    latest = std::max(latest, version);
   }
 }
 

@@ -126,11 +126,11 @@ void Hub::step(const Input& input, TimeMs now_ms, Effects& effects) {
         } else if constexpr (std::is_same_v<T, Report>) {
           on_report(in);
         } else if constexpr (std::is_same_v<T, ConnectionLost>) {
-          auto found = clients_.find(in.client);
-          if (found == clients_.end()) return;
-          Replica& replica = *found->second.replica;
+          const Binding* found = clients_.find(in.client);
+          if (found == nullptr) return;
+          Replica& replica = *found->replica;
           evict(replica, Errc::kReplicaEvicted,
-                "the connection of shard " + std::to_string(found->second.shard) + " of " +
+                "the connection of shard " + std::to_string(found->shard) + " of " +
                     describe(replica) + " was lost");
         } else {
           static_assert(std::is_same_v<T, Tick>);
@@ -149,14 +149,14 @@ void Hub::on_request(const Request& request) {
     on_open(request.client, request.seq, *open);
     return;
   }
-  auto found = clients_.find(request.client);
-  if (found == clients_.end()) {
+  const Binding* found = clients_.find(request.client);
+  if (found == nullptr) {
     emit(request.client, Reply{request.seq, make_error(Errc::kUnknownClient,
                                                        "no open handle with this id; open first")});
     return;
   }
-  Replica& replica = *found->second.replica;
-  const std::uint32_t shard = found->second.shard;
+  Replica& replica = *found->replica;
+  const std::uint32_t shard = found->shard;
   ShardSlot& slot = replica.shards[shard];
   slot.last_seen_ms = now_ms_;
 
@@ -386,11 +386,15 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
                                           "; unpublish it first"));
       return;
     }
-    if (model.latest && version < *model.latest && !model.versions.contains(version)) {
+    // The model remembers versions down to kForgottenVersionsWindow below latest; an older one is
+    // stale. (A slow data-parallel trainer may still publish a version just below latest.)
+    if (model.latest && version + limits::kForgottenVersionsWindow < *model.latest &&
+        !model.versions.contains(version)) {
       finish(replica, txn, make_error(Errc::kStaleVersion,
-                                      "version " + std::to_string(version) +
-                                          " is older than latest " + std::to_string(*model.latest) +
-                                          " and no longer known"));
+                                      "version " + std::to_string(version) + " is more than " +
+                                          std::to_string(limits::kForgottenVersionsWindow) +
+                                          " versions older than latest " +
+                                          std::to_string(*model.latest)));
       return;
     }
     if (replica.primary == nullptr) {
@@ -880,14 +884,14 @@ void Hub::dequeue_waiting(Transfer& transfer) {
 
 void Hub::on_report(const Report& report) {
   ++stats_.reports;
-  auto found = clients_.find(report.client);
-  if (found == clients_.end()) {
+  const Binding* found = clients_.find(report.client);
+  if (found == nullptr) {
     // The hub does not know this client (evicted, or this is a new server): tell it to re-open.
     emit(report.client, Evicted{Errc::kUnknownClient, "no open handle with this id; re-open"});
     return;
   }
-  Replica& replica = *found->second.replica;
-  const std::uint32_t shard = found->second.shard;
+  Replica& replica = *found->replica;
+  const std::uint32_t shard = found->shard;
   replica.shards[shard].last_seen_ms = now_ms_;
   std::visit(
       [&](const auto& body) {
@@ -1120,6 +1124,7 @@ Hub::Copy& Hub::create_copy(Replica& owner, VersionRecord& record, CopyKind kind
   copy->state = state;
   Copy& ref = *copy;
   model.copies.emplace(ref.id, std::move(copy));
+  ref.index_in_record = record.copies.size();
   record.copies.push_back(&ref);
   ref.counted = contribution(ref);
   apply(ref, ref.counted, +1);
@@ -1147,7 +1152,11 @@ void Hub::remove_copy(Copy& copy) {
   }
   TH_ASSERT(copy.readers == 0, "a removed copy has no readers");
   apply(copy, copy.counted, -1);
-  record.copies.erase(std::find(record.copies.begin(), record.copies.end(), &copy));
+  // Swap-and-pop: thousands of replicas may hold one version.
+  TH_ASSERT(record.copies[copy.index_in_record] == &copy);
+  record.copies[copy.index_in_record] = record.copies.back();
+  record.copies[copy.index_in_record]->index_in_record = copy.index_in_record;
+  record.copies.pop_back();
   record.dirty = true;
   if (record.copies.empty() && !record.ever_complete) model.forgettable.push_back(record.version);
   if (owner.primary == &copy) owner.primary = nullptr;
@@ -1355,8 +1364,8 @@ void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
   auto reject = [&](Errc code, std::string detail) {
     emit(client, Reply{seq, make_error(code, std::move(detail))});
   };
-  if (auto bound = clients_.find(client); bound != clients_.end()) {
-    const ShardSlot& slot = bound->second.replica->shards[bound->second.shard];
+  if (const Binding* bound = clients_.find(client)) {
+    const ShardSlot& slot = bound->replica->shards[bound->shard];
     if (seq == slot.open_seq && slot.last_reply && slot.last_reply->seq == seq) {
       emit(client, *slot.last_reply);  // the open was retransmitted: answer it again
     } else if (seq != slot.open_seq) {
@@ -1452,7 +1461,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
                                             describe(*replica) + " is already open");
         return;
       }
-      if ((replica->phase == ReplicaPhase::kResuming) != open.resume.has_value()) {
+      if ((replica->phase == ReplicaPhase::kResuming) != (open.resume != nullptr)) {
         reject(Errc::kOpenMismatch, "shards of " + describe(*replica) +
                                         " must all resume or all open fresh");
         return;
@@ -1492,7 +1501,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
   slot.endpoint = open.data_endpoint;
   slot.resume = open.resume;
   ++replica->bound_shards;
-  clients_.emplace(client, Binding{replica, open.shard});
+  clients_.insert(client, Binding{replica, open.shard});
   add_retention(model, slot.retention, +1);
 
   if (replica->phase == ReplicaPhase::kResuming) {

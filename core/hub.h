@@ -29,8 +29,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 
+#include "core/client_table.h"
 #include "core/hub_state.h"
 #include "core/messages.h"
 #include "core/types.h"
@@ -200,7 +200,7 @@ class Hub {
   HubStats stats_;
   std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
   // Lookup only (never iterated to decide anything): which replica and shard a client is.
-  std::unordered_map<ClientId, detail::Binding> clients_;
+  ClientTable<detail::Binding> clients_;
   std::map<std::string, detail::DcId, std::less<>> datacenters_;
   std::vector<std::string> datacenter_names_;
   std::uint64_t next_copy_id_ = 1;

@@ -103,6 +103,7 @@ struct Copy {
   std::vector<LayoutRef> pending_layouts;
   std::vector<ChecksumsRef> pending_checksums;
   Contribution counted;            // what this copy currently adds to record/model counters
+  std::size_t index_in_record = 0;  // position in record->copies, for O(1) removal
 };
 
 struct DcSources {
@@ -116,7 +117,7 @@ struct VersionRecord {
   Version version = 0;
   bool ever_complete = false;               // some copy completed: the version "exists"
   std::vector<ChecksumsRef> checksums;      // per shard, fixed by the first complete copy
-  std::vector<Copy*> copies;
+  std::vector<Copy*> copies;                // unordered: counted and listed, never chosen from
   std::map<DcId, DcSources> by_dc;
   std::uint32_t safe_primaries = 0;
   std::uint32_t safe_offloads = 0;
@@ -175,7 +176,7 @@ struct ShardSlot {
   TimeMs last_seen_ms = 0;
   Retention retention;
   std::string endpoint;
-  std::optional<Resume> resume;
+  std::shared_ptr<const Resume> resume;
 };
 
 enum class ReplicaPhase : std::uint8_t {

@@ -46,9 +46,8 @@ void Hub::check_invariants() const {
         const ShardSlot& slot = replica.shards[shard];
         if (!slot.client) continue;
         ++bound;
-        auto found = clients_.find(*slot.client);
-        TH_ASSERT(found != clients_.end() && found->second.replica == &replica &&
-                      found->second.shard == shard,
+        const detail::Binding* found = clients_.find(*slot.client);
+        TH_ASSERT(found != nullptr && found->replica == &replica && found->shard == shard,
                   "a bound shard is in the client map");
         if (slot.retention.keep_latest) keep_latest.insert(*slot.retention.keep_latest);
         for (Version version : slot.retention.pinned) ++pinned[version];
@@ -109,7 +108,9 @@ void Hub::check_invariants() const {
       TH_ASSERT(owner != model.replicas.end() && owner->second.get() == copy.owner, "copy owner");
       auto record = model.versions.find(copy.record->version);
       TH_ASSERT(record != model.versions.end() && &record->second == copy.record, "copy record");
-      TH_ASSERT(std::count(copy.record->copies.begin(), copy.record->copies.end(), &copy) == 1);
+      TH_ASSERT(copy.index_in_record < copy.record->copies.size() &&
+                    copy.record->copies[copy.index_in_record] == &copy,
+                "a copy is listed once, where it says, in its version's copies");
       if (copy.kind == CopyKind::kPrimary) {
         TH_ASSERT(copy.owner->primary == &copy, "a primary copy is its owner's primary");
         TH_ASSERT(copy.state != CopyState::kOffloading);

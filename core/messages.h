@@ -148,7 +148,7 @@ struct OpenRequest {
   std::string role;           // free label, e.g. "trainer" or "rollout", for wait(kRoleHolds)
   Retention retention;
   std::string data_endpoint;  // opaque to the hub: where peers reach this shard's data server
-  std::optional<Resume> resume;
+  std::shared_ptr<const Resume> resume;  // rare and large: shared, so requests stay small
 };
 struct PublishRequest {
   Version version = 0;

@@ -299,7 +299,9 @@ OpenRequest Fleet::open_request(std::uint32_t replica, std::uint32_t shard) cons
   request.role = spec.trainer ? "trainer" : "rollout";
   request.retention = spec.retention;
   request.data_endpoint = "tcp://" + spec.name + "/" + std::to_string(shard);
-  request.resume = runs_[replica].shards[shard].resume;
+  if (const auto& resume = runs_[replica].shards[shard].resume) {
+    request.resume = std::make_shared<const Resume>(*resume);
+  }
   return request;
 }
 

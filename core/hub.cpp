@@ -302,16 +302,55 @@ void Hub::collect_txn(Replica& replica, std::uint64_t seq) {
 void Hub::abort_txn(Replica& replica, Txn& txn, const Error& error) {
   switch (txn.stage) {
     case TxnStage::kPublishing:
-    case TxnStage::kReceiving:
-      if (replica.primary != nullptr && replica.primary->state != CopyState::kComplete &&
-          replica.primary->state != CopyState::kDraining) {
+      if (replica.primary != nullptr && replica.primary->state == CopyState::kPublishing) {
         remove_copy(*replica.primary);
       }
       break;
+    case TxnStage::kReceiving:
+      if (replica.primary != nullptr && replica.primary->incoming != nullptr) {
+        fail_transfer(*replica.primary->incoming, error);
+        return;
+      }
+      break;
+    case TxnStage::kDrainingOld:
+      undrain(replica);
+      break;
     default:
-      break;  // tickets are dropped by finish(); draining copies keep draining
+      break;  // tickets are dropped by finish(); other draining copies keep draining
   }
   finish(replica, txn, error);
+}
+
+// An update that fails while its held copy drains keeps that copy: nothing was written yet.
+void Hub::undrain(Replica& replica) {
+  Copy* copy = replica.primary;
+  if (copy == nullptr || copy->state != CopyState::kDraining ||
+      copy->drain_purpose != DrainPurpose::kUpdate) {
+    return;
+  }
+  if (copy->awaiting_offload != 0) {
+    auto offload = replica.model->copies.find(copy->awaiting_offload);
+    TH_ASSERT(offload != replica.model->copies.end());
+    emit_to_replica(replica, ReleaseOffload{copy->record->version});  // the copy in progress is moot
+    remove_copy(*offload->second);
+    copy->awaiting_offload = 0;
+  }
+  set_state(*copy, CopyState::kComplete);
+}
+
+// An update that fails after its held copy drained but before any shard was told to read: the
+// buffers still hold the previous version, so the replica holds it again.
+void Hub::restore_previous(Replica& replica, Version version) {
+  Model& model = *replica.model;
+  TH_ASSERT(replica.primary == nullptr);
+  VersionRecord& record = record_for(model, version);
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (!record.checksums[shard] || !model.layouts[shard]) return;  // cannot vouch for the bytes
+  }
+  Copy& copy = create_copy(replica, record, CopyKind::kPrimary, CopyState::kComplete);
+  copy.ready = first_shards(replica.num_shards);
+  replica.primary = &copy;
+  on_copy_complete(copy);
 }
 
 bool Hub::record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout) {
@@ -592,6 +631,7 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
   }
   txn.target = resolution.version;
   if (held != nullptr) {
+    txn.previous = held_version;
     txn.stage = TxnStage::kDrainingOld;
     start_drain(*held, DrainPurpose::kUpdate);
     return;
@@ -855,9 +895,12 @@ void Hub::complete_transfer(Transfer& transfer) {
 void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   Replica& replica = *transfer.reader->owner;
   const std::uint64_t seq = transfer.txn_seq;
-  remove_copy(*transfer.reader);  // also ends the transfer
+  const bool written = transfer.epoch > 0;  // some shard was told to read: its buffers changed
+  remove_copy(*transfer.reader);            // also ends the transfer
   auto found = replica.txns.find(seq);
-  if (found != replica.txns.end() && !found->second.result) finish(replica, found->second, error);
+  if (found == replica.txns.end() || found->second.result) return;
+  if (!written && found->second.previous) restore_previous(replica, *found->second.previous);
+  finish(replica, found->second, error);
 }
 
 void Hub::enqueue_waiting(Transfer& transfer) {

@@ -16,7 +16,9 @@
 //   unpublish  when no transfer reads the replica's copy any more, after an offload if retention needs
 //   replicate  when the version exists and every shard has received it; a lost version fails with
 //              kVersionUnavailable; an optional timeout fails with kTimeout
-//   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate
+//   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate;
+//              if it fails before the shards were told to read (no StartRead), the replica still
+//              holds its previous version; once reading began, it holds nothing
 //   list       immediate
 //   wait       when the predicate holds (or its timeout, or kVersionUnavailable)
 //   close      when the replica's copies have drained; a departure: no offload is made, since it
@@ -144,6 +146,8 @@ class Hub {
   void reassign(Transfer& transfer);
   void complete_transfer(Transfer& transfer);
   void fail_transfer(Transfer& transfer, const Error& error);
+  void undrain(Replica& replica);
+  void restore_previous(Replica& replica, Version version);
   void enqueue_waiting(Transfer& transfer);
   void dequeue_waiting(Transfer& transfer);
   bool smart_skip(const VersionRecord& record, detail::DcId dc) const;

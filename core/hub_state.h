@@ -163,6 +163,7 @@ struct Txn {
   std::optional<Outcome> seeded_outcome;  // failover: what the shards that completed it were told
   std::optional<Outcome> result;       // once set, every expected shard gets exactly this
   std::optional<Version> target;       // replicate/update: the version settled on
+  std::optional<Version> previous;     // update: the version held before, until data moves
   std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout
   TimeMs deadline_ms = 0;              // 0: none
   std::uint64_t ticket = 0;            // position in Model::unresolved / Model::waits

@@ -149,6 +149,17 @@ void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
   replica.failed.reset();
 }
 
+void Observer::leave(ClientId client) {
+  auto found = clients_.find(client);
+  if (found == clients_.end() || !found->second.bound) return;
+  found->second.bound = false;
+  const std::string& key = found->second.replica_key;
+  ReplicaInfo& replica = replicas_[key];
+  replica.bound.erase(client);
+  if (!replica.bound.empty()) return;
+  std::erase_if(answers_, [&](const auto& entry) { return entry.first.first == key; });
+}
+
 void Observer::drop_grants_of(ClientId client) {
   std::erase_if(grants_, [&](const auto& entry) { return entry.first.source == client; });
 }
@@ -173,6 +184,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     // The answer to an open: not a transaction of the replica.
     info.bound = std::holds_alternative<OpenOk>(reply.outcome);
     if (info.bound) {
+      replica.bound.insert(client);
       if (info.retention != Retention{}) ++changes_[replica.model];
       on_opened(client, info, replica);
     }
@@ -264,11 +276,7 @@ void Observer::on_effects(const Effects& effects) {
           using T = std::decay_t<decltype(message)>;
           if constexpr (std::is_same_v<T, Reply>) {
             on_reply(client, message);
-            if (std::holds_alternative<CloseOk>(message.outcome)) {
-              if (auto found = clients_.find(client); found != clients_.end()) {
-                found->second.bound = false;
-              }
-            }
+            if (std::holds_alternative<CloseOk>(message.outcome)) leave(client);
           } else if constexpr (std::is_same_v<T, ServeRead>) {
             grants_[Grant{client, message.transfer, message.epoch}] = message;
             std::size_t serving = 0;
@@ -304,7 +312,7 @@ void Observer::on_effects(const Effects& effects) {
           } else if constexpr (std::is_same_v<T, Evicted>) {
             drop_grants_of(client);
             if (auto found = clients_.find(client); found != clients_.end()) {
-              found->second.bound = false;
+              leave(client);
               ReplicaInfo& replica = replicas_[found->second.replica_key];
               replica.held.reset();
               replica.offloads.clear();

@@ -59,6 +59,7 @@ class Observer {
     std::map<Version, std::set<std::uint32_t>> offload_reports;
     std::set<Version> offloads;      // complete offload copies
     std::set<std::uint64_t> pending_update_seqs;
+    std::set<ClientId> bound;        // shards between OpenOk and CloseOk/eviction
   };
   struct Grant {
     ClientId source;
@@ -76,6 +77,9 @@ class Observer {
   bool retained(const std::string& model, Version version) const;
   std::size_t safe_holders(const std::string& model, Version version, const ReplicaInfo* except) const;
   void drop_grants_of(ClientId client);
+  // A shard left (close, eviction). When the last one leaves, the hub forgets the replica, and a
+  // later open with the same name and incarnation starts a new one: its answers start afresh.
+  void leave(ClientId client);
 
   std::uint32_t fanout_max_;
   std::map<ClientId, ClientInfo> clients_;

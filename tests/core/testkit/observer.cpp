@@ -80,6 +80,8 @@ void Observer::on_open(ClientId client, std::uint64_t seq, const OpenRequest& re
 void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& body) {
   auto found = clients_.find(client);
   if (found == clients_.end() || !found->second.bound) return;
+  // A shard late to a call its replica already got the answer to changes nothing.
+  if (answers_.contains({found->second.replica_key, seq})) return;
   ReplicaInfo& replica = replicas_[found->second.replica_key];
   const bool unpublish = std::holds_alternative<UnpublishRequest>(body);
   const bool update = std::holds_alternative<UpdateRequest>(body);
@@ -240,8 +242,13 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     replica.offloads.clear();
     ++changes_[replica.model];
   } else if (std::holds_alternative<Error>(outcome)) {
-    if (replica.pending_update_seqs.erase(reply.seq) > 0 || replica.held) replica.leaving = false;
+    // A failed update leaves the previous version held unless the shards were told to read.
+    if (replica.pending_update_seqs.erase(reply.seq) > 0 && replica.update_wrote) {
+      stop_holding(replica, "failed update");
+    }
+    replica.leaving = false;
   }
+  if (replica.pending_update_seqs.empty()) replica.update_wrote = false;
 }
 
 void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica) {
@@ -330,8 +337,9 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
   auto found = clients_.find(client);
   if (found == clients_.end()) return;
   const ClientInfo& info = found->second;
-  const ReplicaInfo& reader = replicas_[info.replica_key];
+  ReplicaInfo& reader = replicas_[info.replica_key];
   reads_[{client, read.transfer}] = read;
+  if (!reader.pending_update_seqs.empty()) reader.update_wrote = true;
   // Integrity: the reader's buffers are about to be overwritten with `read.version`.
   for (const auto& [grant, serve] : grants_) {
     if (grant.source == client && serve.kind == CopyKind::kPrimary && serve.version != read.version) {

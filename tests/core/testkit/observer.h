@@ -59,6 +59,7 @@ class Observer {
     std::map<Version, std::set<std::uint32_t>> offload_reports;
     std::set<Version> offloads;      // complete offload copies
     std::set<std::uint64_t> pending_update_seqs;
+    bool update_wrote = false;       // a StartRead arrived during the pending update: buffers changed
     std::set<ClientId> bound;        // shards between OpenOk and CloseOk/eviction
   };
   struct Grant {

@@ -220,11 +220,9 @@ void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestB
   txn.arrived.set(shard);
   if (txn.result) {
     Outcome outcome = *txn.result;
-#ifdef TH_CANARY
-    if (bugs_.per_shard_resolve && txn.op.kind == OpKind::kList) {
+    if (bugs().per_shard_resolve && txn.op.kind == OpKind::kList) {
       outcome = ListOk{make_snapshot(*replica.model)};
     }
-#endif
     send_reply(replica, shard, txn.seq, outcome);
     txn.replied.set(shard);
     const bool closed = txn.op.kind == OpKind::kClose && std::holds_alternative<CloseOk>(outcome);
@@ -498,9 +496,7 @@ void Hub::on_unpublish(Replica& replica, Txn& txn) {
   }
   txn.stage = TxnStage::kDraining;
   start_drain(*copy, DrainPurpose::kUnpublish);
-#ifdef TH_CANARY
-  if (bugs_.early_unpublish_ack) finish(replica, txn, UnpublishOk{});
-#endif
+  if (bugs().early_unpublish_ack) finish(replica, txn, UnpublishOk{});
 }
 
 // ---- replicate and update --------------------------------------------------------------------------
@@ -541,17 +537,22 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
   return resolution;
 }
 
+bool Hub::continue_receive(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout) {
+  if (!record_layout(replica, txn, shard, layout)) return true;
+  if (txn.stage != TxnStage::kNew) {  // a later shard of a call already under way
+    maybe_start_transfer(replica, txn);
+    return true;
+  }
+  if (txn.seeded && txn.target) {  // settled before a failover: receive what the others got
+    begin_receive(replica, txn, *txn.target);
+    return true;
+  }
+  return false;
+}
+
 void Hub::on_replicate(Replica& replica, Txn& txn, std::uint32_t shard,
                        const ReplicateRequest& request) {
-  if (!record_layout(replica, txn, shard, request.layout)) return;
-  if (txn.stage != TxnStage::kNew) {
-    maybe_start_transfer(replica, txn);
-    return;
-  }
-  if (txn.seeded && txn.target) {
-    begin_receive(replica, txn, *txn.target);
-    return;
-  }
+  if (continue_receive(replica, txn, shard, request.layout)) return;
   if (replica.primary != nullptr) {
     finish(replica, txn, make_error(Errc::kAlreadyHolding,
                                     describe(replica) + " holds version " +
@@ -596,15 +597,7 @@ void Hub::try_resolve(Replica& replica, Txn& txn) {
 }
 
 void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const UpdateRequest& request) {
-  if (!record_layout(replica, txn, shard, request.layout)) return;
-  if (txn.stage != TxnStage::kNew) {
-    maybe_start_transfer(replica, txn);
-    return;
-  }
-  if (txn.seeded && txn.target) {
-    begin_receive(replica, txn, *txn.target);
-    return;
-  }
+  if (continue_receive(replica, txn, shard, request.layout)) return;
   Model& model = *replica.model;
   Copy* held = replica.primary;
   if (held != nullptr && held->state != CopyState::kComplete) {
@@ -746,10 +739,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     }
     return count;
   };
-  bool prefer_remote = false;
-#ifdef TH_CANARY
-  prefer_remote = bugs_.prefer_remote;
-#endif
+  const bool prefer_remote = bugs().prefer_remote;
 
   const auto local = record.by_dc.find(dc);
   if (!prefer_remote && local != record.by_dc.end()) {
@@ -788,12 +778,8 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
 void Hub::assign(Transfer& transfer, Copy& source) {
   Copy& reader = *transfer.reader;
   Replica& owner = *reader.owner;
-  bool canary_load = false;
-  bool canary_topology = false;
-#ifdef TH_CANARY
-  canary_load = bugs_.ignore_fanout;
-  canary_topology = bugs_.prefer_remote;
-#endif
+  const bool canary_load = bugs().ignore_fanout;
+  const bool canary_topology = bugs().prefer_remote;
   TH_ASSERT(source.state == CopyState::kComplete ||
                 (settings_.pipeline && source.state == CopyState::kActive),
             "source state", copy_state_name(source.state));
@@ -1226,10 +1212,7 @@ Contribution Hub::contribution(const Copy& copy) const {
                            !copy.owner->spot && copy.drain_purpose != DrainPurpose::kClose;
   c.potential = usable && (complete || active || copy.state == CopyState::kPublishing ||
                            copy.state == CopyState::kOffloading || may_offload);
-  bool fits = copy.readers < settings_.fanout_max;
-#ifdef TH_CANARY
-  fits = fits || bugs_.ignore_fanout;
-#endif
+  const bool fits = copy.readers < settings_.fanout_max || bugs().ignore_fanout;
   c.eligible = fits && usable && (complete || (active && settings_.pipeline));
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
   return c;
@@ -1299,9 +1282,7 @@ void Hub::start_drain(Copy& copy, DrainPurpose purpose) {
 }
 
 bool Hub::needs_offload(const Copy& copy) const {
-#ifdef TH_CANARY
-  if (bugs_.skip_offload) return false;
-#endif
+  if (bugs().skip_offload) return false;
   const VersionRecord& record = *copy.record;
   return copy.kind == CopyKind::kPrimary && !copy.owner->spot &&
          is_retained(*copy.owner->model, record.version) &&

@@ -39,17 +39,16 @@
 
 namespace th {
 
-#ifdef TH_CANARY
-// Deliberately broken behaviours, compiled only into the canary build of core (tests only), that
-// prove the checkers can fail. Each names the invariant it breaks.
+// Deliberately broken behaviours that prove the checkers can fail, each naming the invariant it
+// breaks. Only the canary build of core (TH_CANARY, tests only) can switch one on; elsewhere the hub
+// sees them all off, as compile-time constants.
 struct CanaryBugs {
   bool early_unpublish_ack = false;  // integrity: acknowledge unpublish before readers drained
   bool skip_offload = false;         // retention: never offload the last copy
   bool ignore_fanout = false;        // load: pick sources without regard to the fan-out limit
   bool prefer_remote = false;        // topology: choose another datacenter first
-  bool per_shard_resolve = false;    // consistency: every shard resolves `latest` for itself
+  bool per_shard_resolve = false;    // consistency: late shards of a list get their own answer
 };
-#endif
 
 struct HubStats {
   std::uint64_t requests = 0;
@@ -125,6 +124,7 @@ class Hub {
   void on_unpublish(Replica& replica, Txn& txn);
   void on_replicate(Replica& replica, Txn& txn, std::uint32_t shard, const ReplicateRequest& request);
   void on_update(Replica& replica, Txn& txn, std::uint32_t shard, const UpdateRequest& request);
+  bool continue_receive(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout);
   void on_wait(Replica& replica, Txn& txn, const WaitRequest& request);
   void on_close(Replica& replica, Txn& txn);
   void finish(Replica& replica, Txn& txn, Outcome outcome);
@@ -190,6 +190,13 @@ class Hub {
   void settle();
   void settle_model(Model& model);
   void mark_dirty(Model& model) { model.dirty = true; }
+
+  // The planted bugs, readable without #ifdef: constant false outside the canary build.
+#ifdef TH_CANARY
+  const CanaryBugs& bugs() const { return bugs_; }
+#else
+  static constexpr CanaryBugs bugs() { return {}; }
+#endif
 
   VersionRecord& record_for(Model& model, Version version);
   void forget_versions(Model& model);

@@ -19,12 +19,9 @@ using detail::TxnStage;
 
 void Hub::check_invariants() const {
   TH_ASSERT(orphans_.empty() && drained_.empty(), "deferred work is settled after every step");
-  bool canary_load = false;
-  bool canary_topology = false;
-#ifdef TH_CANARY
-  canary_load = bugs_.ignore_fanout;
-  canary_topology = bugs_.prefer_remote;
-#endif
+  // The canary build lets the outside checkers, not these, catch the planted bugs.
+  const bool canary_load = bugs().ignore_fanout;
+  const bool canary_topology = bugs().prefer_remote;
   std::size_t bound_total = 0;
 
   for (const auto& [model_name, model_ptr] : models_) {

@@ -26,31 +26,28 @@ void classify(const Fleet& fleet) {
   RC_CLASSIFY(seen.unavailable > 0, "version unavailable");
 }
 
-void run_fleet(const FleetSpec& spec) {
+// Runs random actions on the fleet, heals it and checks liveness; with `retention`, every replica
+// opens first (so that its rule holds before any version exists) and retained versions must still
+// be readable at the end.
+void run_fleet(const FleetSpec& spec, bool retention = false) {
+  RC_LOG() << spec << '\n';
   Fleet fleet(spec);
+  if (retention) fleet.open_all();
   rc::state::check(spec, fleet, &gen_command);
   fleet.heal_and_check_liveness();
+  if (retention) fleet.check_retained_versions_readable();
   classify(fleet);
 }
 
 RC_GTEST_PROP(HubProperty, InvariantsHoldUnderFaults, ()) {
-  const FleetSpec spec = *gen_fleet(/*faults=*/true, /*closes=*/true);
-  RC_LOG() << spec << '\n';
-  run_fleet(spec);
+  run_fleet(*gen_fleet(/*faults=*/true, /*closes=*/true));
 }
 
 // Retention, explicitly: without crashes or departures, every version that a non-spot replica
 // once held completely and that a retention rule covers can still be read at the end. Every
 // replica opens first, so that its rule holds before any version exists.
 RC_GTEST_PROP(HubRetentionProperty, RetainedVersionsStayReadable, ()) {
-  const FleetSpec spec = *gen_fleet(/*faults=*/false, /*closes=*/false);
-  RC_LOG() << spec << '\n';
-  Fleet fleet(spec);
-  fleet.open_all();
-  rc::state::check(spec, fleet, &gen_command);
-  fleet.heal_and_check_liveness();
-  fleet.check_retained_versions_readable();
-  classify(fleet);
+  run_fleet(*gen_fleet(/*faults=*/false, /*closes=*/false), /*retention=*/true);
 }
 
 // Retention with only spot rollouts: the trainer's copy is the only one that counts, so every
@@ -61,13 +58,7 @@ RC_GTEST_PROP(HubRetentionProperty, SpotReplicasNeverCount, ()) {
     replica.spot = !replica.trainer;
     if (replica.trainer) replica.retention.keep_latest = 1;
   }
-  RC_LOG() << spec << '\n';
-  Fleet fleet(spec);
-  fleet.open_all();
-  rc::state::check(spec, fleet, &gen_command);
-  fleet.heal_and_check_liveness();
-  fleet.check_retained_versions_readable();
-  classify(fleet);
+  run_fleet(spec, /*retention=*/true);
 }
 
 }  // namespace

@@ -455,58 +455,58 @@ TEST(HubUpdate, NoNewerVersionAtOnceOtherwiseDrainAndReplicate) {
   EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 2u);
 }
 
-TEST(HubUpdate, FailingBeforeAnyReadKeepsThePreviousVersion) {
+// Rollout r holds version 1 (the trainer t has dropped it) and serves it to `newcomer`, so that an
+// update of r must wait for that reader; trainer u holds version 2.
+struct UpdateWhileServing {
   Driver driver;
-  const auto t = driver.open_replica(trainer("t"));
-  const auto u = driver.open_replica(trainer("u"));
-  const auto r = driver.open_replica(rollout("r"));
-  const auto newcomer = driver.open_replica(rollout("newcomer"));
-  driver.publish(t, 1);
-  start_replicate(driver, r, Selector::latest());
-  driver.finish_reads(r);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
-  driver.call_all(t, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  start_replicate(driver, newcomer, Selector::absolute(1));  // reads from r: r's drain must wait
-  driver.publish(u, 2);
-  start_update(driver, r, Selector::latest());
+  std::vector<ClientId> u, r, newcomer;
+
+  UpdateWhileServing() {
+    const auto t = driver.open_replica(trainer("t"));
+    u = driver.open_replica(trainer("u"));
+    r = driver.open_replica(rollout("r"));
+    newcomer = driver.open_replica(rollout("newcomer"));
+    driver.publish(t, 1);
+    start_replicate(driver, r, Selector::latest());
+    driver.finish_reads(r);
+    EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+    driver.call_all(t, UnpublishRequest{});
+    EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+    start_replicate(driver, newcomer, Selector::absolute(1));  // reads from r
+    driver.publish(u, 2);
+  }
+};
+
+TEST(HubUpdate, FailingBeforeAnyReadKeepsThePreviousVersion) {
+  UpdateWhileServing fleet;
+  Driver& driver = fleet.driver;
+  start_update(driver, fleet.r, Selector::latest());
   // Version 2 disappears while r drains; r's update then has nothing to read from.
-  driver.call_all(u, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(u)));
-  driver.finish_reads(newcomer);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(newcomer)));
-  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
-  EXPECT_TRUE(driver.inbox(r[0]).reads.empty()) << "r was never told to read";
+  driver.call_all(fleet.u, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(fleet.u)));
+  driver.finish_reads(fleet.newcomer);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(fleet.newcomer)));
+  EXPECT_EQ(expect_error(driver.replies(fleet.r), Errc::kVersionUnavailable), "");
+  EXPECT_TRUE(driver.inbox(fleet.r[0]).reads.empty()) << "r was never told to read";
   // r's buffers were never written: it still holds version 1 and serves it.
   const auto late = driver.open_replica(rollout("late"));
-  driver.call_all(newcomer, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(newcomer)));
+  driver.call_all(fleet.newcomer, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(fleet.newcomer)));
   start_replicate(driver, late, Selector::absolute(1));
   EXPECT_EQ(read_of(driver, late[0])->source.replica, "r");
 }
 
 TEST(HubUpdate, FailingWhileDrainingKeepsThePreviousVersion) {
-  Driver driver;
-  const auto t = driver.open_replica(trainer("t"));
-  const auto u = driver.open_replica(trainer("u"));
-  const auto r = driver.open_replica(rollout("r"));
-  const auto newcomer = driver.open_replica(rollout("newcomer"));
-  driver.publish(t, 1);
-  start_replicate(driver, r, Selector::latest());
-  driver.finish_reads(r);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
-  driver.call_all(t, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  start_replicate(driver, newcomer, Selector::absolute(1));
-  driver.publish(u, 2);
+  UpdateWhileServing fleet;
+  Driver& driver = fleet.driver;
   // Shard 0 starts the update (r drains); shard 1 registered the wrong tensors.
-  driver.call(r[0], UpdateRequest{Selector::latest(), layout_for(0)});
-  driver.call(r[1], UpdateRequest{Selector::latest(), layout_for(1, 77)});
-  EXPECT_EQ(expect_error(driver.replies(r), Errc::kLayoutMismatch), "");
-  driver.finish_reads(newcomer);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(newcomer)));
-  driver.call_all(r, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(r))) << "r still holds version 1";
+  driver.call(fleet.r[0], UpdateRequest{Selector::latest(), layout_for(0)});
+  driver.call(fleet.r[1], UpdateRequest{Selector::latest(), layout_for(1, 77)});
+  EXPECT_EQ(expect_error(driver.replies(fleet.r), Errc::kLayoutMismatch), "");
+  driver.finish_reads(fleet.newcomer);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(fleet.newcomer)));
+  driver.call_all(fleet.r, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(fleet.r))) << "r still holds version 1";
 }
 
 // ---- retention ------------------------------------------------------------------------------------

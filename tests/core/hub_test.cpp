@@ -958,6 +958,77 @@ TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {
   EXPECT_EQ(expect_error(driver.replies({shard0, shard1}), Errc::kDivergentCall), "");
 }
 
+// ---- regressions: cases the property test once falsified ------------------------------------------
+
+// Found by HubProperty: after a failover, a shard that had not yet called `list` got the new server's
+// answer while its peer had the old server's. The resuming client's record now carries the answer.
+TEST(HubRegression, ListAnsweredBeforeAFailoverIsAnsweredTheSameAfterIt) {
+  Driver driver;
+  const ReplicaSpec spec = rollout("r");
+  TxnRecord record;
+  record.seq = 4;
+  record.op.kind = OpKind::kList;
+  auto old_listing = std::make_shared<ListSnapshot>();
+  old_listing->model = "m";
+  old_listing->latest = 17;
+  record.outcome = ListOk{old_listing};
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard0, resume_request(driver, spec, 0, std::nullopt, record), 4);
+  driver.open(shard1, resume_request(driver, spec, 1, std::nullopt), 3);
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard0, shard1})));
+  driver.set_next_seq(shard1, 4);
+  driver.call(shard1, ListRequest{});
+  const auto reply = driver.take_reply(shard1);
+  ASSERT_TRUE(reply && std::holds_alternative<ListOk>(reply->outcome));
+  EXPECT_EQ(std::get<ListOk>(reply->outcome).snapshot->latest, 17u) << "the old server's answer";
+}
+
+// Found by HubProperty: a seeder that a reader reported as failed still counted towards "one seeder
+// per datacenter", so the hub's own invariant tripped when the reader seeded again.
+TEST(HubRegression, AFailedSeederMayBeReplacedByAnotherSeeder) {
+  HubSettings settings;
+  settings.fanout_max = 2;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto a = driver.open_replica(rollout("a", 2, "dc1"));
+  const auto b = driver.open_replica(rollout("b", 2, "dc1"));
+  start_replicate(driver, a, Selector::latest());
+  start_replicate(driver, b, Selector::latest());
+  const auto read = *read_of(driver, b[0]);
+  ASSERT_EQ(read.source.replica, "a");
+  driver.report(b[0], TransferFailed{read.transfer, read.epoch, ReadFailure::kChecksumMismatch});
+  EXPECT_EQ(read_of(driver, b[0])->source.replica, "t") << "b seeds dc1 itself";
+  driver.finish_reads(a);
+  driver.finish_reads(b);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(a)));
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
+}
+
+// Found by HubRetentionProperty: an offload copy draining to be released coexisted with a new
+// offload of the same version, and ReleaseOffload{version} named both. The releasing copy is kept.
+TEST(HubRegression, AnOffloadBeingReleasedIsKeptInsteadOfMadeTwice) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  const auto r = driver.open_replica(rollout("r"));
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  start_replicate(driver, r, Selector::latest());  // reads the offload copy
+  ASSERT_EQ(read_of(driver, r[0])->source.kind, CopyKind::kOffload);
+  driver.publish(t, 1);  // t holds version 1 again: its offload copy starts draining for release
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t))) << "the draining offload copy is kept";
+  EXPECT_TRUE(driver.inbox(t[0]).offloads.empty()) << "no second offload of version 1";
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1}) << "released once, once r holds it";
+}
+
 TEST(HubSettingsTest, InvalidSettingsAreRejected) {
   HubSettings settings;
   settings.fanout_max = 0;

@@ -81,6 +81,23 @@ Status check_held_copy(const HeldCopy& held) {
 
 }  // namespace
 
+namespace detail {
+
+std::string_view copy_state_name(CopyState state) {
+  switch (state) {
+    case CopyState::kPublishing: return "publishing";
+    case CopyState::kGathering: return "gathering";
+    case CopyState::kWaiting: return "waiting";
+    case CopyState::kActive: return "receiving";
+    case CopyState::kComplete: return "complete";
+    case CopyState::kOffloading: return "offloading";
+    case CopyState::kDraining: return "draining";
+  }
+  return "unknown-state";
+}
+
+}  // namespace detail
+
 struct Hub::Resolution {
   enum class Kind : std::uint8_t { kWait, kGo, kError };
   Kind kind = Kind::kWait;

@@ -1,6 +1,5 @@
 #include "core/messages.h"
 
-#include "core/hub_state.h"
 
 namespace th {
 
@@ -69,20 +68,4 @@ OpKind op_kind(const RequestBody& body) {
   return std::visit(Visitor{}, body);
 }
 
-namespace detail {
-
-std::string_view copy_state_name(CopyState state) {
-  switch (state) {
-    case CopyState::kPublishing: return "publishing";
-    case CopyState::kGathering: return "gathering";
-    case CopyState::kWaiting: return "waiting";
-    case CopyState::kActive: return "receiving";
-    case CopyState::kComplete: return "complete";
-    case CopyState::kOffloading: return "offloading";
-    case CopyState::kDraining: return "draining";
-  }
-  return "unknown-state";
-}
-
-}  // namespace detail
 }  // namespace th

@@ -238,8 +238,8 @@ class Demo {
       if (members_[i].alive && members_[i].held != latest) ++behind;
     }
     const HubStats& stats = hub_.stats();
-    std::printf("\nlatest version %llu; %llu transfers (%llu sources failed or left), %llu offloads, "
-                "%llu evictions\n",
+    std::printf("\nlatest version %llu; %llu transfers completed (%llu more restarted elsewhere or "
+                "cancelled), %llu offloads, %llu evictions\n",
                 static_cast<unsigned long long>(latest),
                 static_cast<unsigned long long>(stats.transfers_completed),
                 static_cast<unsigned long long>(stats.transfers_started - stats.transfers_completed),

@@ -147,8 +147,9 @@ void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
               std::to_string(*replica.held) + " (" + why +
               ") while no other non-spot replica or offload copy held it");
   }
+  // The failed mark belongs to a version: the copy being received may already carry one.
+  if (replica.failed == replica.held) replica.failed.reset();
   replica.held.reset();
-  replica.failed.reset();
 }
 
 void Observer::leave(ClientId client) {

@@ -174,7 +174,9 @@ void Hub::on_request(const Request& request) {
   }
   Replica& replica = *found->replica;
   const std::uint32_t shard = found->shard;
+  TH_ASSERT(shard < replica.num_shards);
   ShardSlot& slot = replica.shards[shard];
+  TH_ASSERT(slot.client == request.client, "the client map and the shard agree");
   slot.last_seen_ms = now_ms_;
 
   if (request.seq <= slot.last_seq) {
@@ -277,7 +279,9 @@ void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestB
 }
 
 void Hub::send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome) {
+  TH_ASSERT(shard < replica.num_shards);
   ShardSlot& slot = replica.shards[shard];
+  TH_ASSERT(!slot.last_reply || slot.last_reply->seq <= seq, "replies go forward in sequence");
   Reply reply{seq, outcome};
   if (slot.client) emit(*slot.client, reply);
   slot.last_reply = std::move(reply);
@@ -298,6 +302,7 @@ void Hub::finish(Replica& replica, Txn& txn, Outcome outcome) {
     send_reply(replica, shard, txn.seq, *txn.result);
     txn.replied.set(shard);
   });
+  TH_ASSERT(txn.replied == txn.arrived, "every shard that called has its answer");
   const std::uint64_t seq = txn.seq;
   collect_txn(replica, seq);
   if (closed) {
@@ -370,6 +375,8 @@ void Hub::restore_previous(Replica& replica, Version version) {
 
 bool Hub::record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout) {
   const Model& model = *replica.model;
+  TH_ASSERT(shard < replica.num_shards);
+  TH_ASSERT(txn.op.kind == OpKind::kReplicate || txn.op.kind == OpKind::kUpdate);
   if (!layout) {
     abort_txn(replica, txn, make_error(Errc::kInvalidArgument, "register tensors first"));
     return false;
@@ -674,11 +681,14 @@ void Hub::begin_receive(Replica& replica, Txn& txn, Version version) {
   transfer->txn_seq = txn.seq;
   copy->incoming = transfer.get();
   model.transfers.emplace(transfer->id, std::move(transfer));
+  TH_ASSERT(replica.primary == copy && copy->incoming != nullptr);
   maybe_start_transfer(replica, txn);
 }
 
 void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
   if (txn.stage != TxnStage::kReceiving) return;
+  TH_ASSERT(replica.primary != nullptr && replica.primary->incoming != nullptr,
+            "a receiving transaction has a reader copy and its transfer");
   Copy& copy = *replica.primary;
   if (copy.state != CopyState::kGathering) return;
   // The source is chosen once every shard has called: a shard still busy with its old weights must
@@ -706,9 +716,11 @@ void Hub::try_assign(Transfer& transfer) {
     case Pick::kFound:
       dequeue_waiting(transfer);
       assign(transfer, *choice.copy);
+      TH_ASSERT(transfer.source == choice.copy && transfer.reader->state == CopyState::kActive);
       return;
     case Pick::kWait:
       enqueue_waiting(transfer);
+      TH_ASSERT(transfer.queued);
       return;
     case Pick::kUnavailable:
       fail_transfer(transfer, make_error(Errc::kVersionUnavailable,
@@ -855,7 +867,7 @@ void Hub::detach_source(Transfer& transfer) {
   });
   transfer.started.reset();
   transfer.source = nullptr;
-  TH_ASSERT(source->readers > 0);
+  TH_ASSERT(source->readers > 0, "a source counts the transfer that leaves it");
   set_readers(*source, source->readers - 1);
   if (source->state == CopyState::kDraining && source->readers == 0) {
     drained_.emplace_back(&model, source->id);
@@ -873,6 +885,8 @@ void Hub::reassign(Transfer& transfer) {
 void Hub::complete_transfer(Transfer& transfer) {
   Copy& reader = *transfer.reader;
   Replica& replica = *reader.owner;
+  TH_ASSERT(reader.ready.count() == replica.num_shards, "every shard has its bytes");
+  TH_ASSERT(reader.incoming == &transfer);
   Model& model = *replica.model;
   detach_source(transfer);
   dequeue_waiting(transfer);
@@ -907,6 +921,7 @@ void Hub::fail_transfer(Transfer& transfer, const Error& error) {
 }
 
 void Hub::enqueue_waiting(Transfer& transfer) {
+  TH_ASSERT(transfer.source == nullptr, "only a transfer without a source waits for one");
   if (transfer.queued) return;
   VersionRecord& record = *transfer.reader->record;
   record.waiting.push_back(&transfer);
@@ -961,6 +976,7 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   if (found == model.transfers.end()) return;  // finished or cancelled already: a late duplicate
   Transfer& transfer = *found->second;
   Copy& reader = *transfer.reader;
+  TH_ASSERT(shard < replica.num_shards);
   if (reader.owner != &replica || reader.ready.test(shard)) return;
   if (done.epoch == 0 || done.epoch > transfer.epoch) return;
   if (done.epoch == transfer.epoch && !transfer.started.test(shard)) return;
@@ -1169,6 +1185,8 @@ Hub::Copy& Hub::create_copy(Replica& owner, VersionRecord& record, CopyKind kind
   copy->kind = kind;
   copy->state = state;
   Copy& ref = *copy;
+  TH_ASSERT(record.copies.size() < model.replicas.size() * (limits::kOffloadsPerReplicaMax + 1),
+            "at most one primary and the offloads of each replica hold a version");
   model.copies.emplace(ref.id, std::move(copy));
   ref.index_in_record = record.copies.size();
   record.copies.push_back(&ref);
@@ -1283,6 +1301,8 @@ void Hub::set_failed(Copy& copy) {
 void Hub::on_copy_complete(Copy& copy) {
   Model& model = *copy.owner->model;
   VersionRecord& record = *copy.record;
+  TH_ASSERT(copy.state == CopyState::kComplete);
+  TH_ASSERT(copy.ready.count() == copy.owner->num_shards);
   record.ever_complete = true;
   if (!model.latest || record.version > *model.latest) {
     TH_ASSERT(!model.latest || record.version > *model.latest, "latest only moves forward");
@@ -1374,6 +1394,7 @@ Hub::Copy* Hub::releasing_offload(const Replica& replica, Version version) const
 
 Hub::Copy& Hub::start_offload(Replica& replica, VersionRecord& record) {
   TH_ASSERT(replica.offloads.size() < limits::kOffloadsPerReplicaMax, "offloads per replica");
+  TH_ASSERT(!replica.spot, "a spot replica's copy never counts, so it never offloads");
   Copy& offload = create_copy(replica, record, CopyKind::kOffload, CopyState::kOffloading);
   replica.offloads.push_back(&offload);
   replica.model->offload_copies.insert(offload.id);
@@ -1542,6 +1563,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
   slot.endpoint = open.data_endpoint;
   slot.resume = open.resume;
   ++replica->bound_shards;
+  TH_ASSERT(replica->bound_shards <= replica->num_shards);
   clients_.insert(client, Binding{replica, open.shard});
   add_retention(model, slot.retention, +1);
 
@@ -1620,7 +1642,9 @@ void Hub::remove_replica(Replica& replica) {
   std::vector<Copy*> copies = replica.offloads;
   if (replica.primary != nullptr) copies.push_back(replica.primary);
   for (Copy* copy : copies) remove_copy(*copy);
+  TH_ASSERT(replica.primary == nullptr && replica.offloads.empty());
   for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) unbind(replica, shard);
+  TH_ASSERT(replica.bound_shards == 0);
   mark_dirty(model);
   model.replicas.erase(replica.name);  // destroys `replica`
 }
@@ -1952,6 +1976,7 @@ Hub::VersionRecord& Hub::record_for(Model& model, Version version) {
     found->second.version = version;
     found->second.checksums.resize(model.num_shards);
   }
+  TH_ASSERT(found->second.version == version && found->second.checksums.size() == model.num_shards);
   return found->second;
 }
 

@@ -201,7 +201,10 @@ class Hub {
   VersionRecord& record_for(Model& model, Version version);
   void forget_versions(Model& model);
   detail::DcId intern_dc(const std::string& datacenter);
-  void emit(ClientId client, Message message) { effects_->push_back(Effect{client, std::move(message)}); }
+  void emit(ClientId client, Message message) {
+    TH_ASSERT(effects_ != nullptr, "effects are emitted only inside step()");
+    effects_->push_back(Effect{client, std::move(message)});
+  }
   void emit_to_replica(const Replica& replica, const Message& message);
 
   HubSettings settings_;

@@ -1,5 +1,5 @@
 // The hub's internal state. Not part of the public API: hub.h is. Declared in a header of its own so
-// that the invariant checker and the tests' HubTestPeer can read it.
+// that hub.cpp and the invariant checker (invariants.cpp) share it.
 //
 // Ownership: Hub owns Models (unique_ptr); a Model owns its Replicas, Copies, Transfers and
 // VersionRecords. Every other pointer below is non-owning and is cleared before its target dies.
@@ -27,7 +27,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "core/messages.h"

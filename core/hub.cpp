@@ -163,12 +163,12 @@ void Hub::step(const Input& input, TimeMs now_ms, Effects& effects) {
 void Hub::on_request(const Request& request) {
   ++stats_.requests;
   if (const auto* open = std::get_if<OpenRequest>(&request.body)) {
-    on_open(request.client, request.seq, *open);
+    on_open(request.client, request.seq, request.session, *open);
     return;
   }
   const Binding* found = clients_.find(request.client);
   if (found == nullptr) {
-    emit(request.client, Reply{request.seq, make_error(Errc::kUnknownClient,
+    emit(request.client, request.session, Reply{request.seq, make_error(Errc::kUnknownClient,
                                                        "no open handle with this id; open first")});
     return;
   }
@@ -177,21 +177,22 @@ void Hub::on_request(const Request& request) {
   TH_ASSERT(shard < replica.num_shards);
   ShardSlot& slot = replica.shards[shard];
   TH_ASSERT(slot.client == request.client, "the client map and the shard agree");
+  if (request.session != slot.session) return;  // from before the client's last open: stale
   slot.last_seen_ms = now_ms_;
 
   if (request.seq <= slot.last_seq) {
     // A retransmission. Answer again if it was the last call; otherwise the answer is on its way.
-    if (slot.last_reply && slot.last_reply->seq == request.seq) emit(request.client, *slot.last_reply);
+    if (slot.last_reply && slot.last_reply->seq == request.seq) emit_to(slot, *slot.last_reply);
     return;
   }
   if (request.seq != slot.last_seq + 1) {
-    emit(request.client, Reply{request.seq, make_error(Errc::kSequenceGap,
+    emit_to(slot, Reply{request.seq, make_error(Errc::kSequenceGap,
                                                        "expected call " +
                                                            std::to_string(slot.last_seq + 1))});
     return;
   }
   if (replica.phase == ReplicaPhase::kResuming) {
-    emit(request.client, Reply{request.seq, make_error(Errc::kInvalidArgument,
+    emit_to(slot, Reply{request.seq, make_error(Errc::kInvalidArgument,
                                                        "the replica is still re-opening")});
     return;
   }
@@ -283,7 +284,7 @@ void Hub::send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, c
   ShardSlot& slot = replica.shards[shard];
   TH_ASSERT(!slot.last_reply || slot.last_reply->seq <= seq, "replies go forward in sequence");
   Reply reply{seq, outcome};
-  if (slot.client) emit(*slot.client, reply);
+  emit_to(slot, reply);
   slot.last_reply = std::move(reply);
 }
 
@@ -832,11 +833,8 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   for (std::uint32_t shard = 0; shard < owner.num_shards; ++shard) {
     if (reader.ready.test(shard)) continue;
     transfer.started.set(shard);
-    const ShardSlot& source_slot = source.owner->shards[shard];
-    if (source_slot.client) {
-      emit(*source_slot.client, ServeRead{transfer.id, transfer.epoch, reader.record->version,
-                                          source.kind, shard, owner.name});
-    }
+    emit_to(source.owner->shards[shard], ServeRead{transfer.id, transfer.epoch, reader.record->version,
+                                                  source.kind, shard, owner.name});
     emit_start_read(transfer, shard);
   }
 }
@@ -847,10 +845,8 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
   const VersionRecord& record = *reader.record;
   TH_ASSERT(transfer.started.test(shard));
   TH_ASSERT(record.checksums[shard] != nullptr, "a source's version has checksums");
-  const ShardSlot& reader_slot = reader.owner->shards[shard];
-  if (!reader_slot.client) return;
-  emit(*reader_slot.client,
-       StartRead{transfer.id, transfer.epoch, record.version, shard,
+  emit_to(reader.owner->shards[shard],
+          StartRead{transfer.id, transfer.epoch, record.version, shard,
                  SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
                            source.owner->shards[shard].endpoint, source.kind,
                            source.state != CopyState::kComplete},
@@ -862,8 +858,7 @@ void Hub::detach_source(Transfer& transfer) {
   if (source == nullptr) return;
   Model& model = *source->owner->model;
   for_each_shard(transfer.started, source->owner->num_shards, [&](std::uint32_t shard) {
-    const ShardSlot& slot = source->owner->shards[shard];
-    if (slot.client) emit(*slot.client, StopServing{transfer.id, transfer.epoch});
+    emit_to(source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
   });
   transfer.started.reset();
   transfer.source = nullptr;
@@ -948,11 +943,13 @@ void Hub::on_report(const Report& report) {
   const Binding* found = clients_.find(report.client);
   if (found == nullptr) {
     // The hub does not know this client (evicted, or this is a new server): tell it to re-open.
-    emit(report.client, Evicted{Errc::kUnknownClient, "no open handle with this id; re-open"});
+    emit(report.client, report.session,
+         Evicted{Errc::kUnknownClient, "no open handle with this id; re-open"});
     return;
   }
   Replica& replica = *found->replica;
   const std::uint32_t shard = found->shard;
+  if (report.session != replica.shards[shard].session) return;  // from before its last open
   replica.shards[shard].last_seen_ms = now_ms_;
   std::visit(
       [&](const auto& body) {
@@ -983,8 +980,7 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   // The client verified every tensor against the published checksums, so bytes read from an earlier
   // source count too.
   if (done.epoch == transfer.epoch && transfer.source != nullptr) {
-    const ShardSlot& source_slot = transfer.source->owner->shards[shard];
-    if (source_slot.client) emit(*source_slot.client, StopServing{transfer.id, transfer.epoch});
+    emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
     transfer.started.reset(shard);
   }
   reader.ready.set(shard);
@@ -1422,15 +1418,18 @@ void Hub::reconcile_offloads(Model& model) {
 
 // ==== Replicas, retention, failover ===============================================================
 
-void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
+void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session,
+                  const OpenRequest& open) {
   auto reject = [&](Errc code, std::string detail) {
-    emit(client, Reply{seq, make_error(code, std::move(detail))});
+    emit(client, open_session, Reply{seq, make_error(code, std::move(detail))});
   };
   if (const Binding* bound = clients_.find(client)) {
     const ShardSlot& slot = bound->replica->shards[bound->shard];
-    if (seq == slot.open_seq && slot.last_reply && slot.last_reply->seq == seq) {
-      emit(client, *slot.last_reply);  // the open was retransmitted: answer it again
-    } else if (seq != slot.open_seq) {
+    const bool retransmitted = open_session == slot.session && seq == slot.open_seq;
+    if (retransmitted) {
+      // Answer it again if the answer exists; a resuming open may still wait in its barrier.
+      if (slot.last_reply && slot.last_reply->seq == seq) emit_to(slot, *slot.last_reply);
+    } else {
       reject(Errc::kAlreadyOpen, "this handle id is already open");
     }
     return;
@@ -1555,6 +1554,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, const OpenRequest& open) {
 
   ShardSlot& slot = replica->shards[open.shard];
   slot.client = client;
+  slot.session = open_session;
   slot.last_seq = seq;
   slot.open_seq = seq;
   slot.last_reply.reset();
@@ -1805,9 +1805,7 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
     }
     if (!usable || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) {
       for_each_shard(offload_holders, shards, [&](std::uint32_t shard) {
-        if (const auto& client = replica.shards[shard].client) {
-          emit(*client, ReleaseOffload{offload_version});
-        }
+        emit_to(replica.shards[shard], ReleaseOffload{offload_version});
       });
       continue;
     }
@@ -2008,7 +2006,7 @@ DcId Hub::intern_dc(const std::string& datacenter) {
 
 void Hub::emit_to_replica(const Replica& replica, const Message& message) {
   for (const ShardSlot& slot : replica.shards) {
-    if (slot.client) emit(*slot.client, message);
+    emit_to(slot, message);
   }
 }
 

@@ -110,7 +110,7 @@ class Hub {
 
   // Inputs.
   void on_request(const Request& request);
-  void on_open(ClientId client, std::uint64_t seq, const OpenRequest& open);
+  void on_open(ClientId client, std::uint64_t seq, std::uint64_t session, const OpenRequest& open);
   void on_report(const Report& report);
   void on_tick();
   void on_transfer_done(Replica& replica, std::uint32_t shard, const TransferDone& done);
@@ -201,9 +201,14 @@ class Hub {
   VersionRecord& record_for(Model& model, Version version);
   void forget_versions(Model& model);
   detail::DcId intern_dc(const std::string& datacenter);
-  void emit(ClientId client, Message message) {
+  // To a client the hub does not (or no longer) know: answered in the sender's session.
+  void emit(ClientId client, std::uint64_t session, Message message) {
     TH_ASSERT(effects_ != nullptr, "effects are emitted only inside step()");
-    effects_->push_back(Effect{client, std::move(message)});
+    effects_->push_back(Effect{client, std::move(message), session});
+  }
+  // To the client bound to a shard, if any, in its session.
+  void emit_to(const detail::ShardSlot& slot, Message message) {
+    if (slot.client) emit(*slot.client, slot.session, std::move(message));
   }
   void emit_to_replica(const Replica& replica, const Message& message);
 

@@ -170,6 +170,7 @@ struct Txn {
 
 struct ShardSlot {
   std::optional<ClientId> client;
+  std::uint64_t session = 0;           // of the open that bound `client`
   std::uint64_t last_seq = 0;
   std::uint64_t open_seq = 0;
   std::optional<Reply> last_reply;     // re-sent if the same request arrives again

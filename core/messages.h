@@ -181,6 +181,10 @@ struct Request {
   // of the last call the client completed.
   std::uint64_t seq = 0;
   RequestBody body;
+  // The client's open count: every open starts a new session. The hub drops requests and reports of
+  // an older session and stamps its own on every effect, so a delayed message from before a re-open
+  // is never taken for a current one.
+  std::uint64_t session = 0;
 };
 
 // ---- Reports: data-plane facts, idempotent, not part of transactions ---------------------------------
@@ -205,6 +209,7 @@ using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, Offload
 struct Report {
   ClientId client = 0;
   ReportBody body;
+  std::uint64_t session = 0;  // see Request::session
 };
 
 struct ConnectionLost {
@@ -273,6 +278,7 @@ using Message = std::variant<Reply, StartRead, ServeRead, StopServing, Offload, 
 struct Effect {
   ClientId client = 0;
   Message message;
+  std::uint64_t session = 0;  // the session of the client this is for (see Request::session)
 };
 using Effects = std::vector<Effect>;
 

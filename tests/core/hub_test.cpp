@@ -773,6 +773,24 @@ TEST(HubTransactions, RetransmissionsAreAnsweredOnceAndGapsAreErrors) {
   EXPECT_TRUE(is_error(gap->outcome, Errc::kSequenceGap));
 }
 
+TEST(HubTransactions, MessagesOfAnEarlierSessionAreIgnored) {
+  Driver driver;
+  const ClientId client = driver.new_client();
+  OpenRequest open = driver.open_request(rollout("r", 1), 0);
+  driver.step(Request{client, 0, open, /*session=*/7});
+  ASSERT_TRUE(is<OpenOk>(driver.replies({client})));
+  EXPECT_EQ(driver.inbox(client).session, 7u) << "effects carry the client's session";
+  driver.step(Request{client, 1, ListRequest{}, /*session=*/6});
+  EXPECT_FALSE(driver.has_reply(client)) << "a request from session 6 is stale";
+  driver.step(Request{client, 1, ListRequest{}, /*session=*/7});
+  EXPECT_TRUE(is<ListOk>(driver.replies({client})));
+  driver.lose_connection(client);
+  driver.step(Report{client, Heartbeat{}, /*session=*/7});
+  ASSERT_EQ(driver.inbox(client).evictions.size(), 2u);
+  EXPECT_EQ(driver.inbox(client).evictions.back().reason, Errc::kUnknownClient);
+  EXPECT_EQ(driver.inbox(client).session, 7u) << "an unknown client is answered in its own session";
+}
+
 // ---- wait, list, close ----------------------------------------------------------------------------
 
 TEST(HubWait, PredicatesBlockUntilTheyHold) {

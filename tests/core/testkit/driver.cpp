@@ -179,6 +179,7 @@ void Driver::step(const Input& input) {
 void Driver::route(const Effects& effects) {
   for (const Effect& effect : effects) {
     Inbox& box = inboxes_[effect.client];
+    box.session = effect.session;
     std::visit(
         [&](const auto& message) {
           using T = std::decay_t<decltype(message)>;

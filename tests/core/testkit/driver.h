@@ -28,6 +28,7 @@ struct Inbox {
   std::vector<Version> offloads;          // offload instructions not yet answered
   std::vector<Version> releases;
   std::vector<Evicted> evictions;
+  std::uint64_t session = 0;  // of the last effect routed here
 };
 
 struct ReplicaSpec {

@@ -1,6 +1,7 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 namespace th {
@@ -40,15 +41,6 @@ void for_each_shard(const ShardSet& set, std::uint32_t count, F&& f) {
   }
 }
 
-OpKey op_key_of(const RequestBody& body) {
-  OpKey key;
-  key.kind = op_kind(body);
-  if (const auto* publish = std::get_if<PublishRequest>(&body)) key.version = publish->version;
-  if (const auto* replicate = std::get_if<ReplicateRequest>(&body)) key.selector = replicate->selector;
-  if (const auto* update = std::get_if<UpdateRequest>(&body)) key.selector = update->selector;
-  if (const auto* wait = std::get_if<WaitRequest>(&body)) key.predicate = wait->predicate;
-  return key;
-}
 
 void add_count(std::uint32_t& counter, bool present, int sign) {
   if (!present) return;
@@ -58,6 +50,11 @@ void add_count(std::uint32_t& counter, bool present, int sign) {
     TH_ASSERT(counter > 0, "counter would go negative");
     --counter;
   }
+}
+
+std::string describe_outcome(const Outcome& outcome) {
+  if (const auto* error = std::get_if<Error>(&outcome)) return std::string(errc_name(error->code));
+  return "another answer";
 }
 
 std::string describe(const Replica& replica) {
@@ -181,8 +178,13 @@ void Hub::on_request(const Request& request) {
   slot.last_seen_ms = now_ms_;
 
   if (request.seq <= slot.last_seq) {
-    // A retransmission. Answer again if it was the last call; otherwise the answer is on its way.
-    if (slot.last_reply && slot.last_reply->seq == request.seq) emit_to(slot, *slot.last_reply);
+    // A retransmission. Answer again if the call is answered; if it is still in progress, the
+    // client may have missed an instruction (messages get lost): send what it should be doing.
+    if (slot.last_reply && slot.last_reply->seq == request.seq) {
+      emit_to(slot, *slot.last_reply);
+    } else if (request.seq == slot.last_seq) {
+      resend_instructions(replica, shard);
+    }
     return;
   }
   if (request.seq != slot.last_seq + 1) {
@@ -197,7 +199,7 @@ void Hub::on_request(const Request& request) {
     return;
   }
   slot.last_seq = request.seq;
-  const OpKey op = op_key_of(request.body);
+  const OpKey op = op_key(request.body);
   if (replica.phase == ReplicaPhase::kClosing && op.kind != OpKind::kClose) {
     send_reply(replica, shard, request.seq,
                make_error(Errc::kReplicaClosed, describe(replica) + " is closing"));
@@ -242,6 +244,14 @@ void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestB
     Outcome outcome = *txn.result;
     if (bugs().per_shard_resolve && txn.op.kind == OpKind::kList) {
       outcome = ListOk{make_snapshot(*replica.model)};
+    }
+    if (bugs().per_shard_resolve && txn.op.kind == OpKind::kUpdate) {
+      const auto* stored = std::get_if<UpdateOk>(&outcome);
+      const Resolution now = resolve(*replica.model, txn.op.selector);
+      if (stored != nullptr && stored->status != UpdateStatus::kUpdated &&
+          now.kind == Resolution::Kind::kGo && now.version > stored->version) {
+        outcome = UpdateOk{UpdateStatus::kNotYet, stored->version, {}};
+      }
     }
     send_reply(replica, shard, txn.seq, outcome);
     txn.replied.set(shard);
@@ -297,7 +307,16 @@ void Hub::finish(Replica& replica, Txn& txn, Outcome outcome) {
     txn.ticket = 0;
   }
   const bool closed = txn.op.kind == OpKind::kClose && std::holds_alternative<CloseOk>(outcome);
+  if (txn.seeded && txn.seeded_outcome && !same_answer(outcome, *txn.seeded_outcome)) {
+    // The shards behind a failover cannot get the answer the others got: no shard may be told
+    // anything else, and the replica goes (see caught_up).
+    outcome = make_error(Errc::kDivergentCall,
+                         "after the failover, call " + std::to_string(txn.seq) +
+                             " could not give these shards the answer the others got (" +
+                             describe_outcome(outcome) + "); re-open the replica");
+  }
   txn.result = std::move(outcome);
+  if (txn.seeded && txn.seeded_outcome) caught_up(replica, txn);
   const ShardSet pending = txn.arrived & ~txn.replied;
   for_each_shard(pending, replica.num_shards, [&](std::uint32_t shard) {
     send_reply(replica, shard, txn.seq, *txn.result);
@@ -800,6 +819,23 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   }
   if (best != nullptr) return {Pick::kFound, best};
 
+  // Nothing healthy can serve now: rather than call the version unavailable, try a complete copy
+  // that a reader reported (it may have been the reader's trouble), ours first, least loaded first.
+  if (servable_here == 0) {
+    Copy* suspect = nullptr;
+    for (Copy* copy : record.copies) {
+      if (!copy->failed || copy->state != CopyState::kComplete || !usable(copy) ||
+          copy->readers >= settings_.fanout_max) {
+        continue;
+      }
+      auto rank = [&](const Copy* c) {
+        return std::tuple{c->owner->dc != dc, c->readers, c->id};
+      };
+      if (suspect == nullptr || rank(copy) < rank(suspect)) suspect = copy;
+    }
+    if (suspect != nullptr) return {Pick::kFound, suspect};
+  }
+
   const std::uint32_t potential =
       record.potential - count_downstream([](const Copy& copy) { return copy.counted.potential; });
   return {potential > 0 ? Pick::kWait : Pick::kUnavailable, nullptr};
@@ -813,7 +849,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   TH_ASSERT(source.state == CopyState::kComplete ||
                 (settings_.pipeline && source.state == CopyState::kActive),
             "source state", copy_state_name(source.state));
-  TH_ASSERT(!source.failed);
+  TH_ASSERT(!source.failed || source.state == CopyState::kComplete, "a suspect is a last resort");
   TH_ASSERT(canary_load || source.readers < settings_.fanout_max, "fan-out limit");
   TH_ASSERT(source.record == reader.record);
   transfer.cross_dc = source.owner->dc != owner.dc;
@@ -836,6 +872,23 @@ void Hub::assign(Transfer& transfer, Copy& source) {
     emit_to(source.owner->shards[shard], ServeRead{transfer.id, transfer.epoch, reader.record->version,
                                                   source.kind, shard, owner.name});
     emit_start_read(transfer, shard);
+  }
+}
+
+void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
+  if (const Copy* copy = replica.primary; copy != nullptr && copy->incoming != nullptr) {
+    const Transfer& transfer = *copy->incoming;
+    if (transfer.source != nullptr && transfer.started.test(shard)) {
+      emit_to(transfer.source->owner->shards[shard],
+              ServeRead{transfer.id, transfer.epoch, copy->record->version, transfer.source->kind,
+                        shard, replica.name});
+      emit_start_read(transfer, shard);
+    }
+  }
+  for (const Copy* offload : replica.offloads) {
+    if (offload->state == CopyState::kOffloading && !offload->ready.test(shard)) {
+      emit_to(replica.shards[shard], Offload{offload->record->version});
+    }
   }
 }
 
@@ -978,8 +1031,9 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   if (done.epoch == 0 || done.epoch > transfer.epoch) return;
   if (done.epoch == transfer.epoch && !transfer.started.test(shard)) return;
   // The client verified every tensor against the published checksums, so bytes read from an earlier
-  // source count too.
-  if (done.epoch == transfer.epoch && transfer.source != nullptr) {
+  // source count too. Either way the shard no longer reads from the current one.
+  if (transfer.started.test(shard)) {
+    TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
     emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
     transfer.started.reset(shard);
   }
@@ -1219,6 +1273,12 @@ void Hub::remove_copy(Copy& copy) {
   record.copies.pop_back();
   record.dirty = true;
   if (record.copies.empty() && !record.ever_complete) model.forgettable.push_back(record.version);
+  if (bugs().latest_regress && record.copies.empty() && model.latest == record.version) {
+    model.latest.reset();
+    for (const auto& [version, other] : model.versions) {
+      if (!other.copies.empty() && other.ever_complete) model.latest = version;
+    }
+  }
   if (owner.primary == &copy) owner.primary = nullptr;
   std::erase(owner.offloads, &copy);
   model.offload_copies.erase(copy.id);
@@ -1241,8 +1301,9 @@ Contribution Hub::contribution(const Copy& copy) const {
   // A draining primary of a non-spot replica may still turn into an offload copy.
   const bool may_offload = copy.state == CopyState::kDraining && copy.kind == CopyKind::kPrimary &&
                            !copy.owner->spot && copy.drain_purpose != DrainPurpose::kClose;
-  c.potential = usable && (complete || active || copy.state == CopyState::kPublishing ||
-                           copy.state == CopyState::kOffloading || may_offload);
+  // A copy a reader reported is only suspected: it still counts until its replica is evicted.
+  c.potential = complete || active || copy.state == CopyState::kPublishing ||
+                copy.state == CopyState::kOffloading || may_offload;
   const bool fits = copy.readers < settings_.fanout_max || bugs().ignore_fanout;
   c.eligible = fits && usable && (complete || (active && settings_.pipeline));
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
@@ -1719,11 +1780,35 @@ void Hub::complete_barrier(Replica& replica) {
   }
   if (!announce(replica, seeded)) return;
   replica.phase = ReplicaPhase::kLive;
+  // Shards that are ahead wait for the others to redo the call they missed, if it has work left to
+  // do here (a receive or a publish): until then the replica is not whole, and a new call of theirs
+  // would be answered about a replica that is not what the others will see.
+  const bool catching_up = seeded != nullptr && seeded->seeded_outcome.has_value();
   for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (catching_up && replica.shards[shard].open_seq == high) {
+      replica.deferred_opens.set(shard);
+      continue;
+    }
     send_reply(replica, shard, replica.shards[shard].open_seq,
                OpenOk{replica.num_shards, replica.model->latest});
   }
   mark_dirty(*replica.model);
+}
+
+// The shards behind a failover finished the call they missed. With the answer the others got, the
+// replica is whole again; with another (the data is gone), its shards cannot agree any more and the
+// replica is evicted, to be re-opened by its framework (paper §4.5).
+void Hub::caught_up(Replica& replica, const Txn& txn) {
+  TH_ASSERT(txn.seeded && txn.seeded_outcome.has_value() && txn.result.has_value());
+  if (same_answer(*txn.result, *txn.seeded_outcome)) {
+    for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
+      send_reply(replica, shard, replica.shards[shard].open_seq,
+                 OpenOk{replica.num_shards, replica.model->latest});
+    });
+    replica.deferred_opens.reset();
+    return;
+  }
+  diverged_.emplace_back(replica.model, replica.name, replica.incarnation, txn.seq);
 }
 
 bool Hub::announce(Replica& replica, Txn* seeded) {
@@ -1845,7 +1930,8 @@ void Hub::on_tick() {
                                std::to_string(settings_.barrier_timeout_ms) + " ms"});
         continue;
       }
-      for (std::uint32_t shard = 0; shard < replica->num_shards; ++shard) {
+      for (std::uint32_t shard = 0; shard < replica->num_shards && !bugs().no_heartbeat_expiry;
+           ++shard) {
         const ShardSlot& slot = replica->shards[shard];
         if (!slot.client || now_ms_ - slot.last_seen_ms <= settings_.heartbeat_timeout_ms) continue;
         expired.push_back({model.get(), name, replica->incarnation, false,
@@ -1901,6 +1987,24 @@ void Hub::settle() {
                                                " failed sources"));
       } else {
         try_assign(transfer);
+      }
+      continue;
+    }
+    if (!diverged_.empty()) {
+      const auto [model, name, incarnation, seq] = diverged_.front();
+      diverged_.pop_front();
+      auto found = model->replicas.find(name);
+      if (found != model->replicas.end() && found->second->incarnation == incarnation) {
+        Replica& replica = *found->second;
+        // The shards waiting to be let in get the error as the answer to their open.
+        const Error error = make_error(Errc::kDivergentCall,
+                                       "after the failover, call " + std::to_string(seq) +
+                                           " could not give the shards behind the answer the others "
+                                           "got; re-open the replica");
+        for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
+          send_reply(replica, shard, replica.shards[shard].open_seq, error);
+        });
+        evict(replica, Errc::kDivergentCall, error.detail);
       }
       continue;
     }

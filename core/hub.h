@@ -31,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 #include "core/client_table.h"
 #include "core/hub_state.h"
@@ -47,7 +48,11 @@ struct CanaryBugs {
   bool skip_offload = false;         // retention: never offload the last copy
   bool ignore_fanout = false;        // load: pick sources without regard to the fan-out limit
   bool prefer_remote = false;        // topology: choose another datacenter first
-  bool per_shard_resolve = false;    // consistency: late shards of a list get their own answer
+  bool per_shard_resolve = false;    // consistency: late shards of a list or an update that
+                                     // moved nothing get their own answer
+  bool no_heartbeat_expiry = false;  // liveness: replicas that stop heartbeating are never evicted
+  bool latest_regress = false;       // monotonicity: losing the latest version's last copy makes
+                                     // the newest remaining version "latest"
 };
 
 struct HubStats {
@@ -142,6 +147,7 @@ class Hub {
   SourceChoice select_source(const Transfer& transfer) const;
   void assign(Transfer& transfer, Copy& source);
   void emit_start_read(const Transfer& transfer, std::uint32_t shard);
+  void resend_instructions(const Replica& replica, std::uint32_t shard);
   void detach_source(Transfer& transfer);
   void reassign(Transfer& transfer);
   void complete_transfer(Transfer& transfer);
@@ -180,6 +186,7 @@ class Hub {
   void add_retention(Model& model, const Retention& retention, int sign);
   bool is_retained(const Model& model, Version version) const;
   void complete_barrier(Replica& replica);
+  void caught_up(Replica& replica, const Txn& txn);
   void fail_barrier(Replica& replica, const Error& error);
   bool announce(Replica& replica, Txn* seeded);
   void reconcile_offloads(Model& model);
@@ -230,6 +237,8 @@ class Hub {
   // Deferred work (see settle()), in the order it arose; dirty models are visited in name order.
   std::deque<std::pair<Model*, TransferId>> orphans_;
   std::deque<std::pair<Model*, detail::CopyId>> drained_;
+  // Replicas whose shards could not agree after a failover: (model, name, incarnation, call).
+  std::deque<std::tuple<Model*, std::string, std::uint64_t, std::uint64_t>> diverged_;
 };
 
 }  // namespace th

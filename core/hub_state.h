@@ -199,6 +199,7 @@ struct Replica {
   TimeMs barrier_deadline_ms = 0;
   std::vector<ShardSlot> shards;
   std::uint32_t bound_shards = 0;
+  ShardSet deferred_opens;  // ahead of a failover: their OpenOk waits until the others caught up
   Copy* primary = nullptr;
   std::vector<Copy*> offloads;
   std::map<std::uint64_t, Txn> txns;

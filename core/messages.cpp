@@ -52,6 +52,16 @@ bool same_answer(const Outcome& a, const Outcome& b) {
       a);
 }
 
+OpKey op_key(const RequestBody& body) {
+  OpKey key;
+  key.kind = op_kind(body);
+  if (const auto* publish = std::get_if<PublishRequest>(&body)) key.version = publish->version;
+  if (const auto* replicate = std::get_if<ReplicateRequest>(&body)) key.selector = replicate->selector;
+  if (const auto* update = std::get_if<UpdateRequest>(&body)) key.selector = update->selector;
+  if (const auto* wait = std::get_if<WaitRequest>(&body)) key.predicate = wait->predicate;
+  return key;
+}
+
 OpKind op_kind(const RequestBody& body) {
   struct Visitor {
     OpKind operator()(const OpenRequest&) const {

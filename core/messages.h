@@ -283,5 +283,6 @@ struct Effect {
 using Effects = std::vector<Effect>;
 
 OpKind op_kind(const RequestBody& body);  // TH_REQUIREs that body is not an OpenRequest
+OpKey op_key(const RequestBody& body);    // likewise
 
 }  // namespace th

@@ -12,9 +12,11 @@
 #include <vector>
 
 #include "core/hub.h"
-#include "tests/core/testkit/observer.h"
+#include "sim/observer.h"
 
 namespace th::test {
+
+using sim::Observer;
 
 // Deterministic tensors: shard s of every version has two tensors; checksums depend on the version,
 // so that a mix-up of versions is visible.

@@ -1,8 +1,8 @@
-#include "tests/core/testkit/observer.h"
+#include "sim/observer.h"
 
 #include <sstream>
 
-namespace th::test {
+namespace th::sim {
 
 namespace {
 
@@ -374,7 +374,8 @@ void Observer::on_latest(const std::string& model, std::optional<Version> latest
   previous = latest;
 }
 
-void Observer::on_server_reset() {
+void Observer::on_server_reset(bool answers_delivered) {
+  if (!answers_delivered) answers_.clear();
   grants_.clear();
   reads_.clear();
   hub_latest_.clear();
@@ -391,4 +392,4 @@ void Observer::on_server_reset() {
   for (auto& [client, info] : clients_) info.bound = false;
 }
 
-}  // namespace th::test
+}  // namespace th::sim

@@ -1,0 +1,463 @@
+#include "core/agent.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace th {
+
+namespace {
+bool primary(const ServeRead& grant) { return grant.kind == CopyKind::kPrimary; }
+}  // namespace
+
+std::string_view agent_phase_name(AgentPhase phase) {
+  switch (phase) {
+    case AgentPhase::kIdle: return "idle";
+    case AgentPhase::kOpening: return "opening";
+    case AgentPhase::kOpen: return "open";
+    case AgentPhase::kEvicted: return "evicted";
+    case AgentPhase::kClosed: return "closed";
+  }
+  return "unknown-phase";
+}
+
+Status validate(const AgentConfig& config) {
+  if (config.servers == 0) return make_error(Errc::kInvalidArgument, "at least one server address");
+  if (config.heartbeat_interval_ms <= 0 || config.retry_initial_ms <= 0 ||
+      config.retry_max_ms < config.retry_initial_ms || config.retry_max_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument,
+                      "heartbeat interval and retry delays must be positive, retry_max >= initial");
+  }
+  return Unit{};
+}
+
+ShardAgent::ShardAgent(AgentConfig config) : config_(config) {
+  const Status valid = validate(config_);
+  TH_REQUIRE(valid.ok(), valid.ok() ? "" : valid.error().detail);
+}
+
+void ShardAgent::step(const AgentInput& input, TimeMs now_ms, AgentEffects& effects) {
+  TH_REQUIRE(now_ms >= now_ms_, "the agent's clock went backwards:", now_ms, "<", now_ms_);
+  TH_REQUIRE(effects_ == nullptr, "step() is not reentrant");
+  now_ms_ = now_ms;
+  effects_ = &effects;
+  struct Reset {
+    AgentEffects*& target;
+    ~Reset() { target = nullptr; }
+  } reset{effects_};
+  std::visit(
+      [this](const auto& in) {
+        using T = std::decay_t<decltype(in)>;
+        if constexpr (std::is_same_v<T, UserCall>) {
+          on_call(in);
+        } else if constexpr (std::is_same_v<T, FromHub>) {
+          on_hub(in);
+        } else if constexpr (std::is_same_v<T, ReadFinished>) {
+          on_read_finished(in);
+        } else if constexpr (std::is_same_v<T, OffloadFinished>) {
+          if (!held_ || held_->version != in.version) return;  // the buffers moved on meanwhile
+          offloads_[in.version] = *held_;
+          report(OffloadDone{in.version});
+        } else if constexpr (std::is_same_v<T, ServerLost>) {
+          on_server_lost(in);
+        } else {
+          static_assert(std::is_same_v<T, AgentTick>);
+          on_tick();
+        }
+      },
+      input);
+}
+
+// ---- the application's calls -----------------------------------------------------------------------
+
+void ShardAgent::on_call(const UserCall& call) {
+  TH_REQUIRE(!call_ && !open_call_id_, "one call at a time per shard");
+  if (const auto* request = std::get_if<OpenRequest>(&call.body)) {
+    if (phase_ != AgentPhase::kIdle) {
+      emit(CallDone{call.call_id, make_error(Errc::kAlreadyOpen, "this shard handle is open")});
+      return;
+    }
+    open_ = *request;
+    open_.resume.reset();
+    open_call_id_ = call.call_id;
+    open(/*resume=*/false);
+    return;
+  }
+  if (phase_ == AgentPhase::kIdle || phase_ == AgentPhase::kClosed) {
+    emit(CallDone{call.call_id, make_error(Errc::kUnknownClient, "open the shard handle first")});
+    return;
+  }
+  call_ = Call{call.call_id, last_seq_ + 1, call.body, false, 0, config_.retry_initial_ms};
+  if (phase_ == AgentPhase::kEvicted) {
+    // Re-open, announcing what the shard holds; the call follows once the hub has answered.
+    if (std::exchange(next_incarnation_, false)) ++open_.incarnation;
+    if (std::exchange(start_over_, false)) {
+      call_->seq = 1;  // numbered afresh, as the first call after a fresh open
+      open(/*resume=*/false);
+    } else {
+      open(/*resume=*/true);
+    }
+    return;
+  }
+  if (phase_ == AgentPhase::kOpen) send_call();
+  // kOpening (a failover re-open): sent once the open is answered.
+}
+
+void ShardAgent::open(bool resume) {
+  ++session_;
+  phase_ = AgentPhase::kOpening;
+  OpenRequest request = open_;
+  if (resume) {
+    auto announced = std::make_shared<Resume>();
+    const bool dirty = call_ && call_->writes;
+    if (!dirty) announced->primary = held_;
+    for (const auto& [version, held] : offloads_) announced->offloads.push_back(held);
+    announced->last_txn = last_txn_;
+    request.resume = std::move(announced);
+  } else {
+    last_seq_ = 0;
+  }
+  open_request_ = Request{config_.client, last_seq_, std::move(request), session_};
+  emit(SendRequest{server_, *open_request_});
+  open_sent_ms_ = now_ms_;
+  open_backoff_ms_ = config_.retry_initial_ms;
+  next_heartbeat_ms_ = now_ms_ + config_.heartbeat_interval_ms;
+}
+
+void ShardAgent::send_call() {
+  TH_ASSERT(call_.has_value() && phase_ == AgentPhase::kOpen);
+  emit(SendRequest{server_, Request{config_.client, call_->seq, call_->body, session_}});
+  call_->next_send_ms = now_ms_ + call_->backoff_ms;
+  call_->backoff_ms = std::min(2 * call_->backoff_ms, config_.retry_max_ms);
+}
+
+// ---- messages from the hub -------------------------------------------------------------------------
+
+void ShardAgent::on_hub(const FromHub& message) {
+  // Anything from another server, or from before this agent's last open, is stale.
+  if (message.server != server_ || message.effect.session != session_) return;
+  if (phase_ == AgentPhase::kIdle || phase_ == AgentPhase::kClosed) return;
+  std::visit(
+      [&](const auto& body) {
+        using T = std::decay_t<decltype(body)>;
+        if constexpr (std::is_same_v<T, Reply>) {
+          on_reply(body);
+        } else if constexpr (std::is_same_v<T, StartRead>) {
+          on_start_read(body);
+        } else if constexpr (std::is_same_v<T, ServeRead>) {
+          on_serve(body);
+        } else if constexpr (std::is_same_v<T, StopServing>) {
+          if (grants_.erase({body.transfer, body.epoch}) > 0) {
+            emit(RevokeServe{body.transfer, body.epoch});
+          }
+        } else if constexpr (std::is_same_v<T, Offload>) {
+          if (held_ && held_->version == body.version && !offloads_.contains(body.version)) {
+            emit(MakeOffload{body.version});
+          }
+        } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+          // The hub releases only a drained copy, but its StopServing may still be on the way.
+          revoke_grants([&](const ServeRead& grant) {
+            return grant.kind == CopyKind::kOffload && grant.version == body.version;
+          });
+          std::erase_if(reports_, [&](const PendingReport& pending) {
+            const auto* done = std::get_if<OffloadDone>(&pending.body);
+            return done != nullptr && done->version == body.version;
+          });
+          if (offloads_.erase(body.version) > 0) emit(FreeOffload{body.version});
+        } else {
+          static_assert(std::is_same_v<T, Evicted>);
+          // While an open is in flight, "unknown client" only means the hub has not seen it yet.
+          if (phase_ == AgentPhase::kOpen) became_evicted(make_error(body.reason, body.detail));
+        }
+      },
+      message.effect.message);
+}
+
+void ShardAgent::on_reply(const Reply& reply) {
+  if (phase_ == AgentPhase::kOpening) {
+    if (reply.seq != last_seq_) return;  // the open is numbered with the last completed call
+    TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
+    const bool resumed = std::get<OpenRequest>(open_request_->body).resume != nullptr;
+    open_request_.reset();
+    if (std::holds_alternative<OpenOk>(reply.outcome)) {
+      phase_ = AgentPhase::kOpen;
+      next_heartbeat_ms_ = now_ms_;
+      if (open_call_id_) {
+        emit(CallDone{*open_call_id_, reply.outcome});
+        open_call_id_.reset();
+      }
+      if (call_) {
+        call_->backoff_ms = config_.retry_initial_ms;
+        send_call();
+      }
+      return;
+    }
+    const Error& error = std::get<Error>(reply.outcome);
+    if (error.code == Errc::kOpenMismatch && !open_call_id_ && call_) {
+      // The replica's other shards opened the other way (see the header): follow them.
+      if (resumed) {
+        start_over();
+        call_->seq = 1;
+      }
+      open(/*resume=*/!resumed);
+      return;
+    }
+    // The (re-)open failed: a fresh open lets the application try again; a re-open fails the
+    // call it was made for, and the next call tries as the next incarnation.
+    if (open_call_id_) {
+      emit(CallDone{*open_call_id_, reply.outcome});
+      open_call_id_.reset();
+      phase_ = AgentPhase::kIdle;
+      return;
+    }
+    became_evicted(std::get<Error>(reply.outcome));
+    return;
+  }
+  if (phase_ != AgentPhase::kOpen || !call_ || reply.seq != call_->seq) return;
+  if (const auto* error = std::get_if<Error>(&reply.outcome)) {
+    switch (error->code) {
+      case Errc::kUnknownClient:
+      case Errc::kReplicaEvicted:
+      case Errc::kDivergentCall:
+        became_evicted(*error);
+        return;
+      default:
+        break;
+    }
+  }
+  finish_call(reply.outcome);
+}
+
+void ShardAgent::finish_call(const Outcome& outcome) {
+  TH_ASSERT(call_.has_value());
+  const Call call = std::move(*call_);
+  call_.reset();
+  TH_ASSERT(call.seq == last_seq_ + 1, "calls complete in order");
+  auto received = [&](Version version, const LayoutRef& layout) {
+    for (const auto& [transfer, reading] : reads_) {
+      if (reading.version == version && reading.done) {
+        held_ = HeldCopy{version, layout, reading.checksums};
+        return;
+      }
+    }
+    TH_ASSERT(false, "a completed transfer of version", version, "was read by this shard");
+  };
+  std::visit(
+      [&](const auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, PublishOk>) {
+          const auto& publish = std::get<PublishRequest>(call.body);
+          held_ = HeldCopy{value.version, publish.layout, publish.checksums};
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          // Resumed after a failover, the shard may already have held it and read nothing.
+          if (!held_ || held_->version != value.version || call.writes) {
+            received(value.version, std::get<ReplicateRequest>(call.body).layout);
+          }
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          if (value.status == UpdateStatus::kUpdated &&
+              (!held_ || held_->version != value.version || call.writes)) {
+            received(value.version, std::get<UpdateRequest>(call.body).layout);
+          }
+        } else if constexpr (std::is_same_v<T, UnpublishOk>) {
+          held_.reset();
+          revoke_grants(primary);
+        } else if constexpr (std::is_same_v<T, Error>) {
+          if (call.writes) held_.reset();  // a failed receive leaves the buffers holding nothing
+          // The hub holds nothing of this replica's as published: no longer announce it.
+          if (value.code == Errc::kNotPublished) held_.reset();
+        } else if constexpr (std::is_same_v<T, CloseOk>) {
+          held_.reset();
+          revoke_grants();
+          for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
+          offloads_.clear();
+          reports_.clear();
+          phase_ = AgentPhase::kClosed;
+        }
+      },
+      outcome);
+  cancel_reads();
+  std::erase_if(reports_, [](const PendingReport& pending) {
+    return !std::holds_alternative<OffloadDone>(pending.body);
+  });
+  last_seq_ = call.seq;
+  last_txn_ = TxnRecord{call.seq, op_key(call.body), outcome};
+  emit(CallDone{call.id, outcome});
+}
+
+void ShardAgent::became_evicted(const Error& error) {
+  switch (error.code) {
+    case Errc::kReplicaEvicted:
+    case Errc::kDivergentCall:
+    case Errc::kUnknownClient:
+    case Errc::kStaleIncarnation:
+      next_incarnation_ = true;
+      break;
+    default:
+      break;  // e.g. a barrier that timed out: the replica is gone, not replaced
+  }
+  if (error.code == Errc::kDivergentCall) {
+    start_over();
+    start_over_ = true;
+  }
+  phase_ = AgentPhase::kEvicted;
+  reset_connection_state();
+  if (call_) {
+    const std::uint64_t id = call_->id;
+    const bool unpublish = std::holds_alternative<UnpublishRequest>(call_->body);
+    call_.reset();
+    if (unpublish) {
+      // What unpublish promises holds: the hub lists no copy of this replica and no grant to read
+      // the buffers is left. The buffers are the application's again, and nothing is announced.
+      held_.reset();
+      emit(CallDone{id, UnpublishOk{}});
+    } else {
+      emit(CallDone{id, error});
+    }
+  }
+}
+
+// The replica diverged: nothing the shard held or did is trusted any more.
+void ShardAgent::start_over() {
+  held_.reset();
+  for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
+  offloads_.clear();
+  last_txn_.reset();
+}
+
+// What belonged to the old server or session: grants, reads, unacknowledged reports.
+void ShardAgent::reset_connection_state() {
+  revoke_grants();
+  if (call_ && call_->writes) held_.reset();
+  cancel_reads();
+  reports_.clear();
+}
+
+void ShardAgent::on_start_read(const StartRead& read) {
+  if (!reading_call()) return;  // not in a replicate or update: a stale instruction
+  auto found = reads_.find(read.transfer);
+  if (found != reads_.end()) {
+    if (found->second.done) {
+      report(TransferDone{read.transfer, found->second.epoch});  // the hub missed our report
+      return;
+    }
+    if (read.epoch <= found->second.epoch) return;
+    drop_reports(read.transfer);  // a failure report about the old source is answered
+  }
+  if (!call_->writes) {
+    // The buffers are about to be overwritten: they no longer hold the old version, and nobody may
+    // read that version from them any more.
+    call_->writes = true;
+    held_.reset();
+    revoke_grants(primary);
+  }
+  reads_[read.transfer] = Reading{read.epoch, read.version, read.checksums, false};
+  emit(BeginRead{read});
+}
+
+void ShardAgent::on_serve(const ServeRead& grant) {
+  bool holds = false;
+  if (grant.kind == CopyKind::kOffload) {
+    holds = offloads_.contains(grant.version);
+  } else if (held_ && held_->version == grant.version && !(call_ && call_->writes)) {
+    holds = true;
+  } else if (call_ && call_->writes) {
+    // Pipeline replication: a version being received is served as it arrives.
+    for (const auto& [transfer, reading] : reads_) holds = holds || reading.version == grant.version;
+  }
+  if (!holds) return;  // a late grant for buffers that moved on: never serve it
+  if (grants_.emplace(std::pair{grant.transfer, grant.epoch}, grant).second) emit(GrantServe{grant});
+}
+
+void ShardAgent::revoke_grants(const std::function<bool(const ServeRead&)>& match) {
+  for (auto it = grants_.begin(); it != grants_.end();) {
+    if (match && !match(it->second)) {
+      ++it;
+      continue;
+    }
+    emit(RevokeServe{it->first.first, it->first.second});
+    it = grants_.erase(it);
+  }
+}
+
+
+void ShardAgent::cancel_reads() {
+  for (const auto& [transfer, reading] : reads_) {
+    if (!reading.done) emit(CancelRead{transfer});
+  }
+  reads_.clear();
+}
+
+bool ShardAgent::reading_call() const {
+  return phase_ == AgentPhase::kOpen && call_ &&
+         (std::holds_alternative<ReplicateRequest>(call_->body) ||
+          std::holds_alternative<UpdateRequest>(call_->body));
+}
+
+// ---- the data plane --------------------------------------------------------------------------------
+
+void ShardAgent::on_read_finished(const ReadFinished& finished) {
+  auto found = reads_.find(finished.transfer);
+  if (found == reads_.end() || found->second.epoch != finished.epoch || found->second.done) return;
+  if (!finished.failure) {
+    found->second.done = true;
+    report(TransferDone{finished.transfer, finished.epoch});
+  } else {
+    report(TransferFailed{finished.transfer, finished.epoch, *finished.failure});
+  }
+}
+
+void ShardAgent::report(ReportBody body) {
+  emit(SendReport{server_, Report{config_.client, body, session_}});
+  reports_.push_back(PendingReport{std::move(body), now_ms_ + config_.retry_initial_ms,
+                                   config_.retry_initial_ms});
+}
+
+void ShardAgent::drop_reports(TransferId transfer) {
+  std::erase_if(reports_, [&](const PendingReport& pending) {
+    const auto* failed = std::get_if<TransferFailed>(&pending.body);
+    return failed != nullptr && failed->transfer == transfer;
+  });
+}
+
+// ---- failover and time -----------------------------------------------------------------------------
+
+void ShardAgent::on_server_lost(const ServerLost& lost) {
+  if (lost.server != server_ || phase_ == AgentPhase::kIdle || phase_ == AgentPhase::kClosed) return;
+  server_ = (server_ + 1) % config_.servers;
+  reset_connection_state();
+  if (phase_ == AgentPhase::kEvicted) return;  // the next call re-opens, on the new server
+  // The client "resets to unpublished" and re-opens on the next server, announcing what it holds;
+  // the call in flight is sent again once the open is answered.
+  open(/*resume=*/!open_call_id_);
+}
+
+void ShardAgent::on_tick() {
+  if (phase_ != AgentPhase::kOpening && phase_ != AgentPhase::kOpen) return;
+  if (now_ms_ >= next_heartbeat_ms_) {
+    emit(SendReport{server_, Report{config_.client, Heartbeat{}, session_}});
+    next_heartbeat_ms_ = now_ms_ + config_.heartbeat_interval_ms;
+  }
+  if (phase_ == AgentPhase::kOpening && now_ms_ >= open_sent_ms_ + open_backoff_ms_) {
+    TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
+    emit(SendRequest{server_, *open_request_});  // same session, same sequence number
+    open_sent_ms_ = now_ms_;
+    open_backoff_ms_ = std::min(2 * open_backoff_ms_, config_.retry_max_ms);
+  }
+  if (phase_ == AgentPhase::kOpen && call_ && now_ms_ >= call_->next_send_ms) send_call();
+  for (PendingReport& pending : reports_) {
+    if (now_ms_ < pending.next_send_ms) continue;
+    emit(SendReport{server_, Report{config_.client, pending.body, session_}});
+    pending.backoff_ms = std::min(2 * pending.backoff_ms, config_.retry_max_ms);
+    pending.next_send_ms = now_ms_ + pending.backoff_ms;
+  }
+}
+
+std::optional<TimeMs> ShardAgent::next_deadline_ms() const {
+  if (phase_ != AgentPhase::kOpening && phase_ != AgentPhase::kOpen) return std::nullopt;
+  TimeMs next = next_heartbeat_ms_;
+  if (phase_ == AgentPhase::kOpening) next = std::min(next, open_sent_ms_ + open_backoff_ms_);
+  if (phase_ == AgentPhase::kOpen && call_) next = std::min(next, call_->next_send_ms);
+  for (const PendingReport& pending : reports_) next = std::min(next, pending.next_send_ms);
+  return next;
+}
+
+}  // namespace th

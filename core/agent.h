@@ -1,0 +1,221 @@
+// The shard agent: the client-side protocol of one shard as a pure state machine.
+//
+//   agent.step(input, now_ms, effects)
+//
+// Inputs are the application's calls, messages from the hub, data-plane events (a read or an
+// offload copy finished), the transport's "server lost", and clock ticks. Effects are messages to
+// the hub, data-plane instructions (read this range, serve that grant, copy to CPU) and the
+// completion of the application's call. The production client (libthclient) and the simulator run
+// this same code; neither adds protocol logic of its own.
+//
+// States:
+//   kIdle      --open-->                    kOpening
+//   kOpening   --OpenOk-->                  kOpen        (answers the application's open)
+//   kOpen      --call--> kOpen (one call in flight at a time; answered by the hub's Reply)
+//   kOpen      --Evicted / unknown client--> kEvicted    (the call in flight fails)
+//   kEvicted   --next call-->               kOpening     (resume, then the call; the next
+//                                                         incarnation if the replica was evicted)
+//   any open   --server lost-->             kOpening     (next server, resume, then the call again)
+//   kOpen      --close answered-->          kClosed
+// Resuming (after eviction or failover) announces the copy the shard holds, unless a call that
+// writes its buffers was in flight, and the last call it completed with its answer. A replica whose
+// shards diverged (kDivergentCall) starts over instead: fresh open, nothing announced. Shards may
+// learn of an eviction from different messages (one sees "divergent", another only "unknown
+// client"), so the hub's rejection of a mixed replica settles it: a resuming shard whose peers
+// opened fresh starts over too; a fresh one whose peers resume joins them, and the barrier then
+// sends everyone to start over.
+//
+// What the agent guarantees the application: the answer of a call is the hub's answer; after
+// unpublish (or close) returns, no grant to read its buffers is active; it serves a grant only for a
+// version it holds or is receiving. An unpublish whose replica is evicted meanwhile returns
+// UnpublishOk: what it promises holds (nothing may read the buffers), and the copy is forgotten.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <variant>
+#include <vector>
+
+#include "core/messages.h"
+#include "core/types.h"
+
+namespace th {
+
+struct AgentConfig {
+  ClientId client = 0;        // the handle id, used with every server
+  std::uint32_t servers = 1;  // server addresses: the primary, then backups, in order
+  TimeMs heartbeat_interval_ms = 1000;
+  TimeMs retry_initial_ms = 250;  // first retransmission of an unanswered request or report
+  TimeMs retry_max_ms = 4000;     // the backoff doubles up to this
+};
+Status validate(const AgentConfig& config);
+
+// ---- Inputs ----------------------------------------------------------------------------------------
+
+// A call of the application. The first must be an OpenRequest (its incarnation is the first one the
+// agent uses). At most one call is in flight.
+struct UserCall {
+  std::uint64_t call_id = 0;
+  RequestBody body;
+};
+struct FromHub {
+  std::uint32_t server = 0;
+  Effect effect;
+};
+struct ReadFinished {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+  std::optional<ReadFailure> failure;  // none: every byte arrived and matched its checksum
+};
+struct OffloadFinished {
+  Version version = 0;
+};
+// The transport lost the connection to this server (it crashed, or was declared dead).
+struct ServerLost {
+  std::uint32_t server = 0;
+};
+struct AgentTick {};
+
+using AgentInput = std::variant<UserCall, FromHub, ReadFinished, OffloadFinished, ServerLost, AgentTick>;
+
+// ---- Effects ---------------------------------------------------------------------------------------
+
+struct SendRequest {
+  std::uint32_t server = 0;
+  Request request;
+};
+struct SendReport {
+  std::uint32_t server = 0;
+  Report report;
+};
+// Read shard `read.shard` of `read.version` from `read.source` into the registered buffers; verify
+// each tensor against `read.checksums`; then feed ReadFinished. Replaces any read of the same
+// transfer.
+struct BeginRead {
+  StartRead read;
+};
+struct CancelRead {
+  TransferId transfer = 0;
+};
+// The data server may serve reads of (version, kind) for this transfer and epoch, and no others.
+struct GrantServe {
+  ServeRead grant;
+};
+struct RevokeServe {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+};
+// Copy the registered buffers (holding `version`) to CPU memory, then feed OffloadFinished.
+struct MakeOffload {
+  Version version = 0;
+};
+struct FreeOffload {
+  Version version = 0;
+};
+struct CallDone {
+  std::uint64_t call_id = 0;
+  Outcome outcome;
+};
+
+using AgentEffect = std::variant<SendRequest, SendReport, BeginRead, CancelRead, GrantServe, RevokeServe,
+                                 MakeOffload, FreeOffload, CallDone>;
+using AgentEffects = std::vector<AgentEffect>;
+
+enum class AgentPhase : std::uint8_t { kIdle, kOpening, kOpen, kEvicted, kClosed };
+std::string_view agent_phase_name(AgentPhase phase);
+
+class ShardAgent {
+ public:
+  explicit ShardAgent(AgentConfig config);
+
+  // `now_ms` is the agent's local clock; it must not decrease.
+  void step(const AgentInput& input, TimeMs now_ms, AgentEffects& effects);
+
+  // When the agent next needs a tick (a heartbeat or a retransmission is due); nothing if idle.
+  std::optional<TimeMs> next_deadline_ms() const;
+
+  AgentPhase phase() const { return phase_; }
+  std::uint32_t server() const { return server_; }
+  std::uint64_t session() const { return session_; }
+  std::uint64_t incarnation() const { return open_.incarnation; }
+  const std::optional<HeldCopy>& held() const { return held_; }
+  bool call_in_flight() const { return call_.has_value(); }
+  std::uint64_t last_seq() const { return last_seq_; }
+
+ private:
+  struct Call {
+    std::uint64_t id = 0;
+    std::uint64_t seq = 0;
+    RequestBody body;
+    bool writes = false;        // a StartRead was acted on: the buffers no longer hold `held_`
+    TimeMs next_send_ms = 0;
+    TimeMs backoff_ms = 0;
+  };
+  struct PendingReport {
+    ReportBody body;
+    TimeMs next_send_ms = 0;
+    TimeMs backoff_ms = 0;
+  };
+  struct Reading {
+    std::uint32_t epoch = 0;
+    Version version = 0;
+    ChecksumsRef checksums;
+    bool done = false;  // every byte arrived and matched (reported to the hub)
+  };
+
+  void on_call(const UserCall& call);
+  void on_hub(const FromHub& message);
+  void on_reply(const Reply& reply);
+  void on_start_read(const StartRead& read);
+  void on_serve(const ServeRead& grant);
+  void on_read_finished(const ReadFinished& finished);
+  void on_server_lost(const ServerLost& lost);
+  void on_tick();
+
+  void open(bool resume);
+  void send_call();
+  void finish_call(const Outcome& outcome);
+  void became_evicted(const Error& error);
+  void start_over();
+  void reset_connection_state();
+  // Revokes the grants that match (all, if no predicate).
+  void revoke_grants(const std::function<bool(const ServeRead&)>& match = {});
+  void cancel_reads();
+  void report(ReportBody body);
+  void drop_reports(TransferId transfer);
+  bool reading_call() const;
+  void emit(AgentEffect effect) { effects_->push_back(std::move(effect)); }
+
+  AgentConfig config_;
+  OpenRequest open_;              // as the application gave it; incarnation advances on eviction
+  AgentPhase phase_ = AgentPhase::kIdle;
+  std::uint32_t server_ = 0;
+  std::uint64_t session_ = 0;
+  std::uint64_t last_seq_ = 0;    // the last call the hub answered
+  std::optional<TxnRecord> last_txn_;
+  std::optional<std::uint64_t> open_call_id_;  // the application's open, until it is answered
+  // The replica was evicted (or a newer incarnation exists): re-open as the next incarnation. Every
+  // shard learns this from the same events, so all of them move together; a re-open that merely
+  // failed (barrier timeout) tries the same incarnation again.
+  bool next_incarnation_ = false;
+  // The replica's shards diverged: nothing it held or did is trusted any more. The next open is a
+  // fresh one (sequence 0, nothing announced), like a restart of the replica by its framework.
+  bool start_over_ = false;
+  std::optional<Call> call_;      // the call in flight (also while re-opening)
+  std::optional<HeldCopy> held_;  // the version the registered buffers hold, published
+  std::map<Version, HeldCopy> offloads_;
+  std::map<TransferId, Reading> reads_;
+  std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants_;  // by (transfer, epoch)
+  std::vector<PendingReport> reports_;
+  std::optional<Request> open_request_;  // the open in flight, retransmitted as it was
+  TimeMs open_sent_ms_ = 0;
+  TimeMs open_backoff_ms_ = 0;
+  TimeMs next_heartbeat_ms_ = 0;
+  TimeMs now_ms_ = 0;
+  AgentEffects* effects_ = nullptr;
+};
+
+}  // namespace th

@@ -1,0 +1,202 @@
+#include "sim/knobs.h"
+
+#include <array>
+#include <charconv>
+#include <sstream>
+
+namespace th::sim {
+
+namespace {
+
+constexpr std::array<std::string_view, kWorkloadCount> kWorkloadNames = {
+    "colocated", "standalone", "elastic", "cross-dc", "off-by-k", "multi-model", "mixed"};
+
+// A fault is off in about a third of the seeds; when on, its strength is drawn.
+bool on(Rng& rng) { return rng.below(3) != 0; }
+
+// A value from a fixed table: spreads draws over orders of magnitude (as many runs at 0.1% as at
+// 1%) without floating-point functions whose last bit may differ between libraries.
+template <std::size_t N>
+double pick(Rng& rng, const std::array<double, N>& values) {
+  return values[rng.below(N)];
+}
+constexpr std::array<double, 6> kRareToCommon = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05};
+constexpr std::array<double, 5> kPerSecond = {0.005, 0.01, 0.03, 0.1, 0.2};
+
+}  // namespace
+
+std::string_view workload_name(Workload workload) {
+  return kWorkloadNames[static_cast<std::size_t>(workload)];
+}
+
+Result<Workload> parse_workload(std::string_view name) {
+  for (std::size_t i = 0; i < kWorkloadNames.size(); ++i) {
+    if (kWorkloadNames[i] == name) return static_cast<Workload>(i);
+  }
+  return make_error(Errc::kInvalidArgument,
+                    "unknown workload '" + std::string(name) + "'; choose from " + workload_list());
+}
+
+std::string workload_list() {
+  std::string list;
+  for (std::string_view name : kWorkloadNames) {
+    if (!list.empty()) list += ", ";
+    list += name;
+  }
+  return list;
+}
+
+Knobs draw_knobs(Rng& rng, const Workload* workload) {
+  Knobs knobs;
+  knobs.workload = workload != nullptr ? *workload
+                                       : static_cast<Workload>(rng.below(kWorkloadCount));
+  knobs.shards = static_cast<std::uint32_t>(rng.range(1, 3));
+  knobs.trainers = static_cast<std::uint32_t>(rng.range(1, 2));
+  knobs.rollouts = static_cast<std::uint32_t>(rng.range(2, 6));
+  switch (knobs.workload) {
+    case Workload::kColocated:
+      knobs.colocated = true;
+      knobs.trainers = static_cast<std::uint32_t>(rng.range(2, 3));
+      knobs.rollouts = static_cast<std::uint32_t>(rng.range(0, 2));
+      break;
+    case Workload::kStandalone:
+      break;
+    case Workload::kElastic:
+      knobs.spot_rollouts = knobs.rollouts - static_cast<std::uint32_t>(rng.range(0, 1));
+      knobs.preemption_storm = rng.chance(0.6);
+      break;
+    case Workload::kCrossDc:
+      knobs.remote_rollouts = knobs.rollouts - static_cast<std::uint32_t>(rng.range(0, 1));
+      break;
+    case Workload::kOffByK:
+      knobs.off_by = static_cast<std::uint32_t>(rng.range(1, 2));
+      break;
+    case Workload::kMultiModel:
+      knobs.models = 2;
+      knobs.rollouts = static_cast<std::uint32_t>(rng.range(2, 4));
+      break;
+    case Workload::kMixed:
+      knobs.models = static_cast<std::uint32_t>(rng.range(1, 2));
+      knobs.colocated = rng.chance(0.5);
+      knobs.spot_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
+      knobs.remote_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
+      knobs.off_by = static_cast<std::uint32_t>(rng.range(0, 1));
+      knobs.preemption_storm = knobs.spot_rollouts > 0 && rng.chance(0.3);
+      break;
+  }
+  knobs.pipeline = rng.below(4) != 0;
+  knobs.fanout = knobs.pipeline ? static_cast<std::uint32_t>(rng.range(1, 2))
+                                : static_cast<std::uint32_t>(rng.range(1, 4));
+  knobs.smart_skipping = rng.chance(0.7);
+  knobs.heartbeat_timeout_ms = rng.range(2000, 6000);
+  if (on(rng)) knobs.drop = pick(rng, kRareToCommon);
+  if (on(rng)) knobs.duplicate = pick(rng, kRareToCommon);
+  knobs.delay_min_ms = rng.range(0, 2);
+  knobs.delay_mean_ms = on(rng) ? rng.range(1, 30) : 1;
+  if (on(rng)) {
+    knobs.clog_per_s = pick(rng, kPerSecond);
+    knobs.clog_ms = rng.range(100, 3000);
+  }
+  if (on(rng)) {
+    knobs.partition_per_s = pick(rng, kPerSecond);
+    knobs.partition_ms = rng.range(500, 8000);
+  }
+  if (on(rng)) knobs.crash_per_s = pick(rng, kPerSecond);
+  knobs.server_crash = rng.chance(0.25);
+  if (on(rng)) knobs.read_failure = pick(rng, kRareToCommon);
+  if (on(rng)) knobs.straggler_fraction = static_cast<double>(rng.range(1, 3)) / 10;
+  if (on(rng)) knobs.clock_skew_ppm = rng.range(100, 50'000);
+  // Sizes set the timing only (the real buffers are small): enough that transfers overlap and
+  // pipelines form, small enough that the liveness phase can move everything several times.
+  knobs.shard_bytes = static_cast<std::uint64_t>(rng.range(8, 64)) << 20;
+  return knobs;
+}
+
+namespace {
+
+template <typename T>
+bool parse_number(std::string_view text, T& value) {
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return error == std::errc() && end == text.data() + text.size();
+}
+
+}  // namespace
+
+std::string fault_keys() {
+  return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
+         "storm (0/1), server-crash (0/1), read-failure, straggler (fraction), skew (ppm)";
+}
+
+Status apply_overrides(Knobs& knobs, std::string_view overrides) {
+  std::string_view rest = overrides;
+  while (!rest.empty()) {
+    const std::size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    if (item == "none") {
+      knobs.drop = knobs.duplicate = knobs.clog_per_s = knobs.partition_per_s = 0;
+      knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = 0;
+      knobs.preemption_storm = knobs.server_crash = false;
+      knobs.clock_skew_ppm = 0;
+      knobs.delay_mean_ms = 1;
+      continue;
+    }
+    const std::size_t equals = item.find('=');
+    const std::string_view key = item.substr(0, equals);
+    const std::string_view text = equals == std::string_view::npos ? "" : item.substr(equals + 1);
+    auto bad = [&] {
+      return make_error(Errc::kInvalidArgument, "bad fault override '" + std::string(item) +
+                                                    "'; keys: " + fault_keys());
+    };
+    double number = 0;
+    if (!parse_number(text, number) || number < 0) return bad();
+    if (key == "drop" && number <= 1) {
+      knobs.drop = number;
+    } else if (key == "duplicate" && number <= 1) {
+      knobs.duplicate = number;
+    } else if (key == "delay") {
+      knobs.delay_mean_ms = static_cast<TimeMs>(number);
+    } else if (key == "clog") {
+      knobs.clog_per_s = number;
+      if (knobs.clog_ms == 0) knobs.clog_ms = 1000;
+    } else if (key == "partition") {
+      knobs.partition_per_s = number;
+      if (knobs.partition_ms == 0) knobs.partition_ms = 3000;
+    } else if (key == "crash") {
+      knobs.crash_per_s = number;
+    } else if (key == "storm") {
+      knobs.preemption_storm = number != 0;
+    } else if (key == "server-crash") {
+      knobs.server_crash = number != 0;
+    } else if (key == "read-failure" && number <= 1) {
+      knobs.read_failure = number;
+    } else if (key == "straggler" && number <= 1) {
+      knobs.straggler_fraction = number;
+    } else if (key == "skew") {
+      knobs.clock_skew_ppm = static_cast<std::int64_t>(number);
+    } else {
+      return bad();
+    }
+  }
+  return Unit{};
+}
+
+std::string describe(const Knobs& knobs) {
+  std::ostringstream out;
+  out << "workload=" << workload_name(knobs.workload) << " models=" << knobs.models
+      << " shards=" << knobs.shards << " trainers=" << knobs.trainers << " rollouts=" << knobs.rollouts
+      << " spot=" << knobs.spot_rollouts << " remote=" << knobs.remote_rollouts
+      << " off-by=" << knobs.off_by << " colocated=" << knobs.colocated
+      << " pipeline=" << knobs.pipeline << " fanout=" << knobs.fanout
+      << " smart-skipping=" << knobs.smart_skipping << " heartbeat-timeout=" << knobs.heartbeat_timeout_ms
+      << "ms drop=" << knobs.drop << " duplicate=" << knobs.duplicate << " delay=" << knobs.delay_min_ms
+      << "+" << knobs.delay_mean_ms << "ms clog=" << knobs.clog_per_s << "/s*" << knobs.clog_ms
+      << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms
+      << "ms crash=" << knobs.crash_per_s << "/s storm=" << knobs.preemption_storm
+      << " server-crash=" << knobs.server_crash << " read-failure=" << knobs.read_failure
+      << " straggler=" << knobs.straggler_fraction << " skew=" << knobs.clock_skew_ppm
+      << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";
+  return out.str();
+}
+
+}  // namespace th::sim

@@ -1,0 +1,82 @@
+// Swarm testing (after TigerBeetle's VOPR and FoundationDB's BUGGIFY): every fault and workload knob
+// is drawn per seed, and each fault is switched off entirely in a good share of seeds, so that runs
+// differ in kind and not only in detail. A run's first output line names the seed and every knob.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/result.h"
+#include "core/types.h"
+#include "sim/random.h"
+
+namespace th::sim {
+
+enum class Workload : std::uint8_t {
+  kColocated,   // trainers that also roll out: publish -> rollout -> unpublish -> train -> publish
+  kStandalone,  // a trainer and standalone rollouts: update(latest) in a loop
+  kElastic,     // spot rollouts, preempted without notice (and in storms), rejoining
+  kCrossDc,     // most rollouts in a second datacenter behind a slow link
+  kOffByK,      // asynchronous training: rollouts follow latest-k, the trainer retains latest-k
+  kMultiModel,  // two models at once
+  kMixed,       // all of the above in one fleet
+};
+inline constexpr int kWorkloadCount = 7;
+std::string_view workload_name(Workload workload);
+Result<Workload> parse_workload(std::string_view name);
+std::string workload_list();  // "colocated, standalone, …"
+
+struct Knobs {
+  Workload workload = Workload::kMixed;
+  // The fleet.
+  std::uint32_t shards = 2;          // per replica
+  std::uint32_t trainers = 1;        // per model
+  std::uint32_t rollouts = 4;        // per model
+  std::uint32_t models = 1;
+  std::uint32_t spot_rollouts = 0;   // per model, of `rollouts`
+  std::uint32_t remote_rollouts = 0; // per model, in the second datacenter
+  std::uint32_t off_by = 0;          // rollouts follow latest-off_by
+  bool colocated = false;            // trainers roll out between publish and unpublish
+  // The hub.
+  bool pipeline = true;
+  std::uint32_t fanout = 1;
+  bool smart_skipping = true;
+  TimeMs heartbeat_timeout_ms = 3000;
+  // Network faults (control plane).
+  double drop = 0;                   // per message
+  double duplicate = 0;              // per message
+  TimeMs delay_min_ms = 1;
+  TimeMs delay_mean_ms = 2;          // exponential on top of the minimum: reorders messages
+  double clog_per_s = 0;             // a worker's messages stall for clog_ms
+  TimeMs clog_ms = 0;
+  double partition_per_s = 0;        // a replica is cut from the server (one or both ways)
+  TimeMs partition_ms = 0;
+  // Process and data-plane faults.
+  double crash_per_s = 0;            // a rollout replica crashes (mid-transfer when it can)
+  bool preemption_storm = false;     // many spot replicas at once
+  bool server_crash = false;         // the primary server dies once; clients fail over
+  double read_failure = 0;           // a read fails for no reason on the source's side
+  double straggler_fraction = 0;     // hosts with a tenth of the bandwidth and slow steps
+  std::int64_t clock_skew_ppm = 0;   // each worker's clock runs up to this much fast or slow
+  // The data plane.
+  std::uint64_t shard_bytes = 64ULL << 20;  // modelled size of one shard
+  std::uint64_t nic_bytes_per_ms = 1'250'000;  // 10 Gbit/s up and down per host
+  std::uint64_t remote_bytes_per_ms = 125'000;  // 1 Gbit/s between datacenters, shared
+  // Phases.
+  TimeMs safety_ms = 30'000;         // faults on
+  TimeMs liveness_ms = 90'000;       // faults healed: everything must converge within this
+};
+
+// Draws every knob from `rng` for `workload` (or one drawn too, if none is given).
+Knobs draw_knobs(Rng& rng, const Workload* workload);
+
+// Applies "key=value,key=value" overrides ("none" switches every fault off). Unknown keys and bad
+// values are errors that name the key.
+Status apply_overrides(Knobs& knobs, std::string_view overrides);
+std::string fault_keys();  // the keys apply_overrides accepts, for --help
+
+std::string describe(const Knobs& knobs);
+
+}  // namespace th::sim

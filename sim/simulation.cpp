@@ -1,0 +1,1265 @@
+#include "sim/simulation.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "core/agent.h"
+#include "sim/observer.h"
+#include "sim/trace.h"
+
+namespace th::sim {
+
+namespace {
+
+// ---- Constants of the simulated world ------------------------------------------------------------
+
+constexpr TimeMs kHubTickMs = 100;
+constexpr TimeMs kDataTickMs = 5;       // the data plane moves bytes in steps of this much time
+constexpr TimeMs kFaultTickMs = 100;    // faults are drawn this often during the safety phase
+constexpr TimeMs kBarrierTimeoutMs = 10'000;
+constexpr TimeMs kReadTimeoutMs = 1500;  // a reader notices a dead source after this long
+// The hub's grant to the source and its instruction to the reader travel separately: a reader whose
+// source has no grant yet asks again for this long before it reports the source as refusing.
+constexpr TimeMs kGrantGraceMs = 2000;
+constexpr std::size_t kTensorBytes[] = {40, 24};  // the real buffer of a shard: two tensors
+constexpr std::size_t kBufferBytes = 64;
+constexpr std::uint64_t kEventsMax = 200'000'000;  // a run that needs more has a bug
+
+// The byte at `offset` of shard `shard` of `version` of model `model`: a mix-up of any of them shows.
+std::uint8_t content(int model, Version version, std::uint32_t shard, std::size_t offset) {
+  std::uint64_t x = (static_cast<std::uint64_t>(model) << 56) ^ (version * 0x9E3779B97F4A7C15ULL) ^
+                    (static_cast<std::uint64_t>(shard) << 40) ^ offset;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  return static_cast<std::uint8_t>(x);
+}
+
+std::uint64_t fnv(const std::uint8_t* bytes, std::size_t size) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (std::size_t i = 0; i < size; ++i) {
+    hash ^= bytes[i];
+    hash *= 0x100000001b3ULL;
+  }
+  return hash;
+}
+
+Checksums checksums_of(const std::vector<std::uint8_t>& buffer) {
+  return {fnv(buffer.data(), kTensorBytes[0]), fnv(buffer.data() + kTensorBytes[0], kTensorBytes[1])};
+}
+
+LayoutRef layout_for(std::uint32_t shard) {
+  return ShardLayout::make({{"layer." + std::to_string(shard) + ".weight", DType::kBFloat16,
+                             kTensorBytes[0]},
+                            {"layer." + std::to_string(shard) + ".bias", DType::kFloat32,
+                             kTensorBytes[1]}})
+      .value();
+}
+
+// ---- The fleet -----------------------------------------------------------------------------------
+
+struct Replica {
+  int model = 0;
+  std::string name;
+  std::string datacenter;
+  bool spot = false;
+  bool trainer = false;
+  Retention retention;
+  std::uint64_t incarnation = 1;
+  bool crashed = false;
+  std::uint64_t restart_token = 0;  // a scheduled restart is valid while this matches
+  std::vector<int> workers;
+  Version next_version = 1;         // trainers: what a restarted trainer publishes next
+};
+
+struct App {
+  enum class Next : std::uint8_t { kOpen, kPublish, kUnpublish, kUpdate, kList, kDone };
+  Next next = Next::kOpen;
+  bool in_call = false;
+  std::uint64_t call_id = 0;
+  TimeMs call_started_ms = 0;
+  std::uint64_t seq_before = 0;      // the agent's last answered call when this one started
+  std::string call_name;
+  std::uint64_t wake_token = 0;
+  Version version = 0;               // trainers: the version being published; rollouts: held
+  std::optional<Version> held;       // what the buffers hold (as the agent says)
+  std::uint64_t iterations = 0;
+  std::uint64_t steps = 0;           // calls of the replica this shard completed (with an answer)
+  bool waiting_for_peers = false;    // the collective after the last call has not completed
+  std::optional<Version> final_target;  // liveness: a trainer stops once it published this
+};
+
+struct Worker {
+  int replica = 0;
+  std::uint32_t shard = 0;
+  bool alive = false;
+  std::unique_ptr<ShardAgent> agent;
+  ClientId client = 0;
+  std::uint64_t agent_wake_token = 0;
+  TimeMs agent_wake_at = -1;
+  std::int64_t skew_ppm = 0;
+  TimeMs clock_offset_ms = 0;
+  TimeMs local_last_ms = 0;
+  // The process's memory: registered buffers, offload copies, data-server grants.
+  std::vector<std::uint8_t> buffer;
+  std::optional<Version> buffer_version;  // what the first buffer_bytes (modelled) hold
+  std::uint64_t buffer_bytes = 0;
+  std::map<Version, std::vector<std::uint8_t>> offloads;
+  std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
+  // The host and its network.
+  bool straggler = false;
+  TimeMs clogged_until = 0;
+  TimeMs cut_up_until = 0;    // messages to the server are lost
+  TimeMs cut_down_until = 0;  // messages from the server are lost
+  bool server_lost_pending = false;
+  App app;
+};
+
+struct Flow {
+  int reader = 0;
+  int source = 0;
+  StartRead read;
+  double progress = 0;     // modelled bytes
+  std::size_t copied = 0;  // real bytes
+  bool remote = false;
+  TimeMs started_ms = 0;
+  TimeMs fail_at = -1;     // the reader gives up on the source then
+  bool granted = false;    // the source had a grant for this read (a missing one is then revoked)
+  ReadFailure fail_reason = ReadFailure::kSourceUnreachable;
+  double fail_at_progress = -1;  // an injected failure once this much has moved
+};
+
+// ---- Events --------------------------------------------------------------------------------------
+
+enum class EventKind : std::uint8_t {
+  kToServer,
+  kToWorker,
+  kAgentWake,
+  kAppWake,
+  kDataTick,
+  kHubTick,
+  kFaultTick,
+  kRestart,
+  kServerLost,
+  kOffloadCopied,
+  kHeal,
+  kEnd,
+};
+
+struct Event {
+  Event() = default;
+  explicit Event(EventKind kind_, int a_ = 0, std::uint64_t token_ = 0, std::uint32_t server_ = 0)
+      : kind(kind_), a(a_), token(token_), server(server_) {}
+
+  EventKind kind = EventKind::kEnd;
+  int a = 0;                 // worker, server or replica
+  std::uint64_t token = 0;   // staleness check for wakes and restarts; version for offloads
+  std::uint32_t server = 0;
+  std::variant<std::monostate, Request, Report, ConnectionLost, Effect> message;
+};
+
+struct HeapKey {
+  TimeMs at;
+  std::uint64_t seq;
+  std::uint32_t slot;
+  friend bool operator>(const HeapKey& a, const HeapKey& b) {
+    return a.at != b.at ? a.at > b.at : a.seq > b.seq;
+  }
+};
+
+class Violation : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// ---- The simulation ------------------------------------------------------------------------------
+
+class Simulation {
+ public:
+  explicit Simulation(const SimOptions& options)
+      : options_(options),
+        knobs_(options.knobs),
+        rng_(options.seed ^ 0x5DEECE66DULL),
+        trace_(!options.trace_path.empty()),
+        observer_(knobs_.fanout) {
+    HubSettings settings;
+    settings.heartbeat_timeout_ms = knobs_.heartbeat_timeout_ms;
+    settings.barrier_timeout_ms = kBarrierTimeoutMs;
+    settings.pipeline = knobs_.pipeline;
+    settings.fanout_max = knobs_.fanout;
+    settings.smart_skipping = knobs_.smart_skipping;
+    for (auto& server : servers_) {
+#ifdef TH_CANARY
+      server = std::make_unique<Hub>(settings, options.bugs);
+#else
+      server = std::make_unique<Hub>(settings);
+#endif
+    }
+  }
+
+  SimResult run() {
+    try {
+      build_fleet();
+      schedule(knobs_.safety_ms, Event(EventKind::kHeal));
+      schedule(knobs_.safety_ms + knobs_.liveness_ms, Event(EventKind::kEnd));
+      schedule(kHubTickMs, Event(EventKind::kHubTick, 0));
+      schedule(kHubTickMs, Event(EventKind::kHubTick, 1));
+      schedule(kFaultTickMs, Event(EventKind::kFaultTick));
+      if (knobs_.server_crash) {
+        server_crash_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms / 2);
+      }
+      if (knobs_.preemption_storm) {
+        storm_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms / 2);
+      }
+      while (!heap_.empty() && !finished_) {
+        const HeapKey key = heap_.top();
+        heap_.pop();
+        Event event = std::move(slab_[key.slot]);
+        free_.push_back(key.slot);
+        now_ = key.at;
+        ++result_.events;
+        if (result_.events > kEventsMax) throw Violation("the run does not end (event limit)");
+        trace_.mix(static_cast<std::uint64_t>(now_));
+        trace_.mix(static_cast<std::uint64_t>(event.kind) << 32 | static_cast<std::uint32_t>(event.a));
+        dispatch(event);
+      }
+    } catch (const Violation& violation) {
+      fail(violation.what());
+    } catch (const std::exception& failure) {
+      fail(std::string("assertion: ") + failure.what());
+    }
+    result_.virtual_ms = now_;
+    result_.trace_hash = trace_.hash();
+    if (!options_.trace_path.empty()) {
+      const Status written = trace_.write(options_.trace_path);
+      if (!written.ok() && result_.ok) fail(written.error().detail);
+    }
+    return result_;
+  }
+
+ private:
+  // ---- events ----
+
+  void schedule(TimeMs at, Event event) {
+    TH_ASSERT(at >= now_, "events are not scheduled in the past");
+    std::uint32_t slot;
+    if (!free_.empty()) {
+      slot = free_.back();
+      free_.pop_back();
+      slab_[slot] = std::move(event);
+    } else {
+      slot = static_cast<std::uint32_t>(slab_.size());
+      slab_.push_back(std::move(event));
+    }
+    heap_.push(HeapKey{at, next_seq_++, slot});
+  }
+
+  void dispatch(Event& event) {
+    switch (event.kind) {
+      case EventKind::kToServer: deliver_to_server(event); break;
+      case EventKind::kToWorker: deliver_to_worker(event); break;
+      case EventKind::kAgentWake:
+        if (alive(event.a) && workers_[event.a].agent_wake_token == event.token) {
+          workers_[event.a].agent_wake_at = -1;
+          agent_step(event.a, AgentTick{});
+        }
+        break;
+      case EventKind::kAppWake:
+        if (alive(event.a) && workers_[event.a].app.wake_token == event.token) app_act(event.a);
+        break;
+      case EventKind::kDataTick: data_tick(); break;
+      case EventKind::kHubTick:
+        if (servers_alive_[event.a]) {
+          hub_step(event.a, Tick{});
+          schedule(now_ + kHubTickMs, Event(EventKind::kHubTick, event.a));
+        }
+        break;
+      case EventKind::kFaultTick: fault_tick(); break;
+      case EventKind::kRestart:
+        if (replicas_[event.a].crashed && replicas_[event.a].restart_token == event.token) {
+          restart(event.a);
+        }
+        break;
+      case EventKind::kServerLost:
+        workers_[event.a].server_lost_pending = false;
+        if (alive(event.a)) agent_step(event.a, ServerLost{event.server});
+        break;
+      case EventKind::kOffloadCopied: offload_copied(event.a, event.token); break;
+      case EventKind::kHeal: heal(); break;
+      case EventKind::kEnd:
+        check_liveness();
+        finished_ = true;
+        break;
+    }
+  }
+
+  // ---- the fleet ----
+
+  void build_fleet() {
+    for (std::uint32_t m = 0; m < knobs_.models; ++m) {
+      const std::string model = "m" + std::to_string(m);
+      models_.push_back(model);
+      for (std::uint32_t t = 0; t < knobs_.trainers; ++t) {
+        Replica replica;
+        replica.model = static_cast<int>(m);
+        replica.name = model + "-trainer" + std::to_string(t);
+        replica.datacenter = "dc0";
+        replica.trainer = true;
+        // Trainers keep what rollouts follow: latest-k when they lag by k, else latest or nothing.
+        if (knobs_.off_by > 0) {
+          replica.retention.keep_latest = knobs_.off_by;
+        } else if (rng_.chance(0.6)) {
+          replica.retention.keep_latest = static_cast<std::uint64_t>(rng_.range(0, 1));
+        }
+        add_replica(std::move(replica));
+      }
+      for (std::uint32_t r = 0; r < knobs_.rollouts; ++r) {
+        Replica replica;
+        replica.model = static_cast<int>(m);
+        replica.name = model + "-rollout" + std::to_string(r);
+        replica.spot = r < knobs_.spot_rollouts;
+        replica.datacenter = r >= knobs_.rollouts - knobs_.remote_rollouts ? "dc1" : "dc0";
+        add_replica(std::move(replica));
+      }
+    }
+  }
+
+  void add_replica(Replica replica) {
+    const int index = static_cast<int>(replicas_.size());
+    for (std::uint32_t shard = 0; shard < knobs_.shards; ++shard) {
+      Worker worker;
+      worker.replica = index;
+      worker.shard = shard;
+      worker.straggler = rng_.chance(knobs_.straggler_fraction);
+      worker.skew_ppm = knobs_.clock_skew_ppm == 0 ? 0 : rng_.range(-knobs_.clock_skew_ppm, knobs_.clock_skew_ppm);
+      worker.clock_offset_ms = rng_.range(0, 100'000);
+      replica.workers.push_back(static_cast<int>(workers_.size()));
+      const int lane = static_cast<int>(workers_.size()) + 1;
+      trace_.lane(lane, replica.name + "/" + std::to_string(shard) + " (" +
+                            (replica.trainer ? "trainer" : replica.spot ? "spot rollout" : "rollout") +
+                            ", " + replica.datacenter + ")");
+      workers_.push_back(std::move(worker));
+    }
+    replicas_.push_back(std::move(replica));
+    start_replica(index, rng_.range(0, 2000));
+  }
+
+  void start_replica(int index, TimeMs delay_ms) {
+    for (int w : replicas_[index].workers) start_worker(w, delay_ms + rng_.range(0, 200));
+  }
+
+  // A new process for the worker: a fresh agent (under a new client id) and a fresh program.
+  void start_worker(int w, TimeMs delay_ms) {
+    Worker& worker = workers_[w];
+    const Replica& replica = replicas_[worker.replica];
+    AgentConfig config;
+    config.client = next_client_++;
+    config.servers = 2;
+    config.heartbeat_interval_ms = std::max<TimeMs>(250, knobs_.heartbeat_timeout_ms / 4);
+    config.retry_initial_ms = 200;
+    config.retry_max_ms = 2000;
+    worker.agent = std::make_unique<ShardAgent>(config);
+    worker.client = config.client;
+    clients_[config.client] = w;
+    worker.alive = true;
+    worker.agent_wake_at = -1;
+    worker.buffer.assign(kBufferBytes, 0);
+    worker.buffer_version.reset();
+    worker.buffer_bytes = 0;
+    worker.offloads.clear();
+    worker.grants.clear();
+    worker.server_lost_pending = false;
+    worker.app = App{};
+    if (replica.trainer) worker.app.version = replica.next_version;
+    if (!servers_alive_[0]) lose_server(w);  // it starts after the failover: its first try fails
+    wake_app(w, delay_ms);
+  }
+
+  bool alive(int w) const { return workers_[w].alive; }
+  Replica& replica_of(int w) { return replicas_[workers_[w].replica]; }
+
+  TimeMs local_now(const Worker& worker) const {
+    return worker.clock_offset_ms + now_ + now_ * worker.skew_ppm / 1'000'000;
+  }
+  TimeMs global_at(const Worker& worker, TimeMs local) const {
+    // The inverse of local_now, rounded up so that the deadline has passed on arrival.
+    const TimeMs relative = local - worker.clock_offset_ms;
+    const TimeMs at = (relative * 1'000'000 + (1'000'000 + worker.skew_ppm) - 1) / (1'000'000 + worker.skew_ppm);
+    return std::max(at, now_);
+  }
+
+  // ---- the agent ----
+
+  void agent_step(int w, const AgentInput& input) {
+    Worker& worker = workers_[w];
+    TH_ASSERT(worker.alive && worker.agent);
+    agent_effects_.clear();
+    const TimeMs local = std::max(local_now(worker), worker.local_last_ms);
+    worker.local_last_ms = local;
+    worker.agent->step(input, local, agent_effects_);
+    // Handling an effect may step the agent again (a completed call starts the next one).
+    const AgentEffects effects = std::move(agent_effects_);
+    for (const AgentEffect& effect : effects) {
+      if (!worker.alive) break;
+      handle_agent_effect(w, effect);
+    }
+    if (worker.alive) schedule_agent_wake(w);
+  }
+
+  void schedule_agent_wake(int w) {
+    Worker& worker = workers_[w];
+    const std::optional<TimeMs> deadline = worker.agent->next_deadline_ms();
+    if (!deadline) return;
+    const TimeMs at = global_at(worker, *deadline);
+    if (worker.agent_wake_at != -1 && worker.agent_wake_at <= at) return;
+    worker.agent_wake_at = at;
+    schedule(at, Event(EventKind::kAgentWake, w, ++worker.agent_wake_token));
+  }
+
+  void handle_agent_effect(int w, const AgentEffect& effect) {
+    Worker& worker = workers_[w];
+    std::visit(
+        [&](const auto& e) {
+          using T = std::decay_t<decltype(e)>;
+          if constexpr (std::is_same_v<T, SendRequest>) {
+            send_to_server(w, e.server, e.request);
+          } else if constexpr (std::is_same_v<T, SendReport>) {
+            send_to_server(w, e.server, e.report);
+          } else if constexpr (std::is_same_v<T, BeginRead>) {
+            begin_read(w, e.read);
+          } else if constexpr (std::is_same_v<T, CancelRead>) {
+            flows_.erase({w, e.transfer});
+          } else if constexpr (std::is_same_v<T, GrantServe>) {
+            worker.grants[{e.grant.transfer, e.grant.epoch}] = e.grant;
+          } else if constexpr (std::is_same_v<T, RevokeServe>) {
+            worker.grants.erase({e.transfer, e.epoch});
+          } else if constexpr (std::is_same_v<T, MakeOffload>) {
+            schedule(now_ + rng_.range(20, 200), Event(EventKind::kOffloadCopied, w, e.version));
+          } else if constexpr (std::is_same_v<T, FreeOffload>) {
+            worker.offloads.erase(e.version);
+          } else {
+            static_assert(std::is_same_v<T, CallDone>);
+            call_done(w, e);
+          }
+        },
+        effect);
+  }
+
+  // ---- the network ----
+
+  template <typename Payload>
+  void send_to_server(int w, std::uint32_t server, const Payload& payload) {
+    Worker& worker = workers_[w];
+    ++result_.messages;
+    if (!servers_alive_[server]) {
+      lose_server(w);  // connection refused: the transport tells the agent after a while
+      return;
+    }
+    if (faults_on_ && (now_ < worker.cut_up_until || rng_.chance(knobs_.drop))) {
+      ++result_.messages_lost;
+      return;
+    }
+    const int copies = faults_on_ && rng_.chance(knobs_.duplicate) ? 2 : 1;
+    for (int i = 0; i < copies; ++i) {
+      Event event(EventKind::kToServer, static_cast<int>(server), 0, server);
+      event.message = payload;
+      schedule(now_ + delay(worker), std::move(event));
+    }
+  }
+
+  void send_to_worker(std::uint32_t server, const Effect& effect) {
+    auto found = clients_.find(effect.client);
+    if (found == clients_.end()) return;
+    const int w = found->second;
+    Worker& worker = workers_[w];
+    ++result_.messages;
+    if (!worker.alive || worker.client != effect.client) return;  // a process that is gone
+    if (faults_on_ && (now_ < worker.cut_down_until || rng_.chance(knobs_.drop))) {
+      ++result_.messages_lost;
+      return;
+    }
+    const int copies = faults_on_ && rng_.chance(knobs_.duplicate) ? 2 : 1;
+    for (int i = 0; i < copies; ++i) {
+      Event event(EventKind::kToWorker, w, effect.client, server);
+      event.message = effect;
+      schedule(now_ + delay(worker), std::move(event));
+    }
+  }
+
+  TimeMs delay(const Worker& worker) {
+    TimeMs delay = knobs_.delay_min_ms + static_cast<TimeMs>(rng_.below(2 * knobs_.delay_mean_ms + 1));
+    if (faults_on_ && worker.clogged_until > now_) delay += worker.clogged_until - now_;
+    return delay;
+  }
+
+  void lose_server(int w) {
+    Worker& worker = workers_[w];
+    if (worker.server_lost_pending) return;
+    worker.server_lost_pending = true;
+    schedule(now_ + rng_.range(200, 2000), Event(EventKind::kServerLost, w, 0, 0));
+  }
+
+  void deliver_to_worker(Event& event) {
+    const int w = event.a;
+    Worker& worker = workers_[w];
+    if (!worker.alive || worker.client != event.token) return;
+    const Effect& effect = std::get<Effect>(event.message);
+    if (const auto* evicted = std::get_if<Evicted>(&effect.message)) {
+      trace_.instant(w + 1, std::string("evicted: ") + std::string(errc_name(evicted->reason)),
+                     "failure", now_);
+    }
+    agent_step(w, FromHub{event.server, effect});
+  }
+
+  // ---- the servers ----
+
+  void deliver_to_server(Event& event) {
+    const int server = event.a;
+    if (!servers_alive_[server]) return;
+    std::visit(
+        [&](auto& message) {
+          using T = std::decay_t<decltype(message)>;
+          const bool active = server == (servers_alive_[0] ? 0 : 1);
+          if constexpr (std::is_same_v<T, Request>) {
+            trace_.mix(message.client * 1000003 + message.seq);
+            if (!active) {
+            } else if (const auto* open = std::get_if<OpenRequest>(&message.body)) {
+              observer_.on_open(message.client, message.seq, *open);
+            } else {
+              observer_.on_call(message.client, message.seq, message.body);
+            }
+            hub_step(server, message);
+          } else if constexpr (std::is_same_v<T, Report>) {
+            if (active) observer_.on_report(message.client, message.body);
+            hub_step(server, message);
+          } else if constexpr (std::is_same_v<T, ConnectionLost>) {
+            hub_step(server, message);
+          }
+        },
+        event.message);
+  }
+
+  // TH_SIM_LOG=<replica name> prints the hub's traffic with that replica's clients (stderr).
+  bool logged(ClientId client) const {
+    static const char* name = std::getenv("TH_SIM_LOG");
+    if (name == nullptr) return false;
+    auto found = clients_.find(client);
+    return found != clients_.end() && replicas_[workers_[found->second].replica].name == name;
+  }
+
+  void log_input(int server, const Input& input) const {
+    if (const auto* request = std::get_if<Request>(&input); request && logged(request->client)) {
+      std::cerr << now_ << " s" << server << " <- c" << request->client << " #" << request->seq
+                << " session " << request->session << " "
+                << (std::holds_alternative<OpenRequest>(request->body)
+                        ? std::string(std::get<OpenRequest>(request->body).resume ? "open (resume)"
+                                                                                  : "open")
+                        : std::string(op_name(op_kind(request->body))))
+                << "\n";
+    } else if (const auto* report = std::get_if<Report>(&input); report && logged(report->client)) {
+      if (!std::holds_alternative<Heartbeat>(report->body)) {
+        std::cerr << now_ << " s" << server << " <- c" << report->client << " report "
+                  << report->body.index() << "\n";
+      }
+    }
+  }
+
+  void log_effect(int server, const Effect& effect) const {
+    if (!logged(effect.client)) return;
+    std::cerr << now_ << " s" << server << " -> c" << effect.client << " session " << effect.session
+              << " message " << effect.message.index();
+    if (const auto* reply = std::get_if<Reply>(&effect.message)) {
+      std::cerr << " reply #" << reply->seq << " outcome " << reply->outcome.index();
+      if (const auto* updated = std::get_if<UpdateOk>(&reply->outcome)) {
+        std::cerr << " " << update_status_name(updated->status) << " v" << updated->version;
+      }
+      if (const auto* error = std::get_if<Error>(&reply->outcome)) {
+        std::cerr << " " << errc_name(error->code) << " (" << error->detail << ")";
+      }
+    }
+    std::cerr << "\n";
+  }
+
+  void hub_step(int server, const Input& input) {
+    log_input(server, input);
+    hub_effects_.clear();
+    Hub& hub = *servers_[server];
+    hub.step(input, now_, hub_effects_);
+    hub.check_invariants();
+    // The observer follows the server that serves: the primary, then the backup after a failover.
+    const bool active = server == (servers_alive_[0] ? 0 : 1);
+    if (active) {
+      observer_.on_effects(hub_effects_);
+      for (const std::string& model : models_) observer_.on_latest(model, hub.latest(model));
+      if (!observer_.violations().empty()) throw Violation(observer_.violations().front());
+    }
+    for (const Effect& effect : hub_effects_) {
+      log_effect(server, effect);
+      trace_.mix(effect.client << 8 | effect.message.index());
+      if (const auto* evicted = std::get_if<Evicted>(&effect.message)) {
+        if (evicted->reason != Errc::kUnknownClient) ++result_.evictions;
+      }
+      if (std::holds_alternative<Offload>(effect.message)) ++result_.offloads;
+      send_to_worker(static_cast<std::uint32_t>(server), effect);
+    }
+  }
+
+  void crash_server() {
+    servers_alive_[0] = false;
+    ++result_.failovers;
+    observer_.on_server_reset(/*answers_delivered=*/false);
+    trace_.instant(0, "primary server crashed: failover", "failure", now_, /*global=*/true);
+    if (options_.verbose) std::cerr << now_ << " ms: the primary server crashed\n";
+    for (std::size_t w = 0; w < workers_.size(); ++w) {
+      if (workers_[w].alive) lose_server(static_cast<int>(w));
+    }
+  }
+
+  // ---- the data plane ----
+
+  void begin_read(int w, const StartRead& read) {
+    auto source = clients_of_replica(read.source.replica, read.source.incarnation, read.shard);
+    Flow flow;
+    flow.reader = w;
+    flow.source = source.value_or(-1);
+    flow.read = read;
+    flow.started_ms = now_;
+    flow.remote = read.source.datacenter != replica_of(w).datacenter;
+    if (faults_on_ && rng_.chance(knobs_.read_failure)) {
+      flow.fail_at_progress = rng_.unit() * static_cast<double>(knobs_.shard_bytes);
+    }
+    Worker& reader = workers_[w];
+    reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
+    reader.buffer_bytes = 0;
+    flows_[{w, read.transfer}] = flow;
+    if (!data_tick_scheduled_) {
+      data_tick_scheduled_ = true;
+      schedule(now_ + kDataTickMs, Event(EventKind::kDataTick));
+    }
+  }
+
+  // The process that serves shard `shard` of this incarnation of the replica, if it still runs.
+  std::optional<int> clients_of_replica(const std::string& name, std::uint64_t incarnation,
+                                        std::uint32_t shard) const {
+    for (const Replica& replica : replicas_) {
+      if (replica.name != name) continue;
+      const int w = replica.workers[shard];
+      const Worker& worker = workers_[w];
+      if (!worker.alive || worker.agent->incarnation() != incarnation) return std::nullopt;
+      return w;
+    }
+    return std::nullopt;
+  }
+
+  std::uint64_t bandwidth(const Worker& worker) const {
+    return worker.straggler ? knobs_.nic_bytes_per_ms / 10 : knobs_.nic_bytes_per_ms;
+  }
+
+  void data_tick() {
+    if (flows_.empty()) {
+      data_tick_scheduled_ = false;
+      return;
+    }
+    std::map<int, int> uploads;
+    std::map<int, int> downloads;
+    int remote = 0;
+    for (const auto& [key, flow] : flows_) {
+      ++uploads[flow.source];
+      ++downloads[flow.reader];
+      remote += flow.remote ? 1 : 0;
+    }
+    std::vector<std::pair<int, TransferId>> keys;
+    for (const auto& [key, flow] : flows_) keys.push_back(key);
+    for (const auto& key : keys) {
+      auto found = flows_.find(key);
+      if (found == flows_.end()) continue;
+      advance_flow(found->second, uploads, downloads, remote);
+    }
+    schedule(now_ + kDataTickMs, Event(EventKind::kDataTick));
+  }
+
+  void finish_flow(const Flow& flow, std::optional<ReadFailure> failure) {
+    const int reader = flow.reader;
+    const StartRead read = flow.read;
+    flows_.erase({reader, read.transfer});
+    if (failure) {
+      ++result_.reads_failed;
+    } else {
+      ++result_.reads;
+    }
+    trace_.span(reader + 1, "read v" + std::to_string(read.version) + " from " + read.source.replica,
+                "transfer", flow.started_ms, now_,
+                std::string(R"({"source":")") + json_escape(read.source.replica) + R"(","epoch":)" +
+                    std::to_string(read.epoch) + R"(,"remote":)" + (flow.remote ? "true" : "false") +
+                    R"(,"partial_source":)" + (read.source.partial ? "true" : "false") +
+                    R"(,"failed":)" + (failure ? "true" : "false") + "}");
+    trace_.mix(read.transfer << 16 | read.epoch << 1 | (failure ? 1 : 0));
+    agent_step(reader, ReadFinished{read.transfer, read.epoch, failure});
+  }
+
+  void advance_flow(Flow& flow, std::map<int, int>& uploads, std::map<int, int>& downloads,
+                    int remote) {
+    Worker& reader = workers_[flow.reader];
+    if (!reader.alive) {
+      flows_.erase({flow.reader, flow.read.transfer});
+      return;
+    }
+    if (flow.fail_at >= 0) {
+      if (now_ >= flow.fail_at) finish_flow(flow, flow.fail_reason);
+      return;
+    }
+    if (flow.source < 0 || !workers_[flow.source].alive) {
+      flow.fail_at = now_ + kReadTimeoutMs;  // the reader waits out a dead source
+      return;
+    }
+    Worker& source = workers_[flow.source];
+    const StartRead& read = flow.read;
+    // The source's data server serves only under a grant for this transfer and epoch.
+    auto grant = source.grants.find({read.transfer, read.epoch});
+    const bool granted = grant != source.grants.end() && grant->second.version == read.version &&
+                         grant->second.kind == read.source.kind;
+    if (!granted) {
+      if (flow.granted || now_ - flow.started_ms >= kGrantGraceMs) {
+        flow.fail_at = now_;
+        flow.fail_reason = ReadFailure::kSourceRefused;
+      }
+      return;
+    }
+    flow.granted = true;
+    const double total = static_cast<double>(knobs_.shard_bytes);
+    if (flow.fail_at_progress >= 0 && flow.progress >= flow.fail_at_progress) {
+      flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
+      return;
+    }
+    double rate = std::min(static_cast<double>(bandwidth(source)) / uploads[flow.source],
+                           static_cast<double>(bandwidth(reader)) / downloads[flow.reader]);
+    if (flow.remote) rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote);
+    // What the source can give: all of an offload copy; of its buffers, the prefix it holds of the
+    // version (a partial source: what it has received so far). A buffer that holds another version
+    // gives its bytes too, as a real one-sided read would: the checks below catch that.
+    double available = total;
+    const std::vector<std::uint8_t>* bytes = &source.buffer;
+    if (read.source.kind == CopyKind::kOffload) {
+      auto offload = source.offloads.find(read.version);
+      if (offload == source.offloads.end()) {
+        throw Violation("integrity: " + read.source.replica + " serves an offload copy of version " +
+                        std::to_string(read.version) + " that it freed");
+      }
+      bytes = &offload->second;
+    } else if (source.buffer_version == read.version) {
+      available = static_cast<double>(source.buffer_bytes);
+    }
+    flow.progress = std::min(flow.progress + rate * kDataTickMs, std::max(available, flow.progress));
+    const auto target = static_cast<std::size_t>(flow.progress / total * kBufferBytes);
+    const int model = replicas_[reader.replica].model;
+    for (std::size_t offset = flow.copied; offset < std::min(target, kBufferBytes); ++offset) {
+      const std::uint8_t byte = (*bytes)[offset];
+      if (byte != content(model, read.version, read.shard, offset)) {
+        throw Violation("integrity: " + replica_of(flow.reader).name + " read a byte of " +
+                        read.source.replica + "'s buffers that is not version " +
+                        std::to_string(read.version) + " (the source's buffers changed under a "
+                        "grant to read them)");
+      }
+      reader.buffer[offset] = byte;
+    }
+    flow.copied = std::max(flow.copied, std::min(target, kBufferBytes));
+    reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
+    if (flow.progress < total) return;
+    // Every tensor is checked against the checksums the hub gave with the instruction.
+    const bool matches = checksums_of(reader.buffer) == *read.checksums;
+    finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
+  }
+
+  void offload_copied(int w, Version version) {
+    if (!alive(w)) return;
+    Worker& worker = workers_[w];
+    if (worker.buffer_version != version || worker.buffer_bytes < knobs_.shard_bytes) return;
+    worker.offloads[version] = worker.buffer;
+    trace_.instant(w + 1, "offloaded v" + std::to_string(version), "offload", now_);
+    agent_step(w, OffloadFinished{version});
+  }
+
+  // ---- the application: trainers and rollouts ----
+
+  void wake_app(int w, TimeMs delay_ms) {
+    Worker& worker = workers_[w];
+    schedule(now_ + delay_ms, Event(EventKind::kAppWake, w, ++worker.app.wake_token));
+  }
+
+  TimeMs jitter(int w, TimeMs low, TimeMs high) {
+    const TimeMs base = rng_.range(low, high);
+    return workers_[w].straggler ? base * 3 : base;
+  }
+
+  void call(int w, RequestBody body, std::string name) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    app.in_call = true;
+    app.call_started_ms = now_;
+    app.seq_before = worker.agent->last_seq();
+    app.call_name = std::move(name);
+    ++result_.calls;
+    agent_step(w, UserCall{++app.call_id, std::move(body)});
+  }
+
+  // The shards of a replica run one program and meet in a collective after every step (as model-
+  // parallel workers do): a shard starts its next call once every peer finished the previous one.
+  bool peers_behind(int w) const {
+    const Worker& worker = workers_[w];
+    for (int peer : replicas_[worker.replica].workers) {
+      if (peer != w && workers_[peer].alive && workers_[peer].app.steps < worker.app.steps) return true;
+    }
+    return false;
+  }
+
+  void app_act(int w) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    if (app.in_call) return;
+    const Replica& replica = replica_of(w);
+    if (app.next != App::Next::kOpen && peers_behind(w)) {
+      app.waiting_for_peers = true;
+      return;
+    }
+    app.waiting_for_peers = false;
+    const int model = replica.model;
+    switch (app.next) {
+      case App::Next::kOpen: {
+        OpenRequest open;
+        open.model = models_[model];
+        open.replica = replica.name;
+        open.incarnation = replica.incarnation;
+        open.shard = worker.shard;
+        open.num_shards = knobs_.shards;
+        open.datacenter = replica.datacenter;
+        open.spot = replica.spot;
+        open.role = replica.trainer ? "trainer" : "rollout";
+        open.retention = replica.retention;
+        open.data_endpoint = "sim://" + replica.name + "/" + std::to_string(worker.shard);
+        call(w, open, "open");
+        return;
+      }
+      case App::Next::kPublish: {
+        // The trainer's buffers hold the version it trained (written when it was mutable).
+        if (worker.buffer_version != app.version) write_version(w, app.version);
+        call(w, PublishRequest{app.version, layout_for(worker.shard),
+                               std::make_shared<const Checksums>(checksums_of(worker.buffer))},
+             "publish v" + std::to_string(app.version));
+        return;
+      }
+      case App::Next::kUnpublish:
+        call(w, UnpublishRequest{}, "unpublish");
+        return;
+      case App::Next::kUpdate:
+        call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+        return;
+      case App::Next::kList:
+        call(w, ListRequest{}, "list");
+        return;
+      case App::Next::kDone:
+        return;
+    }
+  }
+
+  // A trainer computes a version into its buffers: allowed only while they are not published.
+  void write_version(int w, Version version) {
+    Worker& worker = workers_[w];
+    for (const auto& [key, grant] : worker.grants) {
+      if (grant.kind == CopyKind::kPrimary) {
+        throw Violation("integrity: " + replica_of(w).name + " writes its buffers while a grant to "
+                        "read them is active");
+      }
+    }
+    const int model = replica_of(w).model;
+    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
+      worker.buffer[offset] = content(model, version, worker.shard, offset);
+    }
+    worker.buffer_version = version;
+    worker.buffer_bytes = knobs_.shard_bytes;
+  }
+
+  // Every byte a reader keeps is checked.
+  void verify_held(int w, Version version, const char* after) {
+    Worker& worker = workers_[w];
+    const int model = replica_of(w).model;
+    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
+      if (worker.buffer[offset] != content(model, version, worker.shard, offset)) {
+        throw Violation("integrity: " + replica_of(w).name + "/" + std::to_string(worker.shard) +
+                        " keeps bytes that are not version " + std::to_string(version) + " after " +
+                        after);
+      }
+    }
+  }
+
+  void call_done(int w, const CallDone& done) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    Replica& replica = replica_of(w);
+    TH_ASSERT(app.in_call && done.call_id == app.call_id, "the agent answers the call in flight");
+    app.in_call = false;
+    // The collective follows the replica's answered calls: not opens, not calls that ended with the
+    // replica (an answered call moved the agent's sequence: on, or back to 1 after starting over).
+    if (app.next != App::Next::kOpen && worker.agent->last_seq() != app.seq_before) ++app.steps;
+    for (int peer : replica.workers) {  // a peer waiting in the collective for this shard goes on
+      if (peer != w && workers_[peer].alive && workers_[peer].app.waiting_for_peers) {
+        wake_app(peer, 0);
+      }
+    }
+    const Outcome& outcome = done.outcome;
+    trace_.span(w + 1, app.call_name,
+                app.call_name == "update" ? "stall" : "call", app.call_started_ms, now_,
+                R"({"outcome":")" + json_escape(short_outcome(outcome)) + "\"}");
+    trace_.mix(outcome.index());
+    check_consistency(w, outcome);
+    const auto* error = std::get_if<Error>(&outcome);
+    if (error != nullptr && error->code == Errc::kDivergentCall) {
+      // The replica's shards disagree: like a framework restarting the replica, every shard's
+      // program starts its loop over, so that they issue the same calls again.
+      app.iterations = 0;
+      app.held.reset();
+    }
+    if (app.next == App::Next::kOpen) {
+      if (error != nullptr) {
+        wake_app(w, jitter(w, 200, 1000));
+        return;
+      }
+      app.next = replica.trainer ? App::Next::kPublish : App::Next::kUpdate;
+      wake_app(w, 0);
+      return;
+    }
+    if (replica.trainer) {
+      trainer_done(w, outcome);
+    } else {
+      rollout_done(w, outcome);
+    }
+  }
+
+  // Replica consistency (DESIGN.md §5.3), where it matters: the answers the shards' programs got.
+  void check_consistency(int w, const Outcome& outcome) {
+    const Worker& worker = workers_[w];
+    const Replica& replica = replica_of(w);
+    // Only an answer of the hub that completed a numbered call counts; a call can also end with
+    // its replica (eviction, a failed re-open), without an answer.
+    if (std::holds_alternative<OpenOk>(outcome)) return;
+    if (worker.agent->last_seq() != worker.app.seq_before + 1) return;
+    const auto key = std::tuple{worker.replica, worker.agent->incarnation(), worker.agent->last_seq()};
+    auto [found, inserted] = answers_.try_emplace(key, outcome);
+    if (!inserted && !same_answer(found->second, outcome)) {
+      throw Violation("consistency: shard " + std::to_string(worker.shard) + " of " + replica.name +
+                      " got '" + short_outcome(outcome) + "' for call " +
+                      std::to_string(std::get<2>(key)) + " where another shard got '" +
+                      short_outcome(found->second) + "'");
+    }
+  }
+
+  void trainer_done(int w, const Outcome& outcome) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    Replica& replica = replica_of(w);
+    const auto* error = std::get_if<Error>(&outcome);
+    if (app.next == App::Next::kPublish) {
+      const auto& held = worker.agent->held();
+      const bool announced = error != nullptr && error->code == Errc::kAlreadyHolding && held &&
+                             held->version == app.version;
+      if (error == nullptr || announced) {
+        // Published (after a failover the copy may have been announced already).
+        ++result_.versions;
+        replica.next_version = std::max(replica.next_version, app.version + 1);
+        published_[replica.model] = std::max(published_[replica.model], app.version);
+        if (app.final_target && app.version >= *app.final_target) {
+          app.next = App::Next::kDone;  // liveness: hold the final version published
+          return;
+        }
+        app.next = App::Next::kUnpublish;
+        wake_app(w, jitter(w, knobs_.colocated ? 1000 : 300, knobs_.colocated ? 4000 : 2000));
+      } else if (error->code == Errc::kAlreadyHolding) {
+        app.next = App::Next::kUnpublish;  // the hub lists another version of ours: drop it first
+        wake_app(w, jitter(w, 200, 1000));
+      } else {
+        if (error->code == Errc::kStaleVersion) ++app.version;
+        wake_app(w, jitter(w, 200, 1000));
+      }
+      return;
+    }
+    // Unpublished (or not published at all): the buffers are the trainer's to change again. Any
+    // other answer (the replica is closing, say) leaves them as they are: try again.
+    const auto* failed = std::get_if<Error>(&outcome);
+    if (failed != nullptr && failed->code != Errc::kNotPublished) {
+      wake_app(w, jitter(w, 200, 1000));
+      return;
+    }
+    ++app.version;
+    write_version(w, app.version);
+    app.next = App::Next::kPublish;
+    wake_app(w, jitter(w, 300, 2000));
+  }
+
+  void rollout_done(int w, const Outcome& outcome) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    ++app.iterations;
+    if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
+      if (updated->status == UpdateStatus::kUpdated) {
+        verify_held(w, updated->version, "update");
+        app.held = updated->version;
+      } else if (app.held) {
+        verify_held(w, *app.held, "an update that moved nothing");
+      }
+    } else if (std::holds_alternative<Error>(outcome)) {
+      // What the buffers hold now, as far as the protocol knows.
+      const auto& held = worker.agent->held();
+      app.held = held ? std::optional(held->version) : std::nullopt;
+      if (app.held) verify_held(w, *app.held, "a failed update");
+    }
+    // The program: update in a loop, with a list every fourth step (same on every shard).
+    app.next = app.iterations % 4 == 3 ? App::Next::kList : App::Next::kUpdate;
+    wake_app(w, jitter(w, 100, 1500));
+  }
+
+  static std::string short_outcome(const Outcome& outcome) {
+    if (const auto* error = std::get_if<Error>(&outcome)) return std::string(errc_name(error->code));
+    if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
+      return std::string(update_status_name(updated->status)) + " v" + std::to_string(updated->version);
+    }
+    return "ok";
+  }
+
+  // ---- faults ----
+
+  void fault_tick() {
+    if (!faults_on_) return;
+    const double dt = static_cast<double>(kFaultTickMs) / 1000.0;
+    if (server_crash_at_ >= 0 && now_ >= server_crash_at_ && servers_alive_[0]) crash_server();
+    if (storm_at_ >= 0 && now_ >= storm_at_) {
+      storm_at_ = -1;
+      storm();
+    }
+    if (rng_.chance(knobs_.crash_per_s * dt)) crash_someone();
+    if (!workers_.empty() && rng_.chance(knobs_.clog_per_s * dt)) {
+      Worker& worker = workers_[rng_.below(workers_.size())];
+      worker.clogged_until = now_ + knobs_.clog_ms;
+    }
+    if (rng_.chance(knobs_.partition_per_s * dt)) {
+      const Replica& replica = replicas_[rng_.below(replicas_.size())];
+      const std::uint64_t mode = rng_.below(3);  // both ways, to the server only, from it only
+      for (int w : replica.workers) {
+        if (mode != 2) workers_[w].cut_up_until = now_ + knobs_.partition_ms;
+        if (mode != 1) workers_[w].cut_down_until = now_ + knobs_.partition_ms;
+      }
+    }
+    schedule(now_ + kFaultTickMs, Event(EventKind::kFaultTick));
+  }
+
+  // Prefer a replica in the middle of a transfer, as source or reader.
+  void crash_someone() {
+    std::vector<int> candidates;
+    for (const auto& [key, flow] : flows_) {
+      for (int w : {flow.reader, flow.source}) {
+        if (w >= 0 && !replica_of(w).trainer) candidates.push_back(workers_[w].replica);
+      }
+    }
+    if (candidates.empty() || rng_.chance(0.3)) {
+      for (std::size_t r = 0; r < replicas_.size(); ++r) {
+        if (!replicas_[r].trainer && !replicas_[r].crashed) candidates.push_back(static_cast<int>(r));
+      }
+    }
+    if (candidates.empty()) return;
+    const int replica = candidates[rng_.below(candidates.size())];
+    if (replicas_[replica].crashed) return;
+    crash(replica, rng_.range(1000, 6000));
+  }
+
+  void storm() {
+    std::vector<int> spot;
+    for (std::size_t r = 0; r < replicas_.size(); ++r) {
+      if (replicas_[r].spot && !replicas_[r].crashed) spot.push_back(static_cast<int>(r));
+    }
+    if (options_.verbose) std::cerr << now_ << " ms: preemption storm over " << spot.size() << " spot replicas\n";
+    for (int replica : spot) {
+      if (rng_.chance(0.7)) crash(replica, rng_.range(2000, 10'000));
+    }
+  }
+
+  void crash(int index, TimeMs restart_after_ms) {
+    Replica& replica = replicas_[index];
+    replica.crashed = true;
+    ++result_.crashes;
+    if (options_.verbose) std::cerr << now_ << " ms: " << replica.name << " crashed\n";
+    const bool reset = rng_.chance(0.5);  // sometimes the server sees the connection drop at once
+    for (int w : replica.workers) {
+      Worker& worker = workers_[w];
+      trace_.instant(w + 1, "crash", "failure", now_);
+      if (reset && worker.alive) {
+        Event event(EventKind::kToServer, worker.agent->server() == 0 && servers_alive_[0] ? 0 : 1);
+        event.message = ConnectionLost{worker.client};
+        schedule(now_ + delay(worker), std::move(event));
+      }
+      // The restarted process opens above any incarnation this one reached on its own.
+      if (worker.agent) replica.incarnation = std::max(replica.incarnation, worker.agent->incarnation());
+      worker.alive = false;
+      worker.agent.reset();
+      worker.grants.clear();
+      worker.offloads.clear();
+      worker.buffer_version.reset();
+      worker.buffer_bytes = 0;
+      std::erase_if(flows_, [&](const auto& entry) { return entry.second.reader == w; });
+    }
+    schedule(now_ + restart_after_ms, Event(EventKind::kRestart, index, ++replica.restart_token));
+  }
+
+  void restart(int index) {
+    Replica& replica = replicas_[index];
+    replica.crashed = false;
+    ++replica.incarnation;
+    start_replica(index, 0);
+  }
+
+  void heal() {
+    faults_on_ = false;
+    if (options_.verbose) std::cerr << now_ << " ms: faults healed; liveness phase\n";
+    trace_.instant(0, "faults healed", "phase", now_, /*global=*/true);
+    for (Worker& worker : workers_) {
+      worker.clogged_until = worker.cut_up_until = worker.cut_down_until = 0;
+    }
+    for (auto& [key, flow] : flows_) flow.fail_at_progress = -1;
+    for (std::size_t r = 0; r < replicas_.size(); ++r) {
+      if (replicas_[r].crashed) restart(static_cast<int>(r));
+    }
+    // Trainers publish fresh versions, the last of which they keep: every rollout must converge to
+    // it (to latest-k when rollouts lag by k: so k + 1 fresh versions, since a version of the fault
+    // phase may be lost). The target is the replica's, not each shard's: its shards run one program.
+    for (Replica& replica : replicas_) {
+      if (!replica.trainer) continue;
+      Version newest = 0;
+      for (int w : replica.workers) newest = std::max(newest, workers_[w].app.version);
+      for (int w : replica.workers) workers_[w].app.final_target = newest + 1 + knobs_.off_by;
+    }
+  }
+
+  void check_liveness() {
+    std::ostringstream problems;
+    const TimeMs bound = knobs_.liveness_ms;
+    for (std::size_t w = 0; w < workers_.size(); ++w) {
+      const Worker& worker = workers_[w];
+      const Replica& replica = replicas_[worker.replica];
+      if (!worker.alive) continue;
+      const App& app = worker.app;
+      const std::string who = replica.name + "/" + std::to_string(worker.shard);
+      if (app.in_call && now_ - app.call_started_ms >= bound) {
+        problems << who << "'s " << app.call_name << " has not returned for "
+                 << (now_ - app.call_started_ms) << " ms; ";
+      }
+      if (replica.trainer) {
+        if (app.next != App::Next::kDone) problems << who << " never published its final version; ";
+        continue;
+      }
+      const Version final_version = published_[replica.model];
+      if (final_version < knobs_.off_by) continue;
+      const Version expected = final_version - knobs_.off_by;
+      if (app.held != expected) {
+        problems << who << " holds " << (app.held ? "v" + std::to_string(*app.held) : "nothing")
+                 << ", not v" << expected << "; ";
+      }
+    }
+    if (!problems.str().empty()) {
+      // What the serving hub thinks, to read the failure by.
+      const Hub& hub = *servers_[servers_alive_[0] ? 0 : 1];
+      const HubActivity activity = hub.activity();
+      problems << "hub: " << activity.transfers_gathering << " transfers gathering, "
+               << activity.transfers_waiting << " waiting, " << activity.transfers_active
+               << " active, " << activity.copies_draining << " copies draining, "
+               << activity.copies_offloading << " offloading, " << hub.client_count() << " clients;";
+      for (const auto& [key, flow] : flows_) {
+        const Worker& reader = workers_[flow.reader];
+        problems << " flow " << replicas_[reader.replica].name << "/" << reader.shard << "<-"
+                 << flow.read.source.replica << " t" << flow.read.transfer << "/" << flow.read.epoch
+                 << " v" << flow.read.version << " " << static_cast<std::uint64_t>(flow.progress)
+                 << "B" << (flow.granted ? " granted" : " ungranted");
+        if (flow.source >= 0) {
+          const Worker& source = workers_[flow.source];
+          problems << " (source " << (source.alive ? "alive" : "dead") << " buffer v"
+                   << (source.buffer_version ? std::to_string(*source.buffer_version) : "-") << " "
+                   << source.buffer_bytes << "B)";
+        }
+        problems << ";";
+      }
+      for (const std::string& model : models_) {
+        const auto snapshot = hub.snapshot(model);
+        if (!snapshot) continue;
+        problems << " " << model << " latest "
+                 << (snapshot->latest ? std::to_string(*snapshot->latest) : "-") << ":";
+        for (const auto& replica : snapshot->replicas) {
+          problems << " " << replica.name << "#" << replica.incarnation << "=" << replica.state
+                   << (replica.version ? "@" + std::to_string(*replica.version) : "");
+        }
+      }
+      throw Violation("liveness: within " + std::to_string(bound) + " ms of healing: " + problems.str());
+    }
+  }
+
+  void fail(std::string what) {
+    if (!result_.ok) return;
+    result_.ok = false;
+    result_.violation = "at " + std::to_string(now_) + " ms: " + std::move(what);
+    finished_ = true;
+  }
+
+  SimOptions options_;
+  Knobs knobs_;
+  Rng rng_;
+  Trace trace_;
+  Observer observer_;
+  SimResult result_;
+  TimeMs now_ = 0;
+  bool finished_ = false;
+  bool faults_on_ = true;
+  TimeMs server_crash_at_ = -1;
+  TimeMs storm_at_ = -1;
+  std::unique_ptr<Hub> servers_[2];
+  bool servers_alive_[2] = {true, true};
+  std::vector<std::string> models_;
+  std::vector<Replica> replicas_;
+  std::vector<Worker> workers_;
+  std::map<ClientId, int> clients_;
+  ClientId next_client_ = 1;
+  std::map<std::pair<int, TransferId>, Flow> flows_;
+  bool data_tick_scheduled_ = false;
+  std::map<int, Version> published_;  // per model, the newest version a trainer published
+  std::map<std::tuple<int, std::uint64_t, std::uint64_t>, Outcome> answers_;  // replica, incarnation, call
+  std::priority_queue<HeapKey, std::vector<HeapKey>, std::greater<>> heap_;
+  std::vector<Event> slab_;
+  std::vector<std::uint32_t> free_;
+  std::uint64_t next_seq_ = 0;
+  Effects hub_effects_;
+  AgentEffects agent_effects_;
+};
+
+}  // namespace
+
+std::string SimResult::summary() const {
+  std::ostringstream out;
+  out << (ok ? "ok" : "VIOLATION") << ": " << events << " events, "
+      << static_cast<double>(virtual_ms) / 1000.0
+      << " s simulated, " << calls << " calls, " << versions << " publishes, " << reads
+      << " shard reads (" << reads_failed << " failed), " << crashes << " crashes, " << evictions
+      << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << messages
+      << " messages (" << messages_lost << " lost), trace hash " << std::hex << trace_hash << std::dec;
+  return out.str();
+}
+
+SimResult simulate(const SimOptions& options) {
+  Simulation simulation(options);
+  return simulation.run();
+}
+
+}  // namespace th::sim

@@ -79,6 +79,7 @@ void ShardAgent::on_call(const UserCall& call) {
     open_ = *request;
     open_.resume.reset();
     open_call_id_ = call.call_id;
+    ++starts_;
     open(/*resume=*/false);
     return;
   }
@@ -88,18 +89,31 @@ void ShardAgent::on_call(const UserCall& call) {
   }
   call_ = Call{call.call_id, last_seq_ + 1, call.body, false, 0, config_.retry_initial_ms};
   if (phase_ == AgentPhase::kEvicted) {
-    // Re-open, announcing what the shard holds; the call follows once the hub has answered.
-    if (std::exchange(next_incarnation_, false)) ++open_.incarnation;
-    if (std::exchange(start_over_, false)) {
-      call_->seq = 1;  // numbered afresh, as the first call after a fresh open
-      open(/*resume=*/false);
-    } else {
-      open(/*resume=*/true);
-    }
+    reopen();  // the call follows once the hub has answered the open
     return;
   }
   if (phase_ == AgentPhase::kOpen) send_call();
   // kOpening (a failover re-open): sent once the open is answered.
+}
+
+// Back after an eviction: as the incarnation the hub named, else the next one if the replica was
+// evicted; from scratch if it diverged, otherwise announcing what the shard holds.
+void ShardAgent::reopen() {
+  TH_ASSERT(phase_ == AgentPhase::kEvicted);
+  reopen_at_ms_ = -1;
+  const bool next_incarnation = std::exchange(next_incarnation_, false);
+  if (rejoin_incarnation_ != 0) {
+    open_.incarnation = std::exchange(rejoin_incarnation_, 0);
+  } else if (next_incarnation) {
+    ++open_.incarnation;
+  }
+  if (std::exchange(start_over_, false)) {
+    if (call_) call_->seq = 1;  // numbered afresh, as the first call after a fresh open
+    ++starts_;
+    open(/*resume=*/false);
+  } else {
+    open(/*resume=*/true);
+  }
 }
 
 void ShardAgent::open(bool resume) {
@@ -150,7 +164,9 @@ void ShardAgent::on_hub(const FromHub& message) {
             emit(RevokeServe{body.transfer, body.epoch});
           }
         } else if constexpr (std::is_same_v<T, Offload>) {
-          if (held_ && held_->version == body.version && !offloads_.contains(body.version)) {
+          if (offloads_.contains(body.version)) {
+            report(OffloadDone{body.version});  // made before (say, for an earlier server): say so
+          } else if (held_ && held_->version == body.version) {
             emit(MakeOffload{body.version});
           }
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
@@ -176,10 +192,10 @@ void ShardAgent::on_reply(const Reply& reply) {
   if (phase_ == AgentPhase::kOpening) {
     if (reply.seq != last_seq_) return;  // the open is numbered with the last completed call
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
-    const bool resumed = std::get<OpenRequest>(open_request_->body).resume != nullptr;
     open_request_.reset();
     if (std::holds_alternative<OpenOk>(reply.outcome)) {
       phase_ = AgentPhase::kOpen;
+      reopen_backoff_ms_ = 0;
       next_heartbeat_ms_ = now_ms_;
       if (open_call_id_) {
         emit(CallDone{*open_call_id_, reply.outcome});
@@ -191,16 +207,6 @@ void ShardAgent::on_reply(const Reply& reply) {
       }
       return;
     }
-    const Error& error = std::get<Error>(reply.outcome);
-    if (error.code == Errc::kOpenMismatch && !open_call_id_ && call_) {
-      // The replica's other shards opened the other way (see the header): follow them.
-      if (resumed) {
-        start_over();
-        call_->seq = 1;
-      }
-      open(/*resume=*/!resumed);
-      return;
-    }
     // The (re-)open failed: a fresh open lets the application try again; a re-open fails the
     // call it was made for, and the next call tries as the next incarnation.
     if (open_call_id_) {
@@ -208,6 +214,13 @@ void ShardAgent::on_reply(const Reply& reply) {
       open_call_id_.reset();
       phase_ = AgentPhase::kIdle;
       return;
+    }
+    // Told of a newer incarnation of the replica, the shard joins it: both shards replacing the
+    // replica with incarnations of their own would evict each other forever.
+    if (reply.replica_incarnation > open_.incarnation ||
+        (reply.replica_incarnation == open_.incarnation &&
+         std::get<Error>(reply.outcome).code == Errc::kDivergentCall)) {
+      rejoin_incarnation_ = reply.replica_incarnation;
     }
     became_evicted(std::get<Error>(reply.outcome));
     return;
@@ -299,17 +312,23 @@ void ShardAgent::became_evicted(const Error& error) {
     start_over_ = true;
   }
   phase_ = AgentPhase::kEvicted;
+  reopen_backoff_ms_ = reopen_backoff_ms_ == 0 ? config_.retry_initial_ms
+                                               : std::min(2 * reopen_backoff_ms_, config_.retry_max_ms);
+  reopen_at_ms_ = now_ms_ + reopen_backoff_ms_;
   reset_connection_state();
   if (call_) {
     const std::uint64_t id = call_->id;
-    const bool unpublish = std::holds_alternative<UnpublishRequest>(call_->body);
-    call_.reset();
-    if (unpublish) {
+    if (std::holds_alternative<UnpublishRequest>(call_->body)) {
       // What unpublish promises holds: the hub lists no copy of this replica and no grant to read
-      // the buffers is left. The buffers are the application's again, and nothing is announced.
+      // the buffers is left. The call is complete (it takes its number, and a resume says so to
+      // the shards that may redo it); the buffers are the application's again.
       held_.reset();
+      last_seq_ = call_->seq;
+      last_txn_ = TxnRecord{call_->seq, op_key(call_->body), UnpublishOk{}};
+      call_.reset();
       emit(CallDone{id, UnpublishOk{}});
     } else {
+      call_.reset();
       emit(CallDone{id, error});
     }
   }
@@ -431,8 +450,12 @@ void ShardAgent::on_server_lost(const ServerLost& lost) {
 }
 
 void ShardAgent::on_tick() {
+  if (phase_ == AgentPhase::kEvicted && reopen_at_ms_ >= 0 && now_ms_ >= reopen_at_ms_) reopen();
   if (phase_ != AgentPhase::kOpening && phase_ != AgentPhase::kOpen) return;
-  if (now_ms_ >= next_heartbeat_ms_) {
+  // Heartbeats only once open: one sent before the hub saw the open would come back "unknown
+  // client" (after the open's answer, if messages cross) and evict the shard it just opened. While
+  // opening, the open's retransmissions, at least once per heartbeat interval, keep it alive.
+  if (phase_ == AgentPhase::kOpen && now_ms_ >= next_heartbeat_ms_) {
     emit(SendReport{server_, Report{config_.client, Heartbeat{}, session_}});
     next_heartbeat_ms_ = now_ms_ + config_.heartbeat_interval_ms;
   }
@@ -440,7 +463,8 @@ void ShardAgent::on_tick() {
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
     emit(SendRequest{server_, *open_request_});  // same session, same sequence number
     open_sent_ms_ = now_ms_;
-    open_backoff_ms_ = std::min(2 * open_backoff_ms_, config_.retry_max_ms);
+    open_backoff_ms_ = std::min({2 * open_backoff_ms_, config_.retry_max_ms,
+                                 config_.heartbeat_interval_ms});
   }
   if (phase_ == AgentPhase::kOpen && call_ && now_ms_ >= call_->next_send_ms) send_call();
   for (PendingReport& pending : reports_) {
@@ -452,9 +476,10 @@ void ShardAgent::on_tick() {
 }
 
 std::optional<TimeMs> ShardAgent::next_deadline_ms() const {
+  if (phase_ == AgentPhase::kEvicted && reopen_at_ms_ >= 0) return reopen_at_ms_;
   if (phase_ != AgentPhase::kOpening && phase_ != AgentPhase::kOpen) return std::nullopt;
+  if (phase_ == AgentPhase::kOpening) return open_sent_ms_ + open_backoff_ms_;
   TimeMs next = next_heartbeat_ms_;
-  if (phase_ == AgentPhase::kOpening) next = std::min(next, open_sent_ms_ + open_backoff_ms_);
   if (phase_ == AgentPhase::kOpen && call_) next = std::min(next, call_->next_send_ms);
   for (const PendingReport& pending : reports_) next = std::min(next, pending.next_send_ms);
   return next;

@@ -13,17 +13,18 @@
 //   kOpening   --OpenOk-->                  kOpen        (answers the application's open)
 //   kOpen      --call--> kOpen (one call in flight at a time; answered by the hub's Reply)
 //   kOpen      --Evicted / unknown client--> kEvicted    (the call in flight fails)
-//   kEvicted   --next call-->               kOpening     (resume, then the call; the next
+//   kEvicted   --backoff, or a call-->      kOpening     (resume, then the call if any; the next
 //                                                         incarnation if the replica was evicted)
+// The agent re-opens on its own: a shard whose program waits in a collective for its peers makes no
+// call, and its replica can only re-form if every shard comes back.
 //   any open   --server lost-->             kOpening     (next server, resume, then the call again)
 //   kOpen      --close answered-->          kClosed
 // Resuming (after eviction or failover) announces the copy the shard holds, unless a call that
 // writes its buffers was in flight, and the last call it completed with its answer. A replica whose
 // shards diverged (kDivergentCall) starts over instead: fresh open, nothing announced. Shards may
 // learn of an eviction from different messages (one sees "divergent", another only "unknown
-// client"), so the hub's rejection of a mixed replica settles it: a resuming shard whose peers
-// opened fresh starts over too; a fresh one whose peers resume joins them, and the barrier then
-// sends everyone to start over.
+// client"); the hub settles a replica whose shards open both ways by answering the resuming ones
+// kDivergentCall, so they start over too.
 //
 // What the agent guarantees the application: the answer of a call is the hub's answer; after
 // unpublish (or close) returns, no grant to read its buffers is active; it serves a grant only for a
@@ -144,6 +145,10 @@ class ShardAgent {
   const std::optional<HeldCopy>& held() const { return held_; }
   bool call_in_flight() const { return call_.has_value(); }
   std::uint64_t last_seq() const { return last_seq_; }
+  // How many times the shard started afresh (sequence from 0, nothing announced): the
+  // application's open, and each start-over after a divergent call. The replica's program restarts
+  // its collectives with it, so (starts, last_seq) orders the calls the shards completed.
+  std::uint64_t starts() const { return starts_; }
 
  private:
   struct Call {
@@ -179,6 +184,7 @@ class ShardAgent {
   void send_call();
   void finish_call(const Outcome& outcome);
   void became_evicted(const Error& error);
+  void reopen();
   void start_over();
   void reset_connection_state();
   // Revokes the grants that match (all, if no predicate).
@@ -195,12 +201,15 @@ class ShardAgent {
   std::uint32_t server_ = 0;
   std::uint64_t session_ = 0;
   std::uint64_t last_seq_ = 0;    // the last call the hub answered
+  std::uint64_t starts_ = 0;
   std::optional<TxnRecord> last_txn_;
   std::optional<std::uint64_t> open_call_id_;  // the application's open, until it is answered
-  // The replica was evicted (or a newer incarnation exists): re-open as the next incarnation. Every
-  // shard learns this from the same events, so all of them move together; a re-open that merely
-  // failed (barrier timeout) tries the same incarnation again.
+  // The replica was evicted: re-open as the next incarnation. Every shard learns this from the same
+  // events, so all of them move together; a re-open that merely failed (barrier timeout) tries the
+  // same incarnation again. A shard that comes back late, to a replica its peers re-formed without
+  // it, is told that replica's incarnation and joins it (rejoin_incarnation_).
   bool next_incarnation_ = false;
+  std::uint64_t rejoin_incarnation_ = 0;  // the hub named the incarnation to re-open as (0: none)
   // The replica's shards diverged: nothing it held or did is trusted any more. The next open is a
   // fresh one (sequence 0, nothing announced), like a restart of the replica by its framework.
   bool start_over_ = false;
@@ -211,6 +220,8 @@ class ShardAgent {
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants_;  // by (transfer, epoch)
   std::vector<PendingReport> reports_;
   std::optional<Request> open_request_;  // the open in flight, retransmitted as it was
+  TimeMs reopen_at_ms_ = -1;      // kEvicted: when to re-open on its own
+  TimeMs reopen_backoff_ms_ = 0;
   TimeMs open_sent_ms_ = 0;
   TimeMs open_backoff_ms_ = 0;
   TimeMs next_heartbeat_ms_ = 0;

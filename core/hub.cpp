@@ -764,6 +764,27 @@ bool is_downstream(const Copy& candidate, const Copy& reader, std::size_t copies
   TH_ASSERT(false, "the source chain has a cycle");
 }
 
+// Whether the bytes reaching `reader` from `candidate` would leave a datacenter and come back:
+// `candidate`'s chain of sources passes through a datacenter in `downstream_dcs` (the reader's
+// and its downstream copies'), other than the one datacenter a local source shares with the
+// reader. Such a chain makes two seeders of one datacenter (DESIGN.md §5.5), and the one further
+// down serves nothing its peers could not read locally.
+bool makes_detour(const Copy& candidate, DcId reader_dc, const std::vector<DcId>& downstream_dcs,
+                  std::size_t copies_max) {
+  const bool local = candidate.owner->dc == reader_dc;
+  const Copy* at = &candidate;
+  for (std::size_t hops = 0; hops <= copies_max; ++hops) {
+    const DcId dc = at->owner->dc;
+    if (!(local && dc == reader_dc) &&
+        std::find(downstream_dcs.begin(), downstream_dcs.end(), dc) != downstream_dcs.end()) {
+      return true;
+    }
+    if (at->incoming == nullptr || at->incoming->source == nullptr) return false;
+    at = at->incoming->source;
+  }
+  TH_ASSERT(false, "the source chain has a cycle");
+}
+
 }  // namespace
 
 Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
@@ -774,9 +795,23 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   // A reader that already serves others (a pipeline source whose own source was lost) must not
   // pick a copy that reads from it.
   const bool has_downstream = reader.readers > 0;
+  // With copies in several datacenters, no source may route the bytes out of one and back.
+  const bool several_dcs = record.by_dc.size() > 1;
+  std::vector<DcId> downstream_dcs;
+  if (several_dcs) {
+    downstream_dcs.push_back(dc);
+    for (const Copy* copy : record.copies) {
+      if (has_downstream && copy != &reader && is_downstream(*copy, reader, model.copies.size()) &&
+          std::find(downstream_dcs.begin(), downstream_dcs.end(), copy->owner->dc) ==
+              downstream_dcs.end()) {
+        downstream_dcs.push_back(copy->owner->dc);
+      }
+    }
+  }
   auto usable = [&](const Copy* candidate) {
     return candidate != &reader &&
-           (!has_downstream || !is_downstream(*candidate, reader, model.copies.size()));
+           (!has_downstream || !is_downstream(*candidate, reader, model.copies.size())) &&
+           (!several_dcs || !makes_detour(*candidate, dc, downstream_dcs, model.copies.size()));
   };
   auto count_downstream = [&](auto predicate) {
     std::uint32_t count = 0;
@@ -1481,19 +1516,28 @@ void Hub::reconcile_offloads(Model& model) {
 
 void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session,
                   const OpenRequest& open) {
-  auto reject = [&](Errc code, std::string detail) {
-    emit(client, open_session, Reply{seq, make_error(code, std::move(detail))});
+  auto reject = [&](Errc code, std::string detail, std::uint64_t replica_incarnation = 0) {
+    emit(client, open_session, Reply{seq, make_error(code, std::move(detail)), replica_incarnation});
   };
   if (const Binding* bound = clients_.find(client)) {
     const ShardSlot& slot = bound->replica->shards[bound->shard];
     const bool retransmitted = open_session == slot.session && seq == slot.open_seq;
     if (retransmitted) {
-      // Answer it again if the answer exists; a resuming open may still wait in its barrier.
+      // Answer it again if the answer exists; a resuming open may still wait in its barrier, and
+      // its retransmissions are its heartbeats meanwhile.
+      bound->replica->shards[bound->shard].last_seen_ms = now_ms_;
       if (slot.last_reply && slot.last_reply->seq == seq) emit_to(slot, *slot.last_reply);
-    } else {
-      reject(Errc::kAlreadyOpen, "this handle id is already open");
+      return;
     }
-    return;
+    if (open_session <= slot.session) {
+      reject(Errc::kAlreadyOpen, "this handle id is already open");
+      return;
+    }
+    // A newer session: the client lost its view of the replica (it thinks it was evicted, or its
+    // messages crossed). Like a restart, that ends the replica it was part of.
+    Replica& stale = *bound->replica;
+    evict(stale, Errc::kReplicaEvicted,
+          "shard " + std::to_string(bound->shard) + " of " + describe(stale) + " opened again");
   }
   if (!valid_name(open.model, false) || !valid_name(open.replica, false) ||
       !valid_name(open.datacenter, true) || !valid_name(open.role, true)) {
@@ -1559,8 +1603,9 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
   if (auto found = model.replicas.find(open.replica); found != model.replicas.end()) {
     replica = found->second.get();
     if (open.incarnation < replica->incarnation) {
-      reject(Errc::kStaleIncarnation, describe(*replica) + " is newer than incarnation " +
-                                          std::to_string(open.incarnation));
+      reject(Errc::kStaleIncarnation,
+             describe(*replica) + " is newer than incarnation " + std::to_string(open.incarnation),
+             replica->incarnation);
       return;
     }
     if (open.incarnation > replica->incarnation) {
@@ -1583,11 +1628,15 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
                                             describe(*replica) + " is already open");
         return;
       }
-      if ((replica->phase == ReplicaPhase::kResuming) != (open.resume != nullptr)) {
-        reject(Errc::kOpenMismatch, "shards of " + describe(*replica) +
-                                        " must all resume or all open fresh");
+      if (replica->phase == ReplicaPhase::kLive && open.resume != nullptr) {
+        // The replica's other shards started afresh: this shard's history no longer applies.
+        reject(Errc::kDivergentCall,
+               "the other shards of " + describe(*replica) + " started over; open fresh",
+               replica->incarnation);
         return;
       }
+      // A fresh open joining a resuming replica resumes with nothing, at call 0: the barrier then
+      // decides whether the shards can go on together.
     }
   }
   if (replica == nullptr) {
@@ -1629,6 +1678,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
   add_retention(model, slot.retention, +1);
 
   if (replica->phase == ReplicaPhase::kResuming) {
+    if (!slot.resume) slot.resume = std::make_shared<const Resume>();
     if (replica->bound_shards == replica->num_shards) complete_barrier(*replica);
     return;
   }

@@ -225,6 +225,10 @@ using Input = std::variant<Request, Report, ConnectionLost, Tick>;
 struct Reply {
   std::uint64_t seq = 0;
   Outcome outcome;
+  // An open refused because the replica it names is newer (kStaleIncarnation) or went on without
+  // this shard (kDivergentCall): that replica's incarnation, so that the shard joins it rather than
+  // replace it with an incarnation of its own. 0 otherwise.
+  std::uint64_t replica_incarnation = 0;
 };
 
 struct SourceRef {

@@ -64,7 +64,10 @@ bool is_exit_error(const Outcome& outcome) {
 
 void Observer::on_open(ClientId client, std::uint64_t seq, const OpenRequest& request) {
   if (auto found = clients_.find(client); found != clients_.end() && found->second.bound) {
-    return;  // the hub answers this open again or rejects it; the client stays what it was
+    // The same open again is answered again; an open of a newer session ends the old binding (the
+    // hub evicts that replica), which the Evicted effects report.
+    if (found->second.open_seq == seq) return;
+    leave(client);
   }
   const std::string key = replica_key(request);
   clients_[client] = ClientInfo{key, request.shard, seq, request.retention, false};
@@ -339,6 +342,9 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
   if (found == clients_.end()) return;
   const ClientInfo& info = found->second;
   ReplicaInfo& reader = replicas_[info.replica_key];
+  // The same instruction sent again (the client asked again) repeats an earlier decision.
+  auto earlier = reads_.find({client, read.transfer});
+  if (earlier != reads_.end() && earlier->second.epoch == read.epoch) return;
   reads_[{client, read.transfer}] = read;
   if (!reader.pending_update_seqs.empty()) reader.update_wrote = true;
   // Integrity: the reader's buffers are about to be overwritten with `read.version`.

@@ -93,8 +93,6 @@ struct App {
   std::uint64_t wake_token = 0;
   Version version = 0;               // trainers: the version being published; rollouts: held
   std::optional<Version> held;       // what the buffers hold (as the agent says)
-  std::uint64_t iterations = 0;
-  std::uint64_t steps = 0;           // calls of the replica this shard completed (with an answer)
   bool waiting_for_peers = false;    // the collective after the last call has not completed
   std::optional<Version> final_target;  // liveness: a trainer stops once it published this
 };
@@ -406,7 +404,10 @@ class Simulation {
     agent_effects_.clear();
     const TimeMs local = std::max(local_now(worker), worker.local_last_ms);
     worker.local_last_ms = local;
+    const auto place_before = place(worker);
     worker.agent->step(input, local, agent_effects_);
+    // The agent may start over on its own (told its replica diverged) while its program waits.
+    if (place(worker) != place_before) wake_waiting_peers(w);
     // Handling an effect may step the agent again (a completed call starts the next one).
     const AgentEffects effects = std::move(agent_effects_);
     for (const AgentEffect& effect : effects) {
@@ -549,12 +550,15 @@ class Simulation {
         event.message);
   }
 
-  // TH_SIM_LOG=<replica name> prints the hub's traffic with that replica's clients (stderr).
+  // TH_SIM_LOG=<replica>[,<replica>…] prints the hub's traffic with those replicas' clients.
   bool logged(ClientId client) const {
-    static const char* name = std::getenv("TH_SIM_LOG");
-    if (name == nullptr) return false;
+    static const char* names = std::getenv("TH_SIM_LOG");
+    if (names == nullptr) return false;
     auto found = clients_.find(client);
-    return found != clients_.end() && replicas_[workers_[found->second].replica].name == name;
+    if (found == clients_.end()) return false;
+    const std::string& name = replicas_[workers_[found->second].replica].name;
+    const std::string list = std::string(",") + names + ",";
+    return list.find("," + name + ",") != std::string::npos;
   }
 
   void log_input(int server, const Input& input) const {
@@ -578,6 +582,13 @@ class Simulation {
     if (!logged(effect.client)) return;
     std::cerr << now_ << " s" << server << " -> c" << effect.client << " session " << effect.session
               << " message " << effect.message.index();
+    if (const auto* read = std::get_if<StartRead>(&effect.message)) {
+      std::cerr << " start-read t" << read->transfer << "/" << read->epoch << " v" << read->version
+                << " from " << read->source.replica << " (" << read->source.datacenter << ")";
+    }
+    if (const auto* serve = std::get_if<ServeRead>(&effect.message)) {
+      std::cerr << " serve t" << serve->transfer << "/" << serve->epoch << " v" << serve->version;
+    }
     if (const auto* reply = std::get_if<Reply>(&effect.message)) {
       std::cerr << " reply #" << reply->seq << " outcome " << reply->outcome.index();
       if (const auto* updated = std::get_if<UpdateOk>(&reply->outcome)) {
@@ -688,9 +699,10 @@ class Simulation {
     schedule(now_ + kDataTickMs, Event(EventKind::kDataTick));
   }
 
-  void finish_flow(const Flow& flow, std::optional<ReadFailure> failure) {
+  void finish_flow(const Flow& finished, std::optional<ReadFailure> failure) {
+    const Flow flow = finished;  // `finished` lives in flows_, which the erase below frees
     const int reader = flow.reader;
-    const StartRead read = flow.read;
+    const StartRead& read = flow.read;
     flows_.erase({reader, read.transfer});
     if (failure) {
       ++result_.reads_failed;
@@ -809,17 +821,36 @@ class Simulation {
     app.seq_before = worker.agent->last_seq();
     app.call_name = std::move(name);
     ++result_.calls;
+    if (logged(worker.client)) {
+      std::cerr << now_ << " app c" << worker.client << " calls " << app.call_name << "\n";
+    }
     agent_step(w, UserCall{++app.call_id, std::move(body)});
   }
 
   // The shards of a replica run one program and meet in a collective after every step (as model-
   // parallel workers do): a shard starts its next call once every peer finished the previous one.
+  // A shard's place in the program is its agent's count of answered calls, which starts over with
+  // the replica (after a divergent call); opens and calls that ended with the replica (eviction)
+  // do not count.
+  static std::pair<std::uint64_t, std::uint64_t> place(const Worker& worker) {
+    return {worker.agent->starts(), worker.agent->last_seq()};
+  }
+
   bool peers_behind(int w) const {
     const Worker& worker = workers_[w];
     for (int peer : replicas_[worker.replica].workers) {
-      if (peer != w && workers_[peer].alive && workers_[peer].app.steps < worker.app.steps) return true;
+      if (peer != w && workers_[peer].alive && place(workers_[peer]) < place(worker)) return true;
     }
     return false;
+  }
+
+  // A peer waiting in the collective for this shard goes on once the shard's place moved.
+  void wake_waiting_peers(int w) {
+    for (int peer : replicas_[workers_[w].replica].workers) {
+      if (peer != w && workers_[peer].alive && workers_[peer].app.waiting_for_peers) {
+        wake_app(peer, 0);
+      }
+    }
   }
 
   void app_act(int w) {
@@ -907,13 +938,10 @@ class Simulation {
     Replica& replica = replica_of(w);
     TH_ASSERT(app.in_call && done.call_id == app.call_id, "the agent answers the call in flight");
     app.in_call = false;
-    // The collective follows the replica's answered calls: not opens, not calls that ended with the
-    // replica (an answered call moved the agent's sequence: on, or back to 1 after starting over).
-    if (app.next != App::Next::kOpen && worker.agent->last_seq() != app.seq_before) ++app.steps;
-    for (int peer : replica.workers) {  // a peer waiting in the collective for this shard goes on
-      if (peer != w && workers_[peer].alive && workers_[peer].app.waiting_for_peers) {
-        wake_app(peer, 0);
-      }
+    if (logged(worker.client)) {
+      std::cerr << now_ << " app c" << worker.client << " " << app.call_name << " -> "
+                << short_outcome(done.outcome) << " (seq " << app.seq_before << " -> "
+                << worker.agent->last_seq() << ")\n";
     }
     const Outcome& outcome = done.outcome;
     trace_.span(w + 1, app.call_name,
@@ -922,12 +950,7 @@ class Simulation {
     trace_.mix(outcome.index());
     check_consistency(w, outcome);
     const auto* error = std::get_if<Error>(&outcome);
-    if (error != nullptr && error->code == Errc::kDivergentCall) {
-      // The replica's shards disagree: like a framework restarting the replica, every shard's
-      // program starts its loop over, so that they issue the same calls again.
-      app.iterations = 0;
-      app.held.reset();
-    }
+    if (error != nullptr && error->code == Errc::kDivergentCall) app.held.reset();  // starts over
     if (app.next == App::Next::kOpen) {
       if (error != nullptr) {
         wake_app(w, jitter(w, 200, 1000));
@@ -1007,13 +1030,16 @@ class Simulation {
   void rollout_done(int w, const Outcome& outcome) {
     Worker& worker = workers_[w];
     App& app = worker.app;
-    ++app.iterations;
     if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
       if (updated->status == UpdateStatus::kUpdated) {
         verify_held(w, updated->version, "update");
         app.held = updated->version;
-      } else if (app.held) {
-        verify_held(w, *app.held, "an update that moved nothing");
+      } else {
+        // Nothing moved now; what the buffers hold is what the agent says (an interrupted read
+        // before a failover may have left them holding nothing).
+        const auto& held = worker.agent->held();
+        app.held = held ? std::optional(held->version) : std::nullopt;
+        if (app.held) verify_held(w, *app.held, "an update that moved nothing");
       }
     } else if (std::holds_alternative<Error>(outcome)) {
       // What the buffers hold now, as far as the protocol knows.
@@ -1021,8 +1047,9 @@ class Simulation {
       app.held = held ? std::optional(held->version) : std::nullopt;
       if (app.held) verify_held(w, *app.held, "a failed update");
     }
-    // The program: update in a loop, with a list every fourth step (same on every shard).
-    app.next = app.iterations % 4 == 3 ? App::Next::kList : App::Next::kUpdate;
+    // The program: update in a loop, with a list as every fourth call of the replica. The choice
+    // follows the replica's call number, which every shard shares (SPMD), not a count of its own.
+    app.next = (worker.agent->last_seq() + 1) % 4 == 0 ? App::Next::kList : App::Next::kUpdate;
     wake_app(w, jitter(w, 100, 1500));
   }
 
@@ -1156,8 +1183,12 @@ class Simulation {
       const App& app = worker.app;
       const std::string who = replica.name + "/" + std::to_string(worker.shard);
       if (app.in_call && now_ - app.call_started_ms >= bound) {
+        const auto& held = worker.agent->held();
         problems << who << "'s " << app.call_name << " has not returned for "
-                 << (now_ - app.call_started_ms) << " ms; ";
+                 << (now_ - app.call_started_ms) << " ms (agent " << agent_phase_name(worker.agent->phase())
+                 << " holding " << (held ? "v" + std::to_string(held->version) : "nothing")
+                 << ", buffer " << (worker.buffer_version ? "v" + std::to_string(*worker.buffer_version) : "-")
+                 << ", " << worker.offloads.size() << " offloads); ";
       }
       if (replica.trainer) {
         if (app.next != App::Next::kDone) problems << who << " never published its final version; ";

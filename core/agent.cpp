@@ -79,7 +79,6 @@ void ShardAgent::on_call(const UserCall& call) {
     open_ = *request;
     open_.resume.reset();
     open_call_id_ = call.call_id;
-    ++starts_;
     open(/*resume=*/false);
     return;
   }
@@ -109,7 +108,6 @@ void ShardAgent::reopen() {
   }
   if (std::exchange(start_over_, false)) {
     if (call_) call_->seq = 1;  // numbered afresh, as the first call after a fresh open
-    ++starts_;
     open(/*resume=*/false);
   } else {
     open(/*resume=*/true);
@@ -192,9 +190,11 @@ void ShardAgent::on_reply(const Reply& reply) {
   if (phase_ == AgentPhase::kOpening) {
     if (reply.seq != last_seq_) return;  // the open is numbered with the last completed call
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
+    const bool fresh = std::get<OpenRequest>(open_request_->body).resume == nullptr;
     open_request_.reset();
     if (std::holds_alternative<OpenOk>(reply.outcome)) {
       phase_ = AgentPhase::kOpen;
+      if (fresh) ++starts_;
       reopen_backoff_ms_ = 0;
       next_heartbeat_ms_ = now_ms_;
       if (open_call_id_) {

@@ -145,9 +145,9 @@ class ShardAgent {
   const std::optional<HeldCopy>& held() const { return held_; }
   bool call_in_flight() const { return call_.has_value(); }
   std::uint64_t last_seq() const { return last_seq_; }
-  // How many times the shard started afresh (sequence from 0, nothing announced): the
-  // application's open, and each start-over after a divergent call. The replica's program restarts
-  // its collectives with it, so (starts, last_seq) orders the calls the shards completed.
+  // How many fresh opens (sequence from 0, nothing announced) succeeded: the application's open,
+  // and each start-over after a divergent call. The replica's program restarts its collectives
+  // with it, so (starts, last_seq) orders the calls the shards completed.
   std::uint64_t starts() const { return starts_; }
 
  private:

@@ -1,0 +1,468 @@
+// The shard agent, one input at a time: what it sends, when it retries, and how it comes back
+// after eviction, failover and divergence. The simulator covers the agent against the real hub;
+// these tests pin each rule down on its own.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "core/agent.h"
+
+namespace th {
+namespace {
+
+constexpr ClientId kClient = 7;
+
+AgentConfig test_config() {
+  AgentConfig config;
+  config.client = kClient;
+  config.servers = 2;
+  config.heartbeat_interval_ms = 1000;
+  config.retry_initial_ms = 250;
+  config.retry_max_ms = 4000;
+  return config;
+}
+
+OpenRequest open_request() {
+  OpenRequest open;
+  open.model = "m";
+  open.replica = "r";
+  open.incarnation = 1;
+  open.shard = 0;
+  open.num_shards = 2;
+  open.datacenter = "dc";
+  open.role = "rollout";
+  return open;
+}
+
+template <typename T>
+std::vector<T> all_of(const AgentEffects& effects) {
+  std::vector<T> found;
+  for (const AgentEffect& effect : effects) {
+    if (const auto* e = std::get_if<T>(&effect)) found.push_back(*e);
+  }
+  return found;
+}
+
+template <typename T>
+T only(const AgentEffects& effects) {
+  const std::vector<T> found = all_of<T>(effects);
+  EXPECT_EQ(found.size(), 1u);
+  if (found.empty()) throw std::logic_error("missing effect");
+  return found.front();
+}
+
+std::vector<Request> requests(const AgentEffects& effects) {
+  std::vector<Request> found;
+  for (const SendRequest& send : all_of<SendRequest>(effects)) found.push_back(send.request);
+  return found;
+}
+
+std::vector<ReportBody> reports(const AgentEffects& effects) {
+  std::vector<ReportBody> found;
+  for (const SendReport& send : all_of<SendReport>(effects)) found.push_back(send.report.body);
+  return found;
+}
+
+class AgentTest : public ::testing::Test {
+ protected:
+  AgentEffects step(const AgentInput& input) {
+    AgentEffects effects;
+    agent_.step(input, now_ms_, effects);
+    return effects;
+  }
+  AgentEffects tick_at(TimeMs now_ms) {
+    now_ms_ = now_ms;
+    return step(AgentTick{});
+  }
+  // A message from the hub in the agent's current session, from its current server.
+  AgentEffects hub(Message message) {
+    return step(FromHub{agent_.server(), Effect{kClient, std::move(message), agent_.session()}});
+  }
+  AgentEffects reply(std::uint64_t seq, const Outcome& outcome,
+                     std::uint64_t replica_incarnation = 0) {
+    Reply answer;  // built field by field: GCC 12 misreads the aggregate's variant as uninitialized
+    answer.seq = seq;
+    answer.outcome = outcome;
+    answer.replica_incarnation = replica_incarnation;
+    return hub(answer);
+  }
+  AgentEffects call(const RequestBody& body) {
+    UserCall user_call;  // field by field, for the same reason as in reply()
+    user_call.call_id = ++call_id_;
+    user_call.body = body;
+    return step(user_call);
+  }
+
+  void open() {
+    call(open_request());
+    const AgentEffects effects = reply(0, OpenOk{2, std::nullopt});
+    ASSERT_EQ(only<CallDone>(effects).call_id, call_id_);
+    ASSERT_EQ(agent_.phase(), AgentPhase::kOpen);
+  }
+
+  // Publishes `version` (call `seq`): the shard holds it afterwards.
+  void publish(std::uint64_t seq, Version version) {
+    call(PublishRequest{version, layout_, checksums_});
+    const AgentEffects effects = reply(seq, PublishOk{version});
+    ASSERT_TRUE(std::holds_alternative<PublishOk>(only<CallDone>(effects).outcome));
+    ASSERT_TRUE(agent_.held().has_value());
+    ASSERT_EQ(agent_.held()->version, version);
+  }
+
+  StartRead start_read(TransferId transfer, std::uint32_t epoch, Version version) const {
+    StartRead read;
+    read.transfer = transfer;
+    read.epoch = epoch;
+    read.version = version;
+    read.source.replica = "source";
+    read.source.incarnation = 1;
+    read.checksums = checksums_;
+    return read;
+  }
+
+  ShardAgent agent_{test_config()};
+  TimeMs now_ms_ = 0;
+  std::uint64_t call_id_ = 0;
+  LayoutRef layout_ = ShardLayout::make({{"w", DType::kBFloat16, 1024}}).value();
+  ChecksumsRef checksums_ = std::make_shared<const Checksums>(Checksums{1, 2, 3});
+};
+
+TEST(AgentConfigTest, RejectsNonsense) {
+  AgentConfig config = test_config();
+  EXPECT_TRUE(validate(config).ok());
+  config.servers = 0;
+  EXPECT_EQ(validate(config).error().code, Errc::kInvalidArgument);
+  config = test_config();
+  config.retry_max_ms = config.retry_initial_ms - 1;
+  EXPECT_EQ(validate(config).error().code, Errc::kInvalidArgument);
+  config = test_config();
+  config.heartbeat_interval_ms = 0;
+  EXPECT_EQ(validate(config).error().code, Errc::kInvalidArgument);
+}
+
+TEST_F(AgentTest, OpenIsAFreshSessionAtSequenceZero) {
+  const AgentEffects effects = call(open_request());
+  const std::vector<Request> sent = requests(effects);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].client, kClient);
+  EXPECT_EQ(sent[0].seq, 0u);
+  EXPECT_EQ(sent[0].session, 1u);
+  const auto& open = std::get<OpenRequest>(sent[0].body);
+  EXPECT_EQ(open.resume, nullptr);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kOpening);
+  EXPECT_EQ(agent_.starts(), 0u);  // counted once the open succeeds
+}
+
+TEST_F(AgentTest, OnlySuccessfulFreshOpensAreStarts) {
+  for (int attempt = 0; attempt < 3; ++attempt) {  // an application retrying a refused open
+    call(open_request());
+    reply(0, make_error(Errc::kStaleIncarnation, "newer"), 4);
+    EXPECT_EQ(agent_.phase(), AgentPhase::kIdle);
+  }
+  EXPECT_EQ(agent_.starts(), 0u);
+  open();
+  EXPECT_EQ(agent_.starts(), 1u);
+}
+
+TEST_F(AgentTest, CallsAreNumberedAndAnsweredInOrder) {
+  open();
+  const std::vector<Request> sent = requests(call(ListRequest{}));
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].seq, 1u);
+  // An answer to another number (a late duplicate) is not this call's answer.
+  EXPECT_TRUE(all_of<CallDone>(reply(7, WaitOk{})).empty());
+  const AgentEffects effects = reply(1, ListOk{});
+  EXPECT_EQ(only<CallDone>(effects).call_id, call_id_);
+  EXPECT_EQ(agent_.last_seq(), 1u);
+  EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 2u);
+}
+
+TEST_F(AgentTest, OneCallAtATime) {
+  open();
+  call(ListRequest{});
+  EXPECT_THROW(call(ListRequest{}), RequirementFailure);
+}
+
+TEST_F(AgentTest, RetransmitsAnUnansweredCallWithBoundedBackoff) {
+  open();
+  call(UnpublishRequest{});
+  // Resent at 250, then after 500, 1000, 2000, 4000 and then every 4000 ms (retry_max_ms).
+  std::vector<TimeMs> sent_at;
+  for (TimeMs t = 0; t <= 20'000; t += 50) {
+    for (const Request& request : requests(tick_at(t))) {
+      EXPECT_EQ(request.seq, 1u);
+      EXPECT_EQ(request.session, 1u);
+      EXPECT_TRUE(std::holds_alternative<UnpublishRequest>(request.body));
+      sent_at.push_back(t);
+    }
+  }
+  const std::vector<TimeMs> expected{250, 750, 1750, 3750, 7750, 11750, 15750, 19750};
+  EXPECT_EQ(sent_at, expected);
+}
+
+TEST_F(AgentTest, HeartbeatsOnlyOnceOpen) {
+  call(open_request());
+  // A heartbeat that overtook the open would come back "unknown client": none while opening.
+  for (TimeMs t = 0; t <= 5000; t += 100) {
+    const AgentEffects effects = tick_at(t);
+    EXPECT_TRUE(all_of<SendReport>(effects).empty()) << "at " << t;
+    for (const Request& request : requests(effects)) {
+      EXPECT_TRUE(std::holds_alternative<OpenRequest>(request.body));
+    }
+  }
+  // The open's retransmissions come at least once per heartbeat interval.
+  std::vector<TimeMs> opens_at;
+  for (TimeMs t = 5100; t <= 9000; t += 100) {
+    if (!requests(tick_at(t)).empty()) opens_at.push_back(t);
+  }
+  ASSERT_GE(opens_at.size(), 3u);
+  for (std::size_t i = 1; i < opens_at.size(); ++i) EXPECT_LE(opens_at[i] - opens_at[i - 1], 1000);
+
+  reply(0, OpenOk{2, std::nullopt});
+  int heartbeats = 0;
+  for (TimeMs t = 9000; t <= 12'000; t += 100) {
+    for (const ReportBody& body : reports(tick_at(t))) {
+      heartbeats += std::holds_alternative<Heartbeat>(body) ? 1 : 0;
+    }
+  }
+  EXPECT_GE(heartbeats, 3);
+}
+
+TEST_F(AgentTest, IgnoresMessagesOfAnotherSessionOrServer) {
+  open();
+  call(ListRequest{});
+  AgentEffects effects =
+      step(FromHub{agent_.server(), Effect{kClient, Reply{1, ListOk{}}, agent_.session() + 1}});
+  EXPECT_TRUE(effects.empty());
+  effects = step(FromHub{agent_.server() + 1, Effect{kClient, Reply{1, ListOk{}}, agent_.session()}});
+  EXPECT_TRUE(effects.empty());
+  effects = step(FromHub{agent_.server(), Effect{kClient, Evicted{}, agent_.session() - 1}});
+  EXPECT_TRUE(effects.empty());
+  EXPECT_EQ(agent_.phase(), AgentPhase::kOpen);
+}
+
+TEST_F(AgentTest, EvictionFailsTheCallThenReopensAsTheNextIncarnationAnnouncingTheCopy) {
+  open();
+  publish(1, 5);
+  call(ListRequest{});
+  const AgentEffects evicted = hub(Evicted{Errc::kReplicaEvicted, "heartbeat"});
+  const auto error = std::get<Error>(only<CallDone>(evicted).outcome);
+  EXPECT_EQ(error.code, Errc::kReplicaEvicted);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kEvicted);
+  // It comes back by itself after a backoff: its program may be waiting in a collective.
+  const TimeMs reopen_at = *agent_.next_deadline_ms();
+  EXPECT_GT(reopen_at, now_ms_);
+  const std::vector<Request> sent = requests(tick_at(reopen_at));
+  ASSERT_EQ(sent.size(), 1u);
+  const auto& open = std::get<OpenRequest>(sent[0].body);
+  EXPECT_EQ(open.incarnation, 2u);
+  ASSERT_NE(open.resume, nullptr);
+  ASSERT_TRUE(open.resume->primary.has_value());
+  EXPECT_EQ(open.resume->primary->version, 5u);
+  ASSERT_TRUE(open.resume->last_txn.has_value());
+  EXPECT_EQ(open.resume->last_txn->seq, 1u);
+  EXPECT_EQ(sent[0].seq, 1u);  // numbered with the last completed call
+  EXPECT_EQ(sent[0].session, 2u);
+  EXPECT_EQ(agent_.starts(), 1u);  // a resume is not a new start
+}
+
+TEST_F(AgentTest, FailoverReopensOnTheNextServerAndSendsTheCallAgain) {
+  open();
+  publish(1, 3);
+  call(ListRequest{});
+  const AgentEffects lost = step(ServerLost{0});
+  EXPECT_EQ(agent_.server(), 1u);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kOpening);
+  const std::vector<Request> sent = requests(lost);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(std::get<OpenRequest>(sent[0].body).incarnation, 1u);  // not evicted: same one
+  ASSERT_NE(std::get<OpenRequest>(sent[0].body).resume, nullptr);
+  EXPECT_TRUE(all_of<CallDone>(lost).empty());  // the call goes on
+  // A server lost that is not ours changes nothing.
+  EXPECT_TRUE(step(ServerLost{0}).empty());
+  const std::vector<Request> after_open = requests(reply(1, OpenOk{2, 3}));
+  ASSERT_EQ(after_open.size(), 1u);
+  EXPECT_EQ(after_open[0].seq, 2u);
+  EXPECT_TRUE(std::holds_alternative<ListRequest>(after_open[0].body));
+  EXPECT_EQ(only<CallDone>(reply(2, ListOk{})).call_id, call_id_);
+}
+
+TEST_F(AgentTest, DivergentCallStartsOverWithNothingAnnounced) {
+  open();
+  publish(1, 4);
+  hub(Offload{4});
+  const AgentEffects offloaded = step(OffloadFinished{4});
+  ASSERT_EQ(reports(offloaded).size(), 1u);
+  call(ListRequest{});
+  const AgentEffects diverged = reply(2, make_error(Errc::kDivergentCall, "other shards differ"));
+  EXPECT_EQ(std::get<Error>(only<CallDone>(diverged).outcome).code, Errc::kDivergentCall);
+  EXPECT_EQ(only<FreeOffload>(diverged).version, 4u);
+  EXPECT_FALSE(agent_.held().has_value());
+  const std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
+  ASSERT_EQ(sent.size(), 1u);
+  const auto& open = std::get<OpenRequest>(sent[0].body);
+  EXPECT_EQ(open.resume, nullptr);
+  EXPECT_EQ(open.incarnation, 2u);
+  EXPECT_EQ(sent[0].seq, 0u);
+  reply(0, OpenOk{2, std::nullopt});
+  EXPECT_EQ(agent_.starts(), 2u);
+  EXPECT_EQ(agent_.last_seq(), 0u);
+  EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 1u);
+}
+
+TEST_F(AgentTest, JoinsTheIncarnationTheHubNamesInsteadOfReplacingIt) {
+  open();
+  hub(Evicted{Errc::kReplicaEvicted, "heartbeat"});
+  requests(tick_at(*agent_.next_deadline_ms()));  // resume as incarnation 2
+  // Its peers re-formed the replica as incarnation 5 meanwhile.
+  reply(0, make_error(Errc::kStaleIncarnation, "newer"), 5);
+  std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(std::get<OpenRequest>(sent[0].body).incarnation, 5u);
+  EXPECT_NE(std::get<OpenRequest>(sent[0].body).resume, nullptr);
+  // Incarnation 5 went on without this shard: it starts over and joins 5 fresh (not 6, which
+  // would evict the peers, which would come back as 7, and so on).
+  reply(0, make_error(Errc::kDivergentCall, "started over"), 5);
+  sent = requests(tick_at(*agent_.next_deadline_ms()));
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(std::get<OpenRequest>(sent[0].body).incarnation, 5u);
+  EXPECT_EQ(std::get<OpenRequest>(sent[0].body).resume, nullptr);
+}
+
+TEST_F(AgentTest, AnUnpublishEndedByEvictionHoldsItsPromise) {
+  open();
+  publish(1, 2);
+  hub(ServeRead{9, 1, 2, CopyKind::kPrimary, 0, "reader"});
+  call(UnpublishRequest{});
+  const AgentEffects evicted = hub(Evicted{Errc::kReplicaEvicted, "gone"});
+  EXPECT_TRUE(std::holds_alternative<UnpublishOk>(only<CallDone>(evicted).outcome));
+  EXPECT_EQ(only<RevokeServe>(evicted).transfer, 9u);  // nothing may read the buffers any more
+  EXPECT_FALSE(agent_.held().has_value());
+  EXPECT_EQ(agent_.last_seq(), 2u);  // the call took its number
+  const std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
+  const auto& open = std::get<OpenRequest>(sent.at(0).body);
+  ASSERT_NE(open.resume, nullptr);
+  EXPECT_FALSE(open.resume->primary.has_value());
+  ASSERT_TRUE(open.resume->last_txn.has_value());
+  EXPECT_EQ(open.resume->last_txn->seq, 2u);
+  EXPECT_TRUE(std::holds_alternative<UnpublishOk>(open.resume->last_txn->outcome));
+}
+
+TEST_F(AgentTest, ServesOnlyWhatItHoldsOrReceives) {
+  open();
+  publish(1, 2);
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{1, 1, 2, CopyKind::kPrimary, 0, "a"})).grant.transfer, 1u);
+  // A late grant for another version, or for an offload it never made: refused silently.
+  EXPECT_TRUE(hub(ServeRead{2, 1, 3, CopyKind::kPrimary, 0, "b"}).empty());
+  EXPECT_TRUE(hub(ServeRead{3, 1, 2, CopyKind::kOffload, 0, "c"}).empty());
+  // Once an update starts writing, the old version's grants are revoked and new ones refused.
+  call(UpdateRequest{Selector::latest(), layout_});
+  const AgentEffects reading = hub(start_read(4, 1, 6));
+  EXPECT_EQ(only<BeginRead>(reading).read.version, 6u);
+  EXPECT_EQ(only<RevokeServe>(reading).transfer, 1u);
+  EXPECT_TRUE(hub(ServeRead{5, 1, 2, CopyKind::kPrimary, 0, "d"}).empty());
+  // Pipeline replication: the version being received may be served as it arrives.
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{6, 1, 6, CopyKind::kPrimary, 0, "e"})).grant.transfer, 6u);
+}
+
+TEST_F(AgentTest, ReadsOnlyInsideAReadingCallAndReportsOnce) {
+  open();
+  EXPECT_TRUE(hub(start_read(1, 1, 2)).empty());  // no replicate/update in flight: stale
+  call(ReplicateRequest{Selector::absolute(2), layout_, 0});
+  EXPECT_EQ(only<BeginRead>(hub(start_read(1, 1, 2))).read.transfer, 1u);
+  EXPECT_TRUE(hub(start_read(1, 1, 2)).empty());  // a duplicate of the same epoch
+  // A newer epoch (another source) replaces the read.
+  EXPECT_EQ(only<BeginRead>(hub(start_read(1, 2, 2))).read.epoch, 2u);
+  EXPECT_TRUE(step(ReadFinished{1, 1, std::nullopt}).empty());  // the old epoch's read
+  const std::vector<ReportBody> done = reports(step(ReadFinished{1, 2, std::nullopt}));
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(std::get<TransferDone>(done[0]).epoch, 2u);
+  // The hub missed the report and says to read again: the agent reports again, reads nothing.
+  const AgentEffects again = hub(start_read(1, 2, 2));
+  EXPECT_TRUE(all_of<BeginRead>(again).empty());
+  EXPECT_EQ(reports(again).size(), 1u);
+  EXPECT_EQ(only<CallDone>(reply(1, ReplicateOk{2, "source"})).call_id, call_id_);
+  ASSERT_TRUE(agent_.held().has_value());
+  EXPECT_EQ(agent_.held()->version, 2u);
+}
+
+TEST_F(AgentTest, AFailedReadIsReportedAndRetransmittedUntilAnswered) {
+  open();
+  call(ReplicateRequest{Selector::absolute(2), layout_, 0});
+  hub(start_read(1, 1, 2));
+  const std::vector<ReportBody> failed =
+      reports(step(ReadFinished{1, 1, ReadFailure::kChecksumMismatch}));
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(std::get<TransferFailed>(failed[0]).reason, ReadFailure::kChecksumMismatch);
+  int resent = 0;
+  for (TimeMs t = 0; t <= 2000; t += 50) {
+    for (const ReportBody& body : reports(tick_at(t))) {
+      resent += std::holds_alternative<TransferFailed>(body) ? 1 : 0;
+    }
+  }
+  EXPECT_GE(resent, 2);
+  // The answer is the next epoch: the failure report has served its purpose.
+  hub(start_read(1, 2, 2));
+  for (TimeMs t = 2050; t <= 8000; t += 50) {
+    for (const ReportBody& body : reports(tick_at(t))) {
+      EXPECT_FALSE(std::holds_alternative<TransferFailed>(body)) << "at " << t;
+    }
+  }
+}
+
+TEST_F(AgentTest, ReportsAnOffloadAgainWhenAskedForOneItHas) {
+  open();
+  publish(1, 8);
+  EXPECT_EQ(only<MakeOffload>(hub(Offload{8})).version, 8u);
+  step(OffloadFinished{8});
+  // A new server (or a hub that missed the report) asks again: no second copy, the same report.
+  const AgentEffects again = hub(Offload{8});
+  EXPECT_TRUE(all_of<MakeOffload>(again).empty());
+  const std::vector<ReportBody> sent = reports(again);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(std::get<OffloadDone>(sent[0]).version, 8u);
+  // Asked for a version its buffers do not hold: nothing.
+  EXPECT_TRUE(hub(Offload{9}).empty());
+  // Released: freed once, and its grants revoked.
+  hub(ServeRead{4, 1, 8, CopyKind::kOffload, 0, "reader"});
+  const AgentEffects released = hub(ReleaseOffload{8});
+  EXPECT_EQ(only<FreeOffload>(released).version, 8u);
+  EXPECT_EQ(only<RevokeServe>(released).transfer, 4u);
+  EXPECT_TRUE(hub(ReleaseOffload{8}).empty());
+}
+
+TEST_F(AgentTest, AnOffloadOfBuffersThatMovedOnIsDropped) {
+  open();
+  publish(1, 8);
+  hub(Offload{8});
+  call(UnpublishRequest{});
+  reply(2, UnpublishOk{});
+  EXPECT_TRUE(step(OffloadFinished{8}).empty());  // the buffers no longer hold version 8
+}
+
+TEST_F(AgentTest, CloseEndsEverything) {
+  open();
+  publish(1, 8);
+  hub(Offload{8});
+  step(OffloadFinished{8});
+  call(CloseRequest{});
+  const AgentEffects closed = reply(2, CloseOk{});
+  EXPECT_EQ(only<FreeOffload>(closed).version, 8u);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kClosed);
+  EXPECT_FALSE(agent_.next_deadline_ms().has_value());
+  const AgentEffects after = call(ListRequest{});
+  EXPECT_EQ(std::get<Error>(only<CallDone>(after).outcome).code, Errc::kUnknownClient);
+}
+
+TEST_F(AgentTest, ClockMayNotGoBackwards) {
+  tick_at(100);
+  now_ms_ = 99;
+  EXPECT_THROW(step(AgentTick{}), RequirementFailure);
+}
+
+}  // namespace
+}  // namespace th

@@ -97,6 +97,7 @@ class Hub {
   const HubStats& stats() const { return stats_; }
   HubActivity activity() const;
   std::size_t client_count() const { return clients_.size(); }
+  bool has_client(ClientId client) const { return clients_.find(client) != nullptr; }
 
   // Verifies every structural invariant; throws AssertionFailure naming the first that fails.
   void check_invariants() const;

@@ -80,6 +80,8 @@ struct Replica {
   std::uint64_t restart_token = 0;  // a scheduled restart is valid while this matches
   std::vector<int> workers;
   Version next_version = 1;         // trainers: what a restarted trainer publishes next
+  std::optional<Version> final_target;  // trainers, liveness phase: stop once this is published
+  std::vector<ClientId> dead_clients;   // while crashed: the clients its processes had
 };
 
 struct App {
@@ -148,6 +150,8 @@ enum class EventKind : std::uint8_t {
   kHubTick,
   kFaultTick,
   kRestart,
+  kDivergence,
+  kEvictionDue,
   kServerLost,
   kOffloadCopied,
   kHeal,
@@ -288,6 +292,17 @@ class Simulation {
           restart(event.a);
         }
         break;
+      case EventKind::kDivergence:
+        if (!replicas_[event.a].crashed) {
+          ++result_.divergence_restarts;
+          crash(event.a, rng_.range(200, 1000), /*fault=*/false);
+        }
+        break;
+      case EventKind::kEvictionDue:
+        if (replicas_[event.a].crashed && replicas_[event.a].restart_token == event.token) {
+          check_evicted(event.a);
+        }
+        break;
       case EventKind::kServerLost:
         workers_[event.a].server_lost_pending = false;
         if (alive(event.a)) agent_step(event.a, ServerLost{event.server});
@@ -304,6 +319,7 @@ class Simulation {
   // ---- the fleet ----
 
   void build_fleet() {
+    trace_.lane(0, "servers and phases");  // the failover, the healing of faults
     for (std::uint32_t m = 0; m < knobs_.models; ++m) {
       const std::string model = "m" + std::to_string(m);
       models_.push_back(model);
@@ -379,6 +395,7 @@ class Simulation {
     worker.server_lost_pending = false;
     worker.app = App{};
     if (replica.trainer) worker.app.version = replica.next_version;
+    worker.app.final_target = replica.final_target;
     if (!servers_alive_[0]) lose_server(w);  // it starts after the failover: its first try fails
     wake_app(w, delay_ms);
   }
@@ -406,8 +423,14 @@ class Simulation {
     worker.local_last_ms = local;
     const auto place_before = place(worker);
     worker.agent->step(input, local, agent_effects_);
-    // The agent may start over on its own (told its replica diverged) while its program waits.
-    if (place(worker) != place_before) wake_waiting_peers(w);
+    if (place(worker) != place_before) {
+      wake_waiting_peers(w);
+      // The agent started over on its own (told its replica diverged while no call was in flight):
+      // its program is out of step with itself, and its framework restarts the replica.
+      if (place_before.first > 0 && place(worker).first > place_before.first) {
+        schedule(now_, Event(EventKind::kDivergence, worker.replica));
+      }
+    }
     // Handling an effect may step the agent again (a completed call starts the next one).
     const AgentEffects effects = std::move(agent_effects_);
     for (const AgentEffect& effect : effects) {
@@ -950,7 +973,12 @@ class Simulation {
     trace_.mix(outcome.index());
     check_consistency(w, outcome);
     const auto* error = std::get_if<Error>(&outcome);
-    if (error != nullptr && error->code == Errc::kDivergentCall) app.held.reset();  // starts over
+    if (error != nullptr && error->code == Errc::kDivergentCall) {
+      // The shards' programs got different answers: like an SPMD job whose ranks fell out of step,
+      // the framework restarts the whole replica (its other shards may be waiting in a collective).
+      app.held.reset();
+      schedule(now_, Event(EventKind::kDivergence, worker.replica));
+    }
     if (app.next == App::Next::kOpen) {
       if (error != nullptr) {
         wake_app(w, jitter(w, 200, 1000));
@@ -1103,7 +1131,8 @@ class Simulation {
     if (candidates.empty()) return;
     const int replica = candidates[rng_.below(candidates.size())];
     if (replicas_[replica].crashed) return;
-    crash(replica, rng_.range(1000, 6000));
+    // Mostly back within seconds; sometimes (a spot instance reclaimed for a while) much later.
+    crash(replica, rng_.chance(0.2) ? rng_.range(10'000, 30'000) : rng_.range(1000, 6000));
   }
 
   void storm() {
@@ -1117,15 +1146,20 @@ class Simulation {
     }
   }
 
-  void crash(int index, TimeMs restart_after_ms) {
+  // The replica's processes end (a crash, or their framework stopping them) and come back after
+  // `restart_after_ms` as a new incarnation.
+  void crash(int index, TimeMs restart_after_ms, bool fault = true) {
     Replica& replica = replicas_[index];
     replica.crashed = true;
-    ++result_.crashes;
-    if (options_.verbose) std::cerr << now_ << " ms: " << replica.name << " crashed\n";
+    if (fault) ++result_.crashes;
+    if (options_.verbose) {
+      std::cerr << now_ << " ms: " << replica.name
+                << (fault ? " crashed\n" : " diverged: its framework restarts it\n");
+    }
     const bool reset = rng_.chance(0.5);  // sometimes the server sees the connection drop at once
     for (int w : replica.workers) {
       Worker& worker = workers_[w];
-      trace_.instant(w + 1, "crash", "failure", now_);
+      trace_.instant(w + 1, fault ? "crash" : "restart after divergence", "failure", now_);
       if (reset && worker.alive) {
         Event event(EventKind::kToServer, worker.agent->server() == 0 && servers_alive_[0] ? 0 : 1);
         event.message = ConnectionLost{worker.client};
@@ -1133,6 +1167,7 @@ class Simulation {
       }
       // The restarted process opens above any incarnation this one reached on its own.
       if (worker.agent) replica.incarnation = std::max(replica.incarnation, worker.agent->incarnation());
+      if (worker.alive) replica.dead_clients.push_back(worker.client);
       worker.alive = false;
       worker.agent.reset();
       worker.grants.clear();
@@ -1142,11 +1177,31 @@ class Simulation {
       std::erase_if(flows_, [&](const auto& entry) { return entry.second.reader == w; });
     }
     schedule(now_ + restart_after_ms, Event(EventKind::kRestart, index, ++replica.restart_token));
+    // Failed clients are evicted within the heartbeat timeout (DESIGN.md §5.6), counted from the
+    // last message of theirs that can still arrive, plus a tick of the hub.
+    const TimeMs last_arrival_ms = knobs_.delay_min_ms + 2 * knobs_.delay_mean_ms + knobs_.clog_ms;
+    schedule(now_ + last_arrival_ms + knobs_.heartbeat_timeout_ms + 2 * kHubTickMs,
+             Event(EventKind::kEvictionDue, index, replica.restart_token));
+  }
+
+  void check_evicted(int index) {
+    const Replica& replica = replicas_[index];
+    for (ClientId client : replica.dead_clients) {
+      for (int server = 0; server < 2; ++server) {
+        if (servers_alive_[server] && servers_[server]->has_client(client)) {
+          throw Violation("liveness: server " + std::to_string(server) + " still counts client " +
+                          std::to_string(client) + " of " + replica.name +
+                          ", which crashed more than the heartbeat timeout (" +
+                          std::to_string(knobs_.heartbeat_timeout_ms) + " ms) ago");
+        }
+      }
+    }
   }
 
   void restart(int index) {
     Replica& replica = replicas_[index];
     replica.crashed = false;
+    replica.dead_clients.clear();
     ++replica.incarnation;
     start_replica(index, 0);
   }
@@ -1169,7 +1224,8 @@ class Simulation {
       if (!replica.trainer) continue;
       Version newest = 0;
       for (int w : replica.workers) newest = std::max(newest, workers_[w].app.version);
-      for (int w : replica.workers) workers_[w].app.final_target = newest + 1 + knobs_.off_by;
+      replica.final_target = newest + 1 + knobs_.off_by;
+      for (int w : replica.workers) workers_[w].app.final_target = replica.final_target;
     }
   }
 
@@ -1282,7 +1338,8 @@ std::string SimResult::summary() const {
   out << (ok ? "ok" : "VIOLATION") << ": " << events << " events, "
       << static_cast<double>(virtual_ms) / 1000.0
       << " s simulated, " << calls << " calls, " << versions << " publishes, " << reads
-      << " shard reads (" << reads_failed << " failed), " << crashes << " crashes, " << evictions
+      << " shard reads (" << reads_failed << " failed), " << crashes << " crashes, "
+      << divergence_restarts << " divergence restarts, " << evictions
       << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << messages
       << " messages (" << messages_lost << " lost), trace hash " << std::hex << trace_hash << std::dec;
   return out.str();

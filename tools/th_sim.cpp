@@ -153,6 +153,7 @@ int main(int argc, char** argv) {
   const bool block = first != last;
   std::uint64_t violations = 0;
   std::uint64_t events = 0;
+  std::uint64_t runs = 0;  // seeds run (a block stops at its first violation without --keep-going)
   const auto started = std::chrono::steady_clock::now();
   for (std::uint64_t seed = first;; ++seed) {
     auto options = options_for(cli, seed);
@@ -179,7 +180,12 @@ int main(int argc, char** argv) {
                            std::to_string(second.trace_hash) + ")";
       }
     }
+    ++runs;
     if (!block || cli.verbose || !result.ok) std::printf("%s\n", result.summary().c_str());
+    if (cli.check_determinism && result.ok && (!block || cli.verbose)) {
+      std::printf("deterministic: a second run gave trace hash %llx too\n",
+                  static_cast<unsigned long long>(result.trace_hash));
+    }
     if (!result.ok) {
       ++violations;
       if (block && !cli.verbose) {
@@ -195,9 +201,11 @@ int main(int argc, char** argv) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (block) {
-    const std::uint64_t runs = last - first + 1;
-    std::printf("seeds %llu..%llu: %llu violations; %llu events in %.1f s (%.0f events/s, %.0f seeds/min)\n",
+    std::printf("seeds %llu..%llu: %llu seeds run%s, %llu violations; %llu events in %.1f s (%.0f events/s, "
+                "%.0f seeds/min)\n",
                 static_cast<unsigned long long>(first), static_cast<unsigned long long>(last),
+                static_cast<unsigned long long>(runs),
+                cli.check_determinism ? " (each twice, same trace hash)" : "",
                 static_cast<unsigned long long>(violations), static_cast<unsigned long long>(events),
                 seconds, static_cast<double>(events) / seconds,
                 static_cast<double>(runs) * 60.0 / seconds);

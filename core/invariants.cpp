@@ -4,6 +4,9 @@
 // are checked by the tests' observers and the simulator's checkers.
 #include <algorithm>
 #include <set>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 #include "core/hub.h"
 
@@ -12,11 +15,44 @@ namespace th {
 using detail::Contribution;
 using detail::CopyId;
 using detail::CopyState;
-using detail::DcSources;
+using detail::DcId;
 using detail::ReplicaPhase;
 using detail::ShardSlot;
 using detail::TxnStage;
 
+namespace {
+
+// What a version record's counters should be, summed from its copies' contributions.
+struct DcCounts {
+  DcId dc = 0;
+  std::uint32_t eligible = 0;
+  std::uint32_t servable = 0;
+  std::uint32_t complete = 0;
+  std::uint32_t seeding = 0;
+};
+struct RecordCounts {
+  std::vector<DcCounts> by_dc;  // a handful of datacenters: a flat list
+  std::uint32_t safe_primaries = 0;
+  std::uint32_t safe_offloads = 0;
+  std::uint32_t complete_primaries = 0;
+  std::uint32_t potential = 0;
+
+  const DcCounts* find(DcId dc) const {
+    const auto found = std::find_if(by_dc.begin(), by_dc.end(),
+                                    [dc](const DcCounts& counts) { return counts.dc == dc; });
+    return found == by_dc.end() ? nullptr : &*found;
+  }
+  DcCounts& at(DcId dc) {
+    const auto found = std::find_if(by_dc.begin(), by_dc.end(),
+                                    [dc](const DcCounts& counts) { return counts.dc == dc; });
+    return found == by_dc.end() ? by_dc.emplace_back(DcCounts{dc}) : *found;
+  }
+};
+
+}  // namespace
+
+// Runs after every step in the simulator and the property tests: it allocates little (no copy of
+// the hub's indexes) and is linear in the hub's size.
 void Hub::check_invariants() const {
   TH_ASSERT(orphans_.empty() && drained_.empty() && diverged_.empty(),
             "deferred work is settled after every step");
@@ -34,8 +70,11 @@ void Hub::check_invariants() const {
     // ---- replicas ----
     std::multiset<std::uint64_t> keep_latest;
     std::map<Version, std::uint32_t> pinned;
+    std::unordered_set<const Replica*> replicas;  // to check copy owners without name lookups
+    replicas.reserve(model.replicas.size());
     for (const auto& [name, replica_ptr] : model.replicas) {
       const Replica& replica = *replica_ptr;
+      replicas.insert(&replica);
       TH_ASSERT(replica.model == &model && replica.name == name);
       TH_ASSERT(replica.num_shards == model.num_shards);
       TH_ASSERT(replica.shards.size() == replica.num_shards);
@@ -98,12 +137,15 @@ void Hub::check_invariants() const {
     }
 
     // ---- copies ----
-    std::map<const VersionRecord*, VersionRecord> expected;  // recomputed counters per record
+    std::unordered_map<const Copy*, std::uint32_t> readers_of;  // counted from the transfers
+    for (const auto& [id, transfer] : model.transfers) {
+      if (transfer->source != nullptr) ++readers_of[transfer->source];
+    }
+    std::unordered_map<const VersionRecord*, RecordCounts> expected;
     for (const auto& [id, copy_ptr] : model.copies) {
       const Copy& copy = *copy_ptr;
       TH_ASSERT(copy.id == id);
-      auto owner = model.replicas.find(copy.owner->name);
-      TH_ASSERT(owner != model.replicas.end() && owner->second.get() == copy.owner, "copy owner");
+      TH_ASSERT(replicas.contains(copy.owner), "copy owner");
       auto record = model.versions.find(copy.record->version);
       TH_ASSERT(record != model.versions.end() && &record->second == copy.record, "copy record");
       TH_ASSERT(copy.index_in_record < copy.record->copies.size() &&
@@ -125,10 +167,8 @@ void Hub::check_invariants() const {
       if (copy.state == CopyState::kComplete || copy.state == CopyState::kDraining) {
         TH_ASSERT(copy.ready.count() == copy.owner->num_shards, "complete copies have every shard");
       }
-      std::uint32_t readers = 0;
-      for (const auto& [transfer_id, transfer] : model.transfers) {
-        if (transfer->source == &copy) ++readers;
-      }
+      const auto counted_readers = readers_of.find(&copy);
+      const std::uint32_t readers = counted_readers == readers_of.end() ? 0 : counted_readers->second;
       TH_ASSERT(readers == copy.readers, "reader count of copy", id, ":", copy.readers, "vs", readers);
       // Load (§5.4): a source serves at most its fan-out limit at a time.
       TH_ASSERT(canary_load || copy.readers <= settings_.fanout_max, "fan-out limit exceeded");
@@ -140,10 +180,17 @@ void Hub::check_invariants() const {
                       offload->second->state == CopyState::kOffloading,
                   "a draining primary waits for its own offload copy");
       }
-      VersionRecord& sums = expected[copy.record];
+      RecordCounts& sums = expected[copy.record];
       const Contribution& c = copy.counted;
-      DcSources& sources = sums.by_dc[copy.owner->dc];
-      if (c.eligible) sources.eligible.emplace(c.key, const_cast<Copy*>(&copy));
+      DcCounts& sources = sums.at(copy.owner->dc);
+      if (c.eligible) {
+        // Each eligible copy is indexed; with the counts equal below, the index holds no others.
+        ++sources.eligible;
+        const auto indexed = copy.record->by_dc.find(copy.owner->dc);
+        TH_ASSERT(indexed != copy.record->by_dc.end() &&
+                      indexed->second.eligible.contains({c.key, const_cast<Copy*>(&copy)}),
+                  "eligible copy", id, "is indexed as a source");
+      }
       sources.servable += c.servable;
       sources.complete += c.complete;
       sources.seeding += c.seeding;
@@ -191,20 +238,20 @@ void Hub::check_invariants() const {
     for (const auto& [version, record] : model.versions) {
       TH_ASSERT(record.version == version);
       TH_ASSERT(record.checksums.size() == model.num_shards);
-      const VersionRecord& sums = expected[&record];
+      const RecordCounts& sums = expected[&record];
       for (const auto& [dc, sources] : record.by_dc) {
-        auto found = sums.by_dc.find(dc);
-        const DcSources empty;
-        const DcSources& want = found == sums.by_dc.end() ? empty : found->second;
-        TH_ASSERT(sources.eligible == want.eligible, "eligible sources of version", version);
+        const DcCounts* found = sums.find(dc);
+        const DcCounts none{dc};
+        const DcCounts& want = found == nullptr ? none : *found;
+        TH_ASSERT(sources.eligible.size() == want.eligible, "eligible sources of version", version);
         TH_ASSERT(sources.servable == want.servable && sources.complete == want.complete &&
                       sources.seeding == want.seeding,
                   "datacenter counters of version", version);
         // Topology (§5.5): at most one seeding replica per datacenter per version at a time.
         TH_ASSERT(canary_topology || sources.seeding <= 1, "two seeding replicas in one datacenter");
       }
-      for (const auto& [dc, want] : sums.by_dc) {
-        TH_ASSERT(record.by_dc.contains(dc), "a datacenter with copies has counters");
+      for (const DcCounts& want : sums.by_dc) {
+        TH_ASSERT(record.by_dc.contains(want.dc), "a datacenter with copies has counters");
       }
       TH_ASSERT(record.safe_primaries == sums.safe_primaries &&
                     record.safe_offloads == sums.safe_offloads &&

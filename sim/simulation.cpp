@@ -629,7 +629,13 @@ class Simulation {
     hub_effects_.clear();
     Hub& hub = *servers_[server];
     hub.step(input, now_, hub_effects_);
-    hub.check_invariants();
+    // The hub's own invariants after every step, except a heartbeat's that changed nothing but
+    // when the shard was last heard of (no invariant covers that): a third of all steps. Because
+    // the check covers the whole state, anything such a step broke is caught at the next step.
+    const auto* report = std::get_if<Report>(&input);
+    const bool heartbeat_only = report != nullptr && std::holds_alternative<Heartbeat>(report->body) &&
+                                hub_effects_.empty();
+    if (!heartbeat_only) hub.check_invariants();
     // The observer follows the server that serves: the primary, then the backup after a failover.
     const bool active = server == (servers_alive_[0] ? 0 : 1);
     if (active) {

@@ -3,7 +3,6 @@
 // bookkeeping that integrity and retention rest on). The behavioural halves (what clients observe)
 // are checked by the tests' observers and the simulator's checkers.
 #include <algorithm>
-#include <set>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -37,6 +36,10 @@ struct RecordCounts {
   std::uint32_t complete_primaries = 0;
   std::uint32_t potential = 0;
 
+  void reset() {
+    by_dc.clear();  // keeps its capacity: one allocation per check, not per record
+    safe_primaries = safe_offloads = complete_primaries = potential = 0;
+  }
   const DcCounts* find(DcId dc) const {
     const auto found = std::find_if(by_dc.begin(), by_dc.end(),
                                     [dc](const DcCounts& counts) { return counts.dc == dc; });
@@ -68,7 +71,7 @@ void Hub::check_invariants() const {
     TH_ASSERT(!model.dirty, "dirty models are settled after every step");
 
     // ---- replicas ----
-    std::multiset<std::uint64_t> keep_latest;
+    std::vector<std::uint64_t> keep_latest;
     std::map<Version, std::uint32_t> pinned;
     std::unordered_set<const Replica*> replicas;  // to check copy owners without name lookups
     replicas.reserve(model.replicas.size());
@@ -86,7 +89,7 @@ void Hub::check_invariants() const {
         const detail::Binding* found = clients_.find(*slot.client);
         TH_ASSERT(found != nullptr && found->replica == &replica && found->shard == shard,
                   "a bound shard is in the client map");
-        if (slot.retention.keep_latest) keep_latest.insert(*slot.retention.keep_latest);
+        if (slot.retention.keep_latest) keep_latest.push_back(*slot.retention.keep_latest);
         for (Version version : slot.retention.pinned) ++pinned[version];
       }
       TH_ASSERT(bound == replica.bound_shards, "bound shard count");
@@ -97,10 +100,15 @@ void Hub::check_invariants() const {
         TH_ASSERT(model.copies.contains(replica.primary->id));
       }
       TH_ASSERT(replica.offloads.size() <= limits::kOffloadsPerReplicaMax);
-      std::set<Version> offloaded;
-      for (const Copy* offload : replica.offloads) {
+      for (auto offload_it = replica.offloads.begin(); offload_it != replica.offloads.end();
+           ++offload_it) {
+        const Copy* offload = *offload_it;
         // ReleaseOffload names a version: a replica holds at most one offload copy of each.
-        TH_ASSERT(offloaded.insert(offload->record->version).second,
+        // (Pairwise: the list is bounded by kOffloadsPerReplicaMax.)
+        TH_ASSERT(std::none_of(std::next(offload_it), replica.offloads.end(),
+                               [offload](const Copy* other) {
+                                 return other->record == offload->record;
+                               }),
                   "two offload copies of one version in", replica.name);
         TH_ASSERT(offload->owner == &replica && offload->kind == CopyKind::kOffload);
         TH_ASSERT(model.copies.contains(offload->id) && model.offload_copies.contains(offload->id));
@@ -127,7 +135,10 @@ void Hub::check_invariants() const {
         }
       }
     }
-    TH_ASSERT(keep_latest == model.keep_latest, "retention union: latest-k rules");
+    std::sort(keep_latest.begin(), keep_latest.end());
+    TH_ASSERT(std::equal(keep_latest.begin(), keep_latest.end(), model.keep_latest.begin(),
+                         model.keep_latest.end()),
+              "retention union: latest-k rules");
     TH_ASSERT(pinned == model.pinned, "retention union: pinned versions");
     for (const auto* tickets : {&model.unresolved, &model.waits}) {
       for (const auto& [ticket, ref] : *tickets) {
@@ -141,7 +152,6 @@ void Hub::check_invariants() const {
     for (const auto& [id, transfer] : model.transfers) {
       if (transfer->source != nullptr) ++readers_of[transfer->source];
     }
-    std::unordered_map<const VersionRecord*, RecordCounts> expected;
     for (const auto& [id, copy_ptr] : model.copies) {
       const Copy& copy = *copy_ptr;
       TH_ASSERT(copy.id == id);
@@ -180,24 +190,6 @@ void Hub::check_invariants() const {
                       offload->second->state == CopyState::kOffloading,
                   "a draining primary waits for its own offload copy");
       }
-      RecordCounts& sums = expected[copy.record];
-      const Contribution& c = copy.counted;
-      DcCounts& sources = sums.at(copy.owner->dc);
-      if (c.eligible) {
-        // Each eligible copy is indexed; with the counts equal below, the index holds no others.
-        ++sources.eligible;
-        const auto indexed = copy.record->by_dc.find(copy.owner->dc);
-        TH_ASSERT(indexed != copy.record->by_dc.end() &&
-                      indexed->second.eligible.contains({c.key, const_cast<Copy*>(&copy)}),
-                  "eligible copy", id, "is indexed as a source");
-      }
-      sources.servable += c.servable;
-      sources.complete += c.complete;
-      sources.seeding += c.seeding;
-      sums.safe_primaries += c.safe_primary;
-      sums.safe_offloads += c.safe_offload;
-      sums.complete_primaries += c.complete_primary;
-      sums.potential += c.potential;
     }
     for (CopyId id : model.offload_copies) {
       TH_ASSERT(model.copies.contains(id) && model.copies.at(id)->kind == CopyKind::kOffload);
@@ -234,11 +226,36 @@ void Hub::check_invariants() const {
     }
 
     // ---- version records ----
+    // Every copy sits at its own index in its record's list (checked above); with the lengths
+    // summing to the number of copies, the lists hold nothing else, so the counters can be
+    // recomputed from them.
     bool any_complete = false;
+    std::size_t listed_copies = 0;
+    RecordCounts sums;
     for (const auto& [version, record] : model.versions) {
       TH_ASSERT(record.version == version);
       TH_ASSERT(record.checksums.size() == model.num_shards);
-      const RecordCounts& sums = expected[&record];
+      listed_copies += record.copies.size();
+      sums.reset();
+      for (const Copy* copy : record.copies) {
+        const Contribution& c = copy->counted;
+        DcCounts& sources = sums.at(copy->owner->dc);
+        if (c.eligible) {
+          // Each eligible copy is indexed; with the counts equal below, the index holds no others.
+          ++sources.eligible;
+          const auto indexed = record.by_dc.find(copy->owner->dc);
+          TH_ASSERT(indexed != record.by_dc.end() &&
+                        indexed->second.eligible.contains({c.key, const_cast<Copy*>(copy)}),
+                    "eligible copy", copy->id, "is indexed as a source");
+        }
+        sources.servable += c.servable;
+        sources.complete += c.complete;
+        sources.seeding += c.seeding;
+        sums.safe_primaries += c.safe_primary;
+        sums.safe_offloads += c.safe_offload;
+        sums.complete_primaries += c.complete_primary;
+        sums.potential += c.potential;
+      }
       for (const auto& [dc, sources] : record.by_dc) {
         const DcCounts* found = sums.find(dc);
         const DcCounts none{dc};
@@ -269,6 +286,7 @@ void Hub::check_invariants() const {
                   "latest is below a complete version");
       }
     }
+    TH_ASSERT(listed_copies == model.copies.size(), "version records list only live copies");
     TH_ASSERT(bugs().latest_regress || !any_complete || model.latest.has_value());
   }
   TH_ASSERT(bound_total == clients_.size(), "every client is bound to one shard");

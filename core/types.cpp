@@ -1,5 +1,6 @@
 #include "core/types.h"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <limits>
@@ -150,6 +151,14 @@ Result<LayoutRef> ShardLayout::make(std::vector<TensorSpec> tensors) {
       return make_error(Errc::kInvalidArgument, "shard size overflows 64 bits");
     }
     total_bytes += tensor.bytes;
+  }
+  // Clients address tensors by name (register, checksums per tensor): names must be unique.
+  std::vector<std::string_view> names;
+  names.reserve(tensors.size());
+  for (const TensorSpec& tensor : tensors) names.push_back(tensor.name);
+  std::sort(names.begin(), names.end());
+  if (const auto twice = std::adjacent_find(names.begin(), names.end()); twice != names.end()) {
+    return make_error(Errc::kInvalidArgument, "tensor '" + std::string(*twice) + "' appears twice");
   }
   return LayoutRef(new ShardLayout(std::move(tensors)));
 }

@@ -53,6 +53,10 @@ TEST(Layout, RejectsInvalidTensors) {
                 .error()
                 .code,
             Errc::kInvalidArgument);
+  const auto twice = ShardLayout::make({{"w", DType::kInt8, 1}, {"b", DType::kInt8, 1}, {"w", DType::kInt8, 2}});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_EQ(twice.error().code, Errc::kInvalidArgument);
+  EXPECT_NE(twice.error().detail.find("'w' appears twice"), std::string::npos);
 }
 
 TEST(DType, NamesRoundTrip) {

@@ -1,0 +1,223 @@
+# The TensorHub control protocol: the core's requests, reports and effects (core/messages.h) as
+# Cap'n Proto structs, and the three interfaces that carry them between th-server and libthclient.
+#
+# The wire mirrors the core types field for field; net/wire.h converts and validates. Nothing here
+# decides anything: a message the core would not accept is refused by net/wire.cpp with a typed
+# error before it reaches the Hub.
+@0xf11c2dcadf91ad90;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("th::wire");
+
+# ---- Values -------------------------------------------------------------------------------------
+
+struct Selector {
+  union {
+    absolute @0 :UInt64;     # version N
+    latestMinus @1 :UInt64;  # latest-k (latest is latest-0)
+  }
+}
+
+struct TensorSpec {
+  name @0 :Text;
+  dtype @1 :UInt8;   # th::DType
+  bytes @2 :UInt64;
+}
+
+struct Retention {
+  keepLatest @0 :UInt64;
+  hasKeepLatest @1 :Bool;
+  pinned @2 :List(UInt64);
+}
+
+struct WaitPredicate {
+  kind @0 :UInt8;  # th::WaitPredicate::Kind
+  version @1 :UInt64;
+  replicasMin @2 :UInt32;
+  role @3 :Text;
+}
+
+struct OpKey {
+  kind @0 :UInt8;  # th::OpKind
+  selector @1 :Selector;
+  version @2 :UInt64;
+  predicate @3 :WaitPredicate;
+}
+
+struct Error {
+  code @0 :UInt8;  # th::Errc
+  detail @1 :Text;
+}
+
+struct ListSnapshot {
+  struct VersionInfo {
+    version @0 :UInt64;
+    complete @1 :UInt32;
+    partial @2 :UInt32;
+    retained @3 :Bool;
+    offloaded @4 :Bool;
+  }
+  struct ReplicaInfo {
+    name @0 :Text;
+    incarnation @1 :UInt64;
+    datacenter @2 :Text;
+    spot @3 :Bool;
+    role @4 :Text;
+    numShards @5 :UInt32;
+    state @6 :Text;
+    version @7 :UInt64;
+    hasVersion @8 :Bool;
+    serving @9 :UInt32;
+    offloads @10 :List(UInt64);
+  }
+  model @0 :Text;
+  latest @1 :UInt64;
+  hasLatest @2 :Bool;
+  versions @3 :List(VersionInfo);
+  replicas @4 :List(ReplicaInfo);
+}
+
+struct Outcome {
+  union {
+    error @0 :Error;
+    openOk :group { numShards @1 :UInt32; latest @2 :UInt64; hasLatest @3 :Bool; }
+    publishOk @4 :UInt64;  # the version
+    unpublishOk @5 :Void;
+    replicateOk :group { version @6 :UInt64; sourceReplica @7 :Text; }
+    updateOk :group { status @8 :UInt8; version @9 :UInt64; sourceReplica @10 :Text; }
+    listOk @11 :ListSnapshot;
+    waitOk @12 :Void;
+    closeOk @13 :Void;
+  }
+}
+
+struct HeldCopy {
+  version @0 :UInt64;
+  layout @1 :List(TensorSpec);
+  checksums @2 :List(UInt64);
+}
+
+struct TxnRecord {
+  seq @0 :UInt64;
+  op @1 :OpKey;
+  outcome @2 :Outcome;
+}
+
+struct Resume {
+  primary @0 :HeldCopy;
+  hasPrimary @1 :Bool;
+  offloads @2 :List(HeldCopy);
+  lastTxn @3 :TxnRecord;
+  hasLastTxn @4 :Bool;
+}
+
+# ---- Client to server ---------------------------------------------------------------------------
+
+struct OpenRequest {
+  model @0 :Text;
+  replica @1 :Text;
+  incarnation @2 :UInt64;
+  shard @3 :UInt32;
+  numShards @4 :UInt32;
+  datacenter @5 :Text;
+  spot @6 :Bool;
+  role @7 :Text;
+  retention @8 :Retention;
+  dataEndpoint @9 :Text;
+  resume @10 :Resume;
+  hasResume @11 :Bool;
+}
+
+struct Request {
+  client @0 :UInt64;
+  seq @1 :UInt64;
+  session @2 :UInt64;
+  body :union {
+    open @3 :OpenRequest;
+    publish :group { version @4 :UInt64; layout @5 :List(TensorSpec); checksums @6 :List(UInt64); }
+    unpublish @7 :Void;
+    replicate :group { selector @8 :Selector; layout @9 :List(TensorSpec); timeoutMs @10 :Int64; }
+    update :group { selector @11 :Selector; layout @12 :List(TensorSpec); }
+    list @13 :Void;
+    wait :group { predicate @14 :WaitPredicate; timeoutMs @15 :Int64; }
+    close @16 :Void;
+  }
+}
+
+struct Report {
+  client @0 :UInt64;
+  session @1 :UInt64;
+  body :union {
+    heartbeat @2 :Void;
+    transferDone :group { transfer @3 :UInt64; epoch @4 :UInt32; }
+    transferFailed :group { transfer @5 :UInt64; epoch @6 :UInt32; reason @7 :UInt8; }
+    offloadDone @8 :UInt64;  # the version
+  }
+}
+
+struct ToHub {
+  union {
+    request @0 :Request;
+    report @1 :Report;
+  }
+}
+
+# ---- Server to client ---------------------------------------------------------------------------
+
+struct SourceRef {
+  replica @0 :Text;
+  incarnation @1 :UInt64;
+  datacenter @2 :Text;
+  endpoint @3 :Text;
+  kind @4 :UInt8;  # th::CopyKind
+  partial @5 :Bool;
+}
+
+struct Effect {
+  client @0 :UInt64;
+  session @1 :UInt64;
+  message :union {
+    reply :group { seq @2 :UInt64; outcome @3 :Outcome; replicaIncarnation @4 :UInt64; }
+    startRead :group {
+      transfer @5 :UInt64;
+      epoch @6 :UInt32;
+      version @7 :UInt64;
+      shard @8 :UInt32;
+      source @9 :SourceRef;
+      checksums @10 :List(UInt64);
+    }
+    serveRead :group {
+      transfer @11 :UInt64;
+      epoch @12 :UInt32;
+      version @13 :UInt64;
+      kind @14 :UInt8;
+      shard @15 :UInt32;
+      readerReplica @16 :Text;
+    }
+    stopServing :group { transfer @17 :UInt64; epoch @18 :UInt32; }
+    offload @19 :UInt64;         # the version
+    releaseOffload @20 :UInt64;  # the version
+    evicted :group { reason @21 :UInt8; detail @22 :Text; }
+  }
+}
+
+# ---- Interfaces ---------------------------------------------------------------------------------
+
+# What a client process hands the server at connect: the server pushes effects through it.
+interface Sink {
+  deliver @0 (effects :List(Effect)) -> ();
+}
+
+# A connection's session with the hub, after the cluster token was accepted.
+interface Session {
+  # Requests and reports of the client handles of this connection. Returns once the server has
+  # fed them to the hub; the client keeps a bounded number of these calls in flight.
+  send @0 (messages :List(ToHub)) -> ();
+}
+
+# The bootstrap capability of th-server.
+interface Hub {
+  # Authenticates the connection with the cluster token. Refused (an exception of type FAILED with a
+  # reason) for a wrong token.
+  connect @0 (token :Text, sink :Sink, clientName :Text) -> (session :Session);
+}

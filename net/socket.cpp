@@ -1,0 +1,178 @@
+#include "net/socket.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+namespace th::net {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw SocketError(what + ": " + std::strerror(errno));
+}
+
+struct AddrInfoDeleter {
+  void operator()(addrinfo* info) const { freeaddrinfo(info); }
+};
+
+std::unique_ptr<addrinfo, AddrInfoDeleter> resolve(const Endpoint& endpoint, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(endpoint.port);
+  const int rc = getaddrinfo(endpoint.host.empty() ? nullptr : endpoint.host.c_str(), port.c_str(),
+                             &hints, &found);
+  if (rc != 0) throw SocketError("cannot resolve " + endpoint.to_string() + ": " + gai_strerror(rc));
+  return std::unique_ptr<addrinfo, AddrInfoDeleter>(found);
+}
+
+}  // namespace
+
+Fd& Fd::operator=(Fd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+Fd::~Fd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+int Fd::release() {
+  const int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+void Fd::shutdown() const {
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+std::string Endpoint::to_string() const {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+Endpoint parse_endpoint(std::string_view text) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string_view::npos || colon + 1 == text.size()) {
+    throw SocketError("endpoint '" + std::string(text) + "' is not host:port");
+  }
+  std::string_view host = text.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  unsigned port = 0;
+  for (char c : text.substr(colon + 1)) {
+    if (c < '0' || c > '9' || (port = port * 10 + static_cast<unsigned>(c - '0')) > 65535) {
+      throw SocketError("endpoint '" + std::string(text) + "' has no valid port");
+    }
+  }
+  return Endpoint{std::string(host), static_cast<std::uint16_t>(port)};
+}
+
+Fd listen_tcp(const Endpoint& endpoint, int backlog) {
+  auto info = resolve(endpoint, true);
+  Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC, info->ai_protocol));
+  if (!socket.valid()) fail("socket");
+  const int on = 1;
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  if (::bind(socket.get(), info->ai_addr, info->ai_addrlen) != 0) fail("bind " + endpoint.to_string());
+  if (::listen(socket.get(), backlog) != 0) fail("listen " + endpoint.to_string());
+  return socket;
+}
+
+std::uint16_t local_port(const Fd& socket) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof address;
+  if (::getsockname(socket.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) fail("getsockname");
+  if (address.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&address)->sin6_port);
+  return ntohs(reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+}
+
+Fd connect_tcp(const Endpoint& endpoint, int timeout_ms) {
+  auto info = resolve(endpoint, false);
+  Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                     info->ai_protocol));
+  if (!socket.valid()) fail("socket");
+  if (::connect(socket.get(), info->ai_addr, info->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) fail("connect " + endpoint.to_string());
+    pollfd waiting{socket.get(), POLLOUT, 0};
+    const int ready = ::poll(&waiting, 1, timeout_ms);
+    if (ready == 0) throw SocketError("connect " + endpoint.to_string() + ": timed out");
+    if (ready < 0) fail("poll");
+    int error = 0;
+    socklen_t length = sizeof error;
+    ::getsockopt(socket.get(), SOL_SOCKET, SO_ERROR, &error, &length);
+    if (error != 0) {
+      errno = error;
+      fail("connect " + endpoint.to_string());
+    }
+  }
+  // Back to blocking: the data plane uses one thread per stream.
+  ::fcntl(socket.get(), F_SETFL, ::fcntl(socket.get(), F_GETFL) & ~O_NONBLOCK);
+  const int on = 1;
+  ::setsockopt(socket.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+  return socket;
+}
+
+void set_io_timeout(const Fd& socket, int timeout_ms) {
+  timeval timeout{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+}
+
+void set_buffer_bytes(const Fd& socket, int bytes) {
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+}
+
+void send_all(const Fd& socket, const void* data, std::size_t bytes) {
+  const auto* at = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t sent = ::send(socket.get(), at, bytes, MSG_NOSIGNAL);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      fail("send");
+    }
+    at += sent;
+    bytes -= static_cast<std::size_t>(sent);
+  }
+}
+
+bool recv_all_or_eof(const Fd& socket, void* data, std::size_t bytes) {
+  auto* at = static_cast<char*>(data);
+  const std::size_t wanted = bytes;
+  while (bytes > 0) {
+    const ssize_t got = ::recv(socket.get(), at, bytes, 0);
+    if (got == 0) {
+      if (bytes == wanted) return false;
+      throw SocketError("peer closed the connection mid-message");
+    }
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) throw SocketError("recv: timed out");
+      fail("recv");
+    }
+    at += got;
+    bytes -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+void recv_all(const Fd& socket, void* data, std::size_t bytes) {
+  if (!recv_all_or_eof(socket, data, bytes)) throw SocketError("peer closed the connection");
+}
+
+}  // namespace th::net

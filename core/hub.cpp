@@ -2170,6 +2170,13 @@ std::optional<Version> Hub::latest(std::string_view model) const {
   return found->second->latest;
 }
 
+std::vector<std::string> Hub::model_names() const {
+  std::vector<std::string> names;
+  names.reserve(models_.size());
+  for (const auto& [name, model] : models_) names.push_back(name);
+  return names;
+}
+
 std::optional<ListSnapshot> Hub::snapshot(std::string_view model) const {
   auto found = models_.find(model);
   if (found == models_.end()) return std::nullopt;

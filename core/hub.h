@@ -93,6 +93,7 @@ class Hub {
   const HubSettings& settings() const { return settings_; }
   std::optional<Version> latest(std::string_view model) const;
   std::optional<ListSnapshot> snapshot(std::string_view model) const;
+  std::vector<std::string> model_names() const;  // in name order
   bool retained(std::string_view model, Version version) const;
   const HubStats& stats() const { return stats_; }
   HubActivity activity() const;

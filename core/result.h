@@ -40,8 +40,12 @@ enum class Errc : std::uint8_t {
   kReplicaClosed,    // another shard of the replica closed it
   kBarrierTimeout,   // not every shard re-opened within the failover barrier
   kTimeout,          // the call's own deadline passed
+  // Raised by the shells, never by the core.
+  kPermissionDenied,  // the server refused the cluster token
+  kUnavailable,       // no server could be reached (libthclient's open deadline passed)
 };
 
+inline constexpr Errc kErrcLast = Errc::kUnavailable;  // the wire checks codes against it
 std::string_view errc_name(Errc code);
 
 struct Error {

@@ -30,6 +30,8 @@ std::string_view errc_name(Errc code) {
     case Errc::kReplicaClosed: return "replica-closed";
     case Errc::kBarrierTimeout: return "barrier-timeout";
     case Errc::kTimeout: return "timeout";
+    case Errc::kPermissionDenied: return "permission-denied";
+    case Errc::kUnavailable: return "unavailable";
   }
   return "unknown-error";
 }

@@ -294,7 +294,7 @@ Outcome get(wire::Outcome::Reader in) {
   switch (in.which()) {
     case wire::Outcome::ERROR: {
       auto error = in.getError();
-      return make_error(enum_in_range(error.getCode(), Errc::kTimeout, "error code"),
+      return make_error(enum_in_range(error.getCode(), kErrcLast, "error code"),
                         text(error.getDetail(), limits::kEndpointBytesMax * 8, "error detail"));
     }
     case wire::Outcome::OPEN_OK: {
@@ -483,7 +483,7 @@ Effect get(wire::Effect::Reader in) {
       break;
     case wire::Effect::Message::EVICTED: {
       auto evicted = message.getEvicted();
-      effect.message = Evicted{enum_in_range(evicted.getReason(), Errc::kTimeout, "eviction reason"),
+      effect.message = Evicted{enum_in_range(evicted.getReason(), kErrcLast, "eviction reason"),
                                text(evicted.getDetail(), limits::kEndpointBytesMax * 8, "detail")};
       break;
     }

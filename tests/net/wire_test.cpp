@@ -315,7 +315,7 @@ TEST(WireRefuses, BadReportsAndEffects) {
   auto effect = effect_message.initRoot<wire::Effect>();
   encode(Effect{1, Reply{1, make_error(Errc::kTimeout), 0}, 1}, effect);
   effect.getMessage().getReply().getOutcome().getError().setCode(
-      static_cast<std::uint8_t>(Errc::kTimeout) + 1);
+      static_cast<std::uint8_t>(kErrcLast) + 1);
   auto decoded_effect = decode(effect.asReader());
   ASSERT_FALSE(decoded_effect.ok());
   EXPECT_NE(decoded_effect.error().detail.find("error code"), std::string::npos);

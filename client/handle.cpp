@@ -1,0 +1,894 @@
+// libthclient: the shell around the core ShardAgent.
+//
+// The agent decides everything (what to send, when to retry, which grants to serve, when to fail
+// over); this file carries out its effects on real resources and feeds it what happens:
+//   - the control protocol: one Cap'n Proto connection per server, opened on demand, with a bounded
+//     number of Session.send calls in flight; a lost connection is ServerLost;
+//   - the data plane: a DataServer serves grants from the registered tensors (or from an offload
+//     copy); one reader thread pulls versions into them and verifies their checksums;
+//   - offloads: a thread copies the registered tensors to CPU memory;
+//   - the application: calls block on a condition variable until the agent's CallDone.
+// Everything that touches the agent runs on the I/O thread (a kj event loop); other threads hand it
+// work through the loop's executor.
+#include "tensorhub/client.h"
+
+#include <capnp/rpc-twoparty.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "core/agent.h"
+#include "net/data_plane.h"
+#include "net/event_loop.h"
+#include "net/wire.h"
+
+// Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
+// them through kj::Own, which deletes the most-derived type, so the warning does not apply.
+#pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
+
+namespace th {
+namespace {
+
+// Tensors below this size travel packed into one buffer per shard (paper §4.3.2): one request
+// instead of hundreds of tiny ones.
+constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
+constexpr std::uint32_t kSendsInFlightMax = 4;  // Session.send calls per server connection
+constexpr TimeMs kTickMs = 50;                  // how often the agent hears the clock
+constexpr TimeMs kReconnectBackoffInitialMs = 100;
+constexpr TimeMs kReconnectBackoffMaxMs = 2000;
+constexpr TimeMs kCloseOnDestroyMs = 5000;  // ~Handle waits this long for close() to be answered
+
+AgentConfig agent_config_of(const ClientOptions& options, ClientId client) {
+  return AgentConfig{client, static_cast<std::uint32_t>(std::max<std::size_t>(options.servers.size(), 1)),
+                     options.heartbeat_interval_ms, 250, 4000};
+}
+
+TimeMs steady_now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::uint64_t checksum(const std::byte* data, std::uint64_t bytes) { return XXH3_64bits(data, bytes); }
+
+struct Registered {
+  std::byte* data = nullptr;
+  std::uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// How the shard's tensors appear on the data plane: region 0 is the packed buffer of the small
+// tensors (if any), then the big tensors, each its own region, in layout (name) order.
+struct Plan {
+  LayoutRef layout;
+  std::vector<std::byte*> tensor_data;  // in layout order
+  std::vector<std::uint64_t> packed_offset;  // per tensor: its place in the packed buffer, or none
+  std::uint64_t packed_bytes = 0;
+  std::vector<std::size_t> big;  // layout indices of the tensors with a region of their own
+
+  static constexpr std::uint64_t kNotPacked = ~0ull;
+};
+
+Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry) {
+  Plan plan;
+  if (registry.empty()) return plan;
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, tensor] : registry) {
+    specs.push_back({name, tensor.dtype, tensor.bytes});
+    plan.tensor_data.push_back(tensor.data);
+    if (tensor.bytes < kPackedTensorBytesMax) {
+      plan.packed_offset.push_back(plan.packed_bytes);
+      plan.packed_bytes += tensor.bytes;
+    } else {
+      plan.packed_offset.push_back(Plan::kNotPacked);
+      plan.big.push_back(specs.size() - 1);
+    }
+  }
+  plan.layout = ShardLayout::make(std::move(specs)).value();  // names unique and valid: checked at register
+  return plan;
+}
+
+// A CPU copy of the shard's regions (an offload replica), in the same region order.
+struct OffloadCopy {
+  std::vector<std::byte> bytes;
+  std::vector<net::ExposedRegion> regions;
+};
+
+}  // namespace
+
+// ==== Impl ==========================================================================================
+
+class Handle::Impl : private kj::TaskSet::ErrorHandler {
+ public:
+  explicit Impl(ClientOptions options);
+  ~Impl();
+
+  Status start();  // threads up, open answered
+  Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
+  Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
+  Status unregister_tensor(std::string_view name);
+  Result<Version> publish(Version version);
+  Plan plan_copy();
+  bool is_open();
+  void shutdown();
+
+  std::string data_endpoint() const { return advertised_; }
+  HandleStats stats() const;
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  struct Link;
+  class SinkImpl;
+  struct ReadJob {
+    StartRead read;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+    std::shared_ptr<net::Progress> progress;
+    Plan plan;
+    std::byte* packed = nullptr;
+  };
+
+  void taskFailed(kj::Exception&& exception) override;
+  void io_main(std::promise<void>& ready);
+  // On the I/O thread.
+  void step(const AgentInput& input);
+  void apply(const AgentEffect& effect);
+  void post(AgentInput input);  // step later (never re-enter the agent from its own effects)
+  void send_to(std::uint32_t server, net::ToHubMessage message);
+  void connect(std::uint32_t server);
+  void flush(Link& link);
+  void lose(std::uint32_t server, std::uint64_t generation, const std::string& why);
+  void serve(const ServeRead& grant);
+  void start_read(const StartRead& read);
+  void start_offload(Version version);
+  kj::Promise<void> tick_loop();
+  // Other threads: run `work` on the I/O thread (false once it stopped).
+  bool on_io(kj::Function<void()> work);
+  void reader_main();
+  void run_read(ReadJob& job);
+  void complete_call(std::uint64_t call_id, Outcome outcome);
+  void fail_everything(Error error);
+  void log(const std::string& line) const;
+
+  ClientOptions options_;
+  ClientId client_id_;
+  ShardAgent agent_;
+  std::unique_ptr<net::DataServer> data_server_;
+  std::string advertised_;
+
+  // I/O thread state.
+  std::thread io_thread_;
+  net::FairLoop* loop_ = nullptr;
+  const kj::Executor* executor_ = nullptr;
+  kj::Own<kj::PromiseFulfiller<void>> stop_;
+  kj::TaskSet* tasks_ = nullptr;
+  std::map<std::uint32_t, std::unique_ptr<Link>> links_;
+  std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
+  std::uint64_t next_generation_ = 1;
+  std::map<std::string, Registered, std::less<>> registry_;
+  Plan plan_;
+  std::vector<std::byte> packed_;  // the packed small tensors (region 0)
+  // What the registered buffers hold now: a version and how much of it is ready (pipeline).
+  std::optional<Version> buffers_version_;
+  std::shared_ptr<net::Progress> buffers_progress_;
+  std::map<Version, std::shared_ptr<OffloadCopy>> offloads_;
+  std::map<net::GrantKey, std::shared_ptr<OffloadCopy>> offload_grants_;  // keeps copies alive
+  std::vector<std::thread> offload_threads_;
+  std::atomic<bool> io_stopped_{false};
+
+  // Calls of the application.
+  mutable std::mutex calls_mutex_;
+  std::condition_variable call_done_;
+  std::map<std::uint64_t, std::optional<Outcome>> calls_;
+  std::optional<Error> fatal_;  // the token was refused: every call fails with it
+  std::uint64_t next_call_id_ = 1;
+
+  // The reader thread.
+  std::thread reader_thread_;
+  std::mutex reader_mutex_;
+  std::condition_variable reader_wakeup_;
+  std::deque<ReadJob> read_jobs_;
+  std::shared_ptr<std::atomic<bool>> current_read_cancelled_;
+  bool reader_stopping_ = false;
+
+  mutable std::mutex stats_mutex_;
+  HandleStats stats_;
+};
+
+// ---- Server links -----------------------------------------------------------------------------------
+
+struct Handle::Impl::Link {
+  std::uint32_t server = 0;
+  std::uint64_t generation = 0;
+  kj::Own<kj::AsyncIoStream> stream;
+  kj::Own<capnp::TwoPartyClient> rpc;
+  kj::Maybe<wire::Session::Client> session;
+  std::vector<net::ToHubMessage> queue;
+  std::uint32_t sends_in_flight = 0;
+};
+
+class Handle::Impl::SinkImpl final : public wire::Sink::Server {
+ public:
+  SinkImpl(Impl& impl, std::uint32_t server) : impl_(impl), server_(server) {}
+
+  kj::Promise<void> deliver(DeliverContext context) override {
+    for (auto effect : context.getParams().getEffects()) {
+      auto decoded = net::decode(effect);
+      if (!decoded.ok()) {
+        impl_.log("server " + std::to_string(server_) + " sent an invalid message: " + decoded.error().detail);
+        continue;
+      }
+      impl_.step(FromHub{server_, std::move(decoded).value()});
+    }
+    return kj::READY_NOW;
+  }
+
+ private:
+  Impl& impl_;
+  std::uint32_t server_;
+};
+
+Handle::Impl::Impl(ClientOptions options)
+    : options_(std::move(options)),
+      client_id_([] {
+        std::random_device entropy;  // a handle id unique in the job: 64 random bits
+        return (static_cast<std::uint64_t>(entropy()) << 32) ^ entropy();
+      }()),
+      agent_(agent_config_of(options_, client_id_)) {}
+
+Handle::Impl::~Impl() { shutdown(); }
+
+void Handle::Impl::taskFailed(kj::Exception&& exception) {
+  log(std::string("internal task failed: ") + exception.getDescription().cStr());
+}
+
+void Handle::Impl::log(const std::string& line) const {
+  std::cerr << "thclient " << options_.replica << "/" << options_.shard << ": " << line << "\n";
+}
+
+Status Handle::Impl::start() {
+  if (options_.servers.empty()) return make_error(Errc::kInvalidArgument, "no server address given");
+  for (const std::string& server : options_.servers) {
+    try {
+      net::parse_endpoint(server);
+    } catch (const net::SocketError& error) {
+      return make_error(Errc::kInvalidArgument, error.what());
+    }
+  }
+  try {
+    net::DataServerConfig data;
+    data.listen = net::parse_endpoint(options_.data_listen);
+    data_server_ = std::make_unique<net::DataServer>(data);
+  } catch (const net::SocketError& error) {
+    return make_error(Errc::kInvalidArgument, std::string("data plane: ") + error.what());
+  }
+  advertised_ = options_.data_advertise.empty() ? data_server_->endpoint().to_string() : options_.data_advertise;
+
+  std::promise<void> ready;
+  auto up = ready.get_future();
+  io_thread_ = std::thread([this, &ready] { io_main(ready); });
+  up.wait();
+  reader_thread_ = std::thread([this] { reader_main(); });
+
+  OpenRequest open;
+  open.model = options_.model;
+  open.replica = options_.replica;
+  open.incarnation = options_.incarnation;
+  open.shard = options_.shard;
+  open.num_shards = options_.num_shards;
+  open.datacenter = options_.datacenter;
+  open.spot = options_.spot;
+  open.role = options_.role;
+  open.retention = options_.retention;
+  open.data_endpoint = advertised_;
+  Outcome opened = call(open, options_.open_timeout_ms);
+  if (const Error* error = std::get_if<Error>(&opened)) return *error;
+  return Unit{};
+}
+
+void Handle::Impl::io_main(std::promise<void>& ready) {
+  net::FairLoop loop;
+  kj::TaskSet tasks(*this);
+  auto stop = kj::newPromiseAndFulfiller<void>();
+  loop_ = &loop;
+  tasks_ = &tasks;
+  executor_ = &kj::getCurrentThreadExecutor();
+  stop_ = kj::mv(stop.fulfiller);
+  tasks.add(tick_loop());
+  ready.set_value();
+  stop.promise.wait(loop.wait_scope());
+  // Tear down the capnp objects on their own thread.
+  io_stopped_.store(true);
+  links_.clear();
+}
+
+bool Handle::Impl::on_io(kj::Function<void()> work) {
+  if (io_stopped_.load()) return false;
+  try {
+    executor_->executeSync(kj::mv(work));
+    return true;
+  } catch (const kj::Exception& exception) {
+    return false;  // the loop is gone
+  }
+}
+
+kj::Promise<void> Handle::Impl::tick_loop() {
+  return loop_->timer().afterDelay(kTickMs * kj::MILLISECONDS).then([this] {
+    step(AgentTick{});
+    return tick_loop();
+  });
+}
+
+void Handle::Impl::step(const AgentInput& input) {
+  AgentEffects effects;
+  agent_.step(input, steady_now_ms(), effects);
+  for (const AgentEffect& effect : effects) apply(effect);
+}
+
+void Handle::Impl::post(AgentInput input) {
+  tasks_->add(kj::evalLater([this, input = std::move(input)]() { step(input); }));
+}
+
+void Handle::Impl::apply(const AgentEffect& effect) {
+  std::visit(
+      [this](const auto& e) {
+        using T = std::decay_t<decltype(e)>;
+        if constexpr (std::is_same_v<T, SendRequest>) {
+          send_to(e.server, e.request);
+        } else if constexpr (std::is_same_v<T, SendReport>) {
+          send_to(e.server, e.report);
+        } else if constexpr (std::is_same_v<T, BeginRead>) {
+          start_read(e.read);
+        } else if constexpr (std::is_same_v<T, CancelRead>) {
+          std::lock_guard lock(reader_mutex_);
+          for (ReadJob& job : read_jobs_) {
+            if (job.read.transfer == e.transfer) job.cancelled->store(true);
+          }
+          if (current_read_cancelled_) current_read_cancelled_->store(true);
+        } else if constexpr (std::is_same_v<T, GrantServe>) {
+          serve(e.grant);
+        } else if constexpr (std::is_same_v<T, RevokeServe>) {
+          // Blocks until no read under the grant is in flight: the integrity barrier.
+          data_server_->revoke({e.transfer, e.epoch});
+          offload_grants_.erase({e.transfer, e.epoch});
+        } else if constexpr (std::is_same_v<T, MakeOffload>) {
+          start_offload(e.version);
+        } else if constexpr (std::is_same_v<T, FreeOffload>) {
+          offloads_.erase(e.version);  // grants still reading it keep it alive until revoked
+        } else {
+          static_assert(std::is_same_v<T, CallDone>);
+          if (std::holds_alternative<UnpublishOk>(e.outcome) || std::holds_alternative<CloseOk>(e.outcome)) {
+            buffers_version_.reset();  // nobody reads the buffers any more: they are the application's
+          }
+          complete_call(e.call_id, e.outcome);
+        }
+      },
+      effect);
+}
+
+void Handle::Impl::send_to(std::uint32_t server, net::ToHubMessage message) {
+  auto found = links_.find(server);
+  if (found == links_.end()) {
+    connect(server);
+    found = links_.find(server);
+  }
+  found->second->queue.push_back(std::move(message));
+  flush(*found->second);
+}
+
+void Handle::Impl::connect(std::uint32_t server) {
+  auto fresh = std::make_unique<Link>();
+  fresh->server = server;
+  fresh->generation = next_generation_++;
+  const std::uint64_t generation = fresh->generation;
+  links_[server] = std::move(fresh);
+  const TimeMs not_before = reconnect_.contains(server) ? reconnect_[server].first : 0;
+  const TimeMs delay_ms = std::max<TimeMs>(0, not_before - steady_now_ms());
+  const std::string address = options_.servers.at(server);
+  auto find_link = [this, server, generation]() -> Link* {
+    auto found = links_.find(server);
+    return found != links_.end() && found->second->generation == generation ? found->second.get() : nullptr;
+  };
+  tasks_->add(
+      loop_->timer()
+          .afterDelay(delay_ms * kj::MILLISECONDS)
+          .then([this, address] { return loop_->io().getNetwork().parseAddress(address); })
+          .then([](kj::Own<kj::NetworkAddress> resolved) { return resolved->connect().attach(kj::mv(resolved)); })
+          .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
+            Link* link = find_link();
+            if (link == nullptr) return kj::READY_NOW;
+            link->stream = kj::mv(stream);
+            link->rpc = kj::heap<capnp::TwoPartyClient>(*link->stream);
+            tasks_->add(link->rpc->onDisconnect().then(
+                [this, server, generation] { lose(server, generation, "the server closed the connection"); }));
+            auto request = link->rpc->bootstrap().castAs<wire::Hub>().connectRequest();
+            request.setToken(options_.token);
+            request.setSink(kj::heap<SinkImpl>(*this, server));
+            request.setClientName(options_.replica + "/" + std::to_string(options_.shard));
+            return request.send().then([this, server, find_link](auto response) {
+              Link* connected = find_link();
+              if (connected == nullptr) return;
+              reconnect_.erase(server);
+              connected->session = response.getSession();
+              flush(*connected);
+            });
+          })
+          .catch_([this, server, generation, address](kj::Exception&& exception) {
+            const std::string why = exception.getDescription().cStr();
+            if (why.find("permission denied") != std::string::npos) {
+              fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
+            }
+            lose(server, generation, "cannot reach server " + address + ": " + why);
+          }));
+}
+
+void Handle::Impl::flush(Link& link) {
+  KJ_IF_MAYBE(session, link.session) {
+    while (link.sends_in_flight < kSendsInFlightMax && !link.queue.empty()) {
+      const std::size_t count = std::min(link.queue.size(), net::kMessagesPerCallMax);
+      auto request = session->sendRequest();
+      auto list = request.initMessages(static_cast<unsigned>(count));
+      for (std::size_t i = 0; i < count; ++i) net::encode(link.queue[i], list[static_cast<unsigned>(i)]);
+      link.queue.erase(link.queue.begin(), link.queue.begin() + static_cast<long>(count));
+      ++link.sends_in_flight;
+      const std::uint32_t server = link.server;
+      const std::uint64_t generation = link.generation;
+      tasks_->add(request.send().ignoreResult().then(
+          [this, server, generation] {
+            auto found = links_.find(server);
+            if (found == links_.end() || found->second->generation != generation) return;
+            --found->second->sends_in_flight;
+            flush(*found->second);
+          },
+          [this, server, generation](kj::Exception&& exception) {
+            if (exception.getType() == kj::Exception::Type::DISCONNECTED) {
+              lose(server, generation, "the connection broke");
+            } else {
+              // Our own message was refused: a bug here or a server of another version.
+              log(std::string("the server refused a message: ") + exception.getDescription().cStr());
+              auto found = links_.find(server);
+              if (found != links_.end() && found->second->generation == generation) {
+                --found->second->sends_in_flight;
+                flush(*found->second);
+              }
+            }
+          }));
+    }
+  }
+}
+
+void Handle::Impl::lose(std::uint32_t server, std::uint64_t generation, const std::string& why) {
+  auto found = links_.find(server);
+  if (found == links_.end() || found->second->generation != generation) return;
+  log("lost server " + options_.servers.at(server) + ": " + why);
+  std::unique_ptr<Link> link = std::move(found->second);
+  links_.erase(found);
+  auto& [not_before, backoff] = reconnect_[server];
+  backoff = backoff == 0 ? kReconnectBackoffInitialMs : std::min(backoff * 2, kReconnectBackoffMaxMs);
+  not_before = steady_now_ms() + backoff;
+  // Destroy the connection after the current callback unwinds; tell the agent.
+  tasks_->add(kj::evalLater([link = std::move(link)] {}));
+  post(ServerLost{server});
+}
+
+// ---- Data plane -------------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<net::ExposedRegion> regions_of(const Plan& plan, const std::byte* packed) {
+  std::vector<net::ExposedRegion> regions;
+  if (plan.packed_bytes > 0) regions.push_back({packed, plan.packed_bytes});
+  for (std::size_t index : plan.big) regions.push_back({plan.tensor_data[index], plan.layout->tensors()[index].bytes});
+  return regions;
+}
+
+}  // namespace
+
+void Handle::Impl::serve(const ServeRead& grant) {
+  const net::GrantKey key{grant.transfer, grant.epoch};
+  if (grant.kind == CopyKind::kOffload) {
+    auto found = offloads_.find(grant.version);
+    if (found == offloads_.end()) {
+      log("asked to serve offload copy of version " + std::to_string(grant.version) + ", which is not here");
+      return;  // the reader is refused and reports it; the server picks another source
+    }
+    offload_grants_[key] = found->second;
+    data_server_->grant(key, found->second->regions, std::make_shared<net::Progress>(~0ull));
+    return;
+  }
+  if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
+    log("asked to serve version " + std::to_string(grant.version) + ", which the buffers do not hold");
+    return;
+  }
+  data_server_->grant(key, regions_of(plan_, packed_.data()), buffers_progress_);
+}
+
+void Handle::Impl::start_read(const StartRead& read) {
+  buffers_version_ = read.version;
+  buffers_progress_ = std::make_shared<net::Progress>(0);
+  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan_, packed_.data()};
+  std::lock_guard lock(reader_mutex_);
+  // One read at a time into these buffers: a newer one replaces whatever is queued or running.
+  for (ReadJob& queued : read_jobs_) queued.cancelled->store(true);
+  if (current_read_cancelled_) current_read_cancelled_->store(true);
+  read_jobs_.push_back(std::move(job));
+  reader_wakeup_.notify_one();
+}
+
+void Handle::Impl::reader_main() {
+  for (;;) {
+    ReadJob job;
+    {
+      std::unique_lock lock(reader_mutex_);
+      reader_wakeup_.wait(lock, [&] { return reader_stopping_ || !read_jobs_.empty(); });
+      if (reader_stopping_) return;
+      job = std::move(read_jobs_.front());
+      read_jobs_.pop_front();
+      current_read_cancelled_ = job.cancelled;
+    }
+    if (!job.cancelled->load()) run_read(job);
+    std::lock_guard lock(reader_mutex_);
+    current_read_cancelled_.reset();
+  }
+}
+
+void Handle::Impl::run_read(ReadJob& job) {
+  const Plan& plan = job.plan;
+  std::vector<net::LocalRegion> targets;
+  for (const net::ExposedRegion& region : regions_of(plan, job.packed)) {
+    targets.push_back({const_cast<std::byte*>(region.base), region.bytes});
+  }
+  net::PullOptions pull_options;
+  pull_options.chunk_bytes = options_.chunk_bytes;
+  pull_options.partial = job.read.source.partial;
+  pull_options.cancelled = [&] { return job.cancelled->load(); };
+  pull_options.on_progress = [&](std::uint64_t ready) { job.progress->advance_to(ready); };
+  const auto started = std::chrono::steady_clock::now();
+  net::PullOutcome outcome = [&] {
+    try {
+      return net::pull(net::parse_endpoint(job.read.source.endpoint), {job.read.transfer, job.read.epoch},
+                       targets, pull_options);
+    } catch (const net::SocketError& bad_endpoint) {
+      return net::PullOutcome{0, net::ReadError::kUnreachable, bad_endpoint.what()};
+    }
+  }();
+  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return;
+  std::optional<ReadFailure> failure;
+  if (!outcome.ok()) {
+    log(outcome.detail);
+    failure = outcome.error == net::ReadError::kRefused ? ReadFailure::kSourceRefused
+                                                         : ReadFailure::kSourceUnreachable;
+  } else {
+    // Scatter the packed tensors, then check every tensor against the checksum of its publisher.
+    const auto& tensors = plan.layout->tensors();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (plan.packed_offset[i] != Plan::kNotPacked) {
+        std::memcpy(plan.tensor_data[i], job.packed + plan.packed_offset[i], tensors[i].bytes);
+      }
+    }
+    const Checksums* expected = job.read.checksums.get();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (expected == nullptr || expected->size() != tensors.size() ||
+          checksum(plan.tensor_data[i], tensors[i].bytes) != (*expected)[i]) {
+        log("tensor '" + tensors[i].name + "' of version " + std::to_string(job.read.version) + " from " +
+            job.read.source.replica + " does not match its checksum");
+        failure = ReadFailure::kChecksumMismatch;
+        break;
+      }
+    }
+  }
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.bytes_received += outcome.bytes;
+    if (failure) {
+      ++stats_.reads_failed;
+      if (*failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
+    } else {
+      stats_.last_read_bytes = outcome.bytes;
+      stats_.last_read_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    }
+  }
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure}] { step(finished); });
+}
+
+void Handle::Impl::start_offload(Version version) {
+  if (!buffers_version_ || *buffers_version_ != version) {
+    log("asked to offload version " + std::to_string(version) + ", which the buffers do not hold");
+    return;  // the server times the offload out and carries on
+  }
+  // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change
+  // meanwhile: the application's unpublish() is still blocked.
+  auto regions = regions_of(plan_, packed_.data());
+  offload_threads_.emplace_back([this, version, regions = std::move(regions)] {
+    auto copy = std::make_shared<OffloadCopy>();
+    std::uint64_t total = 0;
+    for (const auto& region : regions) total += region.bytes;
+    copy->bytes.resize(total);
+    std::uint64_t at = 0;
+    for (const auto& region : regions) {
+      std::memcpy(copy->bytes.data() + at, region.base, region.bytes);
+      copy->regions.push_back({copy->bytes.data() + at, region.bytes});
+      at += region.bytes;
+    }
+    on_io([this, version, copy] {
+      offloads_[version] = copy;
+      step(OffloadFinished{version});
+    });
+  });
+}
+
+// ---- Calls ------------------------------------------------------------------------------------------
+
+void Handle::Impl::complete_call(std::uint64_t call_id, Outcome outcome) {
+  {
+    std::lock_guard lock(calls_mutex_);
+    auto found = calls_.find(call_id);
+    if (found == calls_.end()) return;  // the caller gave up (open deadline)
+    found->second = std::move(outcome);
+  }
+  call_done_.notify_all();
+}
+
+void Handle::Impl::fail_everything(Error error) {
+  {
+    std::lock_guard lock(calls_mutex_);
+    fatal_ = error;
+  }
+  call_done_.notify_all();
+}
+
+Outcome Handle::Impl::call(RequestBody body, std::optional<TimeMs> deadline_ms) {
+  std::uint64_t id = 0;
+  {
+    std::lock_guard lock(calls_mutex_);
+    if (fatal_) return *fatal_;
+    id = next_call_id_++;
+    calls_[id] = std::nullopt;
+  }
+  const bool sent = on_io([this, id, body = std::move(body)]() mutable {
+    if (agent_.call_in_flight()) {
+      complete_call(id, make_error(Errc::kInvalidArgument, "another call is in flight on this handle: "
+                                                           "calls of one handle come from one thread at a time"));
+      return;
+    }
+    step(UserCall{id, std::move(body)});
+  });
+  std::unique_lock lock(calls_mutex_);
+  if (!sent) {
+    calls_.erase(id);
+    return make_error(Errc::kUnavailable, "the handle is shut down");
+  }
+  auto answered = [&] { return calls_.at(id).has_value() || fatal_.has_value(); };
+  if (deadline_ms) {
+    if (!call_done_.wait_for(lock, std::chrono::milliseconds(*deadline_ms), answered)) {
+      calls_.erase(id);
+      return make_error(Errc::kUnavailable, "no server answered within " + std::to_string(*deadline_ms) + " ms");
+    }
+  } else {
+    call_done_.wait(lock, answered);
+  }
+  if (!calls_.at(id).has_value()) {
+    calls_.erase(id);
+    return *fatal_;
+  }
+  Outcome outcome = std::move(*calls_.at(id));
+  calls_.erase(id);
+  return outcome;
+}
+
+Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype,
+                                     MemoryKind memory) {
+  if (memory == MemoryKind::kCuda) {
+    return make_error(Errc::kInvalidArgument, "CUDA memory needs the RDMA/CUDA transport, which this build lacks");
+  }
+  if (data == nullptr && bytes > 0) return make_error(Errc::kInvalidArgument, "tensor '" + name + "' has no memory");
+  if (auto alone = ShardLayout::make({TensorSpec{name, dtype, bytes}}); !alone.ok()) return alone.error();
+  Status status = Unit{};
+  on_io([&] {
+    if (agent_.held().has_value() || agent_.call_in_flight() || buffers_version_.has_value()) {
+      status = make_error(Errc::kAlreadyHolding, "tensors can change only while the shard holds no version");
+      return;
+    }
+    if (registry_.contains(name)) {
+      status = make_error(Errc::kInvalidArgument, "tensor '" + name + "' is already registered");
+      return;
+    }
+    if (registry_.size() >= limits::kTensorsPerShardMax) {
+      status = make_error(Errc::kLimitExceeded, "too many tensors in one shard");
+      return;
+    }
+    registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype});
+    plan_ = make_plan(registry_);
+    packed_.assign(plan_.packed_bytes, std::byte{0});
+  });
+  return status;
+}
+
+Status Handle::Impl::unregister_tensor(std::string_view name) {
+  Status status = Unit{};
+  on_io([&] {
+    if (agent_.held().has_value() || agent_.call_in_flight() || buffers_version_.has_value()) {
+      status = make_error(Errc::kAlreadyHolding, "tensors can change only while the shard holds no version");
+      return;
+    }
+    auto found = registry_.find(name);
+    if (found == registry_.end()) {
+      status = make_error(Errc::kInvalidArgument, "tensor '" + std::string(name) + "' is not registered");
+      return;
+    }
+    registry_.erase(found);
+    plan_ = make_plan(registry_);
+    packed_.assign(plan_.packed_bytes, std::byte{0});
+  });
+  return status;
+}
+
+bool Handle::Impl::is_open() {
+  bool open = false;
+  on_io([&] { open = agent_.phase() != AgentPhase::kIdle && agent_.phase() != AgentPhase::kClosed; });
+  return open;
+}
+
+Plan Handle::Impl::plan_copy() {
+  Plan plan;
+  on_io([&] { plan = plan_; });
+  return plan;
+}
+
+Result<Version> Handle::Impl::publish(Version version) {
+  std::optional<Error> refused;
+  PublishRequest request;
+  request.version = version;
+  on_io([&] {
+    if (plan_.layout == nullptr) {
+      refused = make_error(Errc::kInvalidArgument, "register the shard's tensors before publishing");
+      return;
+    }
+    if (buffers_version_.has_value() || agent_.held().has_value()) {
+      refused = make_error(Errc::kAlreadyHolding, "the shard already holds a version: unpublish first");
+      return;
+    }
+    // Checksums of what the buffers hold now, and the packed copy of the small tensors. Done here,
+    // before any reader can be granted, and (being on the I/O thread) in order with the call.
+    const auto& tensors = plan_.layout->tensors();
+    auto checksums = std::make_shared<Checksums>();
+    checksums->reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      checksums->push_back(checksum(plan_.tensor_data[i], tensors[i].bytes));
+      if (plan_.packed_offset[i] != Plan::kNotPacked) {
+        std::memcpy(packed_.data() + plan_.packed_offset[i], plan_.tensor_data[i], tensors[i].bytes);
+      }
+    }
+    request.layout = plan_.layout;
+    request.checksums = std::move(checksums);
+    std::uint64_t total = plan_.packed_bytes;
+    for (std::size_t index : plan_.big) total += tensors[index].bytes;
+    buffers_version_ = version;
+    buffers_progress_ = std::make_shared<net::Progress>(total);
+  });
+  if (refused) return *refused;
+  Outcome outcome = call(std::move(request));
+  if (const Error* error = std::get_if<Error>(&outcome)) {
+    on_io([&] {
+      if (!agent_.held().has_value()) buffers_version_.reset();
+    });
+    return *error;
+  }
+  return std::get<PublishOk>(outcome).version;
+}
+
+HandleStats Handle::Impl::stats() const {
+  std::lock_guard lock(stats_mutex_);
+  HandleStats stats = stats_;
+  if (data_server_ != nullptr) stats.bytes_served = data_server_->stats().bytes_served;
+  return stats;
+}
+
+void Handle::Impl::shutdown() {
+  {
+    std::lock_guard lock(reader_mutex_);
+    reader_stopping_ = true;
+    for (ReadJob& job : read_jobs_) job.cancelled->store(true);
+    if (current_read_cancelled_) current_read_cancelled_->store(true);
+  }
+  reader_wakeup_.notify_all();
+  if (reader_thread_.joinable()) reader_thread_.join();
+  if (io_thread_.joinable()) {
+    // Offload threads report through the loop: let them finish first.
+    std::vector<std::thread> offloads;
+    on_io([&] { offloads.swap(offload_threads_); });
+    for (std::thread& thread : offloads) thread.join();
+    on_io([this] { stop_->fulfill(); });
+    io_thread_.join();
+  }
+  data_server_.reset();
+}
+
+// ==== Handle ========================================================================================
+
+namespace {
+template <typename T>
+Result<T> as_result(Outcome outcome) {
+  if (Error* error = std::get_if<Error>(&outcome)) return std::move(*error);
+  return std::get<T>(std::move(outcome));
+}
+Status as_status(Outcome outcome) {
+  if (Error* error = std::get_if<Error>(&outcome)) return std::move(*error);
+  return Unit{};
+}
+}  // namespace
+
+Handle::Handle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<Handle>> Handle::open(ClientOptions options) {
+  if (options.servers.size() > limits::kShardsMax) {
+    return make_error(Errc::kInvalidArgument, "too many server addresses");
+  }
+  if (auto valid = validate(agent_config_of(options, 1)); !valid.ok()) return valid.error();
+  auto impl = std::make_unique<Impl>(std::move(options));
+  if (Status started = impl->start(); !started.ok()) return started.error();
+  return std::unique_ptr<Handle>(new Handle(std::move(impl)));
+}
+
+Handle::~Handle() {
+  // A handle dropped while open leaves politely, but never waits long for it.
+  if (impl_->is_open()) (void)impl_->call(CloseRequest{}, kCloseOnDestroyMs);
+}
+
+Status Handle::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory) {
+  return impl_->register_tensor(std::move(name), data, bytes, dtype, memory);
+}
+Status Handle::unregister_tensor(std::string_view name) { return impl_->unregister_tensor(name); }
+Result<Version> Handle::publish(Version version) { return impl_->publish(version); }
+Status Handle::unpublish() { return as_status(impl_->call(UnpublishRequest{})); }
+
+Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms) {
+  auto parsed = parse_selector(selector);
+  if (!parsed.ok()) return parsed.error();
+  if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
+  }
+  const Plan plan = impl_->plan_copy();
+  if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before replicating");
+  auto answer = as_result<ReplicateOk>(impl_->call(ReplicateRequest{parsed.value(), plan.layout, timeout_ms}));
+  if (!answer.ok()) return answer.error();
+  return ReplicateInfo{answer.value().version, answer.value().source_replica};
+}
+
+Result<UpdateInfo> Handle::update(std::string_view selector) {
+  auto parsed = parse_selector(selector);
+  if (!parsed.ok()) return parsed.error();
+  const Plan plan = impl_->plan_copy();
+  if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before updating");
+  auto answer = as_result<UpdateOk>(impl_->call(UpdateRequest{parsed.value(), plan.layout}));
+  if (!answer.ok()) return answer.error();
+  return UpdateInfo{answer.value().status, answer.value().version, answer.value().source_replica};
+}
+
+Result<ListSnapshot> Handle::list() {
+  auto answer = as_result<ListOk>(impl_->call(ListRequest{}));
+  if (!answer.ok()) return answer.error();
+  return *answer.value().snapshot;
+}
+
+Status Handle::wait(const WaitPredicate& predicate, TimeMs timeout_ms) {
+  if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
+  }
+  return as_status(impl_->call(WaitRequest{predicate, timeout_ms}));
+}
+
+Status Handle::close() { return as_status(impl_->call(CloseRequest{})); }
+std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
+HandleStats Handle::stats() const { return impl_->stats(); }
+
+}  // namespace th

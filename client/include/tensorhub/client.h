@@ -1,0 +1,131 @@
+// libthclient: the TensorHub client API (DESIGN.md §4, paper §4.2).
+//
+// One Handle is one shard of one replica: the worker that holds that shard's tensors. A trainer
+// with 8-way model parallelism opens 8 handles (one per process), all with the same replica name
+// and num_shards = 8; every shard of a replica must make the same calls in the same order (SPMD),
+// and every shard gets the same answer (the server runs each call as a transaction of the replica).
+//
+//   auto handle = th::Handle::open(options).value();   // blocks until the server answered
+//   handle->register_tensor("layer0.weight", ptr, bytes, th::DType::kBFloat16);
+//   handle->publish(7);             // trainer: version 7 is in my buffers; don't touch them
+//   handle->unpublish();            // trainer: I may write my buffers again
+//   handle->replicate("latest");    // rollout: bring the latest version into my buffers
+//   handle->update("latest");       // rollout: move to a newer version if there is one
+//
+// Errors are values (th::Result / th::Status, codes in core/result.h); nothing here throws except
+// for bugs (std::logic_error from a failed assertion).
+//
+// Threads: a handle runs one I/O thread (control protocol, heartbeats), one data-server thread per
+// reader connection and one reader thread. Calls on one handle must come from one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/messages.h"
+#include "core/result.h"
+#include "core/types.h"
+
+namespace th {
+
+// Where a registered tensor lives. CUDA memory arrives with the RDMA/CUDA transport; until then
+// registering kCuda memory is refused with kInvalidArgument.
+enum class MemoryKind : std::uint8_t { kCpu, kCuda };
+
+struct ClientOptions {
+  std::vector<std::string> servers;  // "host:port" of th-server: the primary, then backups in order
+  std::string token;                 // the cluster token (th-server --token-file)
+  std::string model;
+  std::string replica;               // the replica's name, the same on all its shards
+  std::uint64_t incarnation = 1;     // a restarted replica opens with a larger one
+  std::uint32_t shard = 0;
+  std::uint32_t num_shards = 1;
+  std::string datacenter = "default";
+  bool spot = false;                 // may vanish without notice: never counted on for retention
+  std::string role;                  // free label ("trainer", "rollout") for wait(kRoleHolds)
+  Retention retention;               // what this replica asks the server to keep readable
+  // Where this shard serves its tensors to peers, and the address peers use for it (default: the
+  // listen address with the port the kernel chose).
+  std::string data_listen = "127.0.0.1:0";
+  std::string data_advertise;
+  TimeMs heartbeat_interval_ms = 1000;
+  // open() gives up with kUnavailable if no server answered in this time. Later calls wait for as
+  // long as it takes (servers fail over; use a call's own timeout where it has one).
+  TimeMs open_timeout_ms = 30'000;
+  std::uint64_t chunk_bytes = 8ull << 20;  // data-plane request size
+};
+
+struct ReplicateInfo {
+  Version version = 0;
+  std::string source_replica;  // whom the bytes came from
+};
+
+struct UpdateInfo {
+  UpdateStatus status = UpdateStatus::kNoNewerVersion;
+  Version version = 0;  // held now
+  std::string source_replica;
+};
+
+struct HandleStats {
+  std::uint64_t bytes_received = 0;
+  std::uint64_t bytes_served = 0;
+  std::uint64_t reads_failed = 0;       // a source failed; the server picked another
+  std::uint64_t checksum_failures = 0;  // received bytes that did not match their checksum
+  double last_read_seconds = 0;         // duration of the last completed read of a version
+  std::uint64_t last_read_bytes = 0;
+};
+
+class Handle {
+ public:
+  // Connects, authenticates and opens the shard. Blocks until the server answered (for a shard of
+  // a replica that re-opens after a failover, until every shard re-opened).
+  static Result<std::unique_ptr<Handle>> open(ClientOptions options);
+  // Closes the shard if it is open (bounded wait), then stops every thread.
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  // Tensors of this shard, by unique name; their layout (names, dtypes, sizes; in name order) must
+  // be the same on every replica of the model. Only while the shard holds no version (before the
+  // first publish/replicate, or after unpublish). The memory must stay valid until unregistered or
+  // the handle is gone. Immediate.
+  Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype,
+                         MemoryKind memory = MemoryKind::kCpu);
+  Status unregister_tensor(std::string_view name);
+
+  // Promises that the registered tensors hold `version` and will not change until unpublish().
+  // Blocks until every shard of the replica published; then readers may pull from here.
+  Result<Version> publish(Version version);
+  // Withdraws the promise. Blocks until no reader reads these buffers any more (after an offload to
+  // CPU memory if this was the last copy of a retained version). Then the tensors may change.
+  Status unpublish();
+  // Brings a version ("42", "latest", "latest-2") into the registered tensors. Blocks until it
+  // exists and every shard received it, verified against its checksums; 0: no timeout. The copy
+  // then serves other readers (even while it is still being received).
+  Result<ReplicateInfo> replicate(std::string_view selector, TimeMs timeout_ms = 0);
+  // Moves to a newer version if one is available (like unpublish + replicate), else returns at
+  // once with kNoNewerVersion or kNotYet.
+  Result<UpdateInfo> update(std::string_view selector = "latest");
+  // The model's versions and replicas. Immediate.
+  Result<ListSnapshot> list();
+  // Blocks until the predicate holds; 0: no timeout.
+  Status wait(const WaitPredicate& predicate, TimeMs timeout_ms = 0);
+  // Leaves: blocks until readers of this replica drained. The handle is then done.
+  Status close();
+
+  // This shard's data-plane address (what peers connect to).
+  std::string data_endpoint() const;
+  HandleStats stats() const;
+
+  class Impl;
+
+ private:
+  explicit Handle(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace th

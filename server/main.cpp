@@ -1,0 +1,105 @@
+// th-server: the reference server of one training job. See --help.
+#include <CLI/CLI.hpp>
+#include <kj/async-unix.h>
+
+#include <csignal>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "net/event_loop.h"
+#include "server/hub_service.h"
+
+namespace {
+
+std::string read_token(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw CLI::ValidationError("--token-file", "cannot read " + path);
+  std::stringstream text;
+  text << file.rdbuf();
+  std::string token = text.str();
+  while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.empty()) throw CLI::ValidationError("--token-file", path + " is empty");
+  return token;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "th-server: the TensorHub reference server of one training job.\n"
+      "It stores no weights: it keeps references to the workers (libthclient handles) that hold each\n"
+      "version and tells readers which peer to pull from. Clients authenticate with the cluster token.\n"
+      "Prints 'th-server listening on HOST:PORT' once it accepts connections; stops on SIGINT/SIGTERM."};
+  std::string listen = "0.0.0.0:7400";
+  std::string token_file;
+  std::string log_level_name = "info";
+  th::server::ServiceConfig config;
+  bool no_pipeline = false;
+  bool no_smart_skipping = false;
+  app.add_option("--listen", listen, "Address to listen on, HOST:PORT (port 0: any free port)")
+      ->capture_default_str();
+  app.add_option("--token-file", token_file, "File holding the cluster token clients must present")
+      ->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("--heartbeat-timeout-ms", config.hub.heartbeat_timeout_ms,
+                 "Evict a client not heard from for this long")
+      ->capture_default_str();
+  app.add_option("--barrier-timeout-ms", config.hub.barrier_timeout_ms,
+                 "After a failover, how long a re-opened replica waits for all its shards")
+      ->capture_default_str();
+  app.add_option("--fanout-max", config.hub.fanout_max, "Transfers one source copy serves at a time")
+      ->capture_default_str();
+  app.add_flag("--no-pipeline", no_pipeline, "Readers pull only from complete copies (no pipeline replication)");
+  app.add_flag("--no-smart-skipping", no_smart_skipping,
+               "update() never answers 'not yet' while a cross-datacenter seeder is still receiving");
+  app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
+      ->capture_default_str();
+  app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  const auto log_level = th::server::parse_log_level(log_level_name);
+  if (!log_level) {
+    std::cerr << "th-server: --log-level must be error, warn, info or debug, not '" << log_level_name << "'\n";
+    return 2;
+  }
+  config.hub.pipeline = !no_pipeline;
+  config.hub.smart_skipping = !no_smart_skipping;
+  try {
+    config.token = read_token(token_file);
+  } catch (const CLI::ValidationError& error) {
+    std::cerr << "th-server: " << error.what() << "\n";
+    return 2;
+  }
+  if (auto valid = th::server::validate(config); !valid.ok()) {
+    std::cerr << "th-server: " << valid.error().detail << "\n";
+    return 2;
+  }
+
+  kj::UnixEventPort::captureSignal(SIGINT);
+  kj::UnixEventPort::captureSignal(SIGTERM);
+  th::net::FairLoop loop;
+  th::server::HubService service(config, loop.timer(), *log_level);
+  try {
+    auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());
+    auto listener = address->listen();
+    std::cout << "th-server listening on " << listen.substr(0, listen.rfind(':')) << ":" << listener->getPort()
+              << std::endl;
+    auto serving = service.serve(*listener).eagerlyEvaluate([](kj::Exception&& exception) {
+      std::cerr << "th-server: accepting connections failed: " << exception.getDescription().cStr() << "\n";
+    });
+    auto on_signal = [](siginfo_t info) {
+      std::cerr << "th-server: signal " << info.si_signo << ", stopping\n";
+    };
+    loop.port()
+        .onSignal(SIGINT)
+        .exclusiveJoin(loop.port().onSignal(SIGTERM))
+        .then(on_signal)
+        .exclusiveJoin(kj::mv(serving))
+        .wait(loop.wait_scope());
+  } catch (const kj::Exception& exception) {
+    std::cerr << "th-server: " << exception.getDescription().cStr() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -550,6 +550,11 @@ void Handle::Impl::run_read(ReadJob& job) {
   net::PullOptions pull_options;
   pull_options.chunk_bytes = options_.chunk_bytes;
   pull_options.partial = job.read.source.partial;
+  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from = job.read.source.replica;
+  }
   pull_options.cancelled = [&] { return job.cancelled->load(); };
   pull_options.on_progress = [&](std::uint64_t ready) { job.progress->advance_to(ready); };
   const auto started = std::chrono::steady_clock::now();
@@ -589,6 +594,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   {
     std::lock_guard lock(stats_mutex_);
     stats_.bytes_received += outcome.bytes;
+    stats_.reading_from.clear();
     if (failure) {
       ++stats_.reads_failed;
       if (*failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;

@@ -283,6 +283,7 @@ PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegi
     bool wait_for_bytes = options.partial;  // let the source wait (bounded) for bytes to be ready
     const auto now = [] { return std::chrono::steady_clock::now(); };
     auto last_progress = now();
+    const auto pull_started = now();
 
     auto skip_empty_regions = [&] {
       while (region < targets.size() && offset == targets[region].bytes) {
@@ -318,6 +319,11 @@ PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegi
       if (response.length > ask.length) return fail(ReadError::kUnreachable, "the source sent too much");
       recv_all(connection, targets[ask.region].base + ask.offset, response.length);
       outcome.bytes += response.length;
+      if (options.rate_bytes_per_s > 0) {
+        // Sleep until the bytes so far fit the rate since the pull began.
+        const auto due = pull_started + std::chrono::microseconds(outcome.bytes * 1'000'000 / options.rate_bytes_per_s);
+        std::this_thread::sleep_until(due);
+      }
       if (response.length == ask.length) {
         ready = ask.global_end;
         if (options.on_progress && response.length > 0) options.on_progress(ready);

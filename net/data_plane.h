@@ -140,7 +140,9 @@ struct PullOptions {
   bool partial = false;                    // the source is still receiving (pipeline replication)
   int connect_timeout_ms = 5'000;
   int io_timeout_ms = 30'000;
-  int stall_ms_max = 60'000;  // a partial source that makes no progress this long has failed
+  int stall_ms_max = 60'000;
+  // Caps the receive rate (0: none), e.g. to leave a shared NIC to the training job's own traffic.
+  std::uint64_t rate_bytes_per_s = 0;  // a partial source that makes no progress this long has failed
   // Polled between chunks: true stops the pull with kCancelled.
   std::function<bool()> cancelled;
   // Called as the prefix of the targets (layout order) that has arrived grows: a receiving shard

@@ -278,8 +278,9 @@ void HubService::flush(Connection& connection) {
         --found->second->delivers_in_flight;
         flush(*found->second);
       };
+      // (kj::mv: `then` keeps a reference to an lvalue callback, which would dangle.)
       tasks_.add(request.send().ignoreResult().then(
-          delivered, [](kj::Exception&&) { /* the client went away: its disconnect reports it */ }));
+          kj::mv(delivered), [](kj::Exception&&) { /* the client went away: its disconnect reports it */ }));
     }
   }
   // Not authenticated yet: effects wait (the Hub only answers clients that sent something, which

@@ -57,6 +57,7 @@ struct ClientOptions {
   // long as it takes (servers fail over; use a call's own timeout where it has one).
   TimeMs open_timeout_ms = 30'000;
   std::uint64_t chunk_bytes = 8ull << 20;  // data-plane request size
+  std::uint64_t read_rate_bytes_per_s = 0;  // cap on this shard's receive rate (0: none)
 };
 
 struct ReplicateInfo {
@@ -77,6 +78,7 @@ struct HandleStats {
   std::uint64_t checksum_failures = 0;  // received bytes that did not match their checksum
   double last_read_seconds = 0;         // duration of the last completed read of a version
   std::uint64_t last_read_bytes = 0;
+  std::string reading_from;  // the source replica of the read in progress ("" when none)
 };
 
 class Handle {

@@ -1,0 +1,224 @@
+// End-to-end: th-server and th-e2e-worker processes on loopback, moving real bytes.
+//
+// Each worker is one shard (see worker.cpp for its script language). The tests stage a scenario,
+// read the workers' lines and check the outcome; a worker's `verify` checks every byte against the
+// version it claims to hold. Failures print every process's command, output and stderr.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "net/data_plane.h"
+#include "process.h"
+
+namespace th::e2e {
+namespace {
+
+constexpr int kStepMs = 15'000;  // generous: CI machines are slow and shared
+const std::string kToken = "e2e-secret";
+
+class EndToEnd : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("th-e2e-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    std::ofstream(dir_ / "token") << kToken << "\n";
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (const auto& process : processes_) std::cerr << process->describe() << "\n\n";
+    }
+    processes_.clear();  // kills whatever still runs
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Starts a th-server; returns its "127.0.0.1:PORT".
+  std::string start_server(std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file",
+                                     (dir_ / "token").string(), "--log-level", "debug",
+                                     "--heartbeat-timeout-ms", "3000"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    Process& server = spawn(argv, "server");
+    const std::string line = server.wait_for("th-server listening on ", kStepMs);
+    EXPECT_FALSE(line.empty()) << server.describe();
+    servers_.push_back(&server);
+    return line.substr(std::string("th-server listening on ").size());
+  }
+
+  Process& worker(const std::vector<std::string>& servers, const std::string& replica,
+                  std::vector<std::string> flags, const std::vector<std::string>& script,
+                  const std::string& token = kToken) {
+    std::vector<std::string> argv = {TH_WORKER_PATH, "--token", token, "--replica", replica};
+    for (const auto& server : servers) {
+      argv.push_back("--server");
+      argv.push_back(server);
+    }
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back("--");
+    argv.insert(argv.end(), script.begin(), script.end());
+    return spawn(argv, replica);
+  }
+
+  Process& spawn(std::vector<std::string> argv, const std::string& name) {
+    const auto log = dir_ / (name + "-" + std::to_string(processes_.size()) + ".log");
+    processes_.push_back(std::make_unique<Process>(std::move(argv), log.string()));
+    return *processes_.back();
+  }
+
+  // Expects `prefix…` from `process` (within the step timeout) and returns the line.
+  std::string expect(Process& process, const std::string& prefix) {
+    const std::string line = process.wait_for(prefix, kStepMs);
+    EXPECT_FALSE(line.empty()) << "expected '" << prefix << "' from\n" << process.describe();
+    return line;
+  }
+
+  std::filesystem::path dir_;
+  std::vector<std::unique_ptr<Process>> processes_;
+  std::vector<Process*> servers_;
+};
+
+TEST_F(EndToEnd, ReplicateIsBitExact) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1", "wait-line", "unpublish", "close"});
+  expect(trainer, "publish ok 1");
+  Process& rollout = worker({server}, "rollout", {}, {"replicate:latest", "verify", "close"});
+  EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+  expect(rollout, "close ok");
+  trainer.send_line("go");
+  expect(trainer, "unpublish ok");
+  expect(trainer, "close ok");
+  EXPECT_EQ(trainer.wait_exit(kStepMs), 0);
+  EXPECT_EQ(rollout.wait_exit(kStepMs), 0);
+}
+
+// Pipeline replication: the trainer serves one reader at a time (fan-out 1), so the second rollout
+// reads from the first while the first is still receiving.
+TEST_F(EndToEnd, PipelineReadsFromAPartialSource) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {"--tensor-bytes", "8000000"}, {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  const std::vector<std::string> slow = {"--read-rate", "40000000", "--tensor-bytes", "8000000", "--report-source"};
+  Process& first = worker({server}, "rollout-a", slow, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(first, "source "), "source trainer");
+  Process& second = worker({server}, "rollout-b", slow, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(second, "source "), "source rollout-a");
+  EXPECT_EQ(expect(first, "verify "), "verify ok 1");
+  EXPECT_EQ(expect(second, "replicate "), "replicate ok 1 from rollout-a");
+  EXPECT_EQ(expect(second, "verify "), "verify ok 1");
+}
+
+// unpublish returns only when no reader reads the buffers: the trainer scribbles over them the
+// moment it returns, and the reader still gets every byte of version 1.
+TEST_F(EndToEnd, UnpublishWaitsForAnInFlightReader) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {"--tensor-bytes", "8000000"}, {"publish:1", "wait-line", "unpublish", "scribble"});
+  expect(trainer, "publish ok 1");
+  Process& rollout = worker({server}, "rollout", {"--read-rate", "30000000", "--tensor-bytes", "8000000", "--report-source"},
+                            {"replicate:latest", "verify"});
+  expect(rollout, "source trainer");
+  trainer.send_line("go");
+  expect(trainer, "unpublish ok");
+  EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+}
+
+// A source killed mid-transfer: the reader finishes from the other holder.
+TEST_F(EndToEnd, ReaderFinishesFromAnotherSourceAfterKill9) {
+  const std::string server = start_server();
+  const std::vector<std::string> big = {"--tensor-bytes", "8000000"};
+  Process& trainer = worker({server}, "trainer", big, {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& first = worker({server}, "rollout-a", big, {"replicate:latest", "verify", "wait-line"});
+  EXPECT_EQ(expect(first, "verify "), "verify ok 1");
+  Process& reader = worker({server}, "rollout-b", {"--tensor-bytes", "8000000", "--read-rate", "20000000", "--report-source"},
+                           {"replicate:latest", "verify"});
+  const std::string source = expect(reader, "source ").substr(7);
+  ASSERT_TRUE(source == "trainer" || source == "rollout-a") << source;
+  (source == "trainer" ? trainer : first).kill9();
+  const std::string survivor = source == "trainer" ? "rollout-a" : "trainer";
+  EXPECT_EQ(expect(reader, "replicate "), "replicate ok 1 from " + survivor);
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+}
+
+// The server dies; every client moves to the backup and the job carries on with version 2.
+TEST_F(EndToEnd, ClientsFailOverToTheBackupServer) {
+  const std::string primary = start_server();
+  const std::string backup = start_server();
+  Process& trainer = worker({primary, backup}, "trainer", {},
+                            {"publish:1", "wait-line", "unpublish", "publish:2", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& rollout = worker({primary, backup}, "rollout", {}, {"replicate:latest", "verify", "wait-line", "update:latest", "verify"});
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+  servers_[0]->kill9();
+  trainer.send_line("go");
+  expect(trainer, "unpublish ok");
+  expect(trainer, "publish ok 2");
+  rollout.send_line("go");
+  EXPECT_EQ(expect(rollout, "update "), "update updated 2 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 2");
+}
+
+// The last copy of a retained version is unpublished: it is offloaded to CPU memory first, and a
+// later reader gets it from there (the trainer's own buffers are scribbled by then).
+TEST_F(EndToEnd, LastCopyIsOffloadedAndServedFromThere) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {"--retain-latest", "0"}, {"publish:1", "unpublish", "scribble", "wait-line"});
+  expect(trainer, "unpublish ok");
+  expect(trainer, "scribble ok");
+  Process& rollout = worker({server}, "rollout", {}, {"replicate:1", "verify"});
+  EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+}
+
+// A rollout killed and restarted (a new incarnation) catches up with the newest version.
+TEST_F(EndToEnd, RestartedRolloutCatchesUp) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1", "wait-line", "unpublish", "publish:2", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& before = worker({server}, "rollout", {}, {"replicate:latest", "verify", "wait-line"});
+  EXPECT_EQ(expect(before, "verify "), "verify ok 1");
+  before.kill9();
+  trainer.send_line("go");
+  expect(trainer, "publish ok 2");
+  Process& after = worker({server}, "rollout", {"--incarnation", "2"}, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(after, "replicate "), "replicate ok 2 from trainer");
+  EXPECT_EQ(expect(after, "verify "), "verify ok 2");
+}
+
+// Bad input gets a clear error, and nobody else notices.
+TEST_F(EndToEnd, BadInputGetsClearErrorsAndDisturbsNobody) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1", "wait-line"});
+  const std::string opened = expect(trainer, "open ok ");
+  expect(trainer, "publish ok 1");
+
+  Process& intruder = worker({server}, "intruder", {}, {"list"}, "wrong-token");
+  EXPECT_EQ(expect(intruder, "open ").substr(0, 28), "open error permission-denied");
+
+  Process& confused = worker({server}, "confused", {}, {"replicate:latest-x", "list"});
+  EXPECT_EQ(expect(confused, "replicate ").substr(0, 28), "replicate error bad-selector");
+  Process& misshapen = worker({server}, "misshapen", {"--tensor-bytes", "12345"}, {"replicate:latest"});
+  EXPECT_EQ(expect(misshapen, "replicate ").substr(0, 31), "replicate error layout-mismatch");
+
+  // A read of the trainer's buffers without a grant from the server.
+  const net::Endpoint data = net::parse_endpoint(opened.substr(std::string("open ok ").size()));
+  std::vector<std::byte> stolen(1000);
+  const net::LocalRegion target{stolen.data(), stolen.size()};
+  const net::PullOutcome theft = net::pull(data, {1, 1}, {&target, 1}, net::PullOptions{});
+  EXPECT_EQ(theft.error, net::ReadError::kRefused) << theft.detail;
+
+  Process& rollout = worker({server}, "rollout", {}, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+  EXPECT_EQ(expect(confused, "list ").substr(0, 13), "list latest=1");
+}
+
+}  // namespace
+}  // namespace th::e2e

@@ -1,0 +1,192 @@
+// th-e2e-worker: one shard of a replica, as a real process, driven by a script of commands so that
+// the end-to-end tests can stage scenarios (and kill -9 it at any point).
+//
+//   th-e2e-worker --server HOST:PORT [--server BACKUP] --token T --replica NAME [options] -- CMD...
+//
+// Commands (each prints one line when it finishes; errors print "<cmd> error <code> <detail>"):
+//   publish:V        fill the tensors with the bytes of version V, publish V
+//   unpublish        unpublish
+//   scribble         overwrite every tensor (as a trainer's next step would)
+//   replicate:SEL    replicate; prints "replicate ok V from SOURCE"
+//   update:SEL       update; prints "update STATUS V from SOURCE"
+//   verify           check every byte against the version last received or published
+//   wait-line        block until a line arrives on stdin (the test says "go")
+//   sleep:MS         sleep
+//   list             prints "list latest=V replicas=N"
+//   close            close
+// Tensor bytes are a function of (version, shard, tensor, offset): a byte from the wrong version,
+// tensor or place cannot pass `verify`.
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensorhub/client.h"
+
+namespace {
+
+std::uint8_t byte_of(std::uint64_t version, std::uint32_t shard, std::size_t tensor, std::uint64_t offset) {
+  std::uint64_t x = version * 0x9E3779B97F4A7C15ull ^ (shard + 1) * 0xC2B2AE3D27D4EB4Full ^
+                    (tensor + 1) * 0x165667B19E3779F9ull ^ (offset / 8) * 0xD6E8FEB86659FD93ull;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 32;
+  return static_cast<std::uint8_t>(x >> (8 * (offset % 8)));
+}
+
+void say(const std::string& line) {
+  std::cout << line << std::endl;  // one line per event, flushed: the test reads them as they come
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"th-e2e-worker: one scripted TensorHub shard, for end-to-end tests"};
+  th::ClientOptions options;
+  std::uint64_t tensor_bytes = 1 << 20;
+  std::uint32_t tensors = 3;
+  std::uint32_t small_tensors = 2;
+  bool report_source = false;
+  std::uint64_t retain_latest = 0;
+  bool retain = false;
+  std::vector<std::string> script;
+  app.add_option("--server", options.servers, "th-server address (repeat for backups)")->required();
+  app.add_option("--token", options.token, "cluster token")->required();
+  app.add_option("--model", options.model)->capture_default_str();
+  app.add_option("--replica", options.replica)->required();
+  app.add_option("--incarnation", options.incarnation)->capture_default_str();
+  app.add_option("--shard", options.shard)->capture_default_str();
+  app.add_option("--shards", options.num_shards)->capture_default_str();
+  app.add_option("--datacenter", options.datacenter)->capture_default_str();
+  app.add_option("--role", options.role);
+  app.add_flag("--spot", options.spot);
+  app.add_option("--retain-latest", retain_latest, "keep latest-K readable")->each([&](const std::string&) { retain = true; });
+  app.add_option("--tensor-bytes", tensor_bytes, "bytes of each big tensor")->capture_default_str();
+  app.add_option("--tensors", tensors, "big tensors")->capture_default_str();
+  app.add_option("--small-tensors", small_tensors, "tensors under 2 MB (packed)")->capture_default_str();
+  app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
+  app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
+  app.add_option("script", script, "commands")->required();
+  options.model = "e2e";
+  CLI11_PARSE(app, argc, argv);
+  if (retain) options.retention.keep_latest = retain_latest;
+
+  auto opened = th::Handle::open(options);
+  if (!opened.ok()) {
+    say("open error " + std::string(th::errc_name(opened.error().code)) + " " + opened.error().detail);
+    return 3;
+  }
+  auto handle = std::move(opened).value();
+  say("open ok " + handle->data_endpoint());
+
+  // Big tensors first, then small ones; names in a different order than sizes on purpose.
+  std::vector<std::vector<std::uint8_t>> buffers;
+  for (std::uint32_t i = 0; i < tensors; ++i) buffers.emplace_back(tensor_bytes + i * 4099);
+  for (std::uint32_t i = 0; i < small_tensors; ++i) buffers.emplace_back(1000 + i * 77);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    auto status = handle->register_tensor("t" + std::to_string(buffers.size() - i), buffers[i].data(),
+                                          buffers[i].size(), th::DType::kUInt8);
+    if (!status.ok()) {
+      say("register error " + std::string(th::errc_name(status.error().code)) + " " + status.error().detail);
+      return 3;
+    }
+  }
+
+  std::atomic<bool> done{false};
+  std::thread source_reporter;
+  if (report_source) {
+    source_reporter = std::thread([&] {
+      std::string last;
+      while (!done.load()) {
+        const std::string now = handle->stats().reading_from;
+        if (!now.empty() && now != last) say("source " + now);
+        last = now;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    });
+  }
+
+  std::uint64_t held = 0;
+  auto fail = [](const std::string& command, const th::Error& error) {
+    say(command + " error " + std::string(th::errc_name(error.code)) + " " + error.detail);
+  };
+  for (const std::string& command : script) {
+    const auto colon = command.find(':');
+    const std::string verb = command.substr(0, colon);
+    const std::string arg = colon == std::string::npos ? "" : command.substr(colon + 1);
+    if (verb == "publish") {
+      const std::uint64_t version = std::stoull(arg);
+      for (std::size_t t = 0; t < buffers.size(); ++t) {
+        for (std::uint64_t at = 0; at < buffers[t].size(); ++at) buffers[t][at] = byte_of(version, options.shard, t, at);
+      }
+      auto published = handle->publish(version);
+      if (!published.ok()) {
+        fail(verb, published.error());
+        continue;
+      }
+      held = version;
+      say("publish ok " + std::to_string(version));
+    } else if (verb == "unpublish") {
+      auto status = handle->unpublish();
+      status.ok() ? say("unpublish ok") : fail(verb, status.error());
+    } else if (verb == "scribble") {
+      for (auto& buffer : buffers) std::fill(buffer.begin(), buffer.end(), 0xAB);
+      say("scribble ok");
+    } else if (verb == "replicate") {
+      auto replicated = handle->replicate(arg);
+      if (!replicated.ok()) {
+        fail(verb, replicated.error());
+        continue;
+      }
+      held = replicated.value().version;
+      say("replicate ok " + std::to_string(held) + " from " + replicated.value().source_replica);
+    } else if (verb == "update") {
+      auto updated = handle->update(arg);
+      if (!updated.ok()) {
+        fail(verb, updated.error());
+        continue;
+      }
+      held = updated.value().version;
+      say("update " + std::string(th::update_status_name(updated.value().status)) + " " + std::to_string(held) +
+          " from " + updated.value().source_replica);
+    } else if (verb == "verify") {
+      std::uint64_t wrong = 0;
+      for (std::size_t t = 0; t < buffers.size(); ++t) {
+        for (std::uint64_t at = 0; at < buffers[t].size(); ++at) wrong += buffers[t][at] != byte_of(held, options.shard, t, at);
+      }
+      say(wrong == 0 ? "verify ok " + std::to_string(held) : "verify BAD " + std::to_string(wrong) + " bytes");
+    } else if (verb == "wait-line") {
+      std::string line;
+      std::getline(std::cin, line);
+      say("wait-line ok");
+    } else if (verb == "sleep") {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::stoll(arg)));
+      say("sleep ok");
+    } else if (verb == "list") {
+      auto listed = handle->list();
+      if (!listed.ok()) {
+        fail(verb, listed.error());
+        continue;
+      }
+      say("list latest=" + (listed.value().latest ? std::to_string(*listed.value().latest) : std::string("none")) +
+          " replicas=" + std::to_string(listed.value().replicas.size()));
+    } else if (verb == "close") {
+      auto status = handle->close();
+      status.ok() ? say("close ok") : fail(verb, status.error());
+    } else {
+      say("unknown command " + command);
+      done.store(true);
+      if (source_reporter.joinable()) source_reporter.join();
+      return 2;
+    }
+  }
+  done.store(true);
+  if (source_reporter.joinable()) source_reporter.join();
+  say("done");
+  return 0;
+}

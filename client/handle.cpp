@@ -513,8 +513,12 @@ void Handle::Impl::serve(const ServeRead& grant) {
 }
 
 void Handle::Impl::start_read(const StartRead& read) {
-  buffers_version_ = read.version;
-  buffers_progress_ = std::make_shared<net::Progress>(0);
+  // Another read of the same version (another source, after a failure) rewrites the same bytes:
+  // what is already ready stays ready for our own readers. A new version starts from nothing.
+  if (!buffers_version_ || *buffers_version_ != read.version || buffers_progress_ == nullptr) {
+    buffers_version_ = read.version;
+    buffers_progress_ = std::make_shared<net::Progress>(0);
+  }
   ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan_, packed_.data()};
   std::lock_guard lock(reader_mutex_);
   // One read at a time into these buffers: a newer one replaces whatever is queued or running.

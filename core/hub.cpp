@@ -201,9 +201,14 @@ void Hub::on_request(const Request& request) {
   slot.last_seq = request.seq;
   const OpKey op = op_key(request.body);
   if (replica.phase == ReplicaPhase::kClosing && op.kind != OpKind::kClose) {
-    send_reply(replica, shard, request.seq,
-               make_error(Errc::kReplicaClosed, describe(replica) + " is closing"));
-    return;
+    // A call its peers already completed before one of them closed keeps its answer (replica
+    // consistency); only calls that were still undecided are refused.
+    const auto decided = replica.txns.find(request.seq);
+    if (decided == replica.txns.end() || !decided->second.result) {
+      send_reply(replica, shard, request.seq,
+                 make_error(Errc::kReplicaClosed, describe(replica) + " is closing"));
+      return;
+    }
   }
   Txn* txn = txn_for(replica, shard, request.seq, op);
   if (txn == nullptr) return;  // the replica diverged and is gone

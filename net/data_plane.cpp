@@ -125,9 +125,12 @@ void DataServer::grant(GrantKey key, std::vector<ExposedRegion> regions, std::sh
   }
   entry->regions = std::move(regions);
   entry->progress = std::move(progress);
-  std::lock_guard lock(mutex_);
-  const bool fresh = grants_.emplace(key, std::move(entry)).second;
-  TH_REQUIRE(fresh, "transfer", key.transfer, "epoch", key.epoch, "is granted twice");
+  {
+    std::lock_guard lock(mutex_);
+    const bool fresh = grants_.emplace(key, std::move(entry)).second;
+    TH_REQUIRE(fresh, "transfer", key.transfer, "epoch", key.epoch, "is granted twice");
+  }
+  granted_.notify_all();
 }
 
 void DataServer::revoke(GrantKey key) {
@@ -136,6 +139,8 @@ void DataServer::revoke(GrantKey key) {
   if (found == grants_.end()) return;
   std::shared_ptr<Grant> grant = found->second;
   grants_.erase(found);
+  revoked_.push_back(key);
+  if (revoked_.size() > kRevokedRemembered) revoked_.pop_front();
   grant->revoked.store(true);
   grant->progress->wake_all();  // a read waiting for progress gives up now
   drained_.wait(lock, [&] { return grant->reads_in_flight == 0; });
@@ -180,8 +185,14 @@ void DataServer::serve(Fd connection) {
       std::shared_ptr<Grant> grant;
       Status status = Status::kOk;
       {
-        std::lock_guard lock(mutex_);
+        std::unique_lock lock(mutex_);
         auto found = grants_.find(key);
+        if (found == grants_.end() && !revoked_recently(key)) {
+          granted_.wait_for(lock, std::chrono::milliseconds(config_.grant_wait_ms_max), [&] {
+            found = grants_.find(key);
+            return found != grants_.end() || stopping_.load() || revoked_recently(key);
+          });
+        }
         if (found == grants_.end()) {
           status = Status::kNoGrant;
         } else if (request.region >= found->second->regions.size() ||

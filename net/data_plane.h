@@ -13,11 +13,13 @@
 // of what it asks for; when nothing is ready the server waits (a bounded time) for more.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <compare>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -84,6 +86,9 @@ struct DataServerConfig {
   Endpoint listen{"127.0.0.1", 0};
   std::uint32_t connections_max = 256;      // concurrent reader connections
   int progress_wait_ms_max = 200;           // how long one read of a partial source waits for bytes
+  // The hub tells the reader and the source at the same moment; the reader's first request may
+  // arrive before the source heard of the grant. A read of an unknown grant waits this long for it.
+  int grant_wait_ms_max = 2000;
   int io_timeout_ms = 30'000;               // a reader that stops reading is dropped after this
   std::uint64_t response_bytes_max = 64ull << 20;  // one response carries at most this much
 };
@@ -125,7 +130,14 @@ class DataServer {
 
   mutable std::mutex mutex_;
   std::condition_variable drained_;
+  std::condition_variable granted_;
   std::map<GrantKey, std::shared_ptr<Grant>> grants_;
+  // Grants revoked lately: a read of one is refused at once, not after grant_wait_ms_max.
+  static constexpr std::size_t kRevokedRemembered = 1024;
+  std::deque<GrantKey> revoked_;
+  bool revoked_recently(GrantKey key) const {
+    return std::find(revoked_.begin(), revoked_.end(), key) != revoked_.end();
+  }
   std::vector<int> open_connections_;  // to shut them down on stop (guarded by mutex_)
   std::uint32_t connections_ = 0;
   Stats stats_;

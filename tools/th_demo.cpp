@@ -1,296 +1,350 @@
-// th-demo: the reference server's decisions, step by step, on an in-process fleet.
+// th-demo: the README's main job. A whole TensorHub job on loopback, with real processes:
 //
-// One trainer replica and several rollout replicas (2 shards each; the last rollout lives in another
-// datacenter) run the RL loop of paper Figure 4: the trainer publishes a version, every rollout
-// calls update(latest), the trainer unpublishes (offloading if its copy is the last of a retained
-// version) and trains the next one. The data plane is simulated: a read finishes when the demo says
-// so. One rollout crashes in the middle of a transfer, so its pipeline reader is moved to another
-// source. Every step checks the hub's invariants; the demo exits non-zero if any rollout that is
-// alive does not end on the latest version.
+//   th-demo (this process)      an embedded th-server (the core Hub behind Cap'n Proto RPC)
+//     ├─ trainer, shard 0..S-1   change their weights every step, publish, wait for the rollouts,
+//     │                          unpublish
+//     └─ rollout-k, shard 0..S-1 update to each new version and check every byte
 //
-// Until th-server exists (issue 4), this is the project's main job.
+// Workers are this same binary re-run with --worker. Each rollout shard reports what it got; the
+// demo prints one row per step and rollout replica and exits non-zero if anything failed.
 #include <CLI/CLI.hpp>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
-#include <functional>
+#include <future>
+#include <iomanip>
 #include <iostream>
 #include <map>
-#include <set>
-#include <string>
+#include <sstream>
+#include <thread>
 #include <vector>
 
-#include "core/hub.h"
+#include "net/event_loop.h"
+#include "server/hub_service.h"
+#include "tensorhub/client.h"
 
-namespace th {
 namespace {
 
-constexpr std::uint32_t kShards = 2;
-constexpr TimeMs kHeartbeatTimeoutMs = 3000;
+const char* const kToken = "th-demo-token";
 
-struct DemoOptions {
-  int steps = 4;
-  int rollouts = 4;
-  bool pipeline = true;
-  int crash_step = 2;
-};
+// The weights of (version, shard), word by word: a wrong byte anywhere cannot pass for a right one.
+std::uint64_t word_of(std::uint64_t version, std::uint32_t shard, std::uint64_t tensor, std::uint64_t index) {
+  std::uint64_t x = (version << 40) ^ (static_cast<std::uint64_t>(shard) << 32) ^ (tensor << 24) ^ index;
+  x ^= x >> 31;
+  x *= 0x7FB5D329728EA185ull;
+  x ^= x >> 27;
+  return x;
+}
 
-struct Shard {
-  ClientId client = 0;
-  std::uint64_t seq = 0;
-};
-
-struct Member {
-  std::string name;
-  std::string datacenter;
-  std::vector<Shard> shards;
-  bool alive = true;
-  std::optional<Version> held;
-  // Per step, for the table.
-  std::string source;
-  bool partial = false;
-  std::uint32_t epoch = 0;
-  std::string outcome;
-  std::string notes;
-};
-
-class Demo {
- public:
-  explicit Demo(const DemoOptions& options) : options_(options), hub_(settings(options)) {}
-
-  int run() {
-    open("trainer", "dc-a", true);
-    for (int i = 1; i <= options_.rollouts; ++i) {
-      open("rollout-" + std::to_string(i), i == options_.rollouts ? "dc-b" : "dc-a", false);
-    }
-    std::printf("%-5s %-10s %-5s %-8s %-11s %-8s %-5s %s\n", "step", "replica", "dc", "holds",
-                "read from", "source", "epoch", "what happened");
-    for (int step = 1; step <= options_.steps; ++step) run_step(step);
-    return verdict();
+struct Model {
+  std::vector<std::vector<std::uint64_t>> tensors;
+  // Two big tensors per shard and a few small ones (packed on the wire).
+  explicit Model(std::uint64_t shard_bytes) {
+    const std::uint64_t big_words = shard_bytes / 8 / 2;
+    tensors.emplace_back(big_words);
+    tensors.emplace_back(big_words);
+    for (std::uint64_t words : {64, 1000, 4096}) tensors.emplace_back(words);
   }
+  void fill(std::uint64_t version, std::uint32_t shard) {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      for (std::size_t i = 0; i < tensors[t].size(); ++i) tensors[t][i] = word_of(version, shard, t, i);
+    }
+  }
+  bool holds(std::uint64_t version, std::uint32_t shard) const {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      for (std::size_t i = 0; i < tensors[t].size(); ++i) {
+        if (tensors[t][i] != word_of(version, shard, t, i)) return false;
+      }
+    }
+    return true;
+  }
+  th::Status register_with(th::Handle& handle) {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      auto status = handle.register_tensor("layer" + std::to_string(t), tensors[t].data(), tensors[t].size() * 8,
+                                           th::DType::kBFloat16);
+      if (!status.ok()) return status;
+    }
+    return th::Unit{};
+  }
+};
+
+[[noreturn]] void die(const std::string& what, const th::Error& error) {
+  std::cout << "FAIL " << what << ": " << th::errc_name(error.code) << " " << error.detail << std::endl;
+  std::exit(1);
+}
+
+// ---- Workers (child processes) -----------------------------------------------------------------
+
+int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes, std::uint32_t rollouts) {
+  options.role = "trainer";
+  options.retention.keep_latest = 0;  // the latest version stays readable (offloaded if need be)
+  auto opened = th::Handle::open(options);
+  if (!opened.ok()) die("trainer open", opened.error());
+  auto handle = std::move(opened).value();
+  Model model(shard_bytes);
+  if (auto status = model.register_with(*handle); !status.ok()) die("trainer register", status.error());
+  // Start once every rollout replica is there, so that each of them sees every version. (Every
+  // shard of the trainer sees the same answers: a replica's calls are transactions.)
+  for (int attempt = 0;; ++attempt) {
+    auto listed = handle->list();
+    if (!listed.ok()) die("list", listed.error());
+    const auto& replicas = listed.value().replicas;
+    const auto ready = std::count_if(replicas.begin(), replicas.end(), [](const auto& r) { return r.role == "rollout"; });
+    if (ready >= static_cast<long>(rollouts)) break;
+    if (attempt == 1200) die("waiting for the rollouts to open", th::make_error(th::Errc::kTimeout, "60 s"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (std::uint64_t version = 1; version <= steps; ++version) {
+    model.fill(version, options.shard);  // a training step changed the weights
+    if (auto published = handle->publish(version); !published.ok()) die("publish", published.error());
+    // Every rollout replica holds the new version before the trainer writes its buffers again.
+    th::WaitPredicate all_rollouts{th::WaitPredicate::Kind::kRoleHolds, version, 1, "rollout"};
+    if (auto waited = handle->wait(all_rollouts, 120'000); !waited.ok()) die("wait for rollouts", waited.error());
+    if (auto status = handle->unpublish(); !status.ok()) die("unpublish", status.error());
+  }
+  if (auto status = handle->close(); !status.ok()) die("trainer close", status.error());
+  return 0;
+}
+
+int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes) {
+  options.role = "rollout";
+  auto opened = th::Handle::open(options);
+  if (!opened.ok()) die("rollout open", opened.error());
+  auto handle = std::move(opened).value();
+  Model model(shard_bytes);
+  if (auto status = model.register_with(*handle); !status.ok()) die("rollout register", status.error());
+  std::uint64_t held = 0;
+  while (held < steps) {
+    th::WaitPredicate next{th::WaitPredicate::Kind::kVersionAtLeast, held + 1, 1, ""};
+    if (auto waited = handle->wait(next, 120'000); !waited.ok()) die("wait for a version", waited.error());
+    const auto started = std::chrono::steady_clock::now();
+    const std::uint64_t received_before = handle->stats().bytes_received;
+    auto updated = held == 0 ? [&]() -> th::Result<th::UpdateInfo> {
+      auto replicated = handle->replicate("latest");
+      if (!replicated.ok()) return replicated.error();
+      return th::UpdateInfo{th::UpdateStatus::kUpdated, replicated.value().version, replicated.value().source_replica};
+    }()
+                             : handle->update("latest");
+    const double stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (!updated.ok()) die("update", updated.error());
+    if (updated.value().status != th::UpdateStatus::kUpdated) continue;  // not yet: wait again
+    held = updated.value().version;
+    const auto stats = handle->stats();
+    const std::uint64_t bytes = stats.bytes_received - received_before;
+    const bool exact = model.holds(held, options.shard);
+    // ROW version replica shard source bytes read_seconds stall_seconds ok
+    std::cout << "ROW " << held << " " << options.replica << " " << options.shard << " "
+              << updated.value().source_replica << " " << bytes << " " << stats.last_read_seconds << " "
+              << stall_s << " " << (exact && stats.checksum_failures == 0 ? "ok" : "BAD") << std::endl;
+  }
+  if (auto status = handle->close(); !status.ok()) die("rollout close", status.error());
+  return 0;
+}
+
+// ---- The embedded server -------------------------------------------------------------------------
+
+class EmbeddedServer {
+ public:
+  EmbeddedServer() {
+    std::promise<std::uint16_t> port;
+    auto chosen = port.get_future();
+    thread_ = std::thread([this, &port] {
+      th::net::FairLoop loop;
+      th::server::ServiceConfig config;
+      config.token = kToken;
+      // TH_DEMO_LOG=debug shows every call the server sees.
+      const char* level = std::getenv("TH_DEMO_LOG");
+      th::server::HubService service(config, loop.timer(),
+                                     th::server::parse_log_level(level ? level : "warn").value_or(th::server::LogLevel::kWarn));
+      auto listener = loop.io().getNetwork().parseAddress("127.0.0.1:0").wait(loop.wait_scope())->listen();
+      auto stop = kj::newPromiseAndFulfiller<void>();
+      executor_ = &kj::getCurrentThreadExecutor();
+      stop_ = kj::mv(stop.fulfiller);
+      auto serving = service.serve(*listener).eagerlyEvaluate(nullptr);
+      port.set_value(static_cast<std::uint16_t>(listener->getPort()));
+      stop.promise.wait(loop.wait_scope());
+    });
+    address_ = "127.0.0.1:" + std::to_string(chosen.get());
+  }
+  ~EmbeddedServer() {
+    executor_->executeSync([this] { stop_->fulfill(); });
+    thread_.join();
+  }
+  const std::string& address() const { return address_; }
 
  private:
-  static HubSettings settings(const DemoOptions& options) {
-    HubSettings settings;
-    settings.pipeline = options.pipeline;
-    settings.fanout_max = options.pipeline ? 1 : 4;
-    settings.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
-    return settings;
-  }
-
-  void open(const std::string& name, const std::string& datacenter, bool trainer) {
-    const std::size_t index = members_.size();
-    members_.push_back(Member{name, datacenter, {}, true, {}, {}, false, 0, {}, {}});
-    for (std::uint32_t shard = 0; shard < kShards; ++shard) {
-      const ClientId client = next_client_++;
-      owner_[client] = index;
-      members_[index].shards.push_back({client, 0});
-      OpenRequest open;
-      open.model = "policy";
-      open.replica = name;
-      open.incarnation = 1;
-      open.shard = shard;
-      open.num_shards = kShards;
-      open.datacenter = datacenter;
-      open.role = trainer ? "trainer" : "rollout";
-      if (trainer) open.retention.keep_latest = 1;
-      open.data_endpoint = "tcp://" + name + ":" + std::to_string(7000 + shard);
-      step(Request{client, 0, open});
-    }
-  }
-
-  Member& trainer() { return members_[0]; }
-
-  void call(Member& member, const std::function<RequestBody(std::uint32_t)>& body) {
-    for (std::uint32_t shard = 0; shard < kShards; ++shard) {
-      Shard& s = member.shards[shard];
-      step(Request{s.client, ++s.seq, body(shard)});
-    }
-  }
-
-  static LayoutRef layout(std::uint32_t shard) {
-    return ShardLayout::make({{"layers." + std::to_string(shard) + ".weight", DType::kBFloat16, 64 << 20},
-                              {"layers." + std::to_string(shard) + ".norm", DType::kFloat32, 16384}})
-        .value();
-  }
-  static ChecksumsRef checksums(Version version, std::uint32_t shard) {
-    return std::make_shared<const Checksums>(Checksums{version * 101 + shard, version * 103 + shard});
-  }
-
-  void run_step(int step_number) {
-    const Version version = static_cast<Version>(step_number);
-    for (Member& member : members_) {
-      member.source.clear();
-      member.partial = false;
-      member.epoch = 0;
-      member.outcome = member.alive ? "" : "down";
-      member.notes.clear();
-    }
-    // The trainer publishes the new weights; every live rollout asks for them.
-    call(trainer(), [&](std::uint32_t shard) {
-      return PublishRequest{version, layout(shard), checksums(version, shard)};
-    });
-    for (std::size_t i = 1; i < members_.size(); ++i) {
-      if (!members_[i].alive) continue;
-      call(members_[i], [&](std::uint32_t shard) {
-        return UpdateRequest{Selector::latest(), layout(shard)};
-      });
-    }
-    // The data plane: reads finish and offloads are made until nothing is pending. In the crash
-    // step, the first rollout dies while its read is in flight.
-    settle(step_number == options_.crash_step);
-    // The trainer goes back to training: unpublish (the hub may ask for an offload first).
-    call(trainer(), [](std::uint32_t) { return UnpublishRequest{}; });
-    settle(false);
-    for (const Member& member : members_) {
-      std::printf("%-5d %-10s %-5s %-8s %-11s %-8s %-5s %s\n", step_number, member.name.c_str(),
-                  member.datacenter.c_str(),
-                  member.held ? std::to_string(*member.held).c_str() : "-",
-                  member.source.empty() ? "-" : member.source.c_str(),
-                  member.source.empty() ? "-" : (member.partial ? "partial" : "complete"),
-                  member.epoch == 0 ? "-" : std::to_string(member.epoch).c_str(),
-                  (member.notes + member.outcome).c_str());
-    }
-  }
-
-  void settle(bool crash_one) {
-    for (std::size_t round = 0; round < 10'000; ++round) {
-      if (crash_one && !reads_.empty() && members_.size() > 2 && members_[1].alive) {
-        crash(members_[1]);
-        continue;
-      }
-      if (!reads_.empty()) {
-        const auto [client, read] = *reads_.begin();
-        reads_.erase(reads_.begin());
-        step(Report{client, TransferDone{read.transfer, read.epoch}});
-      } else if (!offloads_.empty()) {
-        const auto [client, offloaded] = *offloads_.begin();
-        offloads_.erase(offloads_.begin());
-        step(Report{client, OffloadDone{offloaded}});
-      } else {
-        return;
-      }
-    }
-  }
-
-  // The rollout stops answering; time passes until the hub evicts it and re-routes its readers.
-  void crash(Member& member) {
-    member.alive = false;
-    member.outcome = "crashed mid-transfer";
-    std::set<ClientId> dead;
-    for (const Shard& shard : member.shards) dead.insert(shard.client);
-    std::erase_if(reads_, [&](const auto& entry) { return dead.contains(entry.first); });
-    for (int tick = 0; tick < 5; ++tick) {
-      now_ms_ += kHeartbeatTimeoutMs / 2;
-      for (const auto& [client, index] : owner_) {
-        if (!dead.contains(client) && members_[index].alive) step(Report{client, Heartbeat{}});
-      }
-      step(Tick{});
-    }
-  }
-
-  void step(const Input& input) {
-    Effects effects;
-    hub_.step(input, now_ms_, effects);
-    hub_.check_invariants();
-    for (const Effect& effect : effects) route(effect);
-  }
-
-  void route(const Effect& effect) {
-    auto owner = owner_.find(effect.client);
-    if (owner == owner_.end()) return;
-    Member& member = members_[owner->second];
-    if (!member.alive) return;
-    if (const auto* read = std::get_if<StartRead>(&effect.message)) {
-      reads_.insert_or_assign(effect.client, *read);
-      member.source = read->source.replica;
-      member.partial = read->source.partial;
-      member.epoch = read->epoch;
-    } else if (const auto* offload = std::get_if<Offload>(&effect.message)) {
-      offloads_[effect.client] = offload->version;
-      member.notes = "offloads v" + std::to_string(offload->version) + " (last copy) ";
-    } else if (const auto* reply = std::get_if<Reply>(&effect.message)) {
-      if (effect.client != member.shards[0].client) return;  // shards agree; report shard 0
-      record(member, reply->outcome);
-    }
-  }
-
-  void record(Member& member, const Outcome& outcome) {
-    if (const auto* error = std::get_if<Error>(&outcome)) {
-      member.outcome = "error " + std::string(errc_name(error->code)) + ": " + error->detail;
-      ++errors_;
-    } else if (const auto* published = std::get_if<PublishOk>(&outcome)) {
-      member.held = published->version;
-      member.outcome = "published v" + std::to_string(published->version);
-    } else if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
-      if (updated->status == UpdateStatus::kUpdated) member.held = updated->version;
-      member.outcome = std::string(update_status_name(updated->status)) + " to v" +
-                       std::to_string(updated->version);
-    } else if (std::holds_alternative<UnpublishOk>(outcome)) {
-      member.outcome += ", unpublished";
-      member.held.reset();
-    }
-  }
-
-  int verdict() {
-    const Version latest = hub_.latest("policy").value_or(0);
-    int behind = 0;
-    for (std::size_t i = 1; i < members_.size(); ++i) {
-      if (members_[i].alive && members_[i].held != latest) ++behind;
-    }
-    const HubStats& stats = hub_.stats();
-    std::printf("\nlatest version %llu; %llu transfers completed (%llu more restarted elsewhere or "
-                "cancelled), %llu offloads, %llu evictions\n",
-                static_cast<unsigned long long>(latest),
-                static_cast<unsigned long long>(stats.transfers_completed),
-                static_cast<unsigned long long>(stats.transfers_started - stats.transfers_completed),
-                static_cast<unsigned long long>(stats.offloads_started),
-                static_cast<unsigned long long>(stats.evictions));
-    if (behind > 0 || errors_ > 0) {
-      std::printf("FAILED: %d live rollouts are not on version %llu; %d calls failed\n", behind,
-                  static_cast<unsigned long long>(latest), errors_);
-      return 1;
-    }
-    std::printf("OK: every live rollout holds version %llu\n", static_cast<unsigned long long>(latest));
-    return 0;
-  }
-
-  DemoOptions options_;
-  Hub hub_;
-  std::vector<Member> members_;
-  std::map<ClientId, std::size_t> owner_;
-  std::map<ClientId, StartRead> reads_;
-  std::map<ClientId, Version> offloads_;
-  ClientId next_client_ = 1;
-  TimeMs now_ms_ = 0;
-  int errors_ = 0;
+  std::thread thread_;
+  std::string address_;
+  const kj::Executor* executor_ = nullptr;
+  kj::Own<kj::PromiseFulfiller<void>> stop_;
 };
 
+struct Child {
+  pid_t pid = -1;
+  FILE* output = nullptr;
+  std::string name;
+};
+
+Child spawn(const std::vector<std::string>& args, const std::string& name) {
+  int out[2];
+  if (::pipe(out) != 0) throw std::runtime_error("pipe");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    ::close(out[1]);
+    std::vector<char*> argv;
+    for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    ::execv("/proc/self/exe", argv.data());
+    std::perror("execv");
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  return Child{pid, ::fdopen(out[0], "r"), name};
+}
+
 }  // namespace
-}  // namespace th
 
 int main(int argc, char** argv) {
-  th::DemoOptions options;
   CLI::App app{
-      "th-demo: the TensorHub reference server's decisions on an in-process fleet.\n"
-      "A trainer (2 shards) publishes a new version every step; rollouts update to it, reading\n"
-      "from the trainer or, under pipeline replication, from each other while still receiving;\n"
-      "the last rollout is in another datacenter. One rollout crashes mid-transfer. Prints one row\n"
-      "per step and replica; exits 1 if a live rollout does not end on the latest version."};
-  app.add_option("--steps", options.steps, "training steps to run")->check(CLI::Range(1, 1000));
-  app.add_option("--rollouts", options.rollouts, "rollout replicas")->check(CLI::Range(1, 64));
-  app.add_option("--crash-step", options.crash_step,
-                 "step in which the first rollout crashes mid-transfer (0: never)")
-      ->check(CLI::Range(0, 1000));
-  bool no_pipeline = false;
-  app.add_flag("--no-pipeline", no_pipeline,
-               "every rollout reads from a complete copy (fan-out 4) instead of chaining");
+      "th-demo: a TensorHub job on loopback with real processes. An embedded th-server, one trainer\n"
+      "replica and several rollout replicas (each with --shards processes). Every step the trainer\n"
+      "changes its weights and publishes; the rollouts update, pulling from the trainer or from each\n"
+      "other (pipeline replication), and check every byte. One row per step and rollout replica:\n"
+      "version, source replica, bytes, GB/s, stall ms, checksum. Exits non-zero if anything failed."};
+  std::uint64_t steps = 5;
+  std::uint32_t shards = 2;
+  std::uint32_t rollouts = 4;
+  std::uint64_t shard_mb = 64;
+  std::string worker;
+  std::string server;
+  std::string replica;
+  std::uint32_t shard = 0;
+  app.add_option("--steps", steps, "training steps (versions published)")->capture_default_str()->check(CLI::Range(1, 1000));
+  app.add_option("--shards", shards, "shards per replica (processes per replica)")->capture_default_str()->check(CLI::Range(1, 16));
+  app.add_option("--rollouts", rollouts, "rollout replicas")->capture_default_str()->check(CLI::Range(1, 32));
+  app.add_option("--shard-mb", shard_mb, "MiB of weights per shard")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--worker", worker, "(internal) run as a worker: trainer or rollout")->group("");
+  app.add_option("--server", server, "(internal)")->group("");
+  app.add_option("--replica", replica, "(internal)")->group("");
+  app.add_option("--shard", shard, "(internal)")->group("");
   CLI11_PARSE(app, argc, argv);
-  options.pipeline = !no_pipeline;
-  try {
-    th::Demo demo(options);
-    return demo.run();
-  } catch (const std::exception& failure) {
-    std::fprintf(stderr, "th-demo: %s\n", failure.what());
+  const std::uint64_t shard_bytes = shard_mb << 20;
+
+  if (!worker.empty()) {
+    th::ClientOptions options;
+    options.servers = {server};
+    options.token = kToken;
+    options.model = "demo";
+    options.replica = replica;
+    options.shard = shard;
+    options.num_shards = shards;
+    if (worker == "trainer") return run_trainer(options, steps, shard_bytes, rollouts);
+    if (worker == "rollout") return run_rollout(options, steps, shard_bytes);
+    std::cerr << "th-demo: unknown worker kind " << worker << "\n";
     return 2;
   }
+
+  ::signal(SIGPIPE, SIG_IGN);
+  EmbeddedServer embedded;
+  std::cout << "th-demo: th-server on " << embedded.address() << "; trainer + " << rollouts << " rollout replicas x "
+            << shards << " shards, " << shard_mb << " MiB per shard, " << steps << " steps" << std::endl;
+  std::vector<Child> children;
+  auto common = [&](const std::string& kind, const std::string& name, std::uint32_t index) {
+    return std::vector<std::string>{"th-demo", "--worker", kind, "--server", embedded.address(), "--replica", name,
+                                    "--shard", std::to_string(index), "--shards", std::to_string(shards),
+                                    "--steps", std::to_string(steps), "--shard-mb", std::to_string(shard_mb),
+                                    "--rollouts", std::to_string(rollouts)};
+  };
+  for (std::uint32_t s = 0; s < shards; ++s) children.push_back(spawn(common("trainer", "trainer", s), "trainer/" + std::to_string(s)));
+  for (std::uint32_t r = 0; r < rollouts; ++r) {
+    for (std::uint32_t s = 0; s < shards; ++s) {
+      const std::string name = "rollout-" + std::to_string(r);
+      children.push_back(spawn(common("rollout", name, s), name + "/" + std::to_string(s)));
+    }
+  }
+
+  // Collect rows from every child (one reader thread each), then print them per step and replica.
+  struct Shard {
+    std::string source;
+    std::uint64_t bytes = 0;
+    double read_s = 0;
+    double stall_s = 0;
+    bool ok = false;
+  };
+  std::mutex mutex;
+  std::map<std::pair<std::uint64_t, std::string>, std::vector<Shard>> rows;
+  std::vector<std::string> failures;
+  std::vector<std::thread> readers;
+  for (Child& child : children) {
+    readers.emplace_back([&, child] {
+      char line[1024];
+      while (std::fgets(line, sizeof line, child.output) != nullptr) {
+        std::istringstream fields(line);
+        std::string tag;
+        fields >> tag;
+        std::lock_guard lock(mutex);
+        if (tag == "ROW") {
+          std::uint64_t version = 0;
+          std::string name;
+          std::uint32_t index = 0;
+          Shard row;
+          std::string ok;
+          fields >> version >> name >> index >> row.source >> row.bytes >> row.read_s >> row.stall_s >> ok;
+          row.ok = ok == "ok";
+          rows[{version, name}].push_back(row);
+        } else {
+          failures.push_back(child.name + ": " + line);
+        }
+      }
+      std::fclose(child.output);
+    });
+  }
+  bool all_exited_cleanly = true;
+  for (Child& child : children) {
+    int status = 0;
+    ::waitpid(child.pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      all_exited_cleanly = false;
+      std::lock_guard lock(mutex);
+      failures.push_back(child.name + " exited with status " + std::to_string(status));
+    }
+  }
+  for (std::thread& reader : readers) reader.join();
+
+  std::cout << std::left << std::setw(8) << "version" << std::setw(12) << "replica" << std::setw(12) << "source"
+            << std::right << std::setw(12) << "bytes" << std::setw(9) << "GB/s" << std::setw(11) << "stall ms"
+            << "  checksum\n";
+  bool all_ok = all_exited_cleanly;
+  for (const auto& [key, shards_of] : rows) {
+    std::uint64_t bytes = 0;
+    double read_s = 0;
+    double stall_s = 0;
+    bool ok = shards_of.size() == shards;
+    std::string source = shards_of.empty() ? "?" : shards_of[0].source;
+    for (const Shard& row : shards_of) {
+      bytes += row.bytes;
+      read_s = std::max(read_s, row.read_s);
+      stall_s = std::max(stall_s, row.stall_s);
+      ok = ok && row.ok && row.source == source;  // replica consistency: one source for all shards
+    }
+    all_ok = all_ok && ok;
+    std::cout << std::left << std::setw(8) << key.first << std::setw(12) << key.second << std::setw(12) << source
+              << std::right << std::setw(12) << bytes << std::setw(9) << std::fixed << std::setprecision(2)
+              << (read_s > 0 ? static_cast<double>(bytes) / read_s / 1e9 : 0.0) << std::setw(11)
+              << std::setprecision(1) << stall_s * 1000 << "  " << (ok ? "ok" : "FAILED") << "\n";
+  }
+  if (rows.size() != steps * rollouts) {
+    all_ok = false;
+    failures.push_back("expected " + std::to_string(steps * rollouts) + " rows, got " + std::to_string(rows.size()));
+  }
+  for (const std::string& failure : failures) std::cout << "FAILURE " << failure << "\n";
+  std::cout << (all_ok ? "th-demo: ok" : "th-demo: FAILED") << std::endl;
+  return all_ok ? 0 : 1;
 }

@@ -1005,6 +1005,25 @@ TEST(HubRegression, ListAnsweredBeforeAFailoverIsAnsweredTheSameAfterIt) {
   EXPECT_EQ(std::get<ListOk>(reply->outcome).snapshot->latest, 17u) << "the old server's answer";
 }
 
+// Found by th-demo: one shard of a replica had its unpublish answered and closed before its peer's
+// unpublish arrived; the peer was told "replica closed" for a call already decided (different
+// answers for one call). A call decided before the close gets its answer.
+TEST(HubRegression, ACallDecidedBeforeACloseIsAnsweredTheSameToLateShards) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  driver.call(t[0], UnpublishRequest{});
+  const auto first = driver.take_reply(t[0]);
+  ASSERT_TRUE(first && std::holds_alternative<UnpublishOk>(first->outcome));
+  driver.call(t[0], CloseRequest{});
+  driver.call(t[1], UnpublishRequest{});
+  const auto late = driver.take_reply(t[1]);
+  ASSERT_TRUE(late.has_value());
+  EXPECT_TRUE(std::holds_alternative<UnpublishOk>(late->outcome)) << "the same answer as shard 0";
+  driver.call(t[1], CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
+}
+
 // Found by HubProperty: a seeder that a reader reported as failed still counted towards "one seeder
 // per datacenter", so the hub's own invariant tripped when the reader seeded again.
 TEST(HubRegression, AFailedSeederMayBeReplacedByAnotherSeeder) {

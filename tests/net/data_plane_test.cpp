@@ -83,8 +83,9 @@ TEST(DataPlane, PullsACompleteSourceBitExact) {
   server.revoke({7, 1});
 }
 
+// A read of a grant the source has not heard of waits (grant_wait_ms_max), then is refused.
 TEST(DataPlane, RefusesReadsWithoutAGrant) {
-  DataServer server(DataServerConfig{});
+  DataServer server(DataServerConfig{.grant_wait_ms_max = 50});
   const Shard shard = source_shard();
   server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
   Reader reader(shard);
@@ -238,6 +239,22 @@ TEST(DataPlane, NoReadSeesBytesWrittenAfterRevoke) {
   for (auto& tensor : shard.tensors) std::fill(tensor.begin(), tensor.end(), std::byte{0xAB});
   for (auto& reader : readers) reader.join();
   EXPECT_EQ(refused.load(), 2);
+}
+
+// The hub tells reader and source at once: a reader that is first waits for the grant.
+TEST(DataPlane, AReadThatArrivesBeforeItsGrantWaitsForIt) {
+  DataServer server(DataServerConfig{});
+  const Shard shard = source_shard();
+  Reader reader(shard);
+  const auto targets = reader.targets();
+  PullOutcome outcome;
+  std::thread early([&] { outcome = pull(server.endpoint(), {8, 1}, targets, small_chunks()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // ordering help, not an assertion
+  server.grant({8, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  early.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(reader.buffers, shard.tensors);
+  server.revoke({8, 1});
 }
 
 TEST(DataPlane, ParsesEndpoints) {

@@ -215,9 +215,26 @@ interface Session {
   send @0 (messages :List(ToHub)) -> ();
 }
 
+# What th-ctl shows: counters of the server since it started.
+struct ServerStats {
+  requests @0 :UInt64;
+  reports @1 :UInt64;
+  transfersStarted @2 :UInt64;
+  transfersCompleted @3 :UInt64;
+  sourceFailures @4 :UInt64;
+  offloadsStarted @5 :UInt64;
+  evictions @6 :UInt64;
+  clients @7 :UInt64;
+  connections @8 :UInt64;
+  uptimeMs @9 :Int64;
+}
+
 # The bootstrap capability of th-server.
 interface Hub {
   # Authenticates the connection with the cluster token. Refused (an exception of type FAILED with a
   # reason) for a wrong token.
   connect @0 (token :Text, sink :Sink, clientName :Text) -> (session :Session);
+
+  # Every model's listing and the server's counters (th-ctl). Same token as connect.
+  inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);
 }

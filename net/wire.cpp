@@ -626,6 +626,14 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
       effect.message);
 }
 
+void encode(const ListSnapshot& snapshot, wire::ListSnapshot::Builder out) { put(snapshot, out); }
+
+Result<ListSnapshot> decode(wire::ListSnapshot::Reader in) {
+  auto decoded = decode_checked<std::shared_ptr<const ListSnapshot>>(in, "listing");
+  if (!decoded.ok()) return decoded.error();
+  return *decoded.value();
+}
+
 void encode(const ToHubMessage& message, wire::ToHub::Builder out) {
   if (const auto* request = std::get_if<Request>(&message)) {
     encode(*request, out.initRequest());

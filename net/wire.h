@@ -21,6 +21,9 @@ Result<Request> decode(wire::Request::Reader in);
 Result<Report> decode(wire::Report::Reader in);
 Result<Effect> decode(wire::Effect::Reader in);
 
+void encode(const ListSnapshot& snapshot, wire::ListSnapshot::Builder out);
+Result<ListSnapshot> decode(wire::ListSnapshot::Reader in);
+
 // Requests and reports travel together, in order, as ToHub.
 using ToHubMessage = std::variant<Request, Report>;
 void encode(const ToHubMessage& message, wire::ToHub::Builder out);

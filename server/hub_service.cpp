@@ -121,6 +121,30 @@ class HubService::HubImpl final : public wire::Hub::Server {
     return kj::READY_NOW;
   }
 
+  kj::Promise<void> inspect(InspectContext context) override {
+    if (!same_token(context.getParams().getToken().cStr(), service_.config_.token)) {
+      service_.log(LogLevel::kWarn, "an inspect call presented a wrong cluster token: refused");
+      return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
+    }
+    const Hub& hub = service_.hub_;
+    const auto names = hub.model_names();
+    auto results = context.getResults();
+    auto models = results.initModels(static_cast<unsigned>(names.size()));
+    for (unsigned i = 0; i < names.size(); ++i) net::encode(*hub.snapshot(names[i]), models[i]);
+    auto stats = results.initStats();
+    stats.setRequests(hub.stats().requests);
+    stats.setReports(hub.stats().reports);
+    stats.setTransfersStarted(hub.stats().transfers_started);
+    stats.setTransfersCompleted(hub.stats().transfers_completed);
+    stats.setSourceFailures(hub.stats().source_failures);
+    stats.setOffloadsStarted(hub.stats().offloads_started);
+    stats.setEvictions(hub.stats().evictions);
+    stats.setClients(hub.client_count());
+    stats.setConnections(service_.connections_.size());
+    stats.setUptimeMs(service_.now_ms());
+    return kj::READY_NOW;
+  }
+
  private:
   HubService& service_;
   std::uint64_t connection_;

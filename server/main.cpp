@@ -56,6 +56,11 @@ int main(int argc, char** argv) {
   app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
       ->capture_default_str();
   app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();
+  unsigned turns_per_poll = th::net::FairLoop::kTurnsPerPollDefault;
+  app.add_option("--turns-per-poll", turns_per_poll,
+                 "Events handled between two looks at the kernel for new connections and data while busy; "
+                 "0: only when idle (default; see net/event_loop.h for why)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   const auto log_level = th::server::parse_log_level(log_level_name);
@@ -78,7 +83,7 @@ int main(int argc, char** argv) {
 
   kj::UnixEventPort::captureSignal(SIGINT);
   kj::UnixEventPort::captureSignal(SIGTERM);
-  th::net::FairLoop loop;
+  th::net::FairLoop loop(turns_per_poll);
   th::server::HubService service(config, loop.timer(), *log_level);
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());

@@ -1,0 +1,104 @@
+// th-e2e-load: many clients keeping a th-server busy, for the fairness test and benchmarks.
+//
+// Opens --connections Cap'n Proto connections on one thread, authenticates each, then keeps
+// --in-flight Session.send calls outstanding on every connection, each a batch of --batch
+// heartbeats of a client id of its own. Prints "load ready N" once every connection has its
+// session, then "load calls N" every second, until killed.
+#include <CLI/CLI.hpp>
+#include <capnp/rpc-twoparty.h>
+#include <kj/async-io.h>
+
+#include <iostream>
+#include <memory>
+#include <vector>
+
+#include "net/tensorhub.capnp.h"
+
+#pragma GCC diagnostic ignored "-Wnon-virtual-dtor"  // Cap'n Proto's generated Server classes
+
+namespace {
+
+class NullSink final : public th::wire::Sink::Server {
+ protected:
+  kj::Promise<void> deliver(DeliverContext) override { return kj::READY_NOW; }
+};
+
+struct Client {
+  kj::Own<kj::AsyncIoStream> stream;
+  kj::Own<capnp::TwoPartyClient> rpc;
+  kj::Maybe<th::wire::Session::Client> session;
+  std::uint64_t id = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"th-e2e-load: keeps a th-server busy with many connections"};
+  std::string server;
+  std::string token;
+  unsigned connections = 1000;
+  unsigned in_flight = 8;
+  unsigned batch = 16;
+  app.add_option("--server", server)->required();
+  app.add_option("--token", token)->required();
+  app.add_option("--connections", connections)->capture_default_str();
+  app.add_option("--in-flight", in_flight)->capture_default_str();
+  app.add_option("--batch", batch)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto io = kj::setupAsyncIo();
+  io.waitScope.setBusyPollInterval(64);
+  auto address = io.provider->getNetwork().parseAddress(server).wait(io.waitScope);
+  std::vector<std::unique_ptr<Client>> clients;
+  std::uint64_t calls = 0;
+  unsigned ready = 0;
+  kj::TaskSet::ErrorHandler* handler = nullptr;
+  struct Errors : kj::TaskSet::ErrorHandler {
+    void taskFailed(kj::Exception&& exception) override {
+      std::cerr << "th-e2e-load: " << exception.getDescription().cStr() << "\n";
+    }
+  } errors;
+  handler = &errors;
+  kj::TaskSet tasks(*handler);
+
+  // One call; when it returns, the next (the connection always has `in_flight` outstanding).
+  std::function<kj::Promise<void>(Client&)> pump = [&](Client& client) -> kj::Promise<void> {
+    KJ_IF_MAYBE(session, client.session) {
+      auto request = session->sendRequest();
+      auto messages = request.initMessages(batch);
+      for (unsigned i = 0; i < batch; ++i) {
+        auto report = messages[i].initReport();
+        report.setClient(client.id);
+        report.setSession(1);
+        report.getBody().setHeartbeat();
+      }
+      return request.send().ignoreResult().then([&] {
+        ++calls;
+        return pump(client);
+      });
+    }
+    return kj::READY_NOW;
+  };
+
+  for (unsigned i = 0; i < connections; ++i) {
+    auto client = std::make_unique<Client>();
+    client->id = 0x10AD000000000000ull + i;
+    client->stream = address->connect().wait(io.waitScope);
+    client->rpc = kj::heap<capnp::TwoPartyClient>(*client->stream);
+    auto request = client->rpc->bootstrap().castAs<th::wire::Hub>().connectRequest();
+    request.setToken(token);
+    request.setSink(kj::heap<NullSink>());
+    request.setClientName("load");
+    Client& ref = *client;
+    tasks.add(request.send().then([&](auto response) {
+      ref.session = response.getSession();
+      if (++ready == connections) std::cout << "load ready " << connections << std::endl;
+      for (unsigned k = 0; k < in_flight; ++k) tasks.add(pump(ref));
+    }));
+    clients.push_back(std::move(client));
+  }
+  for (;;) {
+    io.provider->getTimer().afterDelay(1 * kj::SECONDS).wait(io.waitScope);
+    std::cout << "load calls " << calls << std::endl;
+  }
+}

@@ -1,9 +1,12 @@
 // th-e2e-load: many clients keeping a th-server busy, for the fairness test and benchmarks.
 //
-// Opens --connections Cap'n Proto connections on one thread, authenticates each, then keeps
-// --in-flight Session.send calls outstanding on every connection, each a batch of --batch
-// heartbeats of a client id of its own. Prints "load ready N" once every connection has its
-// session, then "load calls N" every second, until killed.
+// Opens --connections Cap'n Proto connections on one thread and authenticates each. Then either
+//   (default) keeps --in-flight Session.send calls outstanding on every connection, each a batch of
+//   --batch heartbeats of a client id of its own: a server kept as busy as this process can make it;
+// or, with --heartbeat-interval-ms, behaves like that many idle workers: each connection opens a
+//   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet).
+// Prints "load ready N" once every connection has its session, then "load calls N" every second,
+// until killed.
 #include <CLI/CLI.hpp>
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
@@ -39,11 +42,13 @@ int main(int argc, char** argv) {
   unsigned connections = 1000;
   unsigned in_flight = 8;
   unsigned batch = 16;
+  unsigned heartbeat_interval_ms = 0;
   app.add_option("--server", server)->required();
   app.add_option("--token", token)->required();
   app.add_option("--connections", connections)->capture_default_str();
   app.add_option("--in-flight", in_flight)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
+  app.add_option("--heartbeat-interval-ms", heartbeat_interval_ms, "idle workers: one heartbeat per interval");
   CLI11_PARSE(app, argc, argv);
 
   auto io = kj::setupAsyncIo();
@@ -80,6 +85,20 @@ int main(int argc, char** argv) {
     return kj::READY_NOW;
   };
 
+  std::function<kj::Promise<void>(Client&, unsigned)> heartbeats = [&](Client& client, unsigned delay_ms) {
+    return io.provider->getTimer().afterDelay(delay_ms * kj::MILLISECONDS).then([&]() -> kj::Promise<void> {
+      KJ_IF_MAYBE(session, client.session) {
+        auto request = session->sendRequest();
+        auto report = request.initMessages(1)[0].initReport();
+        report.setClient(client.id);
+        report.setSession(1);
+        report.getBody().setHeartbeat();
+        tasks.add(request.send().ignoreResult().then([&] { ++calls; }));
+      }
+      return heartbeats(client, heartbeat_interval_ms);
+    });
+  };
+
   for (unsigned i = 0; i < connections; ++i) {
     auto client = std::make_unique<Client>();
     client->id = 0x10AD000000000000ull + i;
@@ -90,10 +109,30 @@ int main(int argc, char** argv) {
     request.setSink(kj::heap<NullSink>());
     request.setClientName("load");
     Client& ref = *client;
-    tasks.add(request.send().then([&](auto response) {
+    tasks.add(request.send().then([&, i](auto response) {
       ref.session = response.getSession();
       if (++ready == connections) std::cout << "load ready " << connections << std::endl;
-      for (unsigned k = 0; k < in_flight; ++k) tasks.add(pump(ref));
+      if (heartbeat_interval_ms == 0) {
+        for (unsigned k = 0; k < in_flight; ++k) tasks.add(pump(ref));
+        return;
+      }
+      // An idle worker: open a one-shard replica, then heartbeat (first beats spread over the interval).
+      KJ_IF_MAYBE(session, ref.session) {
+        auto open = session->sendRequest();
+        auto message = open.initMessages(1)[0].initRequest();
+        message.setClient(ref.id);
+        message.setSeq(0);
+        message.setSession(1);
+        auto body = message.getBody().initOpen();
+        body.setModel("idle-fleet");
+        body.setReplica("worker-" + std::to_string(i));
+        body.setIncarnation(1);
+        body.setShard(0);
+        body.setNumShards(1);
+        body.setDatacenter("dc");
+        tasks.add(open.send().ignoreResult());
+      }
+      tasks.add(heartbeats(ref, (i * 7919u) % heartbeat_interval_ms));
     }));
     clients.push_back(std::move(client));
   }

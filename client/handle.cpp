@@ -558,6 +558,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   pull_options.chunk_bytes = options_.chunk_bytes;
   pull_options.partial = job.read.source.partial;
   pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  pull_options.streams = options_.data_streams;
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;
@@ -847,6 +848,12 @@ Result<std::unique_ptr<Handle>> Handle::open(ClientOptions options) {
     return make_error(Errc::kInvalidArgument, "too many server addresses");
   }
   if (auto valid = validate(agent_config_of(options, 1)); !valid.ok()) return valid.error();
+  if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {
+    return make_error(Errc::kInvalidArgument, "data_streams must be in 1.." + std::to_string(net::kPullStreamsMax));
+  }
+  if (options.chunk_bytes == 0 || options.chunk_bytes > (64ull << 20)) {
+    return make_error(Errc::kInvalidArgument, "chunk_bytes must be in 1..64 MiB");
+  }
   auto impl = std::make_unique<Impl>(std::move(options));
   if (Status started = impl->start(); !started.ok()) return started.error();
   return std::unique_ptr<Handle>(new Handle(std::move(impl)));

@@ -262,9 +262,11 @@ void DataServer::serve(Fd connection) {
 
 // ---- Reader ----------------------------------------------------------------------------------------
 
-PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
-                 const PullOptions& options) {
-  TH_REQUIRE(options.chunk_bytes > 0 && options.depth > 0);
+namespace {
+
+// One connection: targets[i] is the source's region first_region + i.
+PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
+                        std::uint32_t first_region, const PullOptions& options) {
   PullOutcome outcome;
   auto fail = [&](ReadError error, std::string detail) {
     outcome.error = error;
@@ -308,8 +310,8 @@ PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegi
     for (;;) {
       while (in_flight.size() < depth && region < targets.size()) {
         const std::uint64_t length = std::min(options.chunk_bytes, targets[region].bytes - offset);
-        ReadRequestFrame request{kMagic, key.epoch, key.transfer, region, wait_for_bytes ? 1u : 0u,
-                                 offset, length};
+        ReadRequestFrame request{kMagic, key.epoch, key.transfer, first_region + region,
+                                 wait_for_bytes ? 1u : 0u, offset, length};
         send_all(connection, &request, sizeof request);
         in_flight.push_back(Ask{region, offset, length, region_start + offset + length});
         offset += length;
@@ -373,6 +375,57 @@ PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegi
   } catch (const SocketError& error) {
     return fail(ReadError::kUnreachable, error.what());
   }
+}
+
+}  // namespace
+
+PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
+                 const PullOptions& options) {
+  TH_REQUIRE(options.chunk_bytes > 0 && options.depth > 0 && options.streams > 0 &&
+             options.streams <= kPullStreamsMax);
+  // A partial source is read in order on one connection: its ready prefix grows in order.
+  if (options.streams == 1 || options.partial || targets.size() < 2) {
+    return pull_stream(source, key, targets, 0, options);
+  }
+  // Several connections, each taking the next region nobody has claimed yet. The ready prefix
+  // (for our own pipeline readers) is the run of finished regions from the first one.
+  std::mutex mutex;
+  std::vector<bool> finished(targets.size(), false);
+  std::size_t prefix_regions = 0;
+  std::uint64_t prefix_bytes = 0;
+  std::atomic<std::size_t> next_region{0};
+  std::atomic<bool> failed{false};
+  PullOutcome total;
+  PullOptions one = options;
+  one.on_progress = nullptr;
+  one.cancelled = [&] { return failed.load() || (options.cancelled && options.cancelled()); };
+  auto stream = [&] {
+    for (std::size_t region = next_region++; region < targets.size() && !failed.load(); region = next_region++) {
+      PullOutcome part = pull_stream(source, key, targets.subspan(region, 1), static_cast<std::uint32_t>(region), one);
+      std::lock_guard lock(mutex);
+      total.bytes += part.bytes;
+      if (!part.ok()) {
+        if (!total.error || *total.error == ReadError::kCancelled) {
+          total.error = part.error;
+          total.detail = part.detail;
+        }
+        failed.store(true);
+        return;
+      }
+      finished[region] = true;
+      const std::uint64_t before = prefix_bytes;
+      while (prefix_regions < targets.size() && finished[prefix_regions]) {
+        prefix_bytes += targets[prefix_regions++].bytes;
+      }
+      if (prefix_bytes > before && options.on_progress) options.on_progress(prefix_bytes);
+    }
+  };
+  std::vector<std::thread> helpers;
+  const std::size_t helper_count = std::min<std::size_t>(options.streams, targets.size()) - 1;
+  for (std::size_t i = 0; i < helper_count; ++i) helpers.emplace_back(stream);
+  stream();
+  for (std::thread& helper : helpers) helper.join();
+  return total;
 }
 
 }  // namespace th::net

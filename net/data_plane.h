@@ -149,6 +149,9 @@ class DataServer {
 struct PullOptions {
   std::uint64_t chunk_bytes = 8ull << 20;  // one request; also the granularity of progress
   std::uint32_t depth = 4;                 // requests in flight on the connection (complete sources)
+  // Connections used at once for a complete source, each pulling whole regions (helps on links
+  // with a large bandwidth-delay product, where one TCP stream does not fill the pipe).
+  std::uint32_t streams = 1;
   bool partial = false;                    // the source is still receiving (pipeline replication)
   int connect_timeout_ms = 5'000;
   int io_timeout_ms = 30'000;
@@ -161,6 +164,8 @@ struct PullOptions {
   // exposes it to its own readers from here.
   std::function<void(std::uint64_t ready_bytes)> on_progress;
 };
+
+inline constexpr std::uint32_t kPullStreamsMax = 16;
 
 struct PullOutcome {
   std::uint64_t bytes = 0;          // bytes that landed in the targets

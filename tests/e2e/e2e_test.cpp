@@ -98,6 +98,15 @@ TEST_F(EndToEnd, ReplicateIsBitExact) {
   EXPECT_EQ(rollout.wait_exit(kStepMs), 0);
 }
 
+TEST_F(EndToEnd, ReplicateOverSeveralStreamsIsBitExact) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {"--tensors", "6"}, {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& rollout = worker({server}, "rollout", {"--tensors", "6", "--data-streams", "4"}, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+}
+
 // Pipeline replication: the trainer serves one reader at a time (fan-out 1), so the second rollout
 // reads from the first while the first is still receiving.
 TEST_F(EndToEnd, PipelineReadsFromAPartialSource) {

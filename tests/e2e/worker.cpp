@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
   app.add_option("--tensors", tensors, "big tensors")->capture_default_str();
   app.add_option("--small-tensors", small_tensors, "tensors under 2 MB (packed)")->capture_default_str();
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
+  app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
   app.add_option("script", script, "commands")->required();
   options.model = "e2e";

@@ -102,6 +102,34 @@ TEST(DataPlane, RefusesReadsWithoutAGrant) {
   EXPECT_GE(server.stats().reads_refused, 2u);
 }
 
+TEST(DataPlane, PullsOverSeveralStreamsBitExact) {
+  DataServer server(DataServerConfig{});
+  Shard shard = source_shard();
+  for (int i = 0; i < 5; ++i) shard.tensors.push_back(pattern((1 << 20) + 17 * i, 10 + i));
+  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  Reader reader(shard);
+  std::uint64_t last_progress = 0;
+  PullOptions options = small_chunks();
+  options.streams = 3;
+  options.on_progress = [&](std::uint64_t ready) {
+    EXPECT_GT(ready, last_progress);  // a prefix of whole regions, only growing
+    last_progress = ready;
+  };
+  const auto targets = reader.targets();
+  const PullOutcome outcome = pull(server.endpoint(), {7, 1}, targets, options);
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, shard.total());
+  EXPECT_EQ(last_progress, shard.total());
+  EXPECT_EQ(reader.buffers, shard.tensors);
+  // A refusal on one stream fails the whole pull, typed.
+  Shard bigger = shard;
+  bigger.tensors[4].resize(bigger.tensors[4].size() + 1);
+  Reader wrong(bigger);
+  const auto wrong_targets = wrong.targets();
+  EXPECT_EQ(pull(server.endpoint(), {7, 1}, wrong_targets, options).error, ReadError::kRefused);
+  server.revoke({7, 1});
+}
+
 TEST(DataPlane, RefusesReadsOutsideTheExposedRegions) {
   DataServer server(DataServerConfig{});
   const Shard shard = source_shard();

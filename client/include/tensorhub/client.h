@@ -58,6 +58,7 @@ struct ClientOptions {
   TimeMs open_timeout_ms = 30'000;
   std::uint64_t chunk_bytes = 8ull << 20;  // data-plane request size
   std::uint64_t read_rate_bytes_per_s = 0;  // cap on this shard's receive rate (0: none)
+  std::uint32_t data_streams = 1;  // connections per read of a complete source (1..16)
 };
 
 struct ReplicateInfo {

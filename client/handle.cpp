@@ -53,6 +53,47 @@ AgentConfig agent_config_of(const ClientOptions& options, ClientId client) {
                      options.heartbeat_interval_ms, 250, 4000};
 }
 
+OpenRequest open_request_of(const ClientOptions& options, const std::string& data_endpoint) {
+  OpenRequest open;
+  open.model = options.model;
+  open.replica = options.replica;
+  open.incarnation = options.incarnation;
+  open.shard = options.shard;
+  open.num_shards = options.num_shards;
+  open.datacenter = options.datacenter;
+  open.spot = options.spot;
+  open.role = options.role;
+  open.retention = options.retention;
+  open.data_endpoint = data_endpoint;
+  return open;
+}
+
+// Everything about the options that can be judged before anything starts, so that a bad option
+// is a typed error at once rather than a server's silence or an open that times out.
+Status validate(const ClientOptions& options) {
+  if (options.servers.empty() || options.servers.size() > limits::kShardsMax) {
+    return make_error(Errc::kInvalidArgument, "give 1 to 256 server addresses");
+  }
+  try {
+    for (const std::string& server : options.servers) net::parse_endpoint(server);
+    net::parse_endpoint(options.data_listen);
+  } catch (const net::SocketError& error) {
+    return make_error(Errc::kInvalidArgument, error.what());
+  }
+  if (Status valid = validate(agent_config_of(options, 1)); !valid.ok()) return valid;
+  if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {
+    return make_error(Errc::kInvalidArgument, "data_streams must be in 1.." + std::to_string(net::kPullStreamsMax));
+  }
+  // A chunk is one response of the peer's data server.
+  const std::uint64_t chunk_bytes_max = net::DataServerConfig{}.response_bytes_max;
+  if (options.chunk_bytes == 0 || options.chunk_bytes > chunk_bytes_max) {
+    return make_error(Errc::kInvalidArgument, "chunk_bytes must be in 1.." + std::to_string(chunk_bytes_max));
+  }
+  // What the hub would refuse (names, shard numbers, retention), with the advertised endpoint's
+  // length if one is given (the listen address's is short).
+  return validate(open_request_of(options, options.data_advertise));
+}
+
 TimeMs steady_now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -124,7 +165,6 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 
   std::string data_endpoint() const { return advertised_; }
   HandleStats stats() const;
-  const ClientOptions& options() const { return options_; }
 
  private:
   struct Link;
@@ -167,7 +207,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 
   // I/O thread state.
   std::thread io_thread_;
-  net::FairLoop* loop_ = nullptr;
+  net::IoLoop* loop_ = nullptr;
   const kj::Executor* executor_ = nullptr;
   kj::Own<kj::PromiseFulfiller<void>> stop_;
   kj::TaskSet* tasks_ = nullptr;
@@ -175,14 +215,21 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
   std::uint64_t next_generation_ = 1;
   std::map<std::string, Registered, std::less<>> registry_;
+  // Rebuilt when first needed after the registry changed (registering N tensors stays linear).
   Plan plan_;
+  bool plan_stale_ = false;
+  const Plan& plan();
   std::vector<std::byte> packed_;  // the packed small tensors (region 0)
   // What the registered buffers hold now: a version and how much of it is ready (pipeline).
   std::optional<Version> buffers_version_;
   std::shared_ptr<net::Progress> buffers_progress_;
   std::map<Version, std::shared_ptr<OffloadCopy>> offloads_;
   std::map<net::GrantKey, std::shared_ptr<OffloadCopy>> offload_grants_;  // keeps copies alive
-  std::vector<std::thread> offload_threads_;
+  // One thread per offload copy, joined once its copy was reported (a finished thread that is never
+  // joined keeps its stack: a trainer offloads every step).
+  std::map<std::uint64_t, std::thread> offload_threads_;
+  std::vector<std::uint64_t> offloads_reported_;  // their threads are returning
+  std::uint64_t next_offload_id_ = 1;
   std::atomic<bool> io_stopped_{false};
 
   // Calls of the application.
@@ -197,7 +244,11 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::mutex reader_mutex_;
   std::condition_variable reader_wakeup_;
   std::deque<ReadJob> read_jobs_;
-  std::shared_ptr<std::atomic<bool>> current_read_cancelled_;
+  struct RunningRead {
+    TransferId transfer = 0;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+  };
+  std::optional<RunningRead> running_read_;  // the job the reader thread is on
   bool reader_stopping_ = false;
 
   mutable std::mutex stats_mutex_;
@@ -256,14 +307,6 @@ void Handle::Impl::log(const std::string& line) const {
 }
 
 Status Handle::Impl::start() {
-  if (options_.servers.empty()) return make_error(Errc::kInvalidArgument, "no server address given");
-  for (const std::string& server : options_.servers) {
-    try {
-      net::parse_endpoint(server);
-    } catch (const net::SocketError& error) {
-      return make_error(Errc::kInvalidArgument, error.what());
-    }
-  }
   try {
     net::DataServerConfig data;
     data.listen = net::parse_endpoint(options_.data_listen);
@@ -279,24 +322,13 @@ Status Handle::Impl::start() {
   up.wait();
   reader_thread_ = std::thread([this] { reader_main(); });
 
-  OpenRequest open;
-  open.model = options_.model;
-  open.replica = options_.replica;
-  open.incarnation = options_.incarnation;
-  open.shard = options_.shard;
-  open.num_shards = options_.num_shards;
-  open.datacenter = options_.datacenter;
-  open.spot = options_.spot;
-  open.role = options_.role;
-  open.retention = options_.retention;
-  open.data_endpoint = advertised_;
-  Outcome opened = call(open, options_.open_timeout_ms);
+  Outcome opened = call(open_request_of(options_, advertised_), options_.open_timeout_ms);
   if (const Error* error = std::get_if<Error>(&opened)) return *error;
   return Unit{};
 }
 
 void Handle::Impl::io_main(std::promise<void>& ready) {
-  net::FairLoop loop;
+  net::IoLoop loop;
   kj::TaskSet tasks(*this);
   auto stop = kj::newPromiseAndFulfiller<void>();
   loop_ = &loop;
@@ -353,7 +385,7 @@ void Handle::Impl::apply(const AgentEffect& effect) {
           for (ReadJob& job : read_jobs_) {
             if (job.read.transfer == e.transfer) job.cancelled->store(true);
           }
-          if (current_read_cancelled_) current_read_cancelled_->store(true);
+          if (running_read_ && running_read_->transfer == e.transfer) running_read_->cancelled->store(true);
         } else if constexpr (std::is_same_v<T, GrantServe>) {
           serve(e.grant);
         } else if constexpr (std::is_same_v<T, RevokeServe>) {
@@ -505,14 +537,15 @@ void Handle::Impl::serve(const ServeRead& grant) {
       return;  // the reader is refused and reports it; the server picks another source
     }
     offload_grants_[key] = found->second;
-    data_server_->grant(key, found->second->regions, std::make_shared<net::Progress>(~0ull));
+    data_server_->grant(key, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
     return;
   }
   if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
     log("asked to serve version " + std::to_string(grant.version) + ", which the buffers do not hold");
     return;
   }
-  data_server_->grant(key, regions_of(plan_, packed_.data()), buffers_progress_);
+  const Plan& current = plan();  // first: it may rebuild packed_
+  data_server_->grant(key, regions_of(current, packed_.data()), buffers_progress_);
 }
 
 void Handle::Impl::start_read(const StartRead& read) {
@@ -522,11 +555,11 @@ void Handle::Impl::start_read(const StartRead& read) {
     buffers_version_ = read.version;
     buffers_progress_ = std::make_shared<net::Progress>(0);
   }
-  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan_, packed_.data()};
+  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data()};
   std::lock_guard lock(reader_mutex_);
   // One read at a time into these buffers: a newer one replaces whatever is queued or running.
   for (ReadJob& queued : read_jobs_) queued.cancelled->store(true);
-  if (current_read_cancelled_) current_read_cancelled_->store(true);
+  if (running_read_) running_read_->cancelled->store(true);
   read_jobs_.push_back(std::move(job));
   reader_wakeup_.notify_one();
 }
@@ -540,11 +573,11 @@ void Handle::Impl::reader_main() {
       if (reader_stopping_) return;
       job = std::move(read_jobs_.front());
       read_jobs_.pop_front();
-      current_read_cancelled_ = job.cancelled;
+      running_read_ = RunningRead{job.read.transfer, job.cancelled};
     }
     if (!job.cancelled->load()) run_read(job);
     std::lock_guard lock(reader_mutex_);
-    current_read_cancelled_.reset();
+    running_read_.reset();
   }
 }
 
@@ -621,8 +654,15 @@ void Handle::Impl::start_offload(Version version) {
   }
   // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change
   // meanwhile: the application's unpublish() is still blocked.
-  auto regions = regions_of(plan_, packed_.data());
-  offload_threads_.emplace_back([this, version, regions = std::move(regions)] {
+  for (std::uint64_t done : offloads_reported_) {
+    offload_threads_.at(done).join();
+    offload_threads_.erase(done);
+  }
+  offloads_reported_.clear();
+  const Plan& current = plan();  // first: it may rebuild packed_
+  auto regions = regions_of(current, packed_.data());
+  const std::uint64_t id = next_offload_id_++;
+  offload_threads_[id] = std::thread([this, id, version, regions = std::move(regions)] {
     auto copy = std::make_shared<OffloadCopy>();
     std::uint64_t total = 0;
     for (const auto& region : regions) total += region.bytes;
@@ -633,8 +673,9 @@ void Handle::Impl::start_offload(Version version) {
       copy->regions.push_back({copy->bytes.data() + at, region.bytes});
       at += region.bytes;
     }
-    on_io([this, version, copy] {
+    on_io([this, id, version, copy] {
       offloads_[version] = copy;
+      offloads_reported_.push_back(id);
       step(OffloadFinished{version});
     });
   });
@@ -721,8 +762,7 @@ Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t
       return;
     }
     registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype});
-    plan_ = make_plan(registry_);
-    packed_.assign(plan_.packed_bytes, std::byte{0});
+    plan_stale_ = true;
   });
   return status;
 }
@@ -740,10 +780,18 @@ Status Handle::Impl::unregister_tensor(std::string_view name) {
       return;
     }
     registry_.erase(found);
-    plan_ = make_plan(registry_);
-    packed_.assign(plan_.packed_bytes, std::byte{0});
+    plan_stale_ = true;
   });
   return status;
+}
+
+const Plan& Handle::Impl::plan() {
+  if (plan_stale_) {
+    plan_ = make_plan(registry_);
+    packed_.assign(plan_.packed_bytes, std::byte{0});
+    plan_stale_ = false;
+  }
+  return plan_;
 }
 
 bool Handle::Impl::is_open() {
@@ -753,44 +801,42 @@ bool Handle::Impl::is_open() {
 }
 
 Plan Handle::Impl::plan_copy() {
-  Plan plan;
-  on_io([&] { plan = plan_; });
-  return plan;
+  Plan copy;
+  on_io([&] { copy = plan(); });
+  return copy;
 }
 
 Result<Version> Handle::Impl::publish(Version version) {
+  // State checks and the claim on the buffers happen on the I/O thread; hashing gigabytes does not
+  // (heartbeats and grants would wait behind it). The application's calls come from one thread, so
+  // nothing registers or publishes in between, and no reader can be granted these buffers (nor
+  // read the packed buffer) before buffers_version_ is set below.
   std::optional<Error> refused;
-  PublishRequest request;
-  request.version = version;
+  Plan current;
   on_io([&] {
-    if (plan_.layout == nullptr) {
+    current = plan();
+    if (current.layout == nullptr) {
       refused = make_error(Errc::kInvalidArgument, "register the shard's tensors before publishing");
-      return;
-    }
-    if (buffers_version_.has_value() || agent_.held().has_value()) {
+    } else if (buffers_version_.has_value() || agent_.held().has_value()) {
       refused = make_error(Errc::kAlreadyHolding, "the shard already holds a version: unpublish first");
-      return;
     }
-    // Checksums of what the buffers hold now, and the packed copy of the small tensors. Done here,
-    // before any reader can be granted, and (being on the I/O thread) in order with the call.
-    const auto& tensors = plan_.layout->tensors();
-    auto checksums = std::make_shared<Checksums>();
-    checksums->reserve(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      checksums->push_back(checksum(plan_.tensor_data[i], tensors[i].bytes));
-      if (plan_.packed_offset[i] != Plan::kNotPacked) {
-        std::memcpy(packed_.data() + plan_.packed_offset[i], plan_.tensor_data[i], tensors[i].bytes);
-      }
-    }
-    request.layout = plan_.layout;
-    request.checksums = std::move(checksums);
-    std::uint64_t total = plan_.packed_bytes;
-    for (std::size_t index : plan_.big) total += tensors[index].bytes;
-    buffers_version_ = version;
-    buffers_progress_ = std::make_shared<net::Progress>(total);
   });
   if (refused) return *refused;
-  Outcome outcome = call(std::move(request));
+  // Checksums of what the buffers hold now, and the packed copy of the small tensors.
+  const auto& tensors = current.layout->tensors();
+  auto checksums = std::make_shared<Checksums>();
+  checksums->reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    checksums->push_back(checksum(current.tensor_data[i], tensors[i].bytes));
+    if (current.packed_offset[i] != Plan::kNotPacked) {
+      std::memcpy(packed_.data() + current.packed_offset[i], current.tensor_data[i], tensors[i].bytes);
+    }
+  }
+  on_io([&] {
+    buffers_version_ = version;
+    buffers_progress_ = std::make_shared<net::Progress>(current.layout->total_bytes());
+  });
+  Outcome outcome = call(PublishRequest{version, current.layout, std::move(checksums)});
   if (const Error* error = std::get_if<Error>(&outcome)) {
     on_io([&] {
       if (!agent_.held().has_value()) buffers_version_.reset();
@@ -812,15 +858,15 @@ void Handle::Impl::shutdown() {
     std::lock_guard lock(reader_mutex_);
     reader_stopping_ = true;
     for (ReadJob& job : read_jobs_) job.cancelled->store(true);
-    if (current_read_cancelled_) current_read_cancelled_->store(true);
+    if (running_read_) running_read_->cancelled->store(true);
   }
   reader_wakeup_.notify_all();
   if (reader_thread_.joinable()) reader_thread_.join();
   if (io_thread_.joinable()) {
     // Offload threads report through the loop: let them finish first.
-    std::vector<std::thread> offloads;
+    std::map<std::uint64_t, std::thread> offloads;
     on_io([&] { offloads.swap(offload_threads_); });
-    for (std::thread& thread : offloads) thread.join();
+    for (auto& [id, thread] : offloads) thread.join();
     on_io([this] { stop_->fulfill(); });
     io_thread_.join();
   }
@@ -844,16 +890,7 @@ Status as_status(Outcome outcome) {
 Handle::Handle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Handle>> Handle::open(ClientOptions options) {
-  if (options.servers.size() > limits::kShardsMax) {
-    return make_error(Errc::kInvalidArgument, "too many server addresses");
-  }
-  if (auto valid = validate(agent_config_of(options, 1)); !valid.ok()) return valid.error();
-  if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {
-    return make_error(Errc::kInvalidArgument, "data_streams must be in 1.." + std::to_string(net::kPullStreamsMax));
-  }
-  if (options.chunk_bytes == 0 || options.chunk_bytes > (64ull << 20)) {
-    return make_error(Errc::kInvalidArgument, "chunk_bytes must be in 1..64 MiB");
-  }
+  if (Status valid = validate(options); !valid.ok()) return valid.error();
   auto impl = std::make_unique<Impl>(std::move(options));
   if (Status started = impl->start(); !started.ok()) return started.error();
   return std::unique_ptr<Handle>(new Handle(std::move(impl)));

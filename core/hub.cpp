@@ -61,21 +61,6 @@ std::string describe(const Replica& replica) {
   return "replica '" + replica.name + "' (incarnation " + std::to_string(replica.incarnation) + ")";
 }
 
-bool valid_name(const std::string& name, bool may_be_empty) {
-  if (name.empty()) return may_be_empty;
-  return name.size() <= limits::kNameBytesMax;
-}
-
-Status check_held_copy(const HeldCopy& held) {
-  if (!held.layout || !held.checksums) {
-    return make_error(Errc::kInvalidArgument, "an announced copy needs a layout and checksums");
-  }
-  if (held.checksums->size() != held.layout->tensors().size()) {
-    return make_error(Errc::kInvalidArgument, "an announced copy needs one checksum per tensor");
-  }
-  return Unit{};
-}
-
 }  // namespace
 
 namespace detail {
@@ -1544,41 +1529,9 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     evict(stale, Errc::kReplicaEvicted,
           "shard " + std::to_string(bound->shard) + " of " + describe(stale) + " opened again");
   }
-  if (!valid_name(open.model, false) || !valid_name(open.replica, false) ||
-      !valid_name(open.datacenter, true) || !valid_name(open.role, true)) {
-    reject(Errc::kInvalidArgument, "model and replica names need 1 to 256 bytes; datacenter and "
-                                   "role at most 256");
+  if (Status valid = validate(open); !valid.ok()) {
+    reject(valid.error().code, valid.error().detail);
     return;
-  }
-  if (open.data_endpoint.size() > limits::kEndpointBytesMax) {
-    reject(Errc::kInvalidArgument, "data endpoint longer than 512 bytes");
-    return;
-  }
-  if (open.num_shards == 0 || open.num_shards > limits::kShardsMax || open.shard >= open.num_shards) {
-    reject(Errc::kInvalidArgument, "shard " + std::to_string(open.shard) + " of " +
-                                       std::to_string(open.num_shards) +
-                                       " (1 to 256 shards per replica)");
-    return;
-  }
-  if ((open.retention.keep_latest && *open.retention.keep_latest > limits::kKeepLatestMax) ||
-      open.retention.pinned.size() > limits::kPinnedPerOpenMax) {
-    reject(Errc::kLimitExceeded, "retention keeps at most latest-64 and 16 pinned versions");
-    return;
-  }
-  if (open.resume) {
-    if (open.resume->offloads.size() > limits::kOffloadsPerReplicaMax) {
-      reject(Errc::kLimitExceeded, "too many offload copies announced");
-      return;
-    }
-    std::vector<const HeldCopy*> held;
-    if (open.resume->primary) held.push_back(&*open.resume->primary);
-    for (const HeldCopy& offload : open.resume->offloads) held.push_back(&offload);
-    for (const HeldCopy* copy : held) {
-      if (Status valid = check_held_copy(*copy); !valid) {
-        reject(valid.error().code, valid.error().detail);
-        return;
-      }
-    }
   }
 
   auto model_found = models_.find(open.model);

@@ -62,6 +62,52 @@ OpKey op_key(const RequestBody& body) {
   return key;
 }
 
+namespace {
+
+Status check_held_copy(const HeldCopy& held) {
+  if (!held.layout || !held.checksums) {
+    return make_error(Errc::kInvalidArgument, "an announced copy needs a layout and checksums");
+  }
+  if (held.checksums->size() != held.layout->tensors().size()) {
+    return make_error(Errc::kInvalidArgument, "an announced copy needs one checksum per tensor");
+  }
+  return Unit{};
+}
+
+}  // namespace
+
+Status validate(const OpenRequest& open) {
+  if (!valid_name(open.model, false) || !valid_name(open.replica, false) ||
+      !valid_name(open.datacenter, true) || !valid_name(open.role, true)) {
+    return make_error(Errc::kInvalidArgument, "model and replica names need 1 to 256 bytes; datacenter and "
+                                              "role at most 256");
+  }
+  if (open.data_endpoint.size() > limits::kEndpointBytesMax) {
+    return make_error(Errc::kInvalidArgument, "data endpoint longer than 512 bytes");
+  }
+  if (open.num_shards == 0 || open.num_shards > limits::kShardsMax || open.shard >= open.num_shards) {
+    return make_error(Errc::kInvalidArgument, "shard " + std::to_string(open.shard) + " of " +
+                                                  std::to_string(open.num_shards) +
+                                                  " (1 to 256 shards per replica)");
+  }
+  if ((open.retention.keep_latest && *open.retention.keep_latest > limits::kKeepLatestMax) ||
+      open.retention.pinned.size() > limits::kPinnedPerOpenMax) {
+    return make_error(Errc::kLimitExceeded, "retention keeps at most latest-64 and 16 pinned versions");
+  }
+  if (open.resume) {
+    if (open.resume->offloads.size() > limits::kOffloadsPerReplicaMax) {
+      return make_error(Errc::kLimitExceeded, "too many offload copies announced");
+    }
+    if (open.resume->primary) {
+      if (Status valid = check_held_copy(*open.resume->primary); !valid.ok()) return valid;
+    }
+    for (const HeldCopy& offload : open.resume->offloads) {
+      if (Status valid = check_held_copy(offload); !valid.ok()) return valid;
+    }
+  }
+  return Unit{};
+}
+
 OpKind op_kind(const RequestBody& body) {
   struct Visitor {
     OpKind operator()(const OpenRequest&) const {

@@ -286,6 +286,11 @@ struct Effect {
 };
 using Effects = std::vector<Effect>;
 
+// Whether the hub can take this open at all (names, endpoint, shard numbers, retention limits,
+// announced copies). The hub answers a failing open with this error; libthclient checks before it
+// sends anything.
+Status validate(const OpenRequest& open);
+
 OpKind op_kind(const RequestBody& body);  // TH_REQUIREs that body is not an OpenRequest
 OpKey op_key(const RequestBody& body);    // likewise
 

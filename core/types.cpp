@@ -7,6 +7,11 @@
 
 namespace th {
 
+bool valid_name(std::string_view name, bool may_be_empty) {
+  if (name.empty()) return may_be_empty;
+  return name.size() <= limits::kNameBytesMax;
+}
+
 std::string_view errc_name(Errc code) {
   switch (code) {
     case Errc::kInvalidArgument: return "invalid-argument";

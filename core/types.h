@@ -24,6 +24,10 @@ using TimeMs = std::int64_t;
 // One bit per shard of a replica.
 using ShardSet = std::bitset<limits::kShardsMax>;
 
+// Model, replica, datacenter, role and tensor names: at most kNameBytesMax bytes; empty only where
+// the field is optional.
+bool valid_name(std::string_view name, bool may_be_empty);
+
 // ---- Version selectors: `N`, `latest`, `latest-k` -------------------------------------------------
 
 struct Selector {

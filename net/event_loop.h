@@ -16,12 +16,12 @@
 
 namespace th::net {
 
-class FairLoop {
+class IoLoop {
  public:
   static constexpr unsigned kTurnsPerPollDefault = 0;
 
   // turns_per_poll 0: poll the kernel only when idle (kj's default).
-  explicit FairLoop(unsigned turns_per_poll = kTurnsPerPollDefault) : io_(kj::setupAsyncIo()) {
+  explicit IoLoop(unsigned turns_per_poll = kTurnsPerPollDefault) : io_(kj::setupAsyncIo()) {
     if (turns_per_poll > 0) io_.waitScope.setBusyPollInterval(turns_per_poll);
   }
 

@@ -295,7 +295,7 @@ Outcome get(wire::Outcome::Reader in) {
     case wire::Outcome::ERROR: {
       auto error = in.getError();
       return make_error(enum_in_range(error.getCode(), kErrcLast, "error code"),
-                        text(error.getDetail(), limits::kEndpointBytesMax * 8, "error detail"));
+                        text(error.getDetail(), kErrorDetailBytesMax, "error detail"));
     }
     case wire::Outcome::OPEN_OK: {
       auto ok = in.getOpenOk();
@@ -347,26 +347,15 @@ OpenRequest get(wire::OpenRequest::Reader in) {
   open.model = name(in.getModel(), "model");
   open.replica = name(in.getReplica(), "replica");
   open.incarnation = in.getIncarnation();
+  // Shard numbers and retention rules pass through: the hub checks them (validate(OpenRequest))
+  // and answers with a typed error, which a refusal here would turn into silence.
   open.num_shards = in.getNumShards();
   open.shard = in.getShard();
-  if (open.num_shards == 0 || open.num_shards > limits::kShardsMax) {
-    invalid("num_shards " + std::to_string(open.num_shards) + " is outside 1.." +
-            std::to_string(limits::kShardsMax));
-  }
-  if (open.shard >= open.num_shards) {
-    invalid("shard " + std::to_string(open.shard) + " of " + std::to_string(open.num_shards));
-  }
   open.datacenter = name(in.getDatacenter(), "datacenter");
   open.spot = in.getSpot();
   open.role = name(in.getRole(), "role");
   auto retention = in.getRetention();
-  if (retention.getHasKeepLatest()) {
-    if (retention.getKeepLatest() > limits::kKeepLatestMax) {
-      invalid("keep_latest " + std::to_string(retention.getKeepLatest()) + " is over the limit of " +
-              std::to_string(limits::kKeepLatestMax));
-    }
-    open.retention.keep_latest = retention.getKeepLatest();
-  }
+  if (retention.getHasKeepLatest()) open.retention.keep_latest = retention.getKeepLatest();
   list_at_most(retention.getPinned(), limits::kPinnedPerOpenMax, "pinned versions");
   for (std::uint64_t version : retention.getPinned()) open.retention.pinned.push_back(version);
   open.data_endpoint = text(in.getDataEndpoint(), limits::kEndpointBytesMax, "data endpoint");
@@ -484,12 +473,20 @@ Effect get(wire::Effect::Reader in) {
     case wire::Effect::Message::EVICTED: {
       auto evicted = message.getEvicted();
       effect.message = Evicted{enum_in_range(evicted.getReason(), kErrcLast, "eviction reason"),
-                               text(evicted.getDetail(), limits::kEndpointBytesMax * 8, "detail")};
+                               text(evicted.getDetail(), kErrorDetailBytesMax, "detail")};
       break;
     }
     default: invalid("message of an unknown kind");
   }
   return effect;
+}
+
+ToHubMessage get(wire::ToHub::Reader in) {
+  switch (in.which()) {
+    case wire::ToHub::REQUEST: return get(in.getRequest());
+    case wire::ToHub::REPORT: return get(in.getReport());
+  }
+  invalid("message of an unknown kind");
 }
 
 // Runs a decoder over untrusted bytes: an out-of-range field or a malformed Cap'n Proto message
@@ -646,25 +643,6 @@ Result<Request> decode(wire::Request::Reader in) { return decode_checked<Request
 Result<Report> decode(wire::Report::Reader in) { return decode_checked<Report>(in, "report"); }
 Result<Effect> decode(wire::Effect::Reader in) { return decode_checked<Effect>(in, "effect"); }
 
-Result<ToHubMessage> decode(wire::ToHub::Reader in) {
-  try {
-    switch (in.which()) {
-      case wire::ToHub::REQUEST: {
-        auto request = decode(in.getRequest());
-        if (!request.ok()) return request.error();
-        return ToHubMessage{std::move(request).value()};
-      }
-      case wire::ToHub::REPORT: {
-        auto report = decode(in.getReport());
-        if (!report.ok()) return report.error();
-        return ToHubMessage{std::move(report).value()};
-      }
-    }
-  } catch (const kj::Exception& malformed) {
-    return make_error(Errc::kInvalidArgument,
-                      std::string("message is malformed: ") + malformed.getDescription().cStr());
-  }
-  return make_error(Errc::kInvalidArgument, "message of an unknown kind");
-}
+Result<ToHubMessage> decode(wire::ToHub::Reader in) { return decode_checked<ToHubMessage>(in, "message"); }
 
 }  // namespace th::net

@@ -4,7 +4,8 @@
 // Encoding cannot fail: the values come from our own core. Decoding is where untrusted bytes enter:
 // every decode checks each enum against its range, each name and list against the limits of
 // core/limits.h, and the shape of layouts, so that the Hub and the agent only ever see values they
-// accept. A message that fails gets Errc::kInvalidArgument naming the field; a malformed Cap'n Proto
+// can hold. Plain numbers the hub judges itself (shard numbers, retention depth) pass through, so
+// that the client gets the hub's typed answer. A message that fails gets Errc::kInvalidArgument naming the field; a malformed Cap'n Proto
 // message (bad pointers, truncated) is caught and reported the same way.
 #pragma once
 
@@ -31,5 +32,7 @@ Result<ToHubMessage> decode(wire::ToHub::Reader in);
 
 // Messages per Session.send / Sink.deliver call: a sender batches up to this many.
 inline constexpr std::size_t kMessagesPerCallMax = 4096;
+// An error's free text (Error::detail, Evicted::detail) from the wire.
+inline constexpr std::size_t kErrorDetailBytesMax = 4096;
 
 }  // namespace th::net

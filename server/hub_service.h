@@ -1,6 +1,6 @@
 // The th-server shell: Cap'n Proto RPC connections in, the core Hub in the middle, effects out.
 //
-// One thread, one FairLoop. Every message that arrives is decoded (net/wire), fed to the Hub with the
+// One thread, one IoLoop. Every message that arrives is decoded (net/wire), fed to the Hub with the
 // server's clock, and the Hub's effects are routed to the connections of the clients they name and
 // delivered in batches. The shell adds no protocol logic; what it owns is logistics:
 //   - authentication: a connection must present the cluster token before it gets a Session;
@@ -52,8 +52,6 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Serves connections from `listener` until it is destroyed; also starts the clock.
   kj::Promise<void> serve(kj::ConnectionReceiver& listener);
 
-  const Hub& hub() const { return hub_; }
-  std::size_t connection_count() const { return connections_.size(); }
 
  private:
   struct Connection;

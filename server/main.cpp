@@ -3,27 +3,11 @@
 #include <kj/async-unix.h>
 
 #include <csignal>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "net/event_loop.h"
+#include "net/token.h"
 #include "server/hub_service.h"
-
-namespace {
-
-std::string read_token(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) throw CLI::ValidationError("--token-file", "cannot read " + path);
-  std::stringstream text;
-  text << file.rdbuf();
-  std::string token = text.str();
-  while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  if (token.empty()) throw CLI::ValidationError("--token-file", path + " is empty");
-  return token;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -56,7 +40,7 @@ int main(int argc, char** argv) {
   app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
       ->capture_default_str();
   app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();
-  unsigned turns_per_poll = th::net::FairLoop::kTurnsPerPollDefault;
+  unsigned turns_per_poll = th::net::IoLoop::kTurnsPerPollDefault;
   app.add_option("--turns-per-poll", turns_per_poll,
                  "Events handled between two looks at the kernel for new connections and data while busy; "
                  "0: only when idle (default; see net/event_loop.h for why)")
@@ -70,12 +54,12 @@ int main(int argc, char** argv) {
   }
   config.hub.pipeline = !no_pipeline;
   config.hub.smart_skipping = !no_smart_skipping;
-  try {
-    config.token = read_token(token_file);
-  } catch (const CLI::ValidationError& error) {
-    std::cerr << "th-server: " << error.what() << "\n";
+  auto token = th::net::read_token_file(token_file);
+  if (!token.ok()) {
+    std::cerr << "th-server: " << token.error().detail << "\n";
     return 2;
   }
+  config.token = std::move(token).value();
   if (auto valid = th::server::validate(config); !valid.ok()) {
     std::cerr << "th-server: " << valid.error().detail << "\n";
     return 2;
@@ -83,7 +67,7 @@ int main(int argc, char** argv) {
 
   kj::UnixEventPort::captureSignal(SIGINT);
   kj::UnixEventPort::captureSignal(SIGTERM);
-  th::net::FairLoop loop(turns_per_poll);
+  th::net::IoLoop loop(turns_per_poll);
   th::server::HubService service(config, loop.timer(), *log_level);
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());

@@ -4,25 +4,15 @@
 #include <kj/async-io.h>
 
 #include <chrono>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <sstream>
 #include <thread>
 
 #include "net/tensorhub.capnp.h"
+#include "net/token.h"
 #include "net/wire.h"
 
 namespace {
-
-std::string read_token(const std::string& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  std::string token = text.str();
-  while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  return token;
-}
 
 std::string joined(const std::vector<th::Version>& versions) {
   std::string text;
@@ -72,7 +62,12 @@ int main(int argc, char** argv) {
   app.add_flag("--watch", watch, "refresh until interrupted");
   app.add_option("--interval-ms", interval_ms, "refresh interval for --watch")->capture_default_str()->check(CLI::Range(100, 3'600'000));
   CLI11_PARSE(app, argc, argv);
-  const std::string token = read_token(token_file);
+  const auto token_read = th::net::read_token_file(token_file);
+  if (!token_read.ok()) {
+    std::cerr << "th-ctl: " << token_read.error().detail << "\n";
+    return 2;
+  }
+  const std::string& token = token_read.value();
 
   try {
     auto io = kj::setupAsyncIo();

@@ -154,7 +154,7 @@ class EmbeddedServer {
     std::promise<std::uint16_t> port;
     auto chosen = port.get_future();
     thread_ = std::thread([this, &port] {
-      th::net::FairLoop loop;
+      th::net::IoLoop loop;
       th::server::ServiceConfig config;
       config.token = kToken;
       // TH_DEMO_LOG=debug shows every call the server sees.

@@ -211,6 +211,10 @@ TEST_F(EndToEnd, BadInputGetsClearErrorsAndDisturbsNobody) {
   Process& intruder = worker({server}, "intruder", {}, {"list"}, "wrong-token");
   EXPECT_EQ(expect(intruder, "open ").substr(0, 28), "open error permission-denied");
 
+  // Options the hub would refuse are refused before anything is sent (no silent timeout).
+  Process& miscounted = worker({server}, "miscounted", {"--shard", "2", "--shards", "2"}, {"list"});
+  EXPECT_EQ(expect(miscounted, "open ").substr(0, 27), "open error invalid-argument");
+
   Process& confused = worker({server}, "confused", {}, {"replicate:latest-x", "list"});
   EXPECT_EQ(expect(confused, "replicate ").substr(0, 28), "replicate error bad-selector");
   Process& misshapen = worker({server}, "misshapen", {"--tensor-bytes", "12345"}, {"replicate:latest"});

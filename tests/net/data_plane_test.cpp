@@ -62,23 +62,30 @@ PullOptions small_chunks() {
   return options;
 }
 
-TEST(DataPlane, PullsACompleteSourceBitExact) {
-  DataServer server(DataServerConfig{});
-  const Shard shard = source_shard();
-  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+// Pulls `shard`, granted under `key`, over `streams` connections; checks every byte, the byte
+// count, and that the reported ready prefix only grew, up to the whole shard.
+void expect_bit_exact_pull(const DataServer& server, const Shard& shard, GrantKey key, std::uint32_t streams) {
   Reader reader(shard);
   std::uint64_t last_progress = 0;
   PullOptions options = small_chunks();
+  options.streams = streams;
   options.on_progress = [&](std::uint64_t ready) {
-    EXPECT_GT(ready, last_progress);  // the ready prefix only grows
+    EXPECT_GT(ready, last_progress);
     last_progress = ready;
   };
   const auto targets = reader.targets();
-  const PullOutcome outcome = pull(server.endpoint(), {7, 1}, targets, options);
+  const PullOutcome outcome = pull(server.endpoint(), key, targets, options);
   ASSERT_TRUE(outcome.ok()) << outcome.detail;
   EXPECT_EQ(outcome.bytes, shard.total());
   EXPECT_EQ(last_progress, shard.total());
   EXPECT_EQ(reader.buffers, shard.tensors);
+}
+
+TEST(DataPlane, PullsACompleteSourceBitExact) {
+  DataServer server(DataServerConfig{});
+  const Shard shard = source_shard();
+  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  expect_bit_exact_pull(server, shard, {7, 1}, 1);
   EXPECT_EQ(server.stats().bytes_served, shard.total());
   server.revoke({7, 1});
 }
@@ -107,22 +114,10 @@ TEST(DataPlane, PullsOverSeveralStreamsBitExact) {
   Shard shard = source_shard();
   for (int i = 0; i < 5; ++i) shard.tensors.push_back(pattern((1 << 20) + 17 * i, 10 + i));
   server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
-  Reader reader(shard);
-  std::uint64_t last_progress = 0;
+  expect_bit_exact_pull(server, shard, {7, 1}, 3);
+  // A refusal on one stream fails the whole pull, typed.
   PullOptions options = small_chunks();
   options.streams = 3;
-  options.on_progress = [&](std::uint64_t ready) {
-    EXPECT_GT(ready, last_progress);  // a prefix of whole regions, only growing
-    last_progress = ready;
-  };
-  const auto targets = reader.targets();
-  const PullOutcome outcome = pull(server.endpoint(), {7, 1}, targets, options);
-  ASSERT_TRUE(outcome.ok()) << outcome.detail;
-  EXPECT_EQ(outcome.bytes, shard.total());
-  EXPECT_EQ(last_progress, shard.total());
-  EXPECT_EQ(reader.buffers, shard.tensors);
-  // A refusal on one stream fails the whole pull, typed.
-  options.on_progress = nullptr;  // a new pull: its prefix starts again from nothing
   Shard bigger = shard;
   bigger.tensors[4].resize(bigger.tensors[4].size() + 1);
   Reader wrong(bigger);

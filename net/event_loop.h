@@ -8,7 +8,8 @@
 // reply waits. With 1,000 clients keeping 8 calls each in flight (tests/e2e/fairness_test.cpp), a
 // new client's open took a median of 4 ms with no busy polling and 180-370 ms when polling every
 // 64 to 1,024 events (bench/results/fairness-*.md). So the default is kj's own behaviour (0); the
-// knob stays for experiments (th-server --turns-per-poll).
+// knob stays for experiments (th-server --turns-per-poll). Fairness between th-server's connections
+// is net/fair_stream.h's job.
 #pragma once
 
 #include <kj/async-io.h>

@@ -20,7 +20,8 @@ Status validate(const ServiceConfig& config) {
   if (config.tick_ms <= 0 || config.tick_ms > 1000) {
     return make_error(Errc::kInvalidArgument, "tick_ms must be in 1..1000");
   }
-  if (config.delivers_in_flight_max == 0 || config.effects_backlog_max == 0 || config.connections_max == 0) {
+  if (config.delivers_in_flight_max == 0 || config.effects_backlog_max == 0 || config.connections_max == 0 ||
+      config.messages_per_turn == 0 || config.wakeups_per_poll == 0) {
     return make_error(Errc::kInvalidArgument, "flow-control limits must be positive");
   }
   return Unit{};
@@ -67,6 +68,7 @@ struct HubService::Connection {
   std::uint64_t id = 0;
   std::string name = "?";  // what the client calls itself (logs only)
   kj::Own<kj::AsyncIoStream> stream;
+  kj::Own<net::FairMessageStream> messages;
   kj::Own<capnp::TwoPartyVatNetwork> network;
   kj::Own<capnp::RpcSystem<capnp::rpc::twoparty::VatId>> rpc;
   kj::Maybe<wire::Sink::Client> sink;  // set once authenticated
@@ -153,7 +155,8 @@ class HubService::HubImpl final : public wire::Hub::Server {
 // ---- The service -------------------------------------------------------------------------------------
 
 HubService::HubService(ServiceConfig config, kj::Timer& timer, LogLevel log_level)
-    : config_(std::move(config)), timer_(timer), log_level_(log_level), hub_(config_.hub), tasks_(*this) {
+    : config_(std::move(config)), timer_(timer), log_level_(log_level), hub_(config_.hub),
+      turn_gate_(timer, config_.wakeups_per_poll), tasks_(*this) {
   TH_REQUIRE(validate(config_).ok(), "invalid service config");
 }
 
@@ -191,7 +194,9 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   auto connection = std::make_unique<Connection>();
   connection->id = next_connection_id_++;
   connection->stream = kj::mv(stream);
-  connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->stream, capnp::rpc::twoparty::Side::SERVER);
+  connection->messages = kj::heap<net::FairMessageStream>(*connection->stream, turn_gate_,
+                                                          config_.messages_per_turn);
+  connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->messages, capnp::rpc::twoparty::Side::SERVER);
   connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network,
                                                   kj::heap<HubImpl>(*this, connection->id)));
   const std::uint64_t id = connection->id;

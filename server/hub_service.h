@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/hub.h"
+#include "net/fair_stream.h"
 #include "net/tensorhub.capnp.h"
 
 namespace th::server {
@@ -36,6 +37,9 @@ struct ServiceConfig {
   std::uint32_t delivers_in_flight_max = 8;      // Sink.deliver calls per connection
   std::size_t effects_backlog_max = 1 << 16;     // undelivered effects per connection
   std::size_t connections_max = 65536;
+  // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
+  std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
+  std::uint32_t wakeups_per_poll = net::TurnGate::kWakeupsPerPollDefault;
 };
 Status validate(const ServiceConfig& config);
 
@@ -76,6 +80,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   kj::Timer& timer_;
   LogLevel log_level_;
   Hub hub_;
+  net::TurnGate turn_gate_;
   Effects effects_;  // reused across steps
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 

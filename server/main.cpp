@@ -45,6 +45,14 @@ int main(int argc, char** argv) {
                  "Events handled between two looks at the kernel for new connections and data while busy; "
                  "0: only when idle (default; see net/event_loop.h for why)")
       ->capture_default_str();
+  app.add_option("--messages-per-turn", config.messages_per_turn,
+                 "Messages one connection may send before the others get their turn (fairness under load)")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--wakeups-per-poll", config.wakeups_per_poll,
+                 "Connections that waited for their turn let in after each poll of the kernel")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
   CLI11_PARSE(app, argc, argv);
 
   const auto log_level = th::server::parse_log_level(log_level_name);

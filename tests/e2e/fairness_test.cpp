@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <sstream>
 #include <vector>
 
 #include "process.h"
@@ -30,18 +32,43 @@ struct Measured {
   double max() const { return *std::max_element(open_ms.begin(), open_ms.end()); }
 };
 
-Measured measure_under_load(const std::filesystem::path& dir, const std::string& turns_per_poll, int opens,
-                            const std::string& connections) {
-  Process server({TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file", (dir / "token").string(), "--log-level",
-                  "warn", "--turns-per-poll", turns_per_poll},
-                 (dir / ("server-" + turns_per_poll + ".log")).string());
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::string(value) : fallback;
+}
+
+// The load: `connections` clients split over `loads` processes, each keeping `in_flight`
+// Session.send calls of `batch` heartbeats outstanding at all times.
+struct Load {
+  int connections = 1000;
+  int loads = 2;
+  std::string in_flight = "64";
+  std::string batch = "1";
+};
+
+Measured measure_under_load(const std::filesystem::path& dir, const Load& load_shape,
+                            const std::string& server_args, int opens) {
+  std::vector<std::string> server_argv{TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file",
+                                       (dir / "token").string(), "--log-level", "warn"};
+  std::istringstream extra(server_args);
+  for (std::string arg; extra >> arg;) server_argv.push_back(arg);
+  Process server(server_argv, (dir / "server.log").string());
   const std::string listening = server.wait_for("th-server listening on ", 30'000);
   EXPECT_FALSE(listening.empty()) << server.describe();
   const std::string address = listening.substr(std::string("th-server listening on ").size());
-  Process load({TH_LOAD_PATH, "--server", address, "--token", kToken, "--connections", connections},
-               (dir / ("load-" + turns_per_poll + ".log")).string());
-  EXPECT_FALSE(load.wait_for("load ready", 120'000).empty()) << load.describe();
-  EXPECT_FALSE(load.wait_for("load calls", 10'000).empty()) << load.describe();
+  std::vector<std::unique_ptr<Process>> loads;
+  for (int i = 0; i < load_shape.loads; ++i) {
+    const int share = load_shape.connections / load_shape.loads + (i < load_shape.connections % load_shape.loads);
+    loads.push_back(std::make_unique<Process>(
+        std::vector<std::string>{TH_LOAD_PATH, "--server", address, "--token", kToken, "--connections",
+                                 std::to_string(share), "--in-flight", load_shape.in_flight, "--batch",
+                                 load_shape.batch},
+        (dir / ("load-" + std::to_string(i) + ".log")).string()));
+  }
+  for (auto& load : loads) {
+    EXPECT_FALSE(load->wait_for("load ready", 120'000).empty()) << load->describe();
+    EXPECT_FALSE(load->wait_for("load calls", 10'000).empty()) << load->describe();
+  }
 
   Measured measured;
   for (int incarnation = 1; incarnation <= opens; ++incarnation) {
@@ -51,7 +78,7 @@ Measured measure_under_load(const std::filesystem::path& dir, const std::string&
     options.model = "fairness";
     options.replica = "restarting-worker";
     options.incarnation = static_cast<std::uint64_t>(incarnation);
-    options.open_timeout_ms = 20'000;
+    options.open_timeout_ms = 120'000;
     const auto started = std::chrono::steady_clock::now();
     auto handle = Handle::open(options);
     const double took_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
@@ -59,23 +86,39 @@ Measured measure_under_load(const std::filesystem::path& dir, const std::string&
     measured.open_ms.push_back(took_ms);
     // The worker "crashes": the handle goes without closing (its next incarnation replaces it).
   }
-  const std::string progress = load.wait_for("load calls", 10'000);
-  std::cout << "  turns-per-poll " << turns_per_poll << ": open under load of " << connections << " clients ("
-            << progress << "): median " << measured.median() << " ms, max " << measured.max() << " ms\n";
+  // The server's throughput meanwhile: each load's calls in the second after the opens.
+  std::uint64_t calls_per_s = 0;
+  for (auto& load : loads) {
+    const std::string line = load->wait_for("load calls", 10'000);
+    const auto at = line.find("last-second ");
+    if (at != std::string::npos) calls_per_s += std::stoull(line.substr(at + 12));
+  }
+  std::cout << "  th-server [" << server_args << "]: open under " << load_shape.connections
+            << " clients in " << load_shape.loads << " processes (in flight " << load_shape.in_flight << ", batch "
+            << load_shape.batch << "; " << calls_per_s << " calls/s served): median "
+            << measured.median() << " ms, max " << measured.max() << " ms, all:";
+  for (double ms : measured.open_ms) std::cout << " " << static_cast<int>(ms);
+  std::cout << "\n";
   return measured;
 }
 
-// TH_FAIRNESS_CONNECTIONS sets the load (default 1000); TH_FAIRNESS_BOUND_MS, when set, is the
-// bound on the median open. ctest runs it twice: a smoke run in the default suite (200 clients, no
-// bound: the opens must succeed) and the measurement under the label bench (1000 clients, 100 ms).
+// The load's shape and the server's fairness knob come from the environment: TH_FAIRNESS_CONNECTIONS
+// (default 1000), TH_FAIRNESS_LOADS (2), TH_FAIRNESS_IN_FLIGHT (64), TH_FAIRNESS_BATCH (1),
+// TH_FAIRNESS_SERVER_ARGS (extra th-server options, e.g. "--messages-per-turn 8"). TH_FAIRNESS_BOUND_MS, when set, bounds the
+// median open. ctest runs it twice: a smoke run in the default suite (200 clients, no bound: the
+// opens must succeed) and the measurement under the label bench (1,000 clients, 100 ms).
 TEST(Fairness, ARestartingWorkerIsAnsweredPromptlyUnderBusyClients) {
   const auto dir = std::filesystem::temp_directory_path() / ("th-fairness-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "token") << kToken << "\n";
-  const char* connections = std::getenv("TH_FAIRNESS_CONNECTIONS");
-  const char* turns = std::getenv("TH_FAIRNESS_TURNS_PER_POLL");  // 0: kj's default, for comparison
-  const Measured fair = measure_under_load(dir, turns != nullptr ? turns : "0", 9,
-                                           connections != nullptr ? connections : "1000");
+  Load load;
+  load.connections = std::stoi(env_or("TH_FAIRNESS_CONNECTIONS", "1000"));
+  load.loads = std::stoi(env_or("TH_FAIRNESS_LOADS", "2"));
+  load.in_flight = env_or("TH_FAIRNESS_IN_FLIGHT", "64");
+  load.batch = env_or("TH_FAIRNESS_BATCH", "1");
+  ASSERT_GT(load.loads, 0);
+  ASSERT_GE(load.connections, load.loads);
+  const Measured fair = measure_under_load(dir, load, env_or("TH_FAIRNESS_SERVER_ARGS", ""), 9);
   if (const char* bound = std::getenv("TH_FAIRNESS_BOUND_MS")) {
     // On the median of nine restarts: one open may meet a scheduling hiccup of a shared machine.
     EXPECT_LT(fair.median(), std::stod(bound));

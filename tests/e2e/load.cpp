@@ -5,8 +5,8 @@
 //   --batch heartbeats of a client id of its own: a server kept as busy as this process can make it;
 // or, with --heartbeat-interval-ms, behaves like that many idle workers: each connection opens a
 //   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet).
-// Prints "load ready N" once every connection has its session, then "load calls N" every second,
-// until killed.
+// Prints "load ready N" once every connection has its session, then "load calls N last-second M"
+// every second (calls completed in all, and in the last second), until killed.
 #include <CLI/CLI.hpp>
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
@@ -136,8 +136,10 @@ int main(int argc, char** argv) {
     }));
     clients.push_back(std::move(client));
   }
+  std::uint64_t calls_last = 0;
   for (;;) {
     io.provider->getTimer().afterDelay(1 * kj::SECONDS).wait(io.waitScope);
-    std::cout << "load calls " << calls << std::endl;
+    std::cout << "load calls " << calls << " last-second " << calls - calls_last << std::endl;
+    calls_last = calls;
   }
 }

@@ -1,0 +1,83 @@
+#include "net/fair_stream.h"
+
+#include <iostream>
+
+#include "core/assert.h"
+
+namespace th::net {
+
+TurnGate::TurnGate(kj::Timer& timer, std::uint32_t wakeups_per_poll)
+    : timer_(timer), wakeups_per_poll_(wakeups_per_poll), tasks_(*this) {
+  TH_REQUIRE(wakeups_per_poll > 0, "the gate must wake someone per poll");
+}
+
+void TurnGate::taskFailed(kj::Exception&& exception) {
+  // A zero-delay timer cannot fail; if it ever does, say so rather than strand the waiters.
+  std::cerr << "turn gate: " << exception.getDescription().cStr() << "\n";
+  armed_ = false;
+  arm();
+}
+
+kj::Promise<void> TurnGate::next_turn() {
+  auto paf = kj::newPromiseAndFulfiller<void>();
+  waiters_.push_back(kj::mv(paf.fulfiller));
+  arm();
+  return kj::mv(paf.promise);
+}
+
+void TurnGate::arm() {
+  if (armed_ || waiters_.empty()) return;
+  armed_ = true;
+  // kj's timers fire only right after the loop polled the kernel, so a zero delay means "after the
+  // next poll" (and the poll does not block while a timer is due).
+  tasks_.add(timer_.afterDelay(0 * kj::NANOSECONDS).then([this] {
+    armed_ = false;
+    wake();
+    arm();
+  }));
+}
+
+void TurnGate::wake() {
+  std::uint32_t woken = 0;
+  while (woken < wakeups_per_poll_ && !waiters_.empty()) {
+    kj::Own<kj::PromiseFulfiller<void>> waiter = kj::mv(waiters_.front());
+    waiters_.pop_front();
+    if (!waiter->isWaiting()) continue;  // its connection closed meanwhile
+    waiter->fulfill();
+    ++woken;
+  }
+}
+
+FairMessageStream::FairMessageStream(kj::AsyncIoStream& stream, TurnGate& gate, std::uint32_t messages_per_turn)
+    : inner_(stream), gate_(gate), messages_per_turn_(messages_per_turn) {
+  TH_REQUIRE(messages_per_turn > 0, "a connection must be allowed at least one message per turn");
+}
+
+kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::tryReadMessage(
+    kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options, kj::ArrayPtr<capnp::word> scratch_space) {
+  if (messages_allowed_ > 0) {
+    --messages_allowed_;
+    return inner_.tryReadMessage(fd_space, options, scratch_space);
+  }
+  // This connection had its share: read again when the gate lets it.
+  return gate_.next_turn().then([this, fd_space, options, scratch_space] {
+    messages_allowed_ = messages_per_turn_ - 1;
+    return inner_.tryReadMessage(fd_space, options, scratch_space);
+  });
+}
+
+kj::Promise<void> FairMessageStream::writeMessage(kj::ArrayPtr<const int> fds,
+                                                  kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>> segments) {
+  return inner_.writeMessage(fds, segments);
+}
+
+kj::Promise<void> FairMessageStream::writeMessages(
+    kj::ArrayPtr<kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>> messages) {
+  return inner_.writeMessages(messages);
+}
+
+kj::Maybe<int> FairMessageStream::getSendBufferSize() { return inner_.getSendBufferSize(); }
+
+kj::Promise<void> FairMessageStream::end() { return inner_.end(); }
+
+}  // namespace th::net

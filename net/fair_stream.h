@@ -1,0 +1,89 @@
+// Fair turns for the connections of one kj event loop.
+//
+// kj reads a socket without asking the kernel first whenever the previous read left data behind, so
+// a connection whose peer always has more to send keeps being read in the same turn of the loop and
+// the loop's queue never drains. Until it drains, kj neither polls the kernel (a new connection waits
+// in the listen queue) nor runs evalLast() callbacks (where Cap'n Proto 0.9.2 writes its queued
+// replies). And when kj does poll, it takes at most 16 ready descriptors per epoll_wait, so a new
+// connection queues behind every busy one in the kernel's ready list, one poll per 16.
+//
+// Measured on this machine (bench/results/fairness-*.md): with 1,000 connections keeping 64 calls
+// each in flight, a restarting worker's open took a median of 1-2 s (up to 3 s) with kj alone; and
+// letting each connection read a bounded number of messages but waking all of them at the next poll
+// made it minutes (every poll did a whole round of work, and a new connection needs ~60 polls to
+// reach the head of the ready list). With the gate below (4 messages, 4 wakeups): 8-24 ms median.
+//
+// So: a connection reads at most `messages_per_turn` messages, then waits on the TurnGate, which
+// wakes at most `wakeups_per_poll` waiting connections after each kernel poll, oldest first. The
+// work between two polls is then bounded by (16 + wakeups_per_poll) x messages_per_turn messages,
+// whatever the number of busy connections, and a new one is reached within a bounded time.
+#pragma once
+
+#include <capnp/serialize-async.h>
+#include <kj/async-io.h>
+#include <kj/timer.h>
+
+#include <cstdint>
+#include <deque>
+
+namespace th::net {
+
+class TurnGate final : private kj::TaskSet::ErrorHandler {
+ public:
+  // Small, so that a poll's work is small and the ~N/16 polls a new connection may wait for to reach
+  // the head of epoll's ready list pass quickly (16 measured 3-9x slower opens than 4; see below).
+  static constexpr std::uint32_t kWakeupsPerPollDefault = 4;
+
+  TurnGate(kj::Timer& timer, std::uint32_t wakeups_per_poll);
+  TurnGate(const TurnGate&) = delete;
+  TurnGate& operator=(const TurnGate&) = delete;
+
+  // Resolves after a later kernel poll of the loop, in the order of asking.
+  kj::Promise<void> next_turn();
+  std::size_t waiting() const { return waiters_.size(); }
+
+ private:
+  void taskFailed(kj::Exception&& exception) override;
+  void arm();
+  void wake();
+
+  kj::Timer& timer_;
+  std::uint32_t wakeups_per_poll_;
+  std::deque<kj::Own<kj::PromiseFulfiller<void>>> waiters_;
+  bool armed_ = false;
+  kj::TaskSet tasks_;
+};
+
+// capnp::MessageStream has virtual methods and a non-virtual destructor; this class is final and
+// owned as itself (kj::Own<FairMessageStream>), so deleting it through the base cannot happen.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
+class FairMessageStream final : public capnp::MessageStream {
+ public:
+  static constexpr std::uint32_t kMessagesPerTurnDefault = 4;
+  // A new connection's first turn: its handshake (bootstrap, connect) and the calls pipelined behind
+  // it (a restarting worker's open) are read at once rather than one gate round each.
+  static constexpr std::uint32_t kMessagesFirstTurn = 16;
+
+  // `stream` and `gate` must outlive this stream.
+  FairMessageStream(kj::AsyncIoStream& stream, TurnGate& gate, std::uint32_t messages_per_turn);
+
+  kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> tryReadMessage(
+      kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options,
+      kj::ArrayPtr<capnp::word> scratch_space) override;
+  kj::Promise<void> writeMessage(kj::ArrayPtr<const int> fds,
+                                 kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>> segments) override;
+  kj::Promise<void> writeMessages(
+      kj::ArrayPtr<kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>> messages) override;
+  kj::Maybe<int> getSendBufferSize() override;
+  kj::Promise<void> end() override;
+
+ private:
+  capnp::AsyncIoMessageStream inner_;
+  TurnGate& gate_;
+  std::uint32_t messages_per_turn_;
+  std::uint32_t messages_allowed_ = kMessagesFirstTurn;  // left in this turn
+};
+#pragma GCC diagnostic pop
+
+}  // namespace th::net

@@ -3,7 +3,8 @@
 // The agent decides everything (what to send, when to retry, which grants to serve, when to fail
 // over); this file carries out its effects on real resources and feeds it what happens:
 //   - the control protocol: one Cap'n Proto connection per server, opened on demand, with a bounded
-//     number of Session.send calls in flight; a lost connection is ServerLost;
+//     number of Session.send calls in flight; a lost connection is ServerLost; heartbeats go as UDP
+//     datagrams where the server offers it and hears them, as calls otherwise;
 //   - the data plane: a DataServer serves grants from the registered tensors (or from an offload
 //     copy); one reader thread pulls versions into them and verifies their checksums;
 //   - offloads: a thread copies the registered tensors to CPU memory;
@@ -30,6 +31,7 @@
 #include "core/agent.h"
 #include "net/data_plane.h"
 #include "net/event_loop.h"
+#include "net/heartbeat.h"
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -163,6 +165,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   bool is_open();
   void shutdown();
 
+  std::uint64_t client_id() const { return client_id_; }
   std::string data_endpoint() const { return advertised_; }
   HandleStats stats() const;
 
@@ -265,6 +268,11 @@ struct Handle::Impl::Link {
   kj::Maybe<wire::Session::Client> session;
   std::vector<net::ToHubMessage> queue;
   std::uint32_t sends_in_flight = 0;
+  // Heartbeats as datagrams (net/heartbeat.h), once the server offered a channel at connect.
+  std::unique_ptr<net::HeartbeatSender> heartbeats;
+  std::uint64_t heartbeat_secret = 0;
+  // The server's last Session.send reply said it hears them: heartbeats stop going as calls.
+  bool heartbeat_datagrams_heard = false;
 };
 
 class Handle::Impl::SinkImpl final : public wire::Sink::Server {
@@ -413,8 +421,15 @@ void Handle::Impl::send_to(std::uint32_t server, net::ToHubMessage message) {
     connect(server);
     found = links_.find(server);
   }
-  found->second->queue.push_back(std::move(message));
-  flush(*found->second);
+  Link& link = *found->second;
+  if (const auto* report = std::get_if<Report>(&message);
+      report != nullptr && std::holds_alternative<Heartbeat>(report->body) && link.heartbeats != nullptr) {
+    // Also as a call until the server says it hears the datagrams (they may be filtered on the way).
+    link.heartbeats->send({report->client, report->session, link.heartbeat_secret});
+    if (link.heartbeat_datagrams_heard) return;
+  }
+  link.queue.push_back(std::move(message));
+  flush(link);
 }
 
 void Handle::Impl::connect(std::uint32_t server) {
@@ -435,7 +450,7 @@ void Handle::Impl::connect(std::uint32_t server) {
           .afterDelay(delay_ms * kj::MILLISECONDS)
           .then([this, address] { return loop_->io().getNetwork().parseAddress(address); })
           .then([](kj::Own<kj::NetworkAddress> resolved) { return resolved->connect().attach(kj::mv(resolved)); })
-          .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
+          .then([this, server, generation, find_link, address](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
             Link* link = find_link();
             if (link == nullptr) return kj::READY_NOW;
             link->stream = kj::mv(stream);
@@ -453,8 +468,19 @@ void Handle::Impl::connect(std::uint32_t server) {
             auto connected = request.send();
             link->session = connected.getSession();
             flush(*link);
-            return connected.ignoreResult().then([this, server, find_link] {
-              if (find_link() != nullptr) reconnect_.erase(server);
+            return connected.then([this, server, find_link, address](auto response) {
+              Link* connected_link = find_link();
+              if (connected_link == nullptr) return;
+              reconnect_.erase(server);
+              const auto channel = response.getHeartbeats();
+              if (channel.getPort() == 0 || channel.getSecret() == 0) return;
+              try {
+                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(
+                    net::Endpoint{net::parse_endpoint(address).host, channel.getPort()});
+                connected_link->heartbeat_secret = channel.getSecret();
+              } catch (const net::SocketError& error) {
+                log(std::string("heartbeats go as calls: ") + error.what());
+              }
             });
           })
           .catch_([this, server, generation, address](kj::Exception&& exception) {
@@ -477,12 +503,14 @@ void Handle::Impl::flush(Link& link) {
       ++link.sends_in_flight;
       const std::uint32_t server = link.server;
       const std::uint64_t generation = link.generation;
-      tasks_->add(request.send().ignoreResult().then(
-          [this, server, generation] {
+      tasks_->add(request.send().then(
+          [this, server, generation](auto response) {
             auto found = links_.find(server);
             if (found == links_.end() || found->second->generation != generation) return;
-            --found->second->sends_in_flight;
-            flush(*found->second);
+            Link& sent = *found->second;
+            --sent.sends_in_flight;
+            sent.heartbeat_datagrams_heard = sent.heartbeats != nullptr && response.getHeartbeatDatagramsHeard();
+            flush(sent);
           },
           [this, server, generation](kj::Exception&& exception) {
             if (exception.getType() == kj::Exception::Type::DISCONNECTED) {
@@ -946,6 +974,7 @@ Status Handle::wait(const WaitPredicate& predicate, TimeMs timeout_ms) {
 
 Status Handle::close() { return as_status(impl_->call(CloseRequest{})); }
 std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
+std::uint64_t Handle::client_id() const { return impl_->client_id(); }
 HandleStats Handle::stats() const { return impl_->stats(); }
 
 }  // namespace th

@@ -212,7 +212,17 @@ interface Sink {
 interface Session {
   # Requests and reports of the client handles of this connection. Returns once the server has
   # fed them to the hub; the client keeps a bounded number of these calls in flight.
-  send @0 (messages :List(ToHub)) -> ();
+  #
+  # heartbeatDatagramsHeard: the server has lately received this connection's heartbeats as UDP
+  # datagrams (see HeartbeatChannel), so the client may stop sending them as calls.
+  send @0 (messages :List(ToHub)) -> (heartbeatDatagramsHeard :Bool);
+}
+
+# Where and how to send heartbeats as one-way UDP datagrams (net/heartbeat.h) instead of calls: a
+# call costs the server ~60 us of CPU, a datagram ~1 us. port 0: the server takes calls only.
+struct HeartbeatChannel {
+  port @0 :UInt16;     # UDP, on the host the client connected to
+  secret @1 :UInt64;   # proves a datagram comes from this connection's clients
 }
 
 # What th-ctl shows: counters of the server since it started.
@@ -227,13 +237,16 @@ struct ServerStats {
   clients @7 :UInt64;
   connections @8 :UInt64;
   uptimeMs @9 :Int64;
+  heartbeatDatagrams @10 :UInt64;         # accepted
+  heartbeatDatagramsRefused @11 :UInt64;  # malformed, unknown client or wrong secret
+  heartbeatCalls @12 :UInt64;             # heartbeats that came as Session.send messages
 }
 
 # The bootstrap capability of th-server.
 interface Hub {
   # Authenticates the connection with the cluster token. Refused (an exception of type FAILED with a
   # reason) for a wrong token.
-  connect @0 (token :Text, sink :Sink, clientName :Text) -> (session :Session);
+  connect @0 (token :Text, sink :Sink, clientName :Text) -> (session :Session, heartbeats :HeartbeatChannel);
 
   # Every model's listing and the server's counters (th-ctl). Same token as connect.
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);

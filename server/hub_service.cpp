@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <ctime>
 #include <iostream>
+#include <random>
 
 #include "net/wire.h"
 
@@ -37,6 +38,10 @@ std::optional<LogLevel> parse_log_level(std::string_view name) {
 
 namespace {
 
+// How long heartbeat datagrams gather in the socket's buffer between two reads while they keep
+// coming. Far below any heartbeat timeout; at 8,192 beats/s, ~80 datagrams per read.
+constexpr std::int64_t kHeartbeatGatherMs = 10;
+
 std::string_view level_name(LogLevel level) {
   switch (level) {
     case LogLevel::kError: return "error";
@@ -54,6 +59,14 @@ bool same_token(std::string_view a, std::string_view b) {
     differ |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
   }
   return differ == 0;
+}
+
+// A connection's heartbeat secret: unpredictable to other peers, never 0 (0 means "no channel").
+std::uint64_t new_secret() {
+  static std::random_device device;  // the kernel's getrandom
+  std::uint64_t secret = 0;
+  while (secret == 0) secret = (static_cast<std::uint64_t>(device()) << 32) | device();
+  return secret;
 }
 
 ClientId client_of(const net::ToHubMessage& message) {
@@ -75,6 +88,8 @@ struct HubService::Connection {
   std::vector<ClientId> clients;       // bound here; a handful per process
   std::vector<Effect> backlog;         // effects not yet handed to deliver()
   std::uint32_t delivers_in_flight = 0;
+  std::uint64_t heartbeat_secret = 0;        // 0: no datagram channel
+  std::optional<TimeMs> heartbeat_datagram_ms;  // when the last datagram of its clients came
 
   std::string describe() const { return "connection " + std::to_string(id) + " (" + name + ")"; }
 };
@@ -94,6 +109,7 @@ class HubService::SessionImpl final : public wire::Session::Server {
     }
     const std::string refused = service_.on_messages(*found->second, messages);
     if (!refused.empty()) return KJ_EXCEPTION(FAILED, "invalid-argument", refused);
+    context.getResults().setHeartbeatDatagramsHeard(service_.heartbeat_datagrams_heard(*found->second));
     return kj::READY_NOW;
   }
 
@@ -119,7 +135,14 @@ class HubService::HubImpl final : public wire::Hub::Server {
     if (connection.sink != nullptr) return KJ_EXCEPTION(FAILED, "invalid-argument: connect called twice");
     connection.sink = params.getSink();
     service_.log(LogLevel::kDebug, connection.describe() + " authenticated");
-    context.getResults().setSession(kj::heap<SessionImpl>(service_, connection_));
+    auto results = context.getResults();
+    results.setSession(kj::heap<SessionImpl>(service_, connection_));
+    if (service_.heartbeat_receiver_ != nullptr) {
+      connection.heartbeat_secret = new_secret();
+      auto channel = results.initHeartbeats();
+      channel.setPort(service_.heartbeat_receiver_->port());
+      channel.setSecret(connection.heartbeat_secret);
+    }
     return kj::READY_NOW;
   }
 
@@ -144,6 +167,11 @@ class HubService::HubImpl final : public wire::Hub::Server {
     stats.setClients(hub.client_count());
     stats.setConnections(service_.connections_.size());
     stats.setUptimeMs(service_.now_ms());
+    stats.setHeartbeatDatagrams(service_.heartbeat_datagrams_);
+    stats.setHeartbeatCalls(service_.heartbeat_calls_);
+    stats.setHeartbeatDatagramsRefused(
+        service_.heartbeat_datagrams_refused_ +
+        (service_.heartbeat_receiver_ != nullptr ? service_.heartbeat_receiver_->malformed() : 0));
     return kj::READY_NOW;
   }
 
@@ -169,6 +197,71 @@ void HubService::taskFailed(kj::Exception&& exception) {
 kj::Promise<void> HubService::serve(kj::ConnectionReceiver& listener) {
   tasks_.add(clock_loop());
   return accept_loop(listener);
+}
+
+void HubService::serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::HeartbeatReceiver> receiver) {
+  TH_REQUIRE(heartbeat_receiver_ == nullptr, "serve_heartbeats is called once");
+  heartbeat_receiver_ = std::move(receiver);
+  heartbeat_observer_ = kj::heap<kj::UnixEventPort::FdObserver>(port, heartbeat_receiver_->fd(),
+                                                                 kj::UnixEventPort::FdObserver::OBSERVE_READ);
+  tasks_.add(heartbeat_loop());
+}
+
+kj::Promise<void> HubService::heartbeat_loop() {
+  // A few batches, then the other connections' turn (a flood of datagrams must not starve them).
+  constexpr int kBatchesPerTurnMax = 4;
+  std::size_t read_total = 0;
+  for (int batch = 0; batch < kBatchesPerTurnMax; ++batch) {
+    heartbeat_batch_.clear();
+    std::size_t read = 0;
+    try {
+      read = heartbeat_receiver_->receive(heartbeat_batch_);
+    } catch (const net::SocketError& error) {
+      log(LogLevel::kError, std::string("reading heartbeat datagrams: ") + error.what());
+      break;
+    }
+    read_total += read;
+    for (const net::HeartbeatDatagram& datagram : heartbeat_batch_) on_heartbeat_datagram(datagram);
+    if (read == 0) {
+      if (read_total == 0) {
+        // Idle: wait for the next datagram (the socket is drained, so the edge will come).
+        return heartbeat_observer_->whenBecomesReadable().then([this] { return heartbeat_loop(); });
+      }
+      // Beats keep coming: let them gather in the socket's buffer for a while and take them in one
+      // go. Waking for every datagram of 8,192 clients cost more than reading them.
+      return timer_.afterDelay(kHeartbeatGatherMs * kj::MILLISECONDS).then([this] { return heartbeat_loop(); });
+    }
+  }
+  return turn_gate_.next_turn().then([this] { return heartbeat_loop(); });
+}
+
+void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
+  auto bound = client_connection_.find(datagram.client);
+  Connection* connection = bound != client_connection_.end() ? connections_.at(bound->second).get() : nullptr;
+  if (connection == nullptr || connection->heartbeat_secret != datagram.secret) {
+    // Not proof of an attack (a datagram can outlive its connection); logged in summary, since
+    // a flood of them must not flood the log.
+    ++heartbeat_datagrams_refused_;
+    ++heartbeat_refusals_unlogged_;
+    const TimeMs now = now_ms();
+    if (now - heartbeat_refusal_logged_ms_ >= 10'000) {
+      log(LogLevel::kWarn, "refused " + std::to_string(heartbeat_refusals_unlogged_) +
+                               " heartbeat datagram(s) (unknown client or wrong secret), the last for client " +
+                               std::to_string(datagram.client));
+      heartbeat_refusals_unlogged_ = 0;
+      heartbeat_refusal_logged_ms_ = now;
+    }
+    return;
+  }
+  ++heartbeat_datagrams_;
+  connection->heartbeat_datagram_ms = now_ms();
+  feed(Report{datagram.client, Heartbeat{}, datagram.session});
+}
+
+bool HubService::heartbeat_datagrams_heard(const Connection& connection) const {
+  // Recently enough that the client, told so, has time to go back to calls before its timeout.
+  return connection.heartbeat_datagram_ms.has_value() &&
+         now_ms() - *connection.heartbeat_datagram_ms <= config_.hub.heartbeat_timeout_ms / 2;
 }
 
 kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
@@ -241,6 +334,10 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
       }
       client_connection_[client] = connection.id;
       connection.clients.push_back(client);
+    }
+    if (const auto* report = std::get_if<Report>(&decoded.value());
+        report != nullptr && std::holds_alternative<Heartbeat>(report->body)) {
+      ++heartbeat_calls_;
     }
     if (log_level_ >= LogLevel::kDebug) {
       if (const auto* request = std::get_if<Request>(&decoded.value())) {

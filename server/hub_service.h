@@ -8,11 +8,14 @@
 //     closes, the Hub hears ConnectionLost for each of its clients;
 //   - flow control: each connection has a bounded number of Sink.deliver calls in flight and a
 //     bounded backlog of effects; a client that falls behind further is disconnected;
-//   - time: a timer feeds Tick so that heartbeat expiry, barriers and call deadlines fire.
+//   - time: a timer feeds Tick so that heartbeat expiry, barriers and call deadlines fire;
+//   - heartbeat datagrams (net/heartbeat.h): each connection gets a secret at connect; a datagram
+//     naming a client bound to that connection, with that secret, is the client's Heartbeat report.
 #pragma once
 
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
+#include <kj/async-unix.h>
 
 #include <chrono>
 #include <cstdint>
@@ -26,6 +29,7 @@
 
 #include "core/hub.h"
 #include "net/fair_stream.h"
+#include "net/heartbeat.h"
 #include "net/tensorhub.capnp.h"
 
 namespace th::server {
@@ -55,6 +59,9 @@ class HubService final : private kj::TaskSet::ErrorHandler {
 
   // Serves connections from `listener` until it is destroyed; also starts the clock.
   kj::Promise<void> serve(kj::ConnectionReceiver& listener);
+  // Takes heartbeats as datagrams from `receiver` too, and offers its port to every connection.
+  // Call before serve(); without it, clients send heartbeats as calls.
+  void serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::HeartbeatReceiver> receiver);
 
 
  private:
@@ -65,6 +72,10 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   void taskFailed(kj::Exception&& exception) override;
   kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener);
   kj::Promise<void> clock_loop();
+  kj::Promise<void> heartbeat_loop();
+  void on_heartbeat_datagram(const net::HeartbeatDatagram& datagram);
+  // Whether the connection's clients may stop sending heartbeats as calls (Session.send's reply).
+  bool heartbeat_datagrams_heard(const Connection& connection) const;
   void on_connection(kj::Own<kj::AsyncIoStream> stream);
   void on_disconnect(std::uint64_t connection_id);
   // Decodes and feeds a batch from one connection. Returns an error text for the caller if some
@@ -84,8 +95,18 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   Effects effects_;  // reused across steps
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 
+  std::unique_ptr<net::HeartbeatReceiver> heartbeat_receiver_;
+  kj::Own<kj::UnixEventPort::FdObserver> heartbeat_observer_;
+  std::vector<net::HeartbeatDatagram> heartbeat_batch_;  // reused; at most one recvmmsg batch
+  std::uint64_t heartbeat_datagrams_ = 0;
+  std::uint64_t heartbeat_calls_ = 0;
+  std::uint64_t heartbeat_datagrams_refused_ = 0;  // unknown client or wrong secret
+  std::uint64_t heartbeat_refusals_unlogged_ = 0;
+  TimeMs heartbeat_refusal_logged_ms_ = -1'000'000;
+
   std::uint64_t next_connection_id_ = 1;
-  std::map<std::uint64_t, std::unique_ptr<Connection>> connections_;
+  // Hashed: a heartbeat datagram looks its connection up, 8,192 times a second for 8,192 clients.
+  std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> connections_;
   std::unordered_map<ClientId, std::uint64_t> client_connection_;  // client -> connection id
   kj::TaskSet tasks_;
 };

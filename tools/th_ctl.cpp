@@ -84,7 +84,9 @@ int main(int argc, char** argv) {
                 << " connections, " << stats.getClients() << " clients; " << stats.getRequests() << " requests, "
                 << stats.getTransfersCompleted() << "/" << stats.getTransfersStarted() << " transfers done, "
                 << stats.getSourceFailures() << " source failures, " << stats.getOffloadsStarted() << " offloads, "
-                << stats.getEvictions() << " evictions\n";
+                << stats.getEvictions() << " evictions\n"
+                << "heartbeats: " << stats.getHeartbeatDatagrams() << " as datagrams ("
+                << stats.getHeartbeatDatagramsRefused() << " refused), " << stats.getHeartbeatCalls() << " as calls\n";
       std::size_t shown = 0;
       for (auto wire_model : response.getModels()) {
         auto model = th::net::decode(wire_model);

@@ -5,13 +5,18 @@
 // version it claims to hold. Failures print every process's command, output and stderr.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "net/data_plane.h"
+#include "net/heartbeat.h"
 #include "process.h"
 
 namespace th::e2e {
@@ -76,6 +81,15 @@ class EndToEnd : public ::testing::Test {
     const std::string line = process.wait_for(prefix, kStepMs);
     EXPECT_FALSE(line.empty()) << "expected '" << prefix << "' from\n" << process.describe();
     return line;
+  }
+
+  // th-ctl's listing of `server` (waits for it to exit).
+  std::string ctl(const std::string& server) {
+    Process& ctl = spawn({TH_CTL_PATH, "--server", server, "--token-file", (dir_ / "token").string()}, "ctl");
+    std::string listing;
+    for (std::string line; !(line = ctl.wait_for("", kStepMs)).empty();) listing += line + "\n";
+    EXPECT_EQ(ctl.wait_exit(kStepMs), 0) << ctl.describe();
+    return listing;
   }
 
   std::filesystem::path dir_;
@@ -231,6 +245,81 @@ TEST_F(EndToEnd, BadInputGetsClearErrorsAndDisturbsNobody) {
   EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
   EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
   EXPECT_EQ(expect(confused, "list ").substr(0, 13), "list latest=1");
+}
+
+// th-ctl's "heartbeats: D as datagrams (R refused), C as calls".
+struct HeartbeatCounts {
+  std::uint64_t datagrams = 0;
+  std::uint64_t refused = 0;
+  std::uint64_t calls = 0;
+};
+
+HeartbeatCounts heartbeat_counts(const std::string& listing) {
+  HeartbeatCounts counts;
+  const auto at = listing.find("heartbeats: ");
+  EXPECT_NE(at, std::string::npos) << listing;
+  if (at == std::string::npos) return counts;
+  std::istringstream line(listing.substr(at + std::string("heartbeats: ").size()));
+  std::string as, datagrams_word, refused_word, as2, calls_word;
+  char open_paren = 0;
+  line >> counts.datagrams >> as >> datagrams_word >> open_paren >> counts.refused >> refused_word >> counts.calls;
+  return counts;
+}
+
+// An idle worker's heartbeats go as UDP datagrams once the server hears them, and no longer as
+// calls; datagrams that name the client but lack its connection's secret keep nobody alive.
+TEST_F(EndToEnd, HeartbeatsGoAsDatagramsThatOnlyTheirConnectionCanSend) {
+  const std::string server = start_server();  // heartbeat timeout 3 s; the client beats every 1 s
+  Process& idle = worker({server}, "idle", {}, {"wait-line", "list"});
+  expect(idle, "open ok ");
+  const std::string client_line = expect(idle, "client ");
+  const ClientId client = std::stoull(client_line.substr(std::string("client ").size()));
+
+  // The first beats go both ways; once a send reply says the datagrams are heard, only datagrams.
+  HeartbeatCounts before;
+  for (int attempt = 0; attempt < 100 && before.datagrams < 2; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    before = heartbeat_counts(ctl(server));
+  }
+  ASSERT_GE(before.datagrams, 2u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3500));  // more than the heartbeat timeout
+  const std::string listing = ctl(server);
+  const HeartbeatCounts after = heartbeat_counts(listing);
+  EXPECT_GE(after.datagrams, before.datagrams + 2) << listing;
+  EXPECT_EQ(after.calls, before.calls) << "an idle client heard by datagram sends no heartbeat calls\n" << listing;
+  EXPECT_NE(listing.find("idle"), std::string::npos) << "alive on datagrams alone\n" << listing;
+
+  // Stop the worker and beat in its name without the secret, for longer than the timeout.
+  ASSERT_EQ(::kill(idle.pid(), SIGSTOP), 0);
+  const net::Endpoint endpoint = net::parse_endpoint(server);
+  net::HeartbeatSender forger(endpoint);  // the datagram port has the control port's number
+  for (int beat = 0; beat < 45; ++beat) {
+    EXPECT_TRUE(forger.send({client, 1, 0x5EC2E7}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const std::string forged = ctl(server);
+  EXPECT_GE(heartbeat_counts(forged).refused, 40u) << forged;  // a few may be lost on the way
+  EXPECT_EQ(forged.find("idle"), std::string::npos) << "forged beats kept a stopped client alive\n" << forged;
+
+  // Woken, the worker's next call tells it that it was evicted.
+  ASSERT_EQ(::kill(idle.pid(), SIGCONT), 0);
+  idle.send_line("go");
+  EXPECT_EQ(expect(idle, "list ").substr(0, 26), "list error replica-evicted");
+}
+
+// With datagrams off at the server, heartbeats go as calls and keep the client alive.
+TEST_F(EndToEnd, HeartbeatsGoAsCallsWhenTheServerTakesNoDatagrams) {
+  const std::string server = start_server({"--no-heartbeat-datagrams"});
+  Process& idle = worker({server}, "idle", {}, {"wait-line", "list"});
+  expect(idle, "open ok ");
+  std::this_thread::sleep_for(std::chrono::milliseconds(4500));  // more than the heartbeat timeout
+  const std::string listing = ctl(server);
+  const HeartbeatCounts counts = heartbeat_counts(listing);
+  EXPECT_EQ(counts.datagrams, 0u) << listing;
+  EXPECT_GE(counts.calls, 3u) << listing;
+  EXPECT_NE(listing.find("idle"), std::string::npos) << listing;
+  idle.send_line("go");
+  EXPECT_EQ(expect(idle, "list ").substr(0, 5), "list ");
 }
 
 }  // namespace

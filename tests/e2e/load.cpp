@@ -4,7 +4,8 @@
 //   (default) keeps --in-flight Session.send calls outstanding on every connection, each a batch of
 //   --batch heartbeats of a client id of its own: a server kept as busy as this process can make it;
 // or, with --heartbeat-interval-ms, behaves like that many idle workers: each connection opens a
-//   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet).
+//   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet),
+//   as a datagram once the server hears them, as libthclient does.
 // Prints "load ready N" once every connection has its session, then "load calls N last-second M"
 // every second (calls completed in all, and in the last second), until killed.
 #include <CLI/CLI.hpp>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "net/heartbeat.h"
 #include "net/tensorhub.capnp.h"
 
 #pragma GCC diagnostic ignored "-Wnon-virtual-dtor"  // Cap'n Proto's generated Server classes
@@ -31,6 +33,8 @@ struct Client {
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<th::wire::Session::Client> session;
   std::uint64_t id = 0;
+  std::uint64_t heartbeat_secret = 0;  // 0: the server offered no datagram channel
+  bool heartbeat_datagrams_heard = false;
 };
 
 }  // namespace
@@ -85,15 +89,26 @@ int main(int argc, char** argv) {
     return kj::READY_NOW;
   };
 
+  // As libthclient does: a datagram where the server offers a channel, and a call as well until
+  // the server says it hears the datagrams.
+  std::unique_ptr<th::net::HeartbeatSender> datagrams;
   std::function<kj::Promise<void>(Client&, unsigned)> heartbeats = [&](Client& client, unsigned delay_ms) {
     return io.provider->getTimer().afterDelay(delay_ms * kj::MILLISECONDS).then([&]() -> kj::Promise<void> {
+      if (datagrams != nullptr && client.heartbeat_secret != 0) {
+        if (datagrams->send({client.id, 1, client.heartbeat_secret})) ++calls;
+      }
       KJ_IF_MAYBE(session, client.session) {
-        auto request = session->sendRequest();
-        auto report = request.initMessages(1)[0].initReport();
-        report.setClient(client.id);
-        report.setSession(1);
-        report.getBody().setHeartbeat();
-        tasks.add(request.send().ignoreResult().then([&] { ++calls; }));
+        if (!client.heartbeat_datagrams_heard) {
+          auto request = session->sendRequest();
+          auto report = request.initMessages(1)[0].initReport();
+          report.setClient(client.id);
+          report.setSession(1);
+          report.getBody().setHeartbeat();
+          tasks.add(request.send().then([&](auto response) {
+            ++calls;
+            client.heartbeat_datagrams_heard = response.getHeartbeatDatagramsHeard();
+          }));
+        }
       }
       return heartbeats(client, heartbeat_interval_ms);
     });
@@ -111,6 +126,14 @@ int main(int argc, char** argv) {
     Client& ref = *client;
     tasks.add(request.send().then([&, i](auto response) {
       ref.session = response.getSession();
+      const auto channel = response.getHeartbeats();
+      if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
+        ref.heartbeat_secret = channel.getSecret();
+        if (datagrams == nullptr) {
+          datagrams = std::make_unique<th::net::HeartbeatSender>(
+              th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});
+        }
+      }
       if (++ready == connections) std::cout << "load ready " << connections << std::endl;
       if (heartbeat_interval_ms == 0) {
         for (unsigned k = 0; k < in_flight; ++k) tasks.add(pump(ref));

@@ -122,6 +122,8 @@ class Handle {
 
   // This shard's data-plane address (what peers connect to).
   std::string data_endpoint() const;
+  // The id the server knows this handle by (th-server's logs name clients by it).
+  std::uint64_t client_id() const;
   HandleStats stats() const;
 
   class Impl;

@@ -1,0 +1,129 @@
+#include "net/heartbeat.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+namespace th::net {
+namespace {
+
+constexpr std::array<std::byte, 4> kMagic{std::byte{'T'}, std::byte{'H'}, std::byte{'H'}, std::byte{'B'}};
+constexpr std::uint32_t kFormatVersion = 1;
+
+void put(std::byte* at, std::uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) at[i] = static_cast<std::byte>((value >> (8 * i)) & 0xff);
+}
+
+std::uint64_t get(const std::byte* at, int bytes) {
+  std::uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<std::uint64_t>(at[i]) << (8 * i);
+  return value;
+}
+
+struct AddrInfoDeleter {
+  void operator()(addrinfo* info) const { freeaddrinfo(info); }
+};
+
+std::unique_ptr<addrinfo, AddrInfoDeleter> resolve_udp(const Endpoint& endpoint, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(endpoint.port);
+  const int rc = getaddrinfo(endpoint.host.empty() ? nullptr : endpoint.host.c_str(), port.c_str(), &hints, &found);
+  if (rc != 0) throw SocketError("cannot resolve " + endpoint.to_string() + ": " + gai_strerror(rc));
+  return std::unique_ptr<addrinfo, AddrInfoDeleter>(found);
+}
+
+Fd udp_socket(const addrinfo& info) {
+  Fd socket(::socket(info.ai_family, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, info.ai_protocol));
+  if (!socket.valid()) throw SocketError(std::string("socket: ") + std::strerror(errno));
+  return socket;
+}
+
+}  // namespace
+
+HeartbeatBytes encode(const HeartbeatDatagram& datagram) {
+  HeartbeatBytes bytes{};
+  std::memcpy(bytes.data(), kMagic.data(), kMagic.size());
+  put(bytes.data() + 4, kFormatVersion, 4);
+  put(bytes.data() + 8, datagram.client, 8);
+  put(bytes.data() + 16, datagram.session, 8);
+  put(bytes.data() + 24, datagram.secret, 8);
+  return bytes;
+}
+
+std::optional<HeartbeatDatagram> decode_heartbeat(std::span<const std::byte> bytes) {
+  if (bytes.size() != kHeartbeatDatagramBytes) return std::nullopt;
+  if (std::memcmp(bytes.data(), kMagic.data(), kMagic.size()) != 0) return std::nullopt;
+  if (get(bytes.data() + 4, 4) != kFormatVersion) return std::nullopt;
+  HeartbeatDatagram datagram;
+  datagram.client = get(bytes.data() + 8, 8);
+  datagram.session = get(bytes.data() + 16, 8);
+  datagram.secret = get(bytes.data() + 24, 8);
+  if (datagram.secret == 0) return std::nullopt;  // 0 is "no channel": never a real secret
+  return datagram;
+}
+
+HeartbeatReceiver::HeartbeatReceiver(const Endpoint& bind) {
+  auto info = resolve_udp(bind, true);
+  socket_ = udp_socket(*info);
+  const int on = 1;
+  ::setsockopt(socket_.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  // Best effort: the kernel caps it at net.core.rmem_max; beats lost to a full buffer are retried
+  // by the next interval, and the timeout spans many intervals.
+  ::setsockopt(socket_.get(), SOL_SOCKET, SO_RCVBUF, &kReceiveBufferBytes, sizeof kReceiveBufferBytes);
+  if (::bind(socket_.get(), info->ai_addr, info->ai_addrlen) != 0) {
+    throw SocketError("bind udp " + bind.to_string() + ": " + std::strerror(errno));
+  }
+  port_ = local_port(socket_);
+}
+
+std::size_t HeartbeatReceiver::receive(std::vector<HeartbeatDatagram>& out) {
+  // One byte more than a datagram, so that a longer one shows as longer rather than truncated.
+  std::array<std::array<std::byte, kHeartbeatDatagramBytes + 1>, kBatch> buffers;
+  std::array<iovec, kBatch> vectors;
+  std::array<mmsghdr, kBatch> headers{};
+  for (std::size_t i = 0; i < kBatch; ++i) {
+    vectors[i] = iovec{buffers[i].data(), buffers[i].size()};
+    headers[i].msg_hdr.msg_iov = &vectors[i];
+    headers[i].msg_hdr.msg_iovlen = 1;
+  }
+  const int received = ::recvmmsg(socket_.get(), headers.data(), kBatch, MSG_DONTWAIT, nullptr);
+  if (received < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+    throw SocketError(std::string("recvmmsg: ") + std::strerror(errno));
+  }
+  for (int i = 0; i < received; ++i) {
+    const auto& header = headers[static_cast<std::size_t>(i)];
+    const bool truncated = (header.msg_hdr.msg_flags & MSG_TRUNC) != 0;
+    auto datagram = truncated ? std::nullopt
+                              : decode_heartbeat({buffers[static_cast<std::size_t>(i)].data(), header.msg_len});
+    if (datagram) {
+      out.push_back(*datagram);
+    } else {
+      ++malformed_;
+    }
+  }
+  return static_cast<std::size_t>(received);
+}
+
+HeartbeatSender::HeartbeatSender(const Endpoint& server) {
+  auto info = resolve_udp(server, false);
+  socket_ = udp_socket(*info);
+  if (::connect(socket_.get(), info->ai_addr, info->ai_addrlen) != 0) {
+    throw SocketError("connect udp " + server.to_string() + ": " + std::strerror(errno));
+  }
+}
+
+bool HeartbeatSender::send(const HeartbeatDatagram& datagram) {
+  const HeartbeatBytes bytes = encode(datagram);
+  return ::send(socket_.get(), bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL) ==
+         static_cast<ssize_t>(bytes.size());
+}
+
+}  // namespace th::net

@@ -305,8 +305,8 @@ TEST_F(EndToEnd, HeartbeatsGoAsDatagramsThatOnlyTheirConnectionCanSend) {
   // the news first and its agent re-opened) the call is answered.
   ASSERT_EQ(::kill(idle.pid(), SIGCONT), 0);
   idle.send_line("go");
-  const std::string after = expect(idle, "list ");
-  EXPECT_TRUE(after.starts_with("list error replica-evicted") || after.starts_with("list latest=none")) << after;
+  const std::string answer = expect(idle, "list ");
+  EXPECT_TRUE(answer.starts_with("list error replica-evicted") || answer.starts_with("list latest=none")) << answer;
 }
 
 // With datagrams off at the server, heartbeats go as calls and keep the client alive.

@@ -1,6 +1,7 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -1615,6 +1616,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     if (open.resume) {
       created->phase = ReplicaPhase::kResuming;
       created->barrier_deadline_ms = now_ms_ + settings_.barrier_timeout_ms;
+      expiry_due_by(created->barrier_deadline_ms);
     }
     replica = created.get();
     model.replicas.emplace(open.replica, std::move(created));
@@ -1627,6 +1629,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
   slot.open_seq = seq;
   slot.last_reply.reset();
   slot.last_seen_ms = now_ms_;
+  expiry_due_by(now_ms_ + settings_.heartbeat_timeout_ms + 1);
   slot.retention = open.retention;
   slot.endpoint = open.data_endpoint;
   slot.resume = open.resume;
@@ -1930,18 +1933,29 @@ void Hub::on_tick() {
     std::string detail;
   };
   std::vector<Expired> expired;
+  const bool scan = now_ms_ >= expiry_scan_due_ms_;
+  TimeMs next_due_ms = std::numeric_limits<TimeMs>::max();
   for (auto& [model_name, model] : models_) {
+    if (!scan) break;
     for (auto& [name, replica] : model->replicas) {
-      if (replica->phase == ReplicaPhase::kResuming && now_ms_ >= replica->barrier_deadline_ms) {
-        expired.push_back({model.get(), name, replica->incarnation, true,
-                           "not every shard of " + describe(*replica) + " re-opened within " +
-                               std::to_string(settings_.barrier_timeout_ms) + " ms"});
-        continue;
+      // Deadlines count for the next scan even once passed: an evicted replica may linger (closing,
+      // draining) with its shards bound, and must be looked at again on the next tick as before.
+      if (replica->phase == ReplicaPhase::kResuming) {
+        next_due_ms = std::min(next_due_ms, replica->barrier_deadline_ms);
+        if (now_ms_ >= replica->barrier_deadline_ms) {
+          expired.push_back({model.get(), name, replica->incarnation, true,
+                             "not every shard of " + describe(*replica) + " re-opened within " +
+                                 std::to_string(settings_.barrier_timeout_ms) + " ms"});
+          continue;
+        }
       }
       for (std::uint32_t shard = 0; shard < replica->num_shards && !bugs().no_heartbeat_expiry;
            ++shard) {
         const ShardSlot& slot = replica->shards[shard];
-        if (!slot.client || now_ms_ - slot.last_seen_ms <= settings_.heartbeat_timeout_ms) continue;
+        if (!slot.client) continue;
+        const TimeMs deadline_ms = slot.last_seen_ms + settings_.heartbeat_timeout_ms + 1;
+        next_due_ms = std::min(next_due_ms, deadline_ms);
+        if (now_ms_ < deadline_ms) continue;
         expired.push_back({model.get(), name, replica->incarnation, false,
                            "shard " + std::to_string(shard) + " of " + describe(*replica) +
                                " sent no heartbeat for " +
@@ -1950,6 +1964,7 @@ void Hub::on_tick() {
       }
     }
   }
+  if (scan) expiry_scan_due_ms_ = next_due_ms;
   for (const Expired& entry : expired) {
     auto found = entry.model->replicas.find(entry.replica);
     if (found == entry.model->replicas.end() || found->second->incarnation != entry.incarnation) {

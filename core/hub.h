@@ -235,6 +235,11 @@ class Hub {
   TransferId next_transfer_id_ = 1;
   std::uint64_t next_ticket_ = 1;
   TimeMs now_ms_ = 0;
+  // Nothing can expire before this: the earliest heartbeat deadline (last seen + timeout + 1) or
+  // barrier deadline as of the last expiry scan, lowered when a shard binds or a barrier starts.
+  // A tick before it skips the scan of every shard (8,192 idle clients, 10 ticks a second).
+  TimeMs expiry_scan_due_ms_ = 0;
+  void expiry_due_by(TimeMs deadline_ms) { expiry_scan_due_ms_ = std::min(expiry_scan_due_ms_, deadline_ms); }
   Effects* effects_ = nullptr;  // valid during step()
   // Deferred work (see settle()), in the order it arose; dirty models are visited in name order.
   std::deque<std::pair<Model*, TransferId>> orphans_;

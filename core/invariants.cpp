@@ -86,6 +86,9 @@ void Hub::check_invariants() const {
         const ShardSlot& slot = replica.shards[shard];
         if (!slot.client) continue;
         ++bound;
+        TH_ASSERT(bugs().no_heartbeat_expiry ||
+                      expiry_scan_due_ms_ <= slot.last_seen_ms + settings_.heartbeat_timeout_ms + 1,
+                  "no heartbeat deadline comes before the next expiry scan");
         const detail::Binding* found = clients_.find(*slot.client);
         TH_ASSERT(found != nullptr && found->replica == &replica && found->shard == shard,
                   "a bound shard is in the client map");
@@ -93,6 +96,8 @@ void Hub::check_invariants() const {
         for (Version version : slot.retention.pinned) ++pinned[version];
       }
       TH_ASSERT(bound == replica.bound_shards, "bound shard count");
+      TH_ASSERT(replica.phase != ReplicaPhase::kResuming || expiry_scan_due_ms_ <= replica.barrier_deadline_ms,
+                "no barrier deadline comes before the next expiry scan");
       TH_ASSERT(bound > 0, "a replica without shards is removed");
       bound_total += bound;
       if (replica.primary != nullptr) {

@@ -696,6 +696,29 @@ TEST(HubFailures, PipelineReaderWhoseSourceCrashesReadsElsewhere) {
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
 }
 
+// The hub skips the scan for expired heartbeats until the earliest deadline it knows of; a shard
+// that binds after that scan (here: into an empty hub, whose next scan was "never") lowers it, and
+// a silent shard is evicted on the first tick past its timeout, not later.
+TEST(HubFailures, SilentShardIsEvictedOnTheFirstTickPastItsTimeout) {
+  HubSettings settings;
+  settings.heartbeat_timeout_ms = 1000;
+  Driver driver(settings);
+  driver.advance(500);  // ticks of an empty hub
+  const auto early = driver.open_replica(trainer("early"));
+  driver.advance(300);
+  const auto late = driver.open_replica(trainer("late"));  // opened after the last scan
+  const TimeMs late_opened_ms = driver.now_ms();
+  driver.advance(900, {late[0], late[1]});  // "early" keeps beating; "late" is silent
+  EXPECT_TRUE(driver.inbox(late[0]).evictions.empty()) << "not before its timeout";
+  while (driver.inbox(late[0]).evictions.empty() && driver.now_ms() < late_opened_ms + 3000) {
+    driver.advance(100, {late[0], late[1]});
+  }
+  ASSERT_EQ(driver.inbox(late[0]).evictions.size(), 1u);
+  // Ticks come every 100 ms: the first one past the 1,000 ms timeout.
+  EXPECT_LE(driver.now_ms(), late_opened_ms + 1100);
+  EXPECT_TRUE(driver.inbox(early[0]).evictions.empty());
+}
+
 TEST(HubFailures, ConnectionLossEvictsTheWholeReplica) {
   Driver driver;
   const auto r = driver.open_replica(rollout("r", 3));

@@ -67,7 +67,13 @@ Measured measure_under_load(const std::filesystem::path& dir, const Load& load_s
   }
   for (auto& load : loads) {
     EXPECT_FALSE(load->wait_for("load ready", 120'000).empty()) << load->describe();
-    EXPECT_FALSE(load->wait_for("load calls", 10'000).empty()) << load->describe();
+  }
+  // Measure in the steady state: right after "ready", every connection's first calls arrive at
+  // once, a burst that is not the load the issue describes.
+  for (auto& load : loads) {
+    for (int second = 0; second < 3; ++second) {
+      EXPECT_FALSE(load->wait_for("load calls", 10'000).empty()) << load->describe();
+    }
   }
 
   Measured measured;
@@ -104,8 +110,8 @@ Measured measure_under_load(const std::filesystem::path& dir, const Load& load_s
 
 // The load's shape and the server's fairness knob come from the environment: TH_FAIRNESS_CONNECTIONS
 // (default 1000), TH_FAIRNESS_LOADS (2), TH_FAIRNESS_IN_FLIGHT (64), TH_FAIRNESS_BATCH (1),
-// TH_FAIRNESS_SERVER_ARGS (extra th-server options, e.g. "--messages-per-turn 8"). TH_FAIRNESS_BOUND_MS, when set, bounds the
-// median open. ctest runs it twice: a smoke run in the default suite (200 clients, no bound: the
+// TH_FAIRNESS_SERVER_ARGS (extra th-server options, e.g. "--messages-per-turn 8"). TH_FAIRNESS_BOUND_MS, when set, bounds
+// every open. ctest runs it twice: a smoke run in the default suite (200 clients, no bound: the
 // opens must succeed) and the measurement under the label bench (1,000 clients, 100 ms).
 TEST(Fairness, ARestartingWorkerIsAnsweredPromptlyUnderBusyClients) {
   const auto dir = std::filesystem::temp_directory_path() / ("th-fairness-" + std::to_string(::getpid()));
@@ -120,8 +126,8 @@ TEST(Fairness, ARestartingWorkerIsAnsweredPromptlyUnderBusyClients) {
   ASSERT_GE(load.connections, load.loads);
   const Measured fair = measure_under_load(dir, load, env_or("TH_FAIRNESS_SERVER_ARGS", ""), 9);
   if (const char* bound = std::getenv("TH_FAIRNESS_BOUND_MS")) {
-    // On the median of nine restarts: one open may meet a scheduling hiccup of a shared machine.
-    EXPECT_LT(fair.median(), std::stod(bound));
+    // Every one of the nine restarts (the issue: "must get its open answered within 100 ms").
+    EXPECT_LT(fair.max(), std::stod(bound));
   }
   std::filesystem::remove_all(dir);
 }

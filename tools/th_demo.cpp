@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "net/event_loop.h"
+#include "net/heartbeat.h"
 #include "server/hub_service.h"
 #include "tensorhub/client.h"
 
@@ -162,6 +163,9 @@ class EmbeddedServer {
       th::server::HubService service(config, loop.timer(),
                                      th::server::parse_log_level(level ? level : "warn").value_or(th::server::LogLevel::kWarn));
       auto listener = loop.io().getNetwork().parseAddress("127.0.0.1:0").wait(loop.wait_scope())->listen();
+      // Heartbeats as datagrams, as th-server takes them by default.
+      service.serve_heartbeats(loop.port(), std::make_unique<th::net::HeartbeatReceiver>(th::net::Endpoint{
+                                                "127.0.0.1", static_cast<std::uint16_t>(listener->getPort())}));
       auto stop = kj::newPromiseAndFulfiller<void>();
       executor_ = &kj::getCurrentThreadExecutor();
       stop_ = kj::mv(stop.fulfiller);

@@ -450,7 +450,7 @@ void Handle::Impl::connect(std::uint32_t server) {
           .afterDelay(delay_ms * kj::MILLISECONDS)
           .then([this, address] { return loop_->io().getNetwork().parseAddress(address); })
           .then([](kj::Own<kj::NetworkAddress> resolved) { return resolved->connect().attach(kj::mv(resolved)); })
-          .then([this, server, generation, find_link, address](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
+          .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
             Link* link = find_link();
             if (link == nullptr) return kj::READY_NOW;
             link->stream = kj::mv(stream);
@@ -468,18 +468,22 @@ void Handle::Impl::connect(std::uint32_t server) {
             auto connected = request.send();
             link->session = connected.getSession();
             flush(*link);
-            return connected.then([this, server, find_link, address](auto response) {
+            return connected.then([this, server, find_link](auto response) {
               Link* connected_link = find_link();
               if (connected_link == nullptr) return;
               reconnect_.erase(server);
               const auto channel = response.getHeartbeats();
               if (channel.getPort() == 0 || channel.getSecret() == 0) return;
               try {
-                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(
-                    net::Endpoint{net::parse_endpoint(address).host, channel.getPort()});
+                sockaddr_storage peer{};
+                kj::uint length = sizeof peer;
+                connected_link->stream->getpeername(reinterpret_cast<sockaddr*>(&peer), &length);
+                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(peer, channel.getPort());
                 connected_link->heartbeat_secret = channel.getSecret();
               } catch (const net::SocketError& error) {
                 log(std::string("heartbeats go as calls: ") + error.what());
+              } catch (const kj::Exception& error) {
+                log(std::string("heartbeats go as calls: ") + error.getDescription().cStr());
               }
             });
           })

@@ -1,6 +1,8 @@
 #include "net/heartbeat.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <cerrno>
@@ -117,6 +119,25 @@ HeartbeatSender::HeartbeatSender(const Endpoint& server) {
   socket_ = udp_socket(*info);
   if (::connect(socket_.get(), info->ai_addr, info->ai_addrlen) != 0) {
     throw SocketError("connect udp " + server.to_string() + ": " + std::strerror(errno));
+  }
+}
+
+HeartbeatSender::HeartbeatSender(const sockaddr_storage& peer, std::uint16_t port) {
+  sockaddr_storage to = peer;
+  socklen_t length = 0;
+  if (to.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&to)->sin_port = htons(port);
+    length = sizeof(sockaddr_in);
+  } else if (to.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&to)->sin6_port = htons(port);
+    length = sizeof(sockaddr_in6);
+  } else {
+    throw SocketError("heartbeat datagrams need an IPv4 or IPv6 peer");
+  }
+  socket_ = Fd(::socket(to.ss_family, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!socket_.valid()) throw SocketError(std::string("socket: ") + std::strerror(errno));
+  if (::connect(socket_.get(), reinterpret_cast<const sockaddr*>(&to), length) != 0) {
+    throw SocketError(std::string("connect udp: ") + std::strerror(errno));
   }
 }
 

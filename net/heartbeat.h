@@ -19,6 +19,8 @@
 #include <span>
 #include <vector>
 
+#include <sys/socket.h>
+
 #include "core/types.h"
 #include "net/socket.h"
 
@@ -64,6 +66,9 @@ class HeartbeatReceiver {
 class HeartbeatSender {
  public:
   explicit HeartbeatSender(const Endpoint& server);
+  // To `port` at the address of `peer` (the control connection's peer: no name lookup, and the very
+  // address the TCP connection reached). `peer` is a sockaddr_in or sockaddr_in6.
+  HeartbeatSender(const sockaddr_storage& peer, std::uint16_t port);
   // Best effort, never blocks: false if the kernel did not take it (buffer full, port unreachable).
   bool send(const HeartbeatDatagram& datagram);
 

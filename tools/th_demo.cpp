@@ -16,7 +16,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <future>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -24,9 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "net/event_loop.h"
-#include "net/heartbeat.h"
-#include "server/hub_service.h"
+#include "server/embedded_server.h"
 #include "tensorhub/client.h"
 
 namespace {
@@ -149,45 +146,6 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
 
 // ---- The embedded server -------------------------------------------------------------------------
 
-class EmbeddedServer {
- public:
-  EmbeddedServer() {
-    std::promise<std::uint16_t> port;
-    auto chosen = port.get_future();
-    thread_ = std::thread([this, &port] {
-      th::net::IoLoop loop;
-      th::server::ServiceConfig config;
-      config.token = kToken;
-      // TH_DEMO_LOG=debug shows every call the server sees.
-      const char* level = std::getenv("TH_DEMO_LOG");
-      th::server::HubService service(config, loop.timer(),
-                                     th::server::parse_log_level(level ? level : "warn").value_or(th::server::LogLevel::kWarn));
-      auto listener = loop.io().getNetwork().parseAddress("127.0.0.1:0").wait(loop.wait_scope())->listen();
-      // Heartbeats as datagrams, as th-server takes them by default.
-      service.serve_heartbeats(loop.port(), std::make_unique<th::net::HeartbeatReceiver>(th::net::Endpoint{
-                                                "127.0.0.1", static_cast<std::uint16_t>(listener->getPort())}));
-      auto stop = kj::newPromiseAndFulfiller<void>();
-      executor_ = &kj::getCurrentThreadExecutor();
-      stop_ = kj::mv(stop.fulfiller);
-      auto serving = service.serve(*listener).eagerlyEvaluate(nullptr);
-      port.set_value(static_cast<std::uint16_t>(listener->getPort()));
-      stop.promise.wait(loop.wait_scope());
-    });
-    address_ = "127.0.0.1:" + std::to_string(chosen.get());
-  }
-  ~EmbeddedServer() {
-    executor_->executeSync([this] { stop_->fulfill(); });
-    thread_.join();
-  }
-  const std::string& address() const { return address_; }
-
- private:
-  std::thread thread_;
-  std::string address_;
-  const kj::Executor* executor_ = nullptr;
-  kj::Own<kj::PromiseFulfiller<void>> stop_;
-};
-
 struct Child {
   pid_t pid = -1;
   FILE* output = nullptr;
@@ -256,7 +214,12 @@ int main(int argc, char** argv) {
   }
 
   ::signal(SIGPIPE, SIG_IGN);
-  EmbeddedServer embedded;
+  th::server::ServiceConfig config;
+  config.token = kToken;
+  // TH_DEMO_LOG=debug shows every call the server sees.
+  const char* level = std::getenv("TH_DEMO_LOG");
+  th::server::EmbeddedServer embedded(config, th::server::parse_log_level(level ? level : "warn")
+                                                  .value_or(th::server::LogLevel::kWarn));
   std::cout << "th-demo: th-server on " << embedded.address() << "; trainer + " << rollouts << " rollout replicas x "
             << shards << " shards, " << shard_mb << " MiB per shard, " << steps << " steps" << std::endl;
   std::vector<Child> children;

@@ -1,0 +1,188 @@
+// th-bench: TensorHub's benchmarks (issue 5). Each subcommand prints its figures and a final
+// "RESULT key=value ..." line that the scripts under bench/ turn into bench/results/*.md next to
+// the reference they measure in the same run (iperf3, an echo server, MPI_Bcast).
+//
+//   pair   one source, one reader, in this process over loopback TCP: bytes per second of a whole
+//          version (checksums on, CPU memory), as the reader's replicate()/update() sees it.
+#include <CLI/CLI.hpp>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "server/embedded_server.h"
+#include "tensorhub/client.h"
+
+namespace {
+
+const char* const kToken = "th-bench-token";
+
+[[noreturn]] void die(const std::string& what, const th::Error& error) {
+  std::cerr << "th-bench: " << what << ": " << error.detail << "\n";
+  std::exit(1);
+}
+
+template <typename T>
+T value_or_die(th::Result<T> result, const std::string& what) {
+  if (!result.ok()) die(what, result.error());
+  return std::move(result).value();
+}
+
+void ok_or_die(const th::Status& status, const std::string& what) {
+  if (!status.ok()) die(what, status.error());
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Anonymous memory in 2 MiB pages where the kernel allows (transparent huge pages on madvise):
+// touching gigabytes in 4 KiB pages costs tens of seconds of page faults on this VM.
+class BigBuffer {
+ public:
+  explicit BigBuffer(std::uint64_t bytes) : bytes_(bytes) {
+    void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (at == MAP_FAILED) throw std::runtime_error("mmap of " + std::to_string(bytes) + " bytes failed");
+    ::madvise(at, bytes, MADV_HUGEPAGE);  // advice only: 4 KiB pages if refused
+    data_ = static_cast<std::byte*>(at);
+  }
+  ~BigBuffer() { ::munmap(data_, bytes_); }
+  BigBuffer(const BigBuffer&) = delete;
+  BigBuffer& operator=(const BigBuffer&) = delete;
+  std::byte* get() const { return data_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  std::uint64_t bytes_ = 0;
+};
+
+// One side of the pair: a handle and the memory behind its tensors.
+struct Side {
+  std::unique_ptr<BigBuffer> memory;
+  std::unique_ptr<th::Handle> handle;
+};
+
+Side open_side(const std::string& server, const std::string& replica, const std::string& role,
+               std::uint64_t tensor_bytes, std::uint64_t tensors, std::uint32_t streams) {
+  th::ClientOptions options;
+  options.servers = {server};
+  options.token = kToken;
+  options.model = "bench-pair";
+  options.replica = replica;
+  options.role = role;
+  options.data_streams = streams;
+  Side side;
+  // Touched now: a trainer's or rollout's tensors are memory in use, not fresh pages that fault
+  // in while the bytes arrive (measured: the first version then took 10x longer).
+  side.memory = std::make_unique<BigBuffer>(tensor_bytes * tensors);
+  std::memset(side.memory->get(), 0, tensor_bytes * tensors);
+  side.handle = value_or_die(th::Handle::open(options), "open " + replica);
+  for (std::uint64_t i = 0; i < tensors; ++i) {
+    char name[32];
+    std::snprintf(name, sizeof name, "tensor.%05llu", static_cast<unsigned long long>(i));
+    ok_or_die(side.handle->register_tensor(name, side.memory->get() + i * tensor_bytes, tensor_bytes,
+                                           th::DType::kUInt8),
+              "register");
+  }
+  return side;
+}
+
+int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams) {
+  const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
+  const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
+  const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
+  const std::uint64_t total_bytes = tensors * tensor_bytes;
+
+  th::server::ServiceConfig config;
+  config.token = kToken;
+  th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
+  Side source = open_side(server.address(), "source", "trainer", tensor_bytes, tensors, 1);
+  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams);
+  std::cout << "th-bench pair: " << tensors << " tensors x " << tensor_mb << " MB = " << total_bytes
+            << " bytes per version, " << streams << " stream(s), checksums on, CPU memory, loopback TCP\n";
+
+  // Random bytes once (nothing on the way compresses, but no pattern should help either); each
+  // round then changes the first word of every tensor, so each version differs everywhere it counts.
+  std::mt19937_64 random(42);
+  auto* words = reinterpret_cast<std::uint64_t*>(source.memory->get());
+  for (std::uint64_t i = 0; i < total_bytes / 8; ++i) words[i] = random();
+
+  std::vector<double> call_gbps;
+  std::vector<double> read_gbps;
+  for (int round = 1; round <= rounds; ++round) {
+    const auto version = static_cast<th::Version>(round);
+    for (std::uint64_t i = 0; i < tensors; ++i) {
+      std::memcpy(source.memory->get() + i * tensor_bytes, &version, sizeof version);
+    }
+    value_or_die(source.handle->publish(version), "publish");
+    const auto started = std::chrono::steady_clock::now();
+    std::string from;
+    if (round == 1) {
+      from = value_or_die(reader.handle->replicate("latest"), "replicate").source_replica;
+    } else {
+      const auto updated = value_or_die(reader.handle->update("latest"), "update");
+      if (updated.version != version) {
+        std::cerr << "th-bench: update brought version " << updated.version << ", not " << version << "\n";
+        return 1;
+      }
+      from = updated.source_replica;
+    }
+    const double call_s = seconds_since(started);
+    const th::HandleStats stats = reader.handle->stats();
+    const bool exact = std::memcmp(source.memory->get(), reader.memory->get(), total_bytes) == 0;
+    if (!exact || stats.checksum_failures != 0) {
+      std::cerr << "th-bench: round " << round << ": the reader's bytes differ from the source's\n";
+      return 1;
+    }
+    call_gbps.push_back(double(total_bytes) / call_s / 1e9);
+    read_gbps.push_back(double(stats.last_read_bytes) / stats.last_read_seconds / 1e9);
+    std::cout << std::fixed << std::setprecision(3) << "round " << round << ": " << total_bytes << " bytes from "
+              << from << " in " << call_s << " s (" << call_gbps.back() << " GB/s; the read itself "
+              << stats.last_read_seconds << " s, " << read_gbps.back() << " GB/s), bit-exact\n";
+    ok_or_die(source.handle->unpublish(), "unpublish");
+  }
+  std::cout << std::fixed << std::setprecision(3) << "median of " << rounds << " rounds: " << median(call_gbps)
+            << " GB/s per call, " << median(read_gbps) << " GB/s per read\n";
+  std::cout << "RESULT pair_bytes=" << total_bytes << " pair_streams=" << streams
+            << " pair_call_gbps=" << median(call_gbps) << " pair_read_gbps=" << median(read_gbps) << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"th-bench: TensorHub's benchmarks. Each subcommand prints its figures and a final RESULT line;\n"
+               "the scripts under bench/ run them next to their references and write bench/results/."};
+  app.require_subcommand(1);
+
+  auto* pair = app.add_subcommand("pair", "One source and one reader over loopback TCP: a whole version per round");
+  double gib = 4.0;
+  std::uint64_t tensor_mb = 50;
+  int rounds = 3;
+  std::uint32_t streams = 1;
+  pair->add_option("--gib", gib, "Bytes per version, in GiB (rounded up to whole tensors)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 64.0));
+  pair->add_option("--tensor-mb", tensor_mb, "Size of each tensor, in MB")->capture_default_str()->check(CLI::Range(1, 4096));
+  pair->add_option("--rounds", rounds, "Versions to move; the median is reported")->capture_default_str()->check(CLI::Range(1, 1000));
+  pair->add_option("--streams", streams, "TCP connections per read (ClientOptions::data_streams)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
+
+  CLI11_PARSE(app, argc, argv);
+  if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams);
+  return 2;
+}

@@ -2,8 +2,11 @@
 // "RESULT key=value ..." line that the scripts under bench/ turn into bench/results/*.md next to
 // the reference they measure in the same run (iperf3, an echo server, MPI_Bcast).
 //
-//   pair   one source, one reader, in this process over loopback TCP: bytes per second of a whole
-//          version (checksums on, CPU memory), as the reader's replicate()/update() sees it.
+//   pair          one source, one reader, in this process over loopback TCP: bytes per second of a
+//                 whole version (checksums on, CPU memory), as the reader's replicate()/update() sees it.
+//   control-load  many clients in a closed loop of publish/update/unpublish against a th-server (or
+//                 round trips against echo-server): operations/s and latency percentiles.
+//   echo-server   the reference for control-load: answers every call at once.
 #include <CLI/CLI.hpp>
 #include <sys/mman.h>
 
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "server/embedded_server.h"
+#include "tools/bench_control.h"
 #include "tensorhub/client.h"
 
 namespace {
@@ -182,7 +186,28 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 16));
 
+  auto* control = app.add_subcommand(
+      "control-load", "Clients in a closed loop of publish -> update(latest) -> unpublish (bench/run-control-plane)");
+  th::bench::ControlLoadOptions load;
+  control->add_option("--server", load.server, "th-server (or echo-server) address")->required();
+  control->add_option("--token", load.token, "cluster token");
+  control->add_option("--clients", load.clients, "connections, one shard each")->capture_default_str()->check(CLI::Range(1u, 65536u));
+  control->add_option("--shards", load.shards, "shards per replica")->capture_default_str()->check(CLI::Range(1u, 8u));
+  control->add_option("--first-replica", load.first_replica, "number of this process's first replica")->capture_default_str();
+  control->add_option("--seconds", load.seconds, "measurement window")->capture_default_str()->check(CLI::Range(0.1, 3600.0));
+  control->add_option("--start-file", load.start_file, "start measuring once this file exists");
+  control->add_flag("--echo", load.echo, "round trips against echo-server instead of hub calls");
+  control->add_option("--retry-initial-ms", load.retry_initial_ms, "the agents' first retransmission")
+      ->capture_default_str()
+      ->check(CLI::Range(10, 60000));
+
+  auto* echo = app.add_subcommand("echo-server", "Answers every Session.send at once (control-load's reference)");
+  std::string echo_listen = "127.0.0.1:0";
+  echo->add_option("--listen", echo_listen, "HOST:PORT")->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
   if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams);
+  if (control->parsed()) return th::bench::run_control_load(load);
+  if (echo->parsed()) return th::bench::run_echo_server(echo_listen);
   return 2;
 }

@@ -1,0 +1,34 @@
+// th-bench's control-plane benchmark (issue 5, benchmark 1): many clients over real connections in
+// a closed loop of publish -> update(latest) -> unpublish against a th-server, and the reference
+// it is judged against: the same connections doing request/response round trips with an echo
+// server (the loopback ceiling of this RPC stack).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/types.h"
+
+namespace th::bench {
+
+struct ControlLoadOptions {
+  std::string server;           // host:port of th-server (or of th-bench echo-server)
+  std::string token;
+  std::uint32_t clients = 1024;  // connections, one shard agent each
+  std::uint32_t shards = 8;      // shards per replica (clients must be a multiple)
+  std::uint32_t first_replica = 0;  // replica numbers of this process start here (several processes)
+  double seconds = 10;           // measurement window, after every client opened and the start file exists
+  std::string start_file;        // measure once this file exists ("" : at once)
+  bool echo = false;             // round trips of one message against an echo server, no agents
+  TimeMs retry_initial_ms = 10000;  // the agents' first retransmission (libthclient's)
+};
+
+// Prints "control ready N" once every client opened (echo: connected), then measures and prints
+// "RESULT control_ops=... control_seconds=... control_p50_us=... control_p99_us=... control_errors=...".
+int run_control_load(const ControlLoadOptions& options);
+
+// A server that answers every Session.send at once and does nothing else, over the same Cap'n Proto
+// RPC stack as th-server. Prints "echo listening on HOST:PORT"; runs until killed.
+int run_echo_server(const std::string& listen);
+
+}  // namespace th::bench

@@ -7,8 +7,8 @@
 //   control-load  many clients in a closed loop of publish/update/unpublish against a th-server (or
 //                 round trips against echo-server): operations/s and latency percentiles.
 //   echo-server   the reference for control-load: answers every call at once.
+//   fanout-node   one emulated host of bench/run-fanout (network namespaces, shaped links).
 #include <CLI/CLI.hpp>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +23,8 @@
 
 #include "server/embedded_server.h"
 #include "tools/bench_control.h"
+#include "tools/big_buffer.h"
+#include "tools/bench_fanout.h"
 #include "tensorhub/client.h"
 
 namespace {
@@ -53,29 +55,9 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-// Anonymous memory in 2 MiB pages where the kernel allows (transparent huge pages on madvise):
-// touching gigabytes in 4 KiB pages costs tens of seconds of page faults on this VM.
-class BigBuffer {
- public:
-  explicit BigBuffer(std::uint64_t bytes) : bytes_(bytes) {
-    void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (at == MAP_FAILED) throw std::runtime_error("mmap of " + std::to_string(bytes) + " bytes failed");
-    ::madvise(at, bytes, MADV_HUGEPAGE);  // advice only: 4 KiB pages if refused
-    data_ = static_cast<std::byte*>(at);
-  }
-  ~BigBuffer() { ::munmap(data_, bytes_); }
-  BigBuffer(const BigBuffer&) = delete;
-  BigBuffer& operator=(const BigBuffer&) = delete;
-  std::byte* get() const { return data_; }
-
- private:
-  std::byte* data_ = nullptr;
-  std::uint64_t bytes_ = 0;
-};
-
 // One side of the pair: a handle and the memory behind its tensors.
 struct Side {
-  std::unique_ptr<BigBuffer> memory;
+  std::unique_ptr<th::bench::BigBuffer> memory;
   std::unique_ptr<th::Handle> handle;
 };
 
@@ -91,7 +73,7 @@ Side open_side(const std::string& server, const std::string& replica, const std:
   Side side;
   // Touched now: a trainer's or rollout's tensors are memory in use, not fresh pages that fault
   // in while the bytes arrive (measured: the first version then took 10x longer).
-  side.memory = std::make_unique<BigBuffer>(tensor_bytes * tensors);
+  side.memory = std::make_unique<th::bench::BigBuffer>(tensor_bytes * tensors);
   std::memset(side.memory->get(), 0, tensor_bytes * tensors);
   side.handle = value_or_die(th::Handle::open(options), "open " + replica);
   for (std::uint64_t i = 0; i < tensors; ++i) {
@@ -205,7 +187,20 @@ int main(int argc, char** argv) {
   std::string echo_listen = "127.0.0.1:0";
   echo->add_option("--listen", echo_listen, "HOST:PORT")->capture_default_str();
 
+  auto* fanout = app.add_subcommand("fanout-node", "One emulated host of bench/run-fanout (trainer or rollout)");
+  th::bench::FanoutNodeOptions node;
+  fanout->add_option("--role", node.role, "trainer or rollout")->required();
+  fanout->add_option("--server", node.server, "th-server address")->required();
+  fanout->add_option("--token", node.token, "cluster token");
+  fanout->add_option("--replica", node.replica, "replica name")->required();
+  fanout->add_option("--datacenter", node.datacenter)->capture_default_str();
+  fanout->add_option("--data-ip", node.data_ip, "this host's address for the data plane")->required();
+  fanout->add_option("--mib", node.mib, "tensor size, MiB")->capture_default_str()->check(CLI::Range(1, 65536));
+  fanout->add_option("--start-file", node.start_file, "rollout: replicate once this file exists");
+  fanout->add_option("--stop-file", node.stop_file, "exit once this file exists")->required();
+
   CLI11_PARSE(app, argc, argv);
+  if (fanout->parsed()) return th::bench::run_fanout_node(node);
   if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams);
   if (control->parsed()) return th::bench::run_control_load(load);
   if (echo->parsed()) return th::bench::run_echo_server(echo_listen);

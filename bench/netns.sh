@@ -1,0 +1,63 @@
+# Emulated hosts for the benchmarks: sourced by bench/run-fanout (and later cross-datacenter runs).
+# Every host is a network namespace with one veth "eth0" to a bridge that lives in a namespace of
+# its own; each host's link is shaped with tbf in both directions (host egress on eth0, host
+# ingress on the bridge side). Addresses are 10.99.0.0/24, which exists only inside these
+# namespaces; no namespace has a default route, and the root namespace is never touched: no packet
+# can leave. netns_cleanup removes everything (the scripts trap it on exit, failure included).
+
+netns_prefix="thb$$"
+netns_hosts=0
+
+# netns_setup HOSTS RATE: hosts 0..HOSTS-1 at 10.99.0.(i+1), links shaped to RATE (e.g. 1gbit).
+netns_setup() {
+  local hosts=$1 rate=$2
+  local bridge="$netns_prefix-br"
+  ip netns add "$bridge"
+  ip -n "$bridge" link set lo up
+  ip -n "$bridge" link add br0 type bridge
+  ip -n "$bridge" link set br0 up
+  for i in $(seq 0 $((hosts - 1))); do
+    local host="$netns_prefix-h$i"
+    ip netns add "$host"
+    netns_hosts=$((i + 1))
+    ip -n "$bridge" link add "vb$i" type veth peer name eth0 netns "$host"
+    ip -n "$bridge" link set "vb$i" master br0 up
+    ip -n "$host" link set lo up
+    ip -n "$host" addr add "10.99.0.$((i + 1))/24" dev eth0
+    ip -n "$host" link set eth0 up
+    ip netns exec "$host" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
+    ip netns exec "$bridge" tc qdisc add dev "vb$i" root tbf rate "$rate" burst 256kb latency 50ms
+  done
+}
+
+# netns_run HOST COMMAND...: runs COMMAND inside host HOST's namespace.
+netns_run() {
+  local host=$1
+  shift
+  ip netns exec "$netns_prefix-h$host" "$@"
+}
+
+# Stops every process in the hosts' namespaces (a backgrounded netns_run is a subshell: killing its
+# pid would leave the command itself running).
+netns_kill_all() {
+  for i in $(seq 0 $((netns_hosts - 1))); do
+    ip netns pids "$netns_prefix-h$i" 2> /dev/null | xargs -r kill 2> /dev/null || true
+  done
+  for _ in $(seq 50); do
+    local left=0
+    for i in $(seq 0 $((netns_hosts - 1))); do
+      [ -n "$(ip netns pids "$netns_prefix-h$i" 2> /dev/null)" ] && left=1
+    done
+    [ "$left" -eq 0 ] && return 0
+    sleep 0.1
+  done
+  for i in $(seq 0 $((netns_hosts - 1))); do
+    ip netns pids "$netns_prefix-h$i" 2> /dev/null | xargs -r kill -9 2> /dev/null || true
+  done
+}
+
+netns_cleanup() {
+  netns_kill_all
+  for i in $(seq 0 $((netns_hosts - 1))); do ip netns del "$netns_prefix-h$i" 2> /dev/null || true; done
+  ip netns del "$netns_prefix-br" 2> /dev/null || true
+}

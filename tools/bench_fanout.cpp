@@ -1,0 +1,76 @@
+#include "tools/bench_fanout.h"
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "tensorhub/client.h"
+#include "tools/big_buffer.h"
+
+namespace th::bench {
+namespace {
+
+void wait_for_file(const std::string& path) {
+  while (!path.empty() && !std::filesystem::exists(path)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
+}  // namespace
+
+int run_fanout_node(const FanoutNodeOptions& options) {
+  if (options.role != "trainer" && options.role != "rollout") {
+    std::cerr << "th-bench fanout-node: --role is trainer or rollout\n";
+    return 2;
+  }
+  ClientOptions client;
+  client.servers = {options.server};
+  client.token = options.token;
+  client.model = "bench-fanout";
+  client.replica = options.replica;
+  client.role = options.role;
+  client.datacenter = options.datacenter;
+  client.data_listen = options.data_ip + ":0";
+  const std::uint64_t bytes = options.mib << 20;
+  BigBuffer memory(bytes);
+  std::memset(memory.get(), 0, bytes);  // memory in use, as a worker's tensors are
+  auto opened = Handle::open(client);
+  if (!opened.ok()) {
+    std::cerr << "th-bench fanout-node: open: " << opened.error().detail << "\n";
+    return 1;
+  }
+  std::unique_ptr<Handle> handle = std::move(opened).value();
+  if (auto registered = handle->register_tensor("weights", memory.get(), bytes, DType::kUInt8); !registered.ok()) {
+    std::cerr << "th-bench fanout-node: register: " << registered.error().detail << "\n";
+    return 1;
+  }
+  if (options.role == "trainer") {
+    std::mt19937_64 random(7);
+    auto* words = reinterpret_cast<std::uint64_t*>(memory.get());
+    for (std::uint64_t i = 0; i < bytes / 8; ++i) words[i] = random();
+    if (auto published = handle->publish(1); !published.ok()) {
+      std::cerr << "th-bench fanout-node: publish: " << published.error().detail << "\n";
+      return 1;
+    }
+    std::cout << "node ready" << std::endl;
+  } else {
+    std::cout << "node ready" << std::endl;
+    wait_for_file(options.start_file);
+    const auto started = std::chrono::steady_clock::now();
+    auto replicated = handle->replicate("latest");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (!replicated.ok()) {
+      std::cerr << "th-bench fanout-node: replicate: " << replicated.error().detail << "\n";
+      return 1;
+    }
+    std::cout << std::fixed << std::setprecision(3) << "RESULT fanout_seconds=" << seconds
+              << " source=" << replicated.value().source_replica << " checksum_failures="
+              << handle->stats().checksum_failures << std::endl;
+  }
+  wait_for_file(options.stop_file);
+  return 0;
+}
+
+}  // namespace th::bench

@@ -1,0 +1,29 @@
+// th-bench's fan-out node (issue 5, benchmarks 3-5): one process per emulated host, started by
+// bench/run-fanout inside that host's network namespace.
+//   trainer: publishes one version of one tensor and serves it until its stop file appears.
+//   rollout: once the start file appears, replicate("latest") and report how long it stalled; then
+//            keeps serving (it is a pipeline source for others) until the stop file appears.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace th::bench {
+
+struct FanoutNodeOptions {
+  std::string role;          // "trainer" or "rollout"
+  std::string server;        // th-server, host:port
+  std::string token;
+  std::string replica;
+  std::string datacenter = "default";
+  std::string data_ip;       // this host's address: the data server listens there
+  std::uint64_t mib = 256;   // the tensor's size
+  std::string start_file;    // rollout: replicate once it exists
+  std::string stop_file;     // close and exit once it exists
+};
+
+// Prints "node ready" once open (trainer: once published), "RESULT fanout_seconds=... source=..."
+// (rollout), and exits 0 once the stop file appears.
+int run_fanout_node(const FanoutNodeOptions& options);
+
+}  // namespace th::bench

@@ -330,7 +330,17 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
                                              : "outside the source's exposed regions");
       }
       if (response.length > ask.length) return fail(ReadError::kUnreachable, "the source sent too much");
-      recv_all(connection, targets[ask.region].base + ask.offset, response.length);
+      // In steps, telling on_progress as the prefix grows: this is the front request, so every
+      // byte before it has arrived. (A whole 8 MiB chunk per step made each hop of a pipeline
+      // chain trail its source by 67 ms at 1 Gbit/s.)
+      for (std::uint64_t received = 0; received < response.length;) {
+        const std::uint64_t step = std::min(options.progress_step_bytes, response.length - received);
+        recv_all(connection, targets[ask.region].base + ask.offset + received, step);
+        received += step;
+        if (received < response.length && options.on_progress) {
+          options.on_progress(ask.global_end - ask.length + received);
+        }
+      }
       outcome.bytes += response.length;
       if (options.rate_bytes_per_s > 0) {
         // Sleep until the bytes so far fit the rate since the pull began.
@@ -381,7 +391,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
 
 PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
                  const PullOptions& options) {
-  TH_REQUIRE(options.chunk_bytes > 0 && options.depth > 0 && options.streams > 0 &&
+  TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
              options.streams <= kPullStreamsMax);
   // A partial source is read in order on one connection: its ready prefix grows in order.
   if (options.streams == 1 || options.partial || targets.size() < 2) {

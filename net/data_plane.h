@@ -147,7 +147,10 @@ class DataServer {
 };
 
 struct PullOptions {
-  std::uint64_t chunk_bytes = 8ull << 20;  // one request; also the granularity of progress
+  std::uint64_t chunk_bytes = 8ull << 20;  // one request
+  // How often on_progress hears of a growing prefix while a response arrives: a reader of this
+  // shard (pipeline replication) trails it by about this much, at every hop of a chain.
+  std::uint64_t progress_step_bytes = 1ull << 20;
   std::uint32_t depth = 4;                 // requests in flight on the connection (complete sources)
   // Connections used at once for a complete source, each pulling whole regions (helps on links
   // with a large bandwidth-delay product, where one TCP stream does not fill the pipe).

@@ -8,6 +8,19 @@
 netns_prefix="thb$$"
 netns_hosts=0
 
+# netns_probe: whether namespaces, veth pairs and tbf can be made here (root or CAP_NET_ADMIN,
+# iproute2, the kernel's veth and sch_tbf). Leaves nothing behind.
+netns_probe() {
+  local probe="$netns_prefix-probe"
+  ip netns add "$probe" 2> /dev/null || return 1
+  local ok=0
+  ip -n "$probe" link add probe0 type veth peer name probe1 2> /dev/null &&
+    ip netns exec "$probe" tc qdisc add dev probe0 root tbf rate 1gbit burst 256kb latency 50ms 2> /dev/null ||
+    ok=1
+  ip netns del "$probe" 2> /dev/null || true
+  return $ok
+}
+
 # netns_setup HOSTS RATE: hosts 0..HOSTS-1 at 10.99.0.(i+1), links shaped to RATE (e.g. 1gbit).
 netns_setup() {
   local hosts=$1 rate=$2

@@ -43,6 +43,46 @@ netns_setup() {
   done
 }
 
+# netns_setup_two_dcs HOSTS_A HOSTS_B RATE WAN_RATE: two datacenters, each a bridge in a namespace
+# of its own; hosts 0..HOSTS_A-1 on the first, the next HOSTS_B on the second (same addressing as
+# netns_setup), every host link shaped to RATE; the bridges joined by one link "wan" shaped to
+# WAN_RATE both ways. netns_wan_bytes tells what crossed it.
+netns_setup_two_dcs() {
+  local hosts_a=$1 hosts_b=$2 rate=$3 wan_rate=$4
+  local bridge_a="$netns_prefix-br" bridge_b="$netns_prefix-br2"
+  ip netns add "$bridge_a"
+  ip netns add "$bridge_b"
+  netns_second_bridge=1
+  for bridge in "$bridge_a" "$bridge_b"; do
+    ip -n "$bridge" link set lo up
+    ip -n "$bridge" link add br0 type bridge
+    ip -n "$bridge" link set br0 up
+  done
+  ip -n "$bridge_a" link add wan type veth peer name wan netns "$bridge_b"
+  for bridge in "$bridge_a" "$bridge_b"; do
+    ip -n "$bridge" link set wan master br0 up
+    ip netns exec "$bridge" tc qdisc add dev wan root tbf rate "$wan_rate" burst 256kb latency 100ms
+  done
+  for i in $(seq 0 $((hosts_a + hosts_b - 1))); do
+    local host="$netns_prefix-h$i" bridge="$bridge_a"
+    [ "$i" -ge "$hosts_a" ] && bridge="$bridge_b"
+    ip netns add "$host"
+    netns_hosts=$((i + 1))
+    ip -n "$bridge" link add "vb$i" type veth peer name eth0 netns "$host"
+    ip -n "$bridge" link set "vb$i" master br0 up
+    ip -n "$host" link set lo up
+    ip -n "$host" addr add "10.99.0.$((i + 1))/24" dev eth0
+    ip -n "$host" link set eth0 up
+    ip netns exec "$host" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
+    ip netns exec "$bridge" tc qdisc add dev "vb$i" root tbf rate "$rate" burst 256kb latency 50ms
+  done
+}
+
+# Bytes that crossed the link between the two datacenters so far (both directions).
+netns_wan_bytes() {
+  ip netns exec "$netns_prefix-br" sh -c 'echo $(( $(cat /sys/class/net/wan/statistics/tx_bytes) + $(cat /sys/class/net/wan/statistics/rx_bytes) ))'
+}
+
 # netns_run HOST COMMAND...: runs COMMAND inside host HOST's namespace.
 netns_run() {
   local host=$1
@@ -73,4 +113,5 @@ netns_cleanup() {
   netns_kill_all
   for i in $(seq 0 $((netns_hosts - 1))); do ip netns del "$netns_prefix-h$i" 2> /dev/null || true; done
   ip netns del "$netns_prefix-br" 2> /dev/null || true
+  [ -n "${netns_second_bridge:-}" ] && ip netns del "$netns_prefix-br2" 2> /dev/null || true
 }

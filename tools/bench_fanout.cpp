@@ -46,6 +46,7 @@ int run_fanout_node(const FanoutNodeOptions& options) {
     std::cerr << "th-bench fanout-node: register: " << registered.error().detail << "\n";
     return 1;
   }
+  const bool two_versions = !options.second_version_file.empty();
   if (options.role == "trainer") {
     std::mt19937_64 random(7);
     auto* words = reinterpret_cast<std::uint64_t*>(memory.get());
@@ -55,6 +56,53 @@ int run_fanout_node(const FanoutNodeOptions& options) {
       return 1;
     }
     std::cout << "node ready" << std::endl;
+    if (two_versions) {
+      wait_for_file(options.second_version_file);
+      if (auto unpublished = handle->unpublish(); !unpublished.ok()) {
+        std::cerr << "th-bench fanout-node: unpublish: " << unpublished.error().detail << "\n";
+        return 1;
+      }
+      for (std::uint64_t i = 0; i < bytes / 8; i += 4096) words[i] ^= 0x5A5A5A5A5A5A5A5Aull;  // new weights
+      if (auto published = handle->publish(2); !published.ok()) {
+        std::cerr << "th-bench fanout-node: publish 2: " << published.error().detail << "\n";
+        return 1;
+      }
+      std::cout << "node published 2" << std::endl;
+    }
+  } else if (two_versions) {
+    if (auto first = handle->replicate("latest"); !first.ok()) {
+      std::cerr << "th-bench fanout-node: replicate: " << first.error().detail << "\n";
+      return 1;
+    }
+    std::cout << "node ready" << std::endl;
+    wait_for_file(options.start_file);
+    const auto started = std::chrono::steady_clock::now();
+    double stall_s = 0;
+    int not_yet = 0;
+    std::string source;
+    for (;;) {
+      const auto asked = std::chrono::steady_clock::now();
+      auto updated = handle->update("latest");
+      stall_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+      if (!updated.ok()) {
+        std::cerr << "th-bench fanout-node: update: " << updated.error().detail << "\n";
+        return 1;
+      }
+      if (updated.value().version >= 2) {
+        source = updated.value().source_replica;
+        break;
+      }
+      if (updated.value().status == UpdateStatus::kNotYet) ++not_yet;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // generating with version 1
+      if (std::chrono::steady_clock::now() - started > std::chrono::minutes(10)) {
+        std::cerr << "th-bench fanout-node: no version 2 within 10 minutes\n";
+        return 1;
+      }
+    }
+    const double until_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::cout << std::fixed << std::setprecision(3) << "RESULT stall_seconds=" << stall_s << " until_seconds=" << until_s
+              << " not_yet=" << not_yet << " source=" << source << " checksum_failures="
+              << handle->stats().checksum_failures << std::endl;
   } else {
     std::cout << "node ready" << std::endl;
     wait_for_file(options.start_file);

@@ -20,10 +20,17 @@ struct FanoutNodeOptions {
   std::uint64_t mib = 256;   // the tensor's size
   std::string start_file;    // rollout: replicate once it exists
   std::string stop_file;     // close and exit once it exists
+  // Cross-datacenter mode (bench/run-crossdc): the trainer publishes version 1, then version 2 once
+  // this file exists; a rollout replicates version 1 first, then at its start file keeps calling
+  // update("latest") (every 50 ms while the answer is "not yet", as a rollout that keeps generating
+  // with the weights it has) until it holds version 2.
+  std::string second_version_file;
 };
 
 // Prints "node ready" once open (trainer: once published), "RESULT fanout_seconds=... source=..."
-// (rollout), and exits 0 once the stop file appears.
+// (rollout), and exits 0 once the stop file appears. In cross-datacenter mode a rollout prints
+// "RESULT stall_seconds=S until_seconds=U not_yet=N source=R": S the time spent blocked in
+// update(), U until it held version 2, N how often it was told "not yet".
 int run_fanout_node(const FanoutNodeOptions& options);
 
 }  // namespace th::bench

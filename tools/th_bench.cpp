@@ -198,6 +198,8 @@ int main(int argc, char** argv) {
   fanout->add_option("--mib", node.mib, "tensor size, MiB")->capture_default_str()->check(CLI::Range(1, 65536));
   fanout->add_option("--start-file", node.start_file, "rollout: replicate once this file exists");
   fanout->add_option("--stop-file", node.stop_file, "exit once this file exists")->required();
+  fanout->add_option("--second-version-file", node.second_version_file,
+                     "cross-datacenter mode: the trainer publishes version 2 once this file exists; rollouts update to it");
 
   CLI11_PARSE(app, argc, argv);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);

@@ -29,18 +29,22 @@ netns_setup() {
   ip -n "$bridge" link set lo up
   ip -n "$bridge" link add br0 type bridge
   ip -n "$bridge" link set br0 up
-  for i in $(seq 0 $((hosts - 1))); do
-    local host="$netns_prefix-h$i"
-    ip netns add "$host"
-    netns_hosts=$((i + 1))
-    ip -n "$bridge" link add "vb$i" type veth peer name eth0 netns "$host"
-    ip -n "$bridge" link set "vb$i" master br0 up
-    ip -n "$host" link set lo up
-    ip -n "$host" addr add "10.99.0.$((i + 1))/24" dev eth0
-    ip -n "$host" link set eth0 up
-    ip netns exec "$host" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
-    ip netns exec "$bridge" tc qdisc add dev "vb$i" root tbf rate "$rate" burst 256kb latency 50ms
-  done
+  for i in $(seq 0 $((hosts - 1))); do netns_add_host "$i" "$bridge" "$rate"; done
+}
+
+# netns_add_host I BRIDGE RATE: host I (10.99.0.(I+1)) on BRIDGE's br0, its link shaped both ways.
+netns_add_host() {
+  local i=$1 bridge=$2 rate=$3
+  local host="$netns_prefix-h$i"
+  ip netns add "$host"
+  netns_hosts=$((i + 1))
+  ip -n "$bridge" link add "vb$i" type veth peer name eth0 netns "$host"
+  ip -n "$bridge" link set "vb$i" master br0 up
+  ip -n "$host" link set lo up
+  ip -n "$host" addr add "10.99.0.$((i + 1))/24" dev eth0
+  ip -n "$host" link set eth0 up
+  ip netns exec "$host" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
+  ip netns exec "$bridge" tc qdisc add dev "vb$i" root tbf rate "$rate" burst 256kb latency 50ms
 }
 
 # netns_setup_two_dcs HOSTS_A HOSTS_B RATE WAN_RATE: two datacenters, each a bridge in a namespace
@@ -64,17 +68,7 @@ netns_setup_two_dcs() {
     ip netns exec "$bridge" tc qdisc add dev wan root tbf rate "$wan_rate" burst 256kb latency 100ms
   done
   for i in $(seq 0 $((hosts_a + hosts_b - 1))); do
-    local host="$netns_prefix-h$i" bridge="$bridge_a"
-    [ "$i" -ge "$hosts_a" ] && bridge="$bridge_b"
-    ip netns add "$host"
-    netns_hosts=$((i + 1))
-    ip -n "$bridge" link add "vb$i" type veth peer name eth0 netns "$host"
-    ip -n "$bridge" link set "vb$i" master br0 up
-    ip -n "$host" link set lo up
-    ip -n "$host" addr add "10.99.0.$((i + 1))/24" dev eth0
-    ip -n "$host" link set eth0 up
-    ip netns exec "$host" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
-    ip netns exec "$bridge" tc qdisc add dev "vb$i" root tbf rate "$rate" burst 256kb latency 50ms
+    if [ "$i" -lt "$hosts_a" ]; then netns_add_host "$i" "$bridge_a" "$rate"; else netns_add_host "$i" "$bridge_b" "$rate"; fi
   done
 }
 

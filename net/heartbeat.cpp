@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <memory>
 
 namespace th::net {
 namespace {
@@ -23,22 +22,6 @@ std::uint64_t get(const std::byte* at, int bytes) {
   std::uint64_t value = 0;
   for (int i = 0; i < bytes; ++i) value |= static_cast<std::uint64_t>(at[i]) << (8 * i);
   return value;
-}
-
-struct AddrInfoDeleter {
-  void operator()(addrinfo* info) const { freeaddrinfo(info); }
-};
-
-std::unique_ptr<addrinfo, AddrInfoDeleter> resolve_udp(const Endpoint& endpoint, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
-  addrinfo* found = nullptr;
-  const std::string port = std::to_string(endpoint.port);
-  const int rc = getaddrinfo(endpoint.host.empty() ? nullptr : endpoint.host.c_str(), port.c_str(), &hints, &found);
-  if (rc != 0) throw SocketError("cannot resolve " + endpoint.to_string() + ": " + gai_strerror(rc));
-  return std::unique_ptr<addrinfo, AddrInfoDeleter>(found);
 }
 
 Fd udp_socket(const addrinfo& info) {
@@ -72,7 +55,7 @@ std::optional<HeartbeatDatagram> decode_heartbeat(std::span<const std::byte> byt
 }
 
 HeartbeatReceiver::HeartbeatReceiver(const Endpoint& bind) {
-  auto info = resolve_udp(bind, true);
+  auto info = resolve(bind, SOCK_DGRAM, true);
   socket_ = udp_socket(*info);
   const int on = 1;
   ::setsockopt(socket_.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
@@ -115,7 +98,7 @@ std::size_t HeartbeatReceiver::receive(std::vector<HeartbeatDatagram>& out) {
 }
 
 HeartbeatSender::HeartbeatSender(const Endpoint& server) {
-  auto info = resolve_udp(server, false);
+  auto info = resolve(server, SOCK_DGRAM, false);
   socket_ = udp_socket(*info);
   if (::connect(socket_.get(), info->ai_addr, info->ai_addrlen) != 0) {
     throw SocketError("connect udp " + server.to_string() + ": " + std::strerror(errno));

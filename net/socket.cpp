@@ -20,24 +20,22 @@ namespace {
   throw SocketError(what + ": " + std::strerror(errno));
 }
 
-struct AddrInfoDeleter {
-  void operator()(addrinfo* info) const { freeaddrinfo(info); }
-};
+}  // namespace
 
-std::unique_ptr<addrinfo, AddrInfoDeleter> resolve(const Endpoint& endpoint, bool passive) {
+void AddrInfoDeleter::operator()(addrinfo* info) const { freeaddrinfo(info); }
+
+AddrInfo resolve(const Endpoint& endpoint, int socket_type, bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_socktype = socket_type;
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   addrinfo* found = nullptr;
   const std::string port = std::to_string(endpoint.port);
   const int rc = getaddrinfo(endpoint.host.empty() ? nullptr : endpoint.host.c_str(), port.c_str(),
                              &hints, &found);
   if (rc != 0) throw SocketError("cannot resolve " + endpoint.to_string() + ": " + gai_strerror(rc));
-  return std::unique_ptr<addrinfo, AddrInfoDeleter>(found);
+  return AddrInfo(found);
 }
-
-}  // namespace
 
 Fd& Fd::operator=(Fd&& other) noexcept {
   if (this != &other) {
@@ -83,7 +81,7 @@ Endpoint parse_endpoint(std::string_view text) {
 }
 
 Fd listen_tcp(const Endpoint& endpoint, int backlog) {
-  auto info = resolve(endpoint, true);
+  auto info = resolve(endpoint, SOCK_STREAM, true);
   Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC, info->ai_protocol));
   if (!socket.valid()) fail("socket");
   const int on = 1;
@@ -102,7 +100,7 @@ std::uint16_t local_port(const Fd& socket) {
 }
 
 Fd connect_tcp(const Endpoint& endpoint, int timeout_ms) {
-  auto info = resolve(endpoint, false);
+  auto info = resolve(endpoint, SOCK_STREAM, false);
   Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
                      info->ai_protocol));
   if (!socket.valid()) fail("socket");

@@ -5,9 +5,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+
+struct addrinfo;
 
 namespace th::net {
 
@@ -43,6 +46,14 @@ struct Endpoint {
 };
 // Parses "host:port" (IPv4 dotted quad or a name that resolves; "[v6]:port" for IPv6).
 Endpoint parse_endpoint(std::string_view text);
+
+// Name resolution for TCP (SOCK_STREAM) or UDP (SOCK_DGRAM) sockets; passive: for bind().
+// Throws SocketError naming the endpoint if it does not resolve.
+struct AddrInfoDeleter {
+  void operator()(addrinfo* info) const;
+};
+using AddrInfo = std::unique_ptr<addrinfo, AddrInfoDeleter>;
+AddrInfo resolve(const Endpoint& endpoint, int socket_type, bool passive);
 
 // A listening socket on host:port (port 0: the kernel picks; see local_port).
 Fd listen_tcp(const Endpoint& endpoint, int backlog);

@@ -92,7 +92,6 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogLevel log_level_;
   Hub hub_;
   net::TurnGate turn_gate_;
-  Effects effects_;  // reused across steps
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 
   std::unique_ptr<net::HeartbeatReceiver> heartbeat_receiver_;

@@ -1,5 +1,5 @@
 // The hub's internal state. Not part of the public API: hub.h is. Declared in a header of its own so
-// that hub.cpp and the invariant checker (invariants.cpp) share it.
+// that hub*.cpp and the invariant checker (invariants.cpp) share it.
 //
 // Ownership: Hub owns Models (unique_ptr); a Model owns its Replicas, Copies, Transfers and
 // VersionRecords. Every other pointer below is non-owning and is cleared before its target dies.

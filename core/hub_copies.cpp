@@ -1,0 +1,376 @@
+// Copies and retention: creating and removing copies, the per-version counters that source
+// selection and retention read (kept in step with each copy's state), draining, offload copies, and
+// which versions are retained or forgotten. Apart because it is the bookkeeping the rest relies on.
+#include "core/hub.h"
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "core/hub_internal.h"
+
+namespace th {
+
+using detail::Contribution;
+using detail::CopyId;
+using detail::CopyState;
+using detail::DcSources;
+using detail::DrainPurpose;
+using detail::SourceKey;
+using detail::TxnStage;
+
+namespace {
+
+void add_count(std::uint32_t& counter, bool present, int sign) {
+  if (!present) return;
+  if (sign > 0) {
+    ++counter;
+  } else {
+    TH_ASSERT(counter > 0, "counter would go negative");
+    --counter;
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+std::string_view copy_state_name(CopyState state) {
+  switch (state) {
+    case CopyState::kPublishing: return "publishing";
+    case CopyState::kGathering: return "gathering";
+    case CopyState::kWaiting: return "waiting";
+    case CopyState::kActive: return "receiving";
+    case CopyState::kComplete: return "complete";
+    case CopyState::kOffloading: return "offloading";
+    case CopyState::kDraining: return "draining";
+  }
+  return "unknown-state";
+}
+
+}  // namespace detail
+
+Hub::Copy& Hub::create_copy(Replica& owner, VersionRecord& record, CopyKind kind, CopyState state) {
+  Model& model = *owner.model;
+  auto copy = std::make_unique<Copy>();
+  copy->id = next_copy_id_++;
+  copy->owner = &owner;
+  copy->record = &record;
+  copy->kind = kind;
+  copy->state = state;
+  Copy& ref = *copy;
+  TH_ASSERT(record.copies.size() < model.replicas.size() * (limits::kOffloadsPerReplicaMax + 1),
+            "at most one primary and the offloads of each replica hold a version");
+  model.copies.emplace(ref.id, std::move(copy));
+  ref.index_in_record = record.copies.size();
+  record.copies.push_back(&ref);
+  ref.counted = contribution(ref);
+  apply(ref, ref.counted, +1);
+  return ref;
+}
+
+void Hub::remove_copy(Copy& copy) {
+  Replica& owner = *copy.owner;
+  Model& model = *owner.model;
+  VersionRecord& record = *copy.record;
+  // Stop being a reader.
+  if (Transfer* incoming = copy.incoming) {
+    detach_source(*incoming);
+    dequeue_waiting(*incoming);
+    copy.incoming = nullptr;
+    model.transfers.erase(incoming->id);
+  }
+  // Stop being a source: every reader of this copy looks for another one.
+  if (copy.readers > 0) {
+    std::vector<Transfer*> readers;
+    for (const auto& [id, transfer] : model.transfers) {
+      if (transfer->source == &copy) readers.push_back(transfer.get());
+    }
+    for (Transfer* transfer : readers) reassign(*transfer);
+  }
+  TH_ASSERT(copy.readers == 0, "a removed copy has no readers");
+  apply(copy, copy.counted, -1);
+  // Swap-and-pop: thousands of replicas may hold one version.
+  TH_ASSERT(record.copies[copy.index_in_record] == &copy);
+  record.copies[copy.index_in_record] = record.copies.back();
+  record.copies[copy.index_in_record]->index_in_record = copy.index_in_record;
+  record.copies.pop_back();
+  record.dirty = true;
+  if (record.copies.empty() && !record.ever_complete) model.forgettable.push_back(record.version);
+  if (bugs().latest_regress && record.copies.empty() && model.latest == record.version) {
+    model.latest.reset();
+    for (const auto& [version, other] : model.versions) {
+      if (!other.copies.empty() && other.ever_complete) model.latest = version;
+    }
+  }
+  if (owner.primary == &copy) owner.primary = nullptr;
+  std::erase(owner.offloads, &copy);
+  model.offload_copies.erase(copy.id);
+  mark_dirty(model);
+  model.copies.erase(copy.id);
+}
+
+Contribution Hub::contribution(const Copy& copy) const {
+  Contribution c;
+  const bool usable = !copy.failed;
+  const bool complete = copy.state == CopyState::kComplete;
+  const bool active = copy.state == CopyState::kActive;
+  c.complete = usable && complete;
+  c.complete_primary = c.complete && copy.kind == CopyKind::kPrimary;
+  c.safe_primary = c.complete_primary && !copy.owner->spot;
+  c.safe_offload = c.complete && copy.kind == CopyKind::kOffload;
+  c.servable = usable && (complete || active);
+  // A seeder a reader reported as failed no longer counts: another may seed (DESIGN.md §5.5).
+  c.seeding = usable && active && copy.incoming != nullptr && copy.incoming->cross_dc;
+  // A draining primary of a non-spot replica may still turn into an offload copy.
+  const bool may_offload = copy.state == CopyState::kDraining && copy.kind == CopyKind::kPrimary &&
+                           !copy.owner->spot && copy.drain_purpose != DrainPurpose::kClose;
+  // A copy a reader reported is only suspected: it still counts until its replica is evicted.
+  c.potential = complete || active || copy.state == CopyState::kPublishing ||
+                copy.state == CopyState::kOffloading || may_offload;
+  const bool fits = copy.readers < settings_.fanout_max || bugs().ignore_fanout;
+  c.eligible = fits && usable && (complete || (active && settings_.pipeline));
+  c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
+  return c;
+}
+
+void Hub::apply(Copy& copy, const Contribution& c, int sign) {
+  VersionRecord& record = *copy.record;
+  DcSources& sources = record.by_dc[copy.owner->dc];
+  if (c.eligible) {
+    if (sign > 0) {
+      const bool inserted = sources.eligible.emplace(c.key, &copy).second;
+      TH_ASSERT(inserted);
+    } else {
+      const std::size_t erased = sources.eligible.erase({c.key, &copy});
+      TH_ASSERT(erased == 1);
+    }
+  }
+  add_count(sources.servable, c.servable, sign);
+  add_count(sources.complete, c.complete, sign);
+  add_count(sources.seeding, c.seeding, sign);
+  add_count(record.safe_primaries, c.safe_primary, sign);
+  add_count(record.safe_offloads, c.safe_offload, sign);
+  add_count(record.complete_primaries, c.complete_primary, sign);
+  add_count(record.potential, c.potential, sign);
+}
+
+void Hub::reindex(Copy& copy) {
+  apply(copy, copy.counted, -1);
+  copy.counted = contribution(copy);
+  apply(copy, copy.counted, +1);
+  VersionRecord& record = *copy.record;
+  record.dirty = true;
+  if (!record.waiting.empty()) mark_dirty(*copy.owner->model);
+}
+
+void Hub::set_state(Copy& copy, CopyState state) {
+  copy.state = state;
+  reindex(copy);
+}
+
+void Hub::set_readers(Copy& copy, std::uint32_t readers) {
+  copy.readers = readers;
+  reindex(copy);
+}
+
+void Hub::set_failed(Copy& copy) {
+  copy.failed = true;
+  reindex(copy);
+}
+
+void Hub::on_copy_complete(Copy& copy) {
+  Model& model = *copy.owner->model;
+  VersionRecord& record = *copy.record;
+  TH_ASSERT(copy.state == CopyState::kComplete);
+  TH_ASSERT(copy.ready.count() == copy.owner->num_shards);
+  record.ever_complete = true;
+  if (!model.latest || record.version > *model.latest) {
+    TH_ASSERT(!model.latest || record.version > *model.latest, "latest only moves forward");
+    model.latest = record.version;
+  }
+  mark_dirty(model);
+}
+
+void Hub::start_drain(Copy& copy, DrainPurpose purpose) {
+  TH_ASSERT(copy.state == CopyState::kComplete, "only complete copies drain");
+  copy.drain_purpose = purpose;
+  set_state(copy, CopyState::kDraining);
+  if (copy.readers == 0) drained_.emplace_back(copy.owner->model, copy.id);
+}
+
+bool Hub::needs_offload(const Copy& copy) const {
+  if (bugs().skip_offload) return false;
+  const VersionRecord& record = *copy.record;
+  return copy.kind == CopyKind::kPrimary && !copy.owner->spot &&
+         is_retained(*copy.owner->model, record.version) &&
+         record.safe_primaries + record.safe_offloads == 0;
+}
+
+void Hub::on_drained(Copy& copy) {
+  TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
+  TH_ASSERT(copy.awaiting_offload == 0);
+  Replica& owner = *copy.owner;
+  const DrainPurpose purpose = copy.drain_purpose;
+  switch (purpose) {
+    case DrainPurpose::kRelease:
+      emit_to_replica(owner, ReleaseOffload{copy.record->version});
+      remove_copy(copy);
+      return;
+    case DrainPurpose::kClose:
+      remove_copy(copy);
+      if (owner.primary == nullptr && owner.offloads.empty()) {
+        for (auto& [seq, txn] : owner.txns) {
+          if (txn.stage == TxnStage::kClosing && !txn.result) {
+            finish(owner, txn, CloseOk{});
+            return;
+          }
+        }
+      }
+      return;
+    case DrainPurpose::kUnpublish:
+    case DrainPurpose::kUpdate:
+      if (needs_offload(copy)) {
+        // The last safe copy of a retained version: the owner copies it to CPU memory before its
+        // buffers may change, and the unpublish completes once that offload copy exists. If the
+        // owner still has an offload copy of this version that is only draining to be released,
+        // that copy is kept instead: a replica never holds two offload copies of one version, so
+        // ReleaseOffload{version} always names exactly one.
+        if (Copy* releasing = releasing_offload(owner, copy.record->version)) {
+          set_state(*releasing, CopyState::kComplete);
+        } else {
+          Copy& offload = start_offload(owner, *copy.record);
+          copy.awaiting_offload = offload.id;
+          return;
+        }
+      }
+      remove_copy(copy);
+      after_primary_drained(owner, purpose);
+      return;
+  }
+}
+
+void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose) {
+  const TxnStage stage = purpose == DrainPurpose::kUpdate ? TxnStage::kDrainingOld : TxnStage::kDraining;
+  for (auto& [seq, txn] : replica.txns) {
+    if (txn.stage != stage || txn.result) continue;
+    if (purpose == DrainPurpose::kUpdate) {
+      begin_receive(replica, txn, *txn.target);
+    } else {
+      finish(replica, txn, UnpublishOk{});
+    }
+    return;
+  }
+}
+
+Hub::Copy* Hub::releasing_offload(const Replica& replica, Version version) const {
+  for (Copy* offload : replica.offloads) {
+    if (offload->record->version == version && offload->state == CopyState::kDraining &&
+        offload->drain_purpose == DrainPurpose::kRelease) {
+      return offload;
+    }
+  }
+  return nullptr;
+}
+
+Hub::Copy& Hub::start_offload(Replica& replica, VersionRecord& record) {
+  TH_ASSERT(replica.offloads.size() < limits::kOffloadsPerReplicaMax, "offloads per replica");
+  TH_ASSERT(!replica.spot, "a spot replica's copy never counts, so it never offloads");
+  Copy& offload = create_copy(replica, record, CopyKind::kOffload, CopyState::kOffloading);
+  replica.offloads.push_back(&offload);
+  replica.model->offload_copies.insert(offload.id);
+  ++stats_.offloads_started;
+  emit_to_replica(replica, Offload{record.version});
+  return offload;
+}
+
+void Hub::reconcile_offloads(Model& model) {
+  const std::vector<CopyId> ids(model.offload_copies.begin(), model.offload_copies.end());
+  for (CopyId id : ids) {
+    auto found = model.copies.find(id);
+    if (found == model.copies.end()) continue;
+    Copy& offload = *found->second;
+    if (offload.state != CopyState::kComplete) continue;
+    const VersionRecord& record = *offload.record;
+    // Released once another non-spot replica holds the version completely, once a second offload
+    // copy exists, or once the version leaves retention.
+    if (record.safe_primaries > 0 || record.safe_offloads > 1 ||
+        !is_retained(model, record.version)) {
+      start_drain(offload, DrainPurpose::kRelease);
+    }
+  }
+}
+
+void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done) {
+  Copy* offload = nullptr;
+  for (Copy* copy : replica.offloads) {
+    if (copy->record->version == done.version && copy->state == CopyState::kOffloading) {
+      offload = copy;
+    }
+  }
+  if (offload == nullptr) return;  // a duplicate, or the offload was cancelled
+  offload->ready.set(shard);
+  if (offload->ready.count() < replica.num_shards) return;
+  set_state(*offload, CopyState::kComplete);
+  on_copy_complete(*offload);
+  Copy* primary = replica.primary;
+  if (primary != nullptr && primary->awaiting_offload == offload->id) {
+    primary->awaiting_offload = 0;
+    const DrainPurpose purpose = primary->drain_purpose;
+    remove_copy(*primary);
+    after_primary_drained(replica, purpose);
+  }
+}
+
+// ---- retention -------------------------------------------------------------------------------------
+
+void Hub::add_retention(Model& model, const Retention& retention, int sign) {
+  if (retention.keep_latest) {
+    if (sign > 0) {
+      model.keep_latest.insert(*retention.keep_latest);
+    } else {
+      auto found = model.keep_latest.find(*retention.keep_latest);
+      TH_ASSERT(found != model.keep_latest.end(), "a counted rule is present");
+      model.keep_latest.erase(found);
+    }
+  }
+  for (Version version : retention.pinned) {
+    if (sign > 0) {
+      ++model.pinned[version];
+    } else {
+      auto found = model.pinned.find(version);
+      TH_ASSERT(found != model.pinned.end() && found->second > 0, "a counted pin is present");
+      if (--found->second == 0) model.pinned.erase(found);
+    }
+  }
+  mark_dirty(model);
+}
+
+bool Hub::is_retained(const Model& model, Version version) const {
+  if (model.pinned.contains(version)) return true;
+  if (!model.latest || model.keep_latest.empty()) return false;
+  const std::uint64_t keep = *model.keep_latest.rbegin();
+  return version <= *model.latest && version + keep >= *model.latest;
+}
+
+void Hub::forget_versions(Model& model) {
+  // A version nobody holds is remembered while it is near `latest` (so readers learn that it is
+  // unavailable rather than unknown); one that never completed is forgotten at once.
+  auto idle = [](const VersionRecord& record) {
+    return record.copies.empty() && record.waiting.empty();
+  };
+  for (Version version : model.forgettable) {
+    auto found = model.versions.find(version);
+    if (found != model.versions.end() && idle(found->second) && !found->second.ever_complete) {
+      model.versions.erase(found);
+    }
+  }
+  model.forgettable.clear();
+  for (auto it = model.versions.begin(); it != model.versions.end();) {
+    const bool old = model.latest && it->first + limits::kForgottenVersionsWindow < *model.latest;
+    if (!old) break;  // versions are ordered: nothing further is old
+    it = idle(it->second) ? model.versions.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace th

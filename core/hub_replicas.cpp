@@ -1,0 +1,413 @@
+// Replicas: open, eviction and removal, and the barrier that re-forms a replica after a failover.
+// Apart because it is the replica's own lifecycle; the calls made while it lives are in
+// hub_calls.cpp.
+#include "core/hub.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/hub_internal.h"
+
+namespace th {
+
+using detail::Binding;
+using detail::CopyState;
+using detail::describe;
+using detail::for_each_shard;
+using detail::ReplicaPhase;
+using detail::ShardSlot;
+
+void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session,
+                  const OpenRequest& open) {
+  auto reject = [&](Errc code, std::string detail, std::uint64_t replica_incarnation = 0) {
+    emit(client, open_session, Reply{seq, make_error(code, std::move(detail)), replica_incarnation});
+  };
+  if (const Binding* bound = clients_.find(client)) {
+    const ShardSlot& slot = bound->replica->shards[bound->shard];
+    const bool retransmitted = open_session == slot.session && seq == slot.open_seq;
+    if (retransmitted) {
+      // Answer it again if the answer exists; a resuming open may still wait in its barrier, and
+      // its retransmissions are its heartbeats meanwhile.
+      bound->replica->shards[bound->shard].last_seen_ms = now_ms_;
+      if (slot.last_reply && slot.last_reply->seq == seq) emit_to(slot, *slot.last_reply);
+      return;
+    }
+    if (open_session <= slot.session) {
+      reject(Errc::kAlreadyOpen, "this handle id is already open");
+      return;
+    }
+    // A newer session: the client lost its view of the replica (it thinks it was evicted, or its
+    // messages crossed). Like a restart, that ends the replica it was part of.
+    Replica& stale = *bound->replica;
+    evict(stale, Errc::kReplicaEvicted,
+          "shard " + std::to_string(bound->shard) + " of " + describe(stale) + " opened again");
+  }
+  if (Status valid = validate(open); !valid.ok()) {
+    reject(valid.error().code, valid.error().detail);
+    return;
+  }
+
+  auto model_found = models_.find(open.model);
+  if (model_found == models_.end()) {
+    if (models_.size() >= limits::kModelsMax) {
+      reject(Errc::kLimitExceeded, "this server already hosts 64 models");
+      return;
+    }
+    auto model = std::make_unique<Model>();
+    model->name = open.model;
+    model->num_shards = open.num_shards;
+    model->layouts.resize(open.num_shards);
+    model_found = models_.emplace(open.model, std::move(model)).first;
+  }
+  Model& model = *model_found->second;
+  if (model.num_shards != open.num_shards) {
+    reject(Errc::kOpenMismatch, "model '" + model.name + "' has " +
+                                    std::to_string(model.num_shards) + " shards per replica");
+    return;
+  }
+  if (!datacenters_.contains(open.datacenter) && datacenters_.size() >= limits::kDatacentersMax) {
+    reject(Errc::kLimitExceeded, "more than 256 datacenters");
+    return;
+  }
+
+  Replica* replica = nullptr;
+  if (auto found = model.replicas.find(open.replica); found != model.replicas.end()) {
+    replica = found->second.get();
+    if (open.incarnation < replica->incarnation) {
+      reject(Errc::kStaleIncarnation,
+             describe(*replica) + " is newer than incarnation " + std::to_string(open.incarnation),
+             replica->incarnation);
+      return;
+    }
+    if (open.incarnation > replica->incarnation) {
+      evict(*replica, Errc::kReplicaEvicted,
+            describe(*replica) + " was replaced by incarnation " + std::to_string(open.incarnation));
+      replica = nullptr;
+    } else {
+      if (replica->datacenter != open.datacenter || replica->spot != open.spot ||
+          replica->role != open.role) {
+        reject(Errc::kOpenMismatch, describe(*replica) +
+                                        " was opened with another datacenter, spot flag or role");
+        return;
+      }
+      if (replica->phase == ReplicaPhase::kClosing) {
+        reject(Errc::kReplicaClosed, describe(*replica) + " is closing");
+        return;
+      }
+      if (replica->shards[open.shard].client) {
+        reject(Errc::kShardAlreadyOpen, "shard " + std::to_string(open.shard) + " of " +
+                                            describe(*replica) + " is already open");
+        return;
+      }
+      if (replica->phase == ReplicaPhase::kLive && open.resume != nullptr) {
+        // The replica's other shards started afresh: this shard's history no longer applies.
+        reject(Errc::kDivergentCall,
+               "the other shards of " + describe(*replica) + " started over; open fresh",
+               replica->incarnation);
+        return;
+      }
+      // A fresh open joining a resuming replica resumes with nothing, at call 0: the barrier then
+      // decides whether the shards can go on together.
+    }
+  }
+  if (replica == nullptr) {
+    if (model.replicas.size() >= limits::kReplicasPerModelMax) {
+      reject(Errc::kLimitExceeded, "model '" + model.name + "' already has 16384 replicas");
+      return;
+    }
+    auto created = std::make_unique<Replica>();
+    created->model = &model;
+    created->name = open.replica;
+    created->incarnation = open.incarnation;
+    created->num_shards = open.num_shards;
+    created->dc = intern_dc(open.datacenter);
+    created->datacenter = open.datacenter;
+    created->spot = open.spot;
+    created->role = open.role;
+    created->shards.resize(open.num_shards);
+    if (open.resume) {
+      created->phase = ReplicaPhase::kResuming;
+      created->barrier_deadline_ms = now_ms_ + settings_.barrier_timeout_ms;
+      expiry_due_by(created->barrier_deadline_ms);
+    }
+    replica = created.get();
+    model.replicas.emplace(open.replica, std::move(created));
+  }
+
+  ShardSlot& slot = replica->shards[open.shard];
+  slot.client = client;
+  slot.session = open_session;
+  slot.last_seq = seq;
+  slot.open_seq = seq;
+  slot.last_reply.reset();
+  slot.last_seen_ms = now_ms_;
+  expiry_due_by(now_ms_ + settings_.heartbeat_timeout_ms + 1);
+  slot.retention = open.retention;
+  slot.endpoint = open.data_endpoint;
+  slot.resume = open.resume;
+  ++replica->bound_shards;
+  TH_ASSERT(replica->bound_shards <= replica->num_shards);
+  clients_.insert(client, Binding{replica, open.shard});
+  add_retention(model, slot.retention, +1);
+
+  if (replica->phase == ReplicaPhase::kResuming) {
+    if (!slot.resume) slot.resume = std::make_shared<const Resume>();
+    if (replica->bound_shards == replica->num_shards) complete_barrier(*replica);
+    return;
+  }
+  send_reply(*replica, open.shard, seq, OpenOk{replica->num_shards, model.latest});
+}
+
+void Hub::unbind(Replica& replica, std::uint32_t shard) {
+  ShardSlot& slot = replica.shards[shard];
+  if (!slot.client) return;
+  clients_.erase(*slot.client);
+  slot.client.reset();
+  TH_ASSERT(replica.bound_shards > 0);
+  --replica.bound_shards;
+  add_retention(*replica.model, slot.retention, -1);
+}
+
+void Hub::evict(Replica& replica, Errc reason, const std::string& detail) {
+  ++stats_.evictions;
+  const Error error = make_error(reason, detail);
+  for (auto& [seq, txn] : replica.txns) {
+    if (txn.result) continue;
+    for_each_shard(txn.arrived & ~txn.replied, replica.num_shards,
+                   [&](std::uint32_t shard) { send_reply(replica, shard, seq, error); });
+  }
+  if (replica.phase == ReplicaPhase::kResuming) {
+    // Shards waiting in the barrier have an open call outstanding: answer it.
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+      if (replica.shards[shard].client) send_reply(replica, shard, replica.shards[shard].open_seq, error);
+    }
+  }
+  emit_to_replica(replica, Evicted{reason, detail});
+  remove_replica(replica);
+}
+
+void Hub::remove_replica(Replica& replica) {
+  Model& model = *replica.model;
+  for (const auto& [seq, txn] : replica.txns) {
+    if (txn.ticket == 0) continue;
+    model.unresolved.erase(txn.ticket);
+    model.waits.erase(txn.ticket);
+  }
+  std::erase_if(model.deadlines, [&](const auto& entry) { return entry.second.replica == &replica; });
+  std::vector<Copy*> copies = replica.offloads;
+  if (replica.primary != nullptr) copies.push_back(replica.primary);
+  for (Copy* copy : copies) remove_copy(*copy);
+  TH_ASSERT(replica.primary == nullptr && replica.offloads.empty());
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) unbind(replica, shard);
+  TH_ASSERT(replica.bound_shards == 0);
+  mark_dirty(model);
+  model.replicas.erase(replica.name);  // destroys `replica`
+}
+
+void Hub::fail_barrier(Replica& replica, const Error& error) {
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (replica.shards[shard].client) send_reply(replica, shard, replica.shards[shard].open_seq, error);
+  }
+  remove_replica(replica);
+}
+
+void Hub::complete_barrier(Replica& replica) {
+  TH_ASSERT(replica.phase == ReplicaPhase::kResuming);
+  TH_ASSERT(replica.bound_shards == replica.num_shards);
+  std::uint64_t low = replica.shards[0].open_seq;
+  std::uint64_t high = low;
+  for (const ShardSlot& slot : replica.shards) {
+    low = std::min(low, slot.open_seq);
+    high = std::max(high, slot.open_seq);
+  }
+  if (high - low > 1) {
+    fail_barrier(replica, make_error(Errc::kDivergentCall,
+                                     "shards of " + describe(replica) + " resumed at calls " +
+                                         std::to_string(low) + " and " + std::to_string(high)));
+    return;
+  }
+  Txn* seeded = nullptr;
+  if (high != low) {
+    // A failover in the middle of call `high`: some shards completed it on the old server, the
+    // others will call it again here. They must get the answer the first ones got.
+    std::optional<TxnRecord> record;
+    for (const ShardSlot& slot : replica.shards) {
+      if (slot.open_seq != high) continue;
+      const std::optional<TxnRecord>& last =
+          slot.resume ? slot.resume->last_txn : std::optional<TxnRecord>{};
+      const bool agrees = last && last->seq == high &&
+                          (!record || (record->op == last->op &&
+                                       same_answer(record->outcome, last->outcome)));
+      if (!agrees) {
+        fail_barrier(replica, make_error(Errc::kDivergentCall,
+                                         "shards of " + describe(replica) +
+                                             " disagree about the outcome of call " +
+                                             std::to_string(high)));
+        return;
+      }
+      record = last;
+    }
+    Txn& txn = replica.txns[high];
+    txn.seq = high;
+    txn.op = record->op;
+    txn.seeded = true;
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+      if (replica.shards[shard].open_seq == low) txn.expected.set(shard);
+    }
+    // Answers that need nothing of this server are given as they were. A replicate, an update that
+    // moved or a publish still has to happen here for the remaining shards, with the same answer.
+    const Outcome& outcome = record->outcome;
+    const auto* updated = std::get_if<UpdateOk>(&outcome);
+    if (const auto* replicated = std::get_if<ReplicateOk>(&outcome)) {
+      txn.target = replicated->version;
+      txn.seeded_outcome = outcome;
+    } else if (updated != nullptr && updated->status == UpdateStatus::kUpdated) {
+      txn.target = updated->version;
+      txn.seeded_outcome = outcome;
+    } else if (std::holds_alternative<PublishOk>(outcome) ||
+               std::holds_alternative<CloseOk>(outcome)) {
+      txn.seeded_outcome = outcome;
+    } else {
+      txn.result = outcome;
+    }
+    seeded = &txn;
+  }
+  if (!announce(replica, seeded)) return;
+  replica.phase = ReplicaPhase::kLive;
+  // Shards that are ahead wait for the others to redo the call they missed, if it has work left to
+  // do here (a receive or a publish): until then the replica is not whole, and a new call of theirs
+  // would be answered about a replica that is not what the others will see.
+  const bool catching_up = seeded != nullptr && seeded->seeded_outcome.has_value();
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (catching_up && replica.shards[shard].open_seq == high) {
+      replica.deferred_opens.set(shard);
+      continue;
+    }
+    send_reply(replica, shard, replica.shards[shard].open_seq,
+               OpenOk{replica.num_shards, replica.model->latest});
+  }
+  mark_dirty(*replica.model);
+}
+
+// The shards behind a failover finished the call they missed. With the answer the others got, the
+// replica is whole again; with another (the data is gone), its shards cannot agree any more and the
+// replica is evicted, to be re-opened by its framework (paper §4.5).
+void Hub::caught_up(Replica& replica, const Txn& txn) {
+  TH_ASSERT(txn.seeded && txn.seeded_outcome.has_value() && txn.result.has_value());
+  if (same_answer(*txn.result, *txn.seeded_outcome)) {
+    for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
+      send_reply(replica, shard, replica.shards[shard].open_seq,
+                 OpenOk{replica.num_shards, replica.model->latest});
+    });
+    replica.deferred_opens.reset();
+    return;
+  }
+  diverged_.emplace_back(replica.model, replica.name, replica.incarnation, txn.seq);
+}
+
+bool Hub::announce(Replica& replica, Txn* seeded) {
+  Model& model = *replica.model;
+  const std::uint32_t shards = replica.num_shards;
+  // The primary: every shard that holds something must hold the same version.
+  std::optional<Version> version;
+  ShardSet holders;
+  for (std::uint32_t shard = 0; shard < shards; ++shard) {
+    const auto& resume = replica.shards[shard].resume;
+    if (!resume || !resume->primary) continue;
+    if (version && *version != resume->primary->version) {
+      fail_barrier(replica, make_error(Errc::kDivergentCall,
+                                       "shards of " + describe(replica) + " hold versions " +
+                                           std::to_string(*version) + " and " +
+                                           std::to_string(resume->primary->version)));
+      return false;
+    }
+    version = resume->primary->version;
+    holders.set(shard);
+  }
+  const bool unpublished = seeded != nullptr && seeded->op.kind == OpKind::kUnpublish &&
+                           seeded->result && std::holds_alternative<UnpublishOk>(*seeded->result);
+  if (version && !unpublished) {
+    const bool full = holders.count() == shards;
+    CopyState state = CopyState::kComplete;
+    if (!full) {
+      if (seeded != nullptr && seeded->op.kind == OpKind::kPublish && seeded->seeded_outcome &&
+          seeded->op.version == *version) {
+        state = CopyState::kPublishing;
+      } else if (seeded != nullptr && seeded->target == version) {
+        state = CopyState::kGathering;
+      } else {
+        fail_barrier(replica, make_error(Errc::kDivergentCall,
+                                         "only some shards of " + describe(replica) +
+                                             " hold version " + std::to_string(*version)));
+        return false;
+      }
+    }
+    VersionRecord& record = record_for(model, *version);
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      if (!holders.test(shard)) continue;
+      const HeldCopy& held = *replica.shards[shard].resume->primary;
+      if (Status checked = check_shard(model, record, shard, held.layout, held.checksums); !checked) {
+        fail_barrier(replica, checked.error());
+        return false;
+      }
+    }
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      if (!holders.test(shard)) continue;
+      const HeldCopy& held = *replica.shards[shard].resume->primary;
+      const Status committed = commit_shard(model, record, shard, held.layout, held.checksums);
+      TH_ASSERT(committed.ok());
+    }
+    Copy& copy = create_copy(replica, record, CopyKind::kPrimary, state);
+    copy.ready = holders;
+    if (state == CopyState::kPublishing) {
+      copy.pending_layouts.resize(shards);
+      copy.pending_checksums.resize(shards);
+    }
+    replica.primary = &copy;
+    if (full) on_copy_complete(copy);
+  }
+  // Offload copies: only one that every shard still holds is of any use.
+  std::map<Version, ShardSet> offloads;
+  for (std::uint32_t shard = 0; shard < shards; ++shard) {
+    const auto& resume = replica.shards[shard].resume;
+    if (!resume) continue;
+    for (const HeldCopy& held : resume->offloads) offloads[held.version].set(shard);
+  }
+  for (const auto& [offload_version, offload_holders] : offloads) {
+    bool usable = offload_holders.count() == shards;
+    VersionRecord& record = record_for(model, offload_version);
+    for (std::uint32_t shard = 0; usable && shard < shards; ++shard) {
+      for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
+        if (held.version != offload_version) continue;
+        usable = usable && check_shard(model, record, shard, held.layout, held.checksums).ok();
+      }
+    }
+    if (!usable || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) {
+      for_each_shard(offload_holders, shards, [&](std::uint32_t shard) {
+        emit_to(replica.shards[shard], ReleaseOffload{offload_version});
+      });
+      continue;
+    }
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
+        if (held.version != offload_version) continue;
+        const Status committed = commit_shard(model, record, shard, held.layout, held.checksums);
+        TH_ASSERT(committed.ok());
+      }
+    }
+    Copy& offload = create_copy(replica, record, CopyKind::kOffload, CopyState::kComplete);
+    offload.ready = offload_holders;
+    replica.offloads.push_back(&offload);
+    model.offload_copies.insert(offload.id);
+    on_copy_complete(offload);
+  }
+  for (ShardSlot& slot : replica.shards) slot.resume.reset();
+  return true;
+}
+
+}  // namespace th

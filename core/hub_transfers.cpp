@@ -1,0 +1,449 @@
+// The source graph and transfers: which copy a reader reads from (load, topology, pipelines), and
+// the data-plane reports of how reading went. Apart because choosing and replacing sources is a
+// policy of its own, whichever call asked for the bytes.
+#include "core/hub.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/hub_internal.h"
+
+namespace th {
+
+using detail::Binding;
+using detail::Copy;
+using detail::CopyState;
+using detail::DcId;
+using detail::for_each_shard;
+using detail::SourceKey;
+using detail::TxnStage;
+
+enum class Hub::Pick : std::uint8_t { kFound, kWait, kUnavailable };
+
+struct Hub::SourceChoice {
+  Pick pick = Pick::kWait;
+  Copy* copy = nullptr;
+};
+
+bool Hub::smart_skip(const VersionRecord& record, DcId dc) const {
+  auto found = record.by_dc.find(dc);
+  return found != record.by_dc.end() && found->second.complete == 0 && found->second.seeding > 0;
+}
+
+void Hub::begin_receive(Replica& replica, Txn& txn, Version version) {
+  Model& model = *replica.model;
+  txn.target = version;
+  txn.stage = TxnStage::kReceiving;
+  VersionRecord& record = record_for(model, version);
+  Copy* copy = replica.primary;
+  if (copy != nullptr) {
+    // A failover left some shards holding this version already (see complete_barrier).
+    TH_ASSERT(txn.seeded, "receiving into a replica that holds a copy");
+    TH_ASSERT(copy->state == CopyState::kGathering && copy->record == &record);
+  } else {
+    copy = &create_copy(replica, record, CopyKind::kPrimary, CopyState::kGathering);
+    replica.primary = copy;
+  }
+  auto transfer = std::make_unique<Transfer>();
+  transfer->id = next_transfer_id_++;
+  transfer->reader = copy;
+  transfer->txn_seq = txn.seq;
+  copy->incoming = transfer.get();
+  model.transfers.emplace(transfer->id, std::move(transfer));
+  TH_ASSERT(replica.primary == copy && copy->incoming != nullptr);
+  maybe_start_transfer(replica, txn);
+}
+
+void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
+  if (txn.stage != TxnStage::kReceiving) return;
+  TH_ASSERT(replica.primary != nullptr && replica.primary->incoming != nullptr,
+            "a receiving transaction has a reader copy and its transfer");
+  Copy& copy = *replica.primary;
+  if (copy.state != CopyState::kGathering) return;
+  // The source is chosen once every shard has called: a shard still busy with its old weights must
+  // not hold a source's fan-out slot.
+  if ((txn.arrived & txn.expected) != txn.expected) return;
+  const Model& model = *replica.model;
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (!txn.expected.test(shard) || !model.layouts[shard]) continue;
+    TH_ASSERT(txn.layouts[shard] != nullptr, "an arrived shard recorded its layout");
+    if (auto why = model.layouts[shard]->mismatch(*txn.layouts[shard])) {
+      abort_txn(replica, txn, make_error(Errc::kLayoutMismatch,
+                                         "shard " + std::to_string(shard) + ": " + *why));
+      return;
+    }
+  }
+  set_state(copy, CopyState::kWaiting);
+  try_assign(*copy.incoming);
+}
+
+void Hub::try_assign(Transfer& transfer) {
+  TH_ASSERT(transfer.source == nullptr);
+  TH_ASSERT(transfer.reader->state == CopyState::kWaiting);
+  const SourceChoice choice = select_source(transfer);
+  switch (choice.pick) {
+    case Pick::kFound:
+      dequeue_waiting(transfer);
+      assign(transfer, *choice.copy);
+      TH_ASSERT(transfer.source == choice.copy && transfer.reader->state == CopyState::kActive);
+      return;
+    case Pick::kWait:
+      enqueue_waiting(transfer);
+      TH_ASSERT(transfer.queued);
+      return;
+    case Pick::kUnavailable:
+      fail_transfer(transfer, make_error(Errc::kVersionUnavailable,
+                                         "no copy of version " +
+                                             std::to_string(transfer.reader->record->version) +
+                                             " is left to read from"));
+      return;
+  }
+}
+
+namespace {
+
+// Whether `candidate` receives its bytes, directly or through other partial copies, from `reader`.
+bool is_downstream(const Copy& candidate, const Copy& reader, std::size_t copies_max) {
+  const Copy* at = &candidate;
+  for (std::size_t hops = 0; hops <= copies_max; ++hops) {
+    if (at == &reader) return true;
+    if (at->incoming == nullptr || at->incoming->source == nullptr) return false;
+    at = at->incoming->source;
+  }
+  TH_ASSERT(false, "the source chain has a cycle");
+}
+
+// Whether the bytes reaching `reader` from `candidate` would leave a datacenter and come back:
+// `candidate`'s chain of sources passes through a datacenter in `downstream_dcs` (the reader's
+// and its downstream copies'), other than the one datacenter a local source shares with the
+// reader. Such a chain makes two seeders of one datacenter (DESIGN.md §5.5), and the one further
+// down serves nothing its peers could not read locally.
+bool makes_detour(const Copy& candidate, DcId reader_dc, const std::vector<DcId>& downstream_dcs,
+                  std::size_t copies_max) {
+  const bool local = candidate.owner->dc == reader_dc;
+  const Copy* at = &candidate;
+  for (std::size_t hops = 0; hops <= copies_max; ++hops) {
+    const DcId dc = at->owner->dc;
+    if (!(local && dc == reader_dc) &&
+        std::find(downstream_dcs.begin(), downstream_dcs.end(), dc) != downstream_dcs.end()) {
+      return true;
+    }
+    if (at->incoming == nullptr || at->incoming->source == nullptr) return false;
+    at = at->incoming->source;
+  }
+  TH_ASSERT(false, "the source chain has a cycle");
+}
+
+}  // namespace
+
+Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
+  const Copy& reader = *transfer.reader;
+  const VersionRecord& record = *reader.record;
+  const Model& model = *reader.owner->model;
+  const DcId dc = reader.owner->dc;
+  // A reader that already serves others (a pipeline source whose own source was lost) must not
+  // pick a copy that reads from it.
+  const bool has_downstream = reader.readers > 0;
+  // With copies in several datacenters, no source may route the bytes out of one and back.
+  const bool several_dcs = record.by_dc.size() > 1;
+  std::vector<DcId> downstream_dcs;
+  if (several_dcs) {
+    downstream_dcs.push_back(dc);
+    for (const Copy* copy : record.copies) {
+      if (has_downstream && copy != &reader && is_downstream(*copy, reader, model.copies.size()) &&
+          std::find(downstream_dcs.begin(), downstream_dcs.end(), copy->owner->dc) ==
+              downstream_dcs.end()) {
+        downstream_dcs.push_back(copy->owner->dc);
+      }
+    }
+  }
+  auto usable = [&](const Copy* candidate) {
+    return candidate != &reader &&
+           (!has_downstream || !is_downstream(*candidate, reader, model.copies.size())) &&
+           (!several_dcs || !makes_detour(*candidate, dc, downstream_dcs, model.copies.size()));
+  };
+  auto count_downstream = [&](auto predicate) {
+    std::uint32_t count = 0;
+    if (!has_downstream) return count;
+    for (const Copy* copy : record.copies) {
+      if (copy != &reader && predicate(*copy) && is_downstream(*copy, reader, model.copies.size())) {
+        ++count;
+      }
+    }
+    return count;
+  };
+  const bool prefer_remote = bugs().prefer_remote;
+
+  const auto local = record.by_dc.find(dc);
+  if (!prefer_remote && local != record.by_dc.end()) {
+    for (const auto& [key, copy] : local->second.eligible) {
+      if (usable(copy)) return {Pick::kFound, copy};
+    }
+  }
+  // Copies here that serve or will serve soon: wait for them rather than seed across datacenters a
+  // second time.
+  std::uint32_t servable_here = local != record.by_dc.end() ? local->second.servable : 0;
+  servable_here -= count_downstream([&](const Copy& copy) {
+    return copy.counted.servable && copy.owner->dc == dc;
+  });
+  if (!prefer_remote && servable_here > 0) return {Pick::kWait, nullptr};
+
+  Copy* best = nullptr;
+  SourceKey best_key;
+  for (const auto& [other_dc, sources] : record.by_dc) {
+    if (other_dc == dc && !prefer_remote) continue;
+    for (const auto& [key, copy] : sources.eligible) {
+      if (!usable(copy)) continue;
+      if (best == nullptr || key < best_key) {
+        best = copy;
+        best_key = key;
+      }
+      break;
+    }
+  }
+  if (best != nullptr) return {Pick::kFound, best};
+
+  // Nothing healthy can serve now: rather than call the version unavailable, try a complete copy
+  // that a reader reported (it may have been the reader's trouble), ours first, least loaded first.
+  if (servable_here == 0) {
+    Copy* suspect = nullptr;
+    for (Copy* copy : record.copies) {
+      if (!copy->failed || copy->state != CopyState::kComplete || !usable(copy) ||
+          copy->readers >= settings_.fanout_max) {
+        continue;
+      }
+      auto rank = [&](const Copy* c) {
+        return std::tuple{c->owner->dc != dc, c->readers, c->id};
+      };
+      if (suspect == nullptr || rank(copy) < rank(suspect)) suspect = copy;
+    }
+    if (suspect != nullptr) return {Pick::kFound, suspect};
+  }
+
+  const std::uint32_t potential =
+      record.potential - count_downstream([](const Copy& copy) { return copy.counted.potential; });
+  return {potential > 0 ? Pick::kWait : Pick::kUnavailable, nullptr};
+}
+
+void Hub::assign(Transfer& transfer, Copy& source) {
+  Copy& reader = *transfer.reader;
+  Replica& owner = *reader.owner;
+  const bool canary_load = bugs().ignore_fanout;
+  const bool canary_topology = bugs().prefer_remote;
+  TH_ASSERT(source.state == CopyState::kComplete ||
+                (settings_.pipeline && source.state == CopyState::kActive),
+            "source state", copy_state_name(source.state));
+  TH_ASSERT(!source.failed || source.state == CopyState::kComplete, "a suspect is a last resort");
+  TH_ASSERT(canary_load || source.readers < settings_.fanout_max, "fan-out limit");
+  TH_ASSERT(source.record == reader.record);
+  transfer.cross_dc = source.owner->dc != owner.dc;
+  if (transfer.cross_dc && !canary_topology) {
+    const auto local = reader.record->by_dc.find(owner.dc);
+    TH_ASSERT(local == reader.record->by_dc.end() || local->second.eligible.empty() ||
+                  reader.readers > 0,
+              "a remote source was chosen while a local one could serve");
+  }
+  transfer.source = &source;
+  ++transfer.epoch;
+  transfer.last_source = source.owner->name;
+  set_readers(source, source.readers + 1);
+  set_state(reader, CopyState::kActive);
+  ++stats_.transfers_started;
+
+  for (std::uint32_t shard = 0; shard < owner.num_shards; ++shard) {
+    if (reader.ready.test(shard)) continue;
+    transfer.started.set(shard);
+    emit_to(source.owner->shards[shard], ServeRead{transfer.id, transfer.epoch, reader.record->version,
+                                                  source.kind, shard, owner.name});
+    emit_start_read(transfer, shard);
+  }
+}
+
+void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
+  if (const Copy* copy = replica.primary; copy != nullptr && copy->incoming != nullptr) {
+    const Transfer& transfer = *copy->incoming;
+    if (transfer.source != nullptr && transfer.started.test(shard)) {
+      emit_to(transfer.source->owner->shards[shard],
+              ServeRead{transfer.id, transfer.epoch, copy->record->version, transfer.source->kind,
+                        shard, replica.name});
+      emit_start_read(transfer, shard);
+    }
+  }
+  for (const Copy* offload : replica.offloads) {
+    if (offload->state == CopyState::kOffloading && !offload->ready.test(shard)) {
+      emit_to(replica.shards[shard], Offload{offload->record->version});
+    }
+  }
+}
+
+void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
+  const Copy& reader = *transfer.reader;
+  const Copy& source = *transfer.source;
+  const VersionRecord& record = *reader.record;
+  TH_ASSERT(transfer.started.test(shard));
+  TH_ASSERT(record.checksums[shard] != nullptr, "a source's version has checksums");
+  emit_to(reader.owner->shards[shard],
+          StartRead{transfer.id, transfer.epoch, record.version, shard,
+                 SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
+                           source.owner->shards[shard].endpoint, source.kind,
+                           source.state != CopyState::kComplete},
+                 record.checksums[shard]});
+}
+
+void Hub::detach_source(Transfer& transfer) {
+  Copy* source = transfer.source;
+  if (source == nullptr) return;
+  Model& model = *source->owner->model;
+  for_each_shard(transfer.started, source->owner->num_shards, [&](std::uint32_t shard) {
+    emit_to(source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+  });
+  transfer.started.reset();
+  transfer.source = nullptr;
+  TH_ASSERT(source->readers > 0, "a source counts the transfer that leaves it");
+  set_readers(*source, source->readers - 1);
+  if (source->state == CopyState::kDraining && source->readers == 0) {
+    drained_.emplace_back(&model, source->id);
+  }
+}
+
+void Hub::reassign(Transfer& transfer) {
+  Model& model = *transfer.reader->owner->model;
+  detach_source(transfer);
+  set_state(*transfer.reader, CopyState::kWaiting);
+  ++transfer.failures;
+  orphans_.emplace_back(&model, transfer.id);  // settle() picks another source, or gives up
+}
+
+void Hub::complete_transfer(Transfer& transfer) {
+  Copy& reader = *transfer.reader;
+  Replica& replica = *reader.owner;
+  TH_ASSERT(reader.ready.count() == replica.num_shards, "every shard has its bytes");
+  TH_ASSERT(reader.incoming == &transfer);
+  Model& model = *replica.model;
+  detach_source(transfer);
+  dequeue_waiting(transfer);
+  const std::string source_name = transfer.last_source;
+  const std::uint64_t seq = transfer.txn_seq;
+  reader.incoming = nullptr;
+  model.transfers.erase(transfer.id);
+  ++stats_.transfers_completed;
+  set_state(reader, CopyState::kComplete);
+  on_copy_complete(reader);
+  auto found = replica.txns.find(seq);
+  if (found == replica.txns.end() || found->second.result) return;
+  const Version version = reader.record->version;
+  if (found->second.seeded_outcome) {
+    finish(replica, found->second, *found->second.seeded_outcome);
+  } else if (found->second.op.kind == OpKind::kUpdate) {
+    finish(replica, found->second, UpdateOk{UpdateStatus::kUpdated, version, source_name});
+  } else {
+    finish(replica, found->second, ReplicateOk{version, source_name});
+  }
+}
+
+void Hub::fail_transfer(Transfer& transfer, const Error& error) {
+  Replica& replica = *transfer.reader->owner;
+  const std::uint64_t seq = transfer.txn_seq;
+  const bool written = transfer.epoch > 0;  // some shard was told to read: its buffers changed
+  remove_copy(*transfer.reader);            // also ends the transfer
+  auto found = replica.txns.find(seq);
+  if (found == replica.txns.end() || found->second.result) return;
+  if (!written && found->second.previous) restore_previous(replica, *found->second.previous);
+  finish(replica, found->second, error);
+}
+
+void Hub::enqueue_waiting(Transfer& transfer) {
+  TH_ASSERT(transfer.source == nullptr, "only a transfer without a source waits for one");
+  if (transfer.queued) return;
+  VersionRecord& record = *transfer.reader->record;
+  record.waiting.push_back(&transfer);
+  transfer.queued = true;
+  transfer.reader->owner->model->versions_with_waiters.insert(record.version);
+}
+
+void Hub::dequeue_waiting(Transfer& transfer) {
+  if (!transfer.queued) return;
+  VersionRecord& record = *transfer.reader->record;
+  auto found = std::find(record.waiting.begin(), record.waiting.end(), &transfer);
+  TH_ASSERT(found != record.waiting.end(), "a queued transfer is in its queue");
+  record.waiting.erase(found);
+  transfer.queued = false;
+  if (record.waiting.empty()) {
+    transfer.reader->owner->model->versions_with_waiters.erase(record.version);
+  }
+}
+
+// ---- data-plane reports ----------------------------------------------------------------------------
+
+void Hub::on_report(const Report& report) {
+  ++stats_.reports;
+  const Binding* found = clients_.find(report.client);
+  if (found == nullptr) {
+    // The hub does not know this client (evicted, or this is a new server): tell it to re-open.
+    emit(report.client, report.session,
+         Evicted{Errc::kUnknownClient, "no open handle with this id; re-open"});
+    return;
+  }
+  Replica& replica = *found->replica;
+  const std::uint32_t shard = found->shard;
+  if (report.session != replica.shards[shard].session) return;  // from before its last open
+  replica.shards[shard].last_seen_ms = now_ms_;
+  std::visit(
+      [&](const auto& body) {
+        using T = std::decay_t<decltype(body)>;
+        if constexpr (std::is_same_v<T, TransferDone>) {
+          on_transfer_done(replica, shard, body);
+        } else if constexpr (std::is_same_v<T, TransferFailed>) {
+          on_transfer_failed(replica, shard, body);
+        } else if constexpr (std::is_same_v<T, OffloadDone>) {
+          on_offload_done(replica, shard, body);
+        } else {
+          static_assert(std::is_same_v<T, Heartbeat>);
+        }
+      },
+      report.body);
+}
+
+void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const TransferDone& done) {
+  Model& model = *replica.model;
+  auto found = model.transfers.find(done.transfer);
+  if (found == model.transfers.end()) return;  // finished or cancelled already: a late duplicate
+  Transfer& transfer = *found->second;
+  Copy& reader = *transfer.reader;
+  TH_ASSERT(shard < replica.num_shards);
+  if (reader.owner != &replica || reader.ready.test(shard)) return;
+  if (done.epoch == 0 || done.epoch > transfer.epoch) return;
+  if (done.epoch == transfer.epoch && !transfer.started.test(shard)) return;
+  // The client verified every tensor against the published checksums, so bytes read from an earlier
+  // source count too. Either way the shard no longer reads from the current one.
+  if (transfer.started.test(shard)) {
+    TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
+    emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+    transfer.started.reset(shard);
+  }
+  reader.ready.set(shard);
+  if (reader.ready.count() == replica.num_shards) complete_transfer(transfer);
+}
+
+void Hub::on_transfer_failed(Replica& replica, std::uint32_t shard, const TransferFailed& failed) {
+  Model& model = *replica.model;
+  auto found = model.transfers.find(failed.transfer);
+  if (found == model.transfers.end()) return;
+  Transfer& transfer = *found->second;
+  if (transfer.reader->owner != &replica || transfer.reader->ready.test(shard)) return;
+  if (transfer.source == nullptr || !transfer.started.test(shard)) return;
+  if (failed.epoch < transfer.epoch) {
+    // About a source the hub already replaced; the shard may have missed where to read now.
+    emit_start_read(transfer, shard);
+    return;
+  }
+  if (failed.epoch != transfer.epoch) return;
+  ++stats_.source_failures;
+  set_failed(*transfer.source);
+  reassign(transfer);
+}
+
+}  // namespace th

@@ -26,9 +26,6 @@ Hub::Hub(HubSettings settings) : settings_(settings) {
   TH_REQUIRE(valid.ok(), valid.ok() ? "" : valid.error().detail);
 }
 
-#ifdef TH_CANARY
-Hub::Hub(HubSettings settings, CanaryBugs bugs) : Hub(settings) { bugs_ = bugs; }
-#endif
 
 Hub::~Hub() = default;
 

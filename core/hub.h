@@ -40,21 +40,6 @@
 
 namespace th {
 
-// Deliberately broken behaviours that prove the checkers can fail, each naming the invariant it
-// breaks. Only the canary build of core (TH_CANARY, tests only) can switch one on; elsewhere the hub
-// sees them all off, as compile-time constants.
-struct CanaryBugs {
-  bool early_unpublish_ack = false;  // integrity: acknowledge unpublish before readers drained
-  bool skip_offload = false;         // retention: never offload the last copy
-  bool ignore_fanout = false;        // load: pick sources without regard to the fan-out limit
-  bool prefer_remote = false;        // topology: choose another datacenter first
-  bool per_shard_resolve = false;    // consistency: late shards of a list or an update that
-                                     // moved nothing get their own answer
-  bool no_heartbeat_expiry = false;  // liveness: replicas that stop heartbeating are never evicted
-  bool latest_regress = false;       // monotonicity: losing the latest version's last copy makes
-                                     // the newest remaining version "latest"
-};
-
 struct HubStats {
   std::uint64_t requests = 0;
   std::uint64_t reports = 0;
@@ -79,9 +64,6 @@ struct HubActivity {
 class Hub {
  public:
   explicit Hub(HubSettings settings);
-#ifdef TH_CANARY
-  Hub(HubSettings settings, CanaryBugs bugs);
-#endif
   Hub(const Hub&) = delete;
   Hub& operator=(const Hub&) = delete;
   ~Hub();
@@ -200,13 +182,6 @@ class Hub {
   void settle_model(Model& model);
   void mark_dirty(Model& model) { model.dirty = true; }
 
-  // The planted bugs, readable without #ifdef: constant false outside the canary build.
-#ifdef TH_CANARY
-  const CanaryBugs& bugs() const { return bugs_; }
-#else
-  static constexpr CanaryBugs bugs() { return {}; }
-#endif
-
   VersionRecord& record_for(Model& model, Version version);
   void forget_versions(Model& model);
   detail::DcId intern_dc(const std::string& datacenter);
@@ -222,9 +197,6 @@ class Hub {
   void emit_to_replica(const Replica& replica, const Message& message);
 
   HubSettings settings_;
-#ifdef TH_CANARY
-  CanaryBugs bugs_;
-#endif
   HubStats stats_;
   std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
   // Lookup only (never iterated to decide anything): which replica and shard a client is.

@@ -75,18 +75,7 @@ Hub::Txn* Hub::txn_for(Replica& replica, std::uint32_t shard, std::uint64_t seq,
 void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestBody& body) {
   txn.arrived.set(shard);
   if (txn.result) {
-    Outcome outcome = *txn.result;
-    if (bugs().per_shard_resolve && txn.op.kind == OpKind::kList) {
-      outcome = ListOk{make_snapshot(*replica.model)};
-    }
-    if (bugs().per_shard_resolve && txn.op.kind == OpKind::kUpdate) {
-      const auto* stored = std::get_if<UpdateOk>(&outcome);
-      const Resolution now = resolve(*replica.model, txn.op.selector);
-      if (stored != nullptr && stored->status != UpdateStatus::kUpdated &&
-          now.kind == Resolution::Kind::kGo && now.version > stored->version) {
-        outcome = UpdateOk{UpdateStatus::kNotYet, stored->version, {}};
-      }
-    }
+    const Outcome& outcome = *txn.result;
     send_reply(replica, shard, txn.seq, outcome);
     txn.replied.set(shard);
     const bool closed = txn.op.kind == OpKind::kClose && std::holds_alternative<CloseOk>(outcome);
@@ -374,7 +363,6 @@ void Hub::on_unpublish(Replica& replica, Txn& txn) {
   }
   txn.stage = TxnStage::kDraining;
   start_drain(*copy, DrainPurpose::kUnpublish);
-  if (bugs().early_unpublish_ack) finish(replica, txn, UnpublishOk{});
 }
 
 // ---- replicate and update --------------------------------------------------------------------------
@@ -398,13 +386,13 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
   }
   auto found = model.versions.find(target);
   if (found == model.versions.end() ||
-      (!found->second.ever_complete && found->second.potential == 0)) {
+      (!found->second.ever_complete && found->second.roots == 0)) {
     resolution.kind = Resolution::Kind::kError;
     resolution.error = make_error(Errc::kVersionNotFound,
                                   "version " + std::to_string(target) + " was never published here");
     return resolution;
   }
-  if (found->second.potential == 0) {
+  if (found->second.roots == 0) {
     resolution.kind = Resolution::Kind::kError;
     resolution.error = make_error(Errc::kVersionUnavailable,
                                   "no copy of version " + std::to_string(target) + " is left");
@@ -520,7 +508,7 @@ bool Hub::evaluate_wait(const Model& model, const WaitPredicate& predicate, Erro
       auto found = model.versions.find(predicate.version);
       if (found != model.versions.end()) {
         if (found->second.complete_primaries >= predicate.replicas_min) return true;
-        if (found->second.ever_complete && found->second.potential == 0) {
+        if (found->second.ever_complete && found->second.roots == 0) {
           *error = make_error(Errc::kVersionUnavailable,
                               "no copy of version " + std::to_string(predicate.version) + " is left");
         }

@@ -97,12 +97,6 @@ void Hub::remove_copy(Copy& copy) {
   record.copies.pop_back();
   record.dirty = true;
   if (record.copies.empty() && !record.ever_complete) model.forgettable.push_back(record.version);
-  if (bugs().latest_regress && record.copies.empty() && model.latest == record.version) {
-    model.latest.reset();
-    for (const auto& [version, other] : model.versions) {
-      if (!other.copies.empty() && other.ever_complete) model.latest = version;
-    }
-  }
   if (owner.primary == &copy) owner.primary = nullptr;
   std::erase(owner.offloads, &copy);
   model.offload_copies.erase(copy.id);
@@ -122,13 +116,14 @@ Contribution Hub::contribution(const Copy& copy) const {
   c.servable = usable && (complete || active);
   // A seeder a reader reported as failed no longer counts: another may seed (DESIGN.md §5.5).
   c.seeding = usable && active && copy.incoming != nullptr && copy.incoming->cross_dc;
-  // A draining primary of a non-spot replica may still turn into an offload copy.
-  const bool may_offload = copy.state == CopyState::kDraining && copy.kind == CopyKind::kPrimary &&
-                           !copy.owner->spot && copy.drain_purpose != DrainPurpose::kClose;
-  // A copy a reader reported is only suspected: it still counts until its replica is evicted.
-  c.potential = complete || active || copy.state == CopyState::kPublishing ||
-                copy.state == CopyState::kOffloading || may_offload;
-  const bool fits = copy.readers < settings_.fanout_max || bugs().ignore_fanout;
+  // The copies that hold, or will hold without reading another copy, every byte: every chain of
+  // sources ends in one, or its readers are told the version is unavailable. A draining copy is
+  // one (it serves its readers to the end, and they then hold the bytes; one without readers goes
+  // within the step), a receiving copy is not (it holds only what its own source gave it). A copy
+  // a reader reported is only suspected: it still counts until its replica is evicted.
+  c.root = complete || copy.state == CopyState::kPublishing ||
+           copy.state == CopyState::kOffloading || copy.state == CopyState::kDraining;
+  const bool fits = copy.readers < settings_.fanout_max;
   c.eligible = fits && usable && (complete || (active && settings_.pipeline));
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
   return c;
@@ -152,7 +147,7 @@ void Hub::apply(Copy& copy, const Contribution& c, int sign) {
   add_count(record.safe_primaries, c.safe_primary, sign);
   add_count(record.safe_offloads, c.safe_offload, sign);
   add_count(record.complete_primaries, c.complete_primary, sign);
-  add_count(record.potential, c.potential, sign);
+  add_count(record.roots, c.root, sign);
 }
 
 void Hub::reindex(Copy& copy) {
@@ -200,7 +195,6 @@ void Hub::start_drain(Copy& copy, DrainPurpose purpose) {
 }
 
 bool Hub::needs_offload(const Copy& copy) const {
-  if (bugs().skip_offload) return false;
   const VersionRecord& record = *copy.record;
   return copy.kind == CopyKind::kPrimary && !copy.owner->spot &&
          is_retained(*copy.owner->model, record.version) &&

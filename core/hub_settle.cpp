@@ -55,7 +55,7 @@ void Hub::on_tick() {
           continue;
         }
       }
-      for (std::uint32_t shard = 0; shard < replica->num_shards && !bugs().no_heartbeat_expiry;
+      for (std::uint32_t shard = 0; shard < replica->num_shards;
            ++shard) {
         const ShardSlot& slot = replica->shards[shard];
         if (!slot.client) continue;

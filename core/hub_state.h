@@ -80,7 +80,7 @@ struct Contribution {
   bool complete_primary = false;
   bool safe_primary = false;    // complete, not failed, primary of a non-spot replica
   bool safe_offload = false;    // complete, not failed, offload
-  bool potential = false;       // may serve now or soon: see Hub::contribution
+  bool root = false;            // holds, or will hold without reading another copy, every byte
   bool seeding = false;         // kActive, not failed, receiving from another datacenter
 
   friend bool operator==(const Contribution&, const Contribution&) = default;
@@ -121,7 +121,7 @@ struct VersionRecord {
   std::uint32_t safe_primaries = 0;
   std::uint32_t safe_offloads = 0;
   std::uint32_t complete_primaries = 0;
-  std::uint32_t potential = 0;
+  std::uint32_t roots = 0;  // copies with `root`: while none is left, the version is unavailable
   std::deque<Transfer*> waiting;            // transfers waiting for a source, in arrival order
   bool dirty = false;                       // sources changed since `waiting` was last retried
 };

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/hub_internal.h"
@@ -17,6 +18,7 @@ using detail::Binding;
 using detail::Copy;
 using detail::CopyState;
 using detail::DcId;
+using detail::DcSources;
 using detail::for_each_shard;
 using detail::SourceKey;
 using detail::TxnStage;
@@ -165,36 +167,71 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
            (!has_downstream || !is_downstream(*candidate, reader, model.copies.size())) &&
            (!several_dcs || !makes_detour(*candidate, dc, downstream_dcs, model.copies.size()));
   };
-  auto count_downstream = [&](auto predicate) {
-    std::uint32_t count = 0;
-    if (!has_downstream) return count;
+  // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
+  // here wait until it is complete and then pipeline at local speed (paper §4.3.4).
+  auto behind_seeder = [&](const Copy* candidate) {
+    if (!settings_.smart_skipping) return false;
+    const Copy* at = candidate;
+    for (std::size_t hops = 0; hops <= model.copies.size(); ++hops) {
+      if (at->state != CopyState::kActive) return false;
+      TH_ASSERT(at->incoming != nullptr && at->incoming->source != nullptr, "an active copy reads");
+      if (at->incoming->cross_dc) return true;
+      at = at->incoming->source;
+    }
+    TH_ASSERT(false, "the source chain has a cycle");
+  };
+
+  // Whether a copy here serves or will serve soon. A complete copy has no source: it is its own
+  // root, and never downstream of the reader. Receiving copies count only if their chain of
+  // sources reaches a complete one (followed with a memo, so this is linear in the copies).
+  auto source_soon_here = [&] {
+    const DcSources& here = record.by_dc.at(dc);
+    if (here.servable == 0) return false;
+    if (here.complete > 0) return true;
+    std::unordered_map<const Copy*, bool> grounded;
+    auto reaches_root = [&](const Copy* start) {
+      std::vector<const Copy*> path;
+      const Copy* at = start;
+      bool result = false;
+      for (std::size_t hops = 0;; ++hops) {
+        TH_ASSERT(hops <= model.copies.size(), "the source chain has a cycle");
+        if (auto known = grounded.find(at); known != grounded.end()) {
+          result = known->second;
+          break;
+        }
+        path.push_back(at);
+        if (at->state != CopyState::kActive) {
+          result = at->state == CopyState::kComplete || at->state == CopyState::kDraining;
+          break;
+        }
+        at = at->incoming->source;
+      }
+      for (const Copy* on_path : path) grounded[on_path] = result;
+      return result;
+    };
     for (const Copy* copy : record.copies) {
-      if (copy != &reader && predicate(*copy) && is_downstream(*copy, reader, model.copies.size())) {
-        ++count;
+      if (copy->owner->dc == dc && copy->counted.servable && usable(copy) && reaches_root(copy)) {
+        return true;
       }
     }
-    return count;
+    return false;
   };
-  const bool prefer_remote = bugs().prefer_remote;
 
   const auto local = record.by_dc.find(dc);
-  if (!prefer_remote && local != record.by_dc.end()) {
+  if (local != record.by_dc.end()) {
     for (const auto& [key, copy] : local->second.eligible) {
-      if (usable(copy)) return {Pick::kFound, copy};
+      if (usable(copy) && !behind_seeder(copy)) return {Pick::kFound, copy};
     }
   }
   // Copies here that serve or will serve soon: wait for them rather than seed across datacenters a
-  // second time.
-  std::uint32_t servable_here = local != record.by_dc.end() ? local->second.servable : 0;
-  servable_here -= count_downstream([&](const Copy& copy) {
-    return copy.counted.servable && copy.owner->dc == dc;
-  });
-  if (!prefer_remote && servable_here > 0) return {Pick::kWait, nullptr};
+  // second time. A chain that ends in a reader still waiting for a source does not count: it
+  // serves nothing until that reader does (two such readers would otherwise wait for each other).
+  if (local != record.by_dc.end() && source_soon_here()) return {Pick::kWait, nullptr};
 
   Copy* best = nullptr;
   SourceKey best_key;
   for (const auto& [other_dc, sources] : record.by_dc) {
-    if (other_dc == dc && !prefer_remote) continue;
+    if (other_dc == dc) continue;
     for (const auto& [key, copy] : sources.eligible) {
       if (!usable(copy)) continue;
       if (best == nullptr || key < best_key) {
@@ -208,39 +245,34 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
 
   // Nothing healthy can serve now: rather than call the version unavailable, try a complete copy
   // that a reader reported (it may have been the reader's trouble), ours first, least loaded first.
-  if (servable_here == 0) {
-    Copy* suspect = nullptr;
-    for (Copy* copy : record.copies) {
-      if (!copy->failed || copy->state != CopyState::kComplete || !usable(copy) ||
-          copy->readers >= settings_.fanout_max) {
-        continue;
-      }
-      auto rank = [&](const Copy* c) {
-        return std::tuple{c->owner->dc != dc, c->readers, c->id};
-      };
-      if (suspect == nullptr || rank(copy) < rank(suspect)) suspect = copy;
+  Copy* suspect = nullptr;
+  for (Copy* copy : record.copies) {
+    if (!copy->failed || copy->state != CopyState::kComplete || !usable(copy) ||
+        copy->readers >= settings_.fanout_max) {
+      continue;
     }
-    if (suspect != nullptr) return {Pick::kFound, suspect};
+    auto rank = [&](const Copy* c) { return std::tuple{c->owner->dc != dc, c->readers, c->id}; };
+    if (suspect == nullptr || rank(copy) < rank(suspect)) suspect = copy;
   }
+  if (suspect != nullptr) return {Pick::kFound, suspect};
 
-  const std::uint32_t potential =
-      record.potential - count_downstream([](const Copy& copy) { return copy.counted.potential; });
-  return {potential > 0 ? Pick::kWait : Pick::kUnavailable, nullptr};
+  // Wait while some copy holds, or will hold without reading from another copy, all the bytes: a
+  // root every chain of sources must reach. None is ever downstream of this reader. Without one,
+  // no transfer of the version can complete: its readers are told at once, never left hanging.
+  return {record.roots > 0 ? Pick::kWait : Pick::kUnavailable, nullptr};
 }
 
 void Hub::assign(Transfer& transfer, Copy& source) {
   Copy& reader = *transfer.reader;
   Replica& owner = *reader.owner;
-  const bool canary_load = bugs().ignore_fanout;
-  const bool canary_topology = bugs().prefer_remote;
   TH_ASSERT(source.state == CopyState::kComplete ||
                 (settings_.pipeline && source.state == CopyState::kActive),
             "source state", copy_state_name(source.state));
   TH_ASSERT(!source.failed || source.state == CopyState::kComplete, "a suspect is a last resort");
-  TH_ASSERT(canary_load || source.readers < settings_.fanout_max, "fan-out limit");
+  TH_ASSERT(source.readers < settings_.fanout_max, "fan-out limit");
   TH_ASSERT(source.record == reader.record);
   transfer.cross_dc = source.owner->dc != owner.dc;
-  if (transfer.cross_dc && !canary_topology) {
+  if (transfer.cross_dc) {
     const auto local = reader.record->by_dc.find(owner.dc);
     TH_ASSERT(local == reader.record->by_dc.end() || local->second.eligible.empty() ||
                   reader.readers > 0,

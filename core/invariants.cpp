@@ -34,11 +34,11 @@ struct RecordCounts {
   std::uint32_t safe_primaries = 0;
   std::uint32_t safe_offloads = 0;
   std::uint32_t complete_primaries = 0;
-  std::uint32_t potential = 0;
+  std::uint32_t roots = 0;
 
   void reset() {
     by_dc.clear();  // keeps its capacity: one allocation per check, not per record
-    safe_primaries = safe_offloads = complete_primaries = potential = 0;
+    safe_primaries = safe_offloads = complete_primaries = roots = 0;
   }
   const DcCounts* find(DcId dc) const {
     const auto found = std::find_if(by_dc.begin(), by_dc.end(),
@@ -59,9 +59,6 @@ struct RecordCounts {
 void Hub::check_invariants() const {
   TH_ASSERT(orphans_.empty() && drained_.empty() && diverged_.empty(),
             "deferred work is settled after every step");
-  // The canary build lets the outside checkers, not these, catch the planted bugs.
-  const bool canary_load = bugs().ignore_fanout;
-  const bool canary_topology = bugs().prefer_remote;
   std::size_t bound_total = 0;
 
   for (const auto& [model_name, model_ptr] : models_) {
@@ -86,8 +83,7 @@ void Hub::check_invariants() const {
         const ShardSlot& slot = replica.shards[shard];
         if (!slot.client) continue;
         ++bound;
-        TH_ASSERT(bugs().no_heartbeat_expiry ||
-                      expiry_scan_due_ms_ <= slot.last_seen_ms + settings_.heartbeat_timeout_ms + 1,
+        TH_ASSERT(expiry_scan_due_ms_ <= slot.last_seen_ms + settings_.heartbeat_timeout_ms + 1,
                   "no heartbeat deadline comes before the next expiry scan");
         const detail::Binding* found = clients_.find(*slot.client);
         TH_ASSERT(found != nullptr && found->replica == &replica && found->shard == shard,
@@ -186,7 +182,7 @@ void Hub::check_invariants() const {
       const std::uint32_t readers = counted_readers == readers_of.end() ? 0 : counted_readers->second;
       TH_ASSERT(readers == copy.readers, "reader count of copy", id, ":", copy.readers, "vs", readers);
       // Load (§5.4): a source serves at most its fan-out limit at a time.
-      TH_ASSERT(canary_load || copy.readers <= settings_.fanout_max, "fan-out limit exceeded");
+      TH_ASSERT(copy.readers <= settings_.fanout_max, "fan-out limit exceeded");
       TH_ASSERT(copy.counted == contribution(copy), "stale contribution of copy", id);
       if (copy.awaiting_offload != 0) {
         TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
@@ -220,13 +216,24 @@ void Hub::check_invariants() const {
         TH_ASSERT(source.state == CopyState::kComplete || source.state == CopyState::kActive ||
                       source.state == CopyState::kWaiting || source.state == CopyState::kDraining,
                   "source state", copy_state_name(source.state));
-        // The chain of partial sources ends at a copy that does not receive: no cycles.
+        // The chain of partial sources ends at a copy that does not receive: no cycles. It ends
+        // in the bytes (a complete copy, or one draining, which keeps its readers) or in a reader
+        // waiting for a source, which itself can still get one (below): every transfer can still
+        // complete, or its readers are told the version is unavailable (§5.2, §5.6).
         const Copy* at = &source;
         std::size_t hops = 0;
         while (at->incoming != nullptr && at->incoming->source != nullptr) {
           at = at->incoming->source;
           TH_ASSERT(++hops <= model.copies.size(), "the source chain has a cycle");
         }
+        TH_ASSERT(at->state == CopyState::kComplete || at->state == CopyState::kDraining ||
+                      at->state == CopyState::kWaiting,
+                  "a chain of sources ends in", copy_state_name(at->state));
+      } else if (transfer.queued) {
+        // A reader waits only while some copy holds, or will hold without reading another, every
+        // byte of the version; otherwise it must have been told the version is unavailable.
+        TH_ASSERT(reader.record->roots > 0, "transfer", id, "waits for version",
+                  reader.record->version, "of which no copy can be read any more");
       }
     }
 
@@ -259,7 +266,7 @@ void Hub::check_invariants() const {
         sums.safe_primaries += c.safe_primary;
         sums.safe_offloads += c.safe_offload;
         sums.complete_primaries += c.complete_primary;
-        sums.potential += c.potential;
+        sums.roots += c.root;
       }
       for (const auto& [dc, sources] : record.by_dc) {
         const DcCounts* found = sums.find(dc);
@@ -270,7 +277,7 @@ void Hub::check_invariants() const {
                       sources.seeding == want.seeding,
                   "datacenter counters of version", version);
         // Topology (§5.5): at most one seeding replica per datacenter per version at a time.
-        TH_ASSERT(canary_topology || sources.seeding <= 1, "two seeding replicas in one datacenter");
+        TH_ASSERT(sources.seeding <= 1, "two seeding replicas in one datacenter");
       }
       for (const DcCounts& want : sums.by_dc) {
         TH_ASSERT(record.by_dc.contains(want.dc), "a datacenter with copies has counters");
@@ -278,7 +285,7 @@ void Hub::check_invariants() const {
       TH_ASSERT(record.safe_primaries == sums.safe_primaries &&
                     record.safe_offloads == sums.safe_offloads &&
                     record.complete_primaries == sums.complete_primaries &&
-                    record.potential == sums.potential,
+                    record.roots == sums.roots,
                 "version counters of", version);
       TH_ASSERT(model.versions_with_waiters.contains(version) == !record.waiting.empty());
       for (const Transfer* transfer : record.waiting) {
@@ -287,12 +294,12 @@ void Hub::check_invariants() const {
       if (record.ever_complete) {
         any_complete = true;
         // Monotonicity (§5.7) rests on this: latest covers every version that ever completed.
-        TH_ASSERT(bugs().latest_regress || (model.latest && version <= *model.latest),
+        TH_ASSERT((model.latest && version <= *model.latest),
                   "latest is below a complete version");
       }
     }
     TH_ASSERT(listed_copies == model.copies.size(), "version records list only live copies");
-    TH_ASSERT(bugs().latest_regress || !any_complete || model.latest.has_value());
+    TH_ASSERT(!any_complete || model.latest.has_value());
   }
   TH_ASSERT(bound_total == clients_.size(), "every client is bound to one shard");
 }

@@ -201,11 +201,7 @@ class Simulation {
     settings.fanout_max = knobs_.fanout;
     settings.smart_skipping = knobs_.smart_skipping;
     for (auto& server : servers_) {
-#ifdef TH_CANARY
-      server = std::make_unique<Hub>(settings, options.bugs);
-#else
       server = std::make_unique<Hub>(settings);
-#endif
     }
   }
 

@@ -30,7 +30,6 @@ struct SimOptions {
   Knobs knobs;
   bool verbose = false;
   std::string trace_path;  // write a Chrome trace here, if not empty
-  CanaryBugs bugs;         // only the canary build can switch one on
 };
 
 struct SimResult {

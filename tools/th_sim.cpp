@@ -21,7 +21,6 @@ struct Cli {
   double liveness_s = 90;
   std::string faults;
   std::string trace;
-  std::string bug;
   bool check_determinism = false;
   bool verbose = false;
   bool keep_going = false;
@@ -46,7 +45,6 @@ std::optional<std::pair<std::uint64_t, std::uint64_t>> parse_range(const std::st
 // The command that replays one seed exactly as it ran.
 std::string replay_command(const Cli& cli, std::uint64_t seed) {
   std::string command = "th-sim";
-  if (!cli.bug.empty()) command += "-canary --bug " + cli.bug;
   command += " --seed " + std::to_string(seed);
   if (!cli.workload.empty()) command += " --workload " + cli.workload;
   if (cli.duration_s != 30) command += " --duration " + std::to_string(cli.duration_s);
@@ -74,25 +72,6 @@ th::Result<th::sim::SimOptions> options_for(const Cli& cli, std::uint64_t seed) 
   options.knobs.liveness_ms = static_cast<th::TimeMs>(cli.liveness_s * 1000);
   options.verbose = cli.verbose;
   options.trace_path = cli.trace;
-#ifdef TH_CANARY
-  if (cli.bug == "early-unpublish-ack") {
-    options.bugs.early_unpublish_ack = true;
-  } else if (cli.bug == "skip-offload") {
-    options.bugs.skip_offload = true;
-  } else if (cli.bug == "ignore-fanout") {
-    options.bugs.ignore_fanout = true;
-  } else if (cli.bug == "prefer-remote") {
-    options.bugs.prefer_remote = true;
-  } else if (cli.bug == "per-shard-resolve") {
-    options.bugs.per_shard_resolve = true;
-  } else if (cli.bug == "no-heartbeat-expiry") {
-    options.bugs.no_heartbeat_expiry = true;
-  } else if (cli.bug == "latest-regress") {
-    options.bugs.latest_regress = true;
-  } else if (!cli.bug.empty()) {
-    return th::make_error(th::Errc::kInvalidArgument, "unknown bug '" + cli.bug + "'");
-  }
-#endif
   return options;
 }
 
@@ -128,11 +107,6 @@ int main(int argc, char** argv) {
                "run every seed twice and require the same trace hash");
   app.add_flag("--keep-going", cli.keep_going, "with --seeds: do not stop at the first violation");
   app.add_flag("-v,--verbose", cli.verbose, "print the knobs of every seed and notable events");
-#ifdef TH_CANARY
-  app.add_option("--bug", cli.bug,
-                 "plant a bug in the hub: early-unpublish-ack, skip-offload, ignore-fanout, "
-                 "prefer-remote, per-shard-resolve, no-heartbeat-expiry, latest-regress");
-#endif
   CLI11_PARSE(app, argc, argv);
 
   std::uint64_t first = cli.seed;

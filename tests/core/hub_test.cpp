@@ -344,15 +344,17 @@ TEST(HubTopology, PrefersTheReadersDatacenterAndSeedsOncePerDatacenter) {
   start_replicate(driver, far1, Selector::latest());
   EXPECT_EQ(read_of(driver, far1[0])->source.replica, "t");
   EXPECT_EQ(read_of(driver, far1[0])->source.datacenter, "dc0");
-  // The second reader in dc1 reads from the seeding replica, not across datacenters.
+  // The second reader in dc1 reads from the seeding replica, not across datacenters (once the
+  // seeder is complete: smart skipping).
   const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
   start_replicate(driver, far2, Selector::latest());
+  EXPECT_FALSE(read_of(driver, far2[0]));
+  driver.finish_reads(far1);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(far1)));
   EXPECT_EQ(read_of(driver, far2[0])->source.replica, "far1");
   // A reader in dc0 reads from dc0 even though far1/far2 are idle in dc1.
   const auto near = driver.open_replica(rollout("near", 2, "dc0"));
-  driver.finish_reads(far1);
   driver.finish_reads(far2);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(far1)));
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(far2)));
   start_replicate(driver, near, Selector::latest());
   EXPECT_EQ(read_of(driver, near[0])->source.replica, "t");
@@ -398,6 +400,27 @@ TEST(HubTopology, SmartSkippingAnswersNotYetWhileTheSeederFetches) {
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(seeder)));
   start_update(driver, poller, Selector::latest());
   EXPECT_EQ(read_of(driver, poller[0])->source.replica, "seeder");
+}
+
+// Smart skipping applies to replicate too: a replicate in a datacenter whose only copy is a
+// seeder still crossing datacenters does not pipeline behind it (nor seed again); it waits until
+// the seeder is complete and then reads at local speed.
+TEST(HubTopology, SmartSkippingMakesReplicateWaitForTheSeeder) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto seeder = driver.open_replica(rollout("seeder", 2, "dc1"));
+  const auto late = driver.open_replica(rollout("late", 2, "dc1"));
+  driver.publish(t, 1);
+  start_replicate(driver, seeder, Selector::latest());
+  EXPECT_EQ(read_of(driver, seeder[0])->source.replica, "t");
+  start_replicate(driver, late, Selector::latest());
+  EXPECT_FALSE(read_of(driver, late[0])) << "late neither chains behind the seeder nor seeds again";
+  driver.finish_reads(seeder);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(seeder)));
+  const auto read = read_of(driver, late[0]);
+  ASSERT_TRUE(read);
+  EXPECT_EQ(read->source.replica, "seeder");
+  EXPECT_FALSE(read->source.partial);
 }
 
 TEST(HubTopology, SmartSkippingCanBeSwitchedOff) {
@@ -1052,6 +1075,7 @@ TEST(HubRegression, ACallDecidedBeforeACloseIsAnsweredTheSameToLateShards) {
 TEST(HubRegression, AFailedSeederMayBeReplacedByAnotherSeeder) {
   HubSettings settings;
   settings.fanout_max = 2;
+  settings.smart_skipping = false;  // so that b pipelines behind the seeder
   Driver driver(settings);
   const auto t = driver.open_replica(trainer("t"));
   driver.publish(t, 1);
@@ -1090,6 +1114,91 @@ TEST(HubRegression, AnOffloadBeingReleasedIsKeptInsteadOfMadeTwice) {
   driver.finish_reads(r);
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
   EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1}) << "released once, once r holds it";
+}
+
+// th-sim --seed 500238 --workload cross-dc (issue 10, point 1): two root readers each counted the
+// other's downstream copies as "could still serve" and waited for each other forever. Here at the
+// hub alone: the chain t -> a -> b -> c -> d -> e -> f, with f, d and b reporting failed reads,
+// leaves c and e reading from waiting roots; once t unpublishes (not retained) and a's read from
+// t fails, no copy holds the bytes any more: every reader is told so, none waits.
+TEST(HubRegression, ChainsEndingInWaitingReadersAreUnavailableNotAHang) {
+  Driver driver;  // pipeline, fan-out 1
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const std::vector<std::string> names = {"a", "b", "c", "d", "e", "f"};
+  std::map<std::string, std::vector<ClientId>> r;
+  for (const std::string& name : names) {
+    r[name] = driver.open_replica(rollout(name));
+    start_replicate(driver, r[name], Selector::latest());
+  }
+  for (std::size_t i = 1; i < names.size(); ++i) {
+    ASSERT_EQ(read_of(driver, r[names[i]][0])->source.replica, names[i - 1]);
+  }
+  auto fail_read = [&](const std::string& name) {
+    for (ClientId client : r[name]) {
+      const StartRead read = *read_of(driver, client);
+      driver.report(client, TransferFailed{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+    }
+  };
+  fail_read("f");
+  fail_read("d");
+  fail_read("b");
+  driver.call_all(t, UnpublishRequest{});
+  fail_read("a");
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  for (const std::string& name : names) {
+    EXPECT_EQ(expect_error(driver.replies(r[name]), Errc::kVersionUnavailable), "") << name;
+  }
+  const HubActivity activity = driver.hub().activity();
+  EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
+}
+
+// The same, as the paper's pathological case: a retained version whose last non-spot holder
+// crashes (its connection drops) while readers chain behind it ends in version-unavailable.
+TEST(HubRegression, RetainedVersionWhoseLastHolderCrashesIsUnavailableToEveryChain) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 1;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  std::vector<std::vector<ClientId>> readers;
+  for (int i = 0; i < 4; ++i) {
+    readers.push_back(driver.open_replica(rollout("r" + std::to_string(i))));
+    start_replicate(driver, readers.back(), Selector::latest());
+  }
+  // r1 and r3 lost their sources (partial chains r1 -> r2 and r3 hang off waiting roots).
+  for (int i : {1, 3}) {
+    for (ClientId client : readers[i]) {
+      const StartRead read = *read_of(driver, client);
+      driver.report(client, TransferFailed{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+    }
+  }
+  driver.lose_connection(t[0]);
+  for (const auto& reader : readers) {
+    EXPECT_EQ(expect_error(driver.replies(reader), Errc::kVersionUnavailable), "");
+  }
+}
+
+// A reader may wait for a copy that is still receiving when that copy's chain ends in one that is
+// draining: the draining copy serves its readers to the end, so the chain completes.
+TEST(HubRegression, ReaderWaitsBehindAChainFromADrainingCopy) {
+  HubSettings settings;
+  settings.pipeline = false;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto a = driver.open_replica(rollout("a"));
+  start_replicate(driver, a, Selector::latest());
+  driver.call_all(t, UnpublishRequest{});  // not retained: t drains, then goes
+  const auto b = driver.open_replica(rollout("b"));
+  start_replicate(driver, b, Selector::latest());
+  EXPECT_FALSE(driver.has_reply(b[0])) << "b waits for a, which will hold version 1";
+  driver.finish_reads(a);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(a)));
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  EXPECT_EQ(read_of(driver, b[0])->source.replica, "a");
+  driver.finish_reads(b);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
 }
 
 TEST(HubSettingsTest, InvalidSettingsAreRejected) {

@@ -139,20 +139,7 @@ bool is_error(const Outcome& outcome, Errc code) {
 Driver::Driver(HubSettings settings)
     : settings_(settings), hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
 
-#ifdef TH_CANARY
-Driver::Driver(HubSettings settings, CanaryBugs bugs)
-    : settings_(settings),
-      bugs_(bugs),
-      hub_(std::make_unique<Hub>(settings, bugs)),
-      observer_(settings.fanout_max) {}
-#endif
-
 void Driver::restart_server() {
-#ifdef TH_CANARY
-  hub_ = std::make_unique<Hub>(settings_, bugs_);
-#else
-  hub_ = std::make_unique<Hub>(settings_);
-#endif
   observer_.on_server_reset();
   inboxes_.clear();
   seqs_.clear();

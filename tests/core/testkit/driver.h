@@ -47,10 +47,6 @@ struct ReplicaSpec {
 class Driver {
  public:
   explicit Driver(HubSettings settings = {});
-#ifdef TH_CANARY
-  Driver(HubSettings settings, CanaryBugs bugs);
-#endif
-
   Hub& hub() { return *hub_; }
   // Server failover: a fresh hub with the same settings replaces the old one. Inboxes and sequence
   // numbers of the old clients are dropped; clients re-open under new ids.
@@ -91,9 +87,6 @@ class Driver {
   void route(const Effects& effects);
 
   HubSettings settings_;
-#ifdef TH_CANARY
-  CanaryBugs bugs_;
-#endif
   std::unique_ptr<Hub> hub_;
   Observer observer_;
   TimeMs now_ms_ = 0;

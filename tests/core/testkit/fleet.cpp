@@ -145,12 +145,6 @@ rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command
 
 Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings) { init(); }
 
-#ifdef TH_CANARY
-Fleet::Fleet(const FleetSpec& spec, CanaryBugs bugs) : spec_(spec), driver_(spec.settings, bugs) {
-  init();
-}
-#endif
-
 void Fleet::init() {
   runs_.resize(spec_.replicas.size());
   for (std::size_t i = 0; i < runs_.size(); ++i) {

@@ -72,10 +72,6 @@ rc::Gen<Action> gen_action(const FleetSpec& spec);
 class Fleet {
  public:
   explicit Fleet(const FleetSpec& spec);
-#ifdef TH_CANARY
-  Fleet(const FleetSpec& spec, CanaryBugs bugs);
-#endif
-
   void apply(const Action& action);
   // Opens every shard of every replica, so that all retention rules hold from the start.
   void open_all();

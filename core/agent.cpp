@@ -54,9 +54,7 @@ void ShardAgent::step(const AgentInput& input, TimeMs now_ms, AgentEffects& effe
         } else if constexpr (std::is_same_v<T, ReadFinished>) {
           on_read_finished(in);
         } else if constexpr (std::is_same_v<T, OffloadFinished>) {
-          if (!held_ || held_->version != in.version) return;  // the buffers moved on meanwhile
-          offloads_[in.version] = *held_;
-          report(OffloadDone{in.version});
+          on_offload_finished(in);
         } else if constexpr (std::is_same_v<T, ServerLost>) {
           on_server_lost(in);
         } else {
@@ -158,25 +156,11 @@ void ShardAgent::on_hub(const FromHub& message) {
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           on_serve(body);
         } else if constexpr (std::is_same_v<T, StopServing>) {
-          if (grants_.erase({body.transfer, body.epoch}) > 0) {
-            emit(RevokeServe{body.transfer, body.epoch});
-          }
+          on_stop_serving(body);
         } else if constexpr (std::is_same_v<T, Offload>) {
-          if (offloads_.contains(body.version)) {
-            report(OffloadDone{body.version});  // made before (say, for an earlier server): say so
-          } else if (held_ && held_->version == body.version) {
-            emit(MakeOffload{body.version});
-          }
+          on_offload(body);
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
-          // The hub releases only a drained copy, but its StopServing may still be on the way.
-          revoke_grants([&](const ServeRead& grant) {
-            return grant.kind == CopyKind::kOffload && grant.version == body.version;
-          });
-          std::erase_if(reports_, [&](const PendingReport& pending) {
-            const auto* done = std::get_if<OffloadDone>(&pending.body);
-            return done != nullptr && done->version == body.version;
-          });
-          if (offloads_.erase(body.version) > 0) emit(FreeOffload{body.version});
+          on_release_offload(body);
         } else {
           static_assert(std::is_same_v<T, Evicted>);
           // While an open is in flight, "unknown client" only means the hub has not seen it yet.
@@ -188,7 +172,8 @@ void ShardAgent::on_hub(const FromHub& message) {
 
 void ShardAgent::on_reply(const Reply& reply) {
   if (phase_ == AgentPhase::kOpening) {
-    if (reply.seq != last_seq_) return;  // the open is numbered with the last completed call
+    // The open is numbered with the last completed call; a call's late answer is not the open's.
+    if (!reply.to_open || reply.seq != last_seq_) return;
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
     const bool fresh = std::get<OpenRequest>(open_request_->body).resume == nullptr;
     open_request_.reset();
@@ -207,6 +192,16 @@ void ShardAgent::on_reply(const Reply& reply) {
       }
       return;
     }
+    const Error& refusal = std::get<Error>(reply.outcome);
+    // The application's incarnation is only a lower bound: the replica's shards advance it on
+    // their own (after an eviction). Told of a newer one, a shard joins it rather than ask the
+    // application, which could only try the number it knows again.
+    if (open_call_id_ && refusal.code == Errc::kStaleIncarnation &&
+        reply.replica_incarnation > open_.incarnation) {
+      open_.incarnation = reply.replica_incarnation;
+      open(/*resume=*/false);
+      return;
+    }
     // The (re-)open failed: a fresh open lets the application try again; a re-open fails the
     // call it was made for, and the next call tries as the next incarnation.
     if (open_call_id_) {
@@ -218,19 +213,19 @@ void ShardAgent::on_reply(const Reply& reply) {
     // Told of a newer incarnation of the replica, the shard joins it: both shards replacing the
     // replica with incarnations of their own would evict each other forever.
     if (reply.replica_incarnation > open_.incarnation ||
-        (reply.replica_incarnation == open_.incarnation &&
-         std::get<Error>(reply.outcome).code == Errc::kDivergentCall)) {
+        (reply.replica_incarnation == open_.incarnation && refusal.code == Errc::kDivergentCall)) {
       rejoin_incarnation_ = reply.replica_incarnation;
     }
-    became_evicted(std::get<Error>(reply.outcome));
+    became_evicted(refusal);
     return;
   }
-  if (phase_ != AgentPhase::kOpen || !call_ || reply.seq != call_->seq) return;
+  if (phase_ != AgentPhase::kOpen || reply.to_open || !call_ || reply.seq != call_->seq) return;
   if (const auto* error = std::get_if<Error>(&reply.outcome)) {
     switch (error->code) {
       case Errc::kUnknownClient:
       case Errc::kReplicaEvicted:
       case Errc::kDivergentCall:
+      case Errc::kSequenceGap:  // the hub numbers this shard's calls otherwise: start a session anew
         became_evicted(*error);
         return;
       default:
@@ -266,9 +261,11 @@ void ShardAgent::finish_call(const Outcome& outcome) {
             received(value.version, std::get<ReplicateRequest>(call.body).layout);
           }
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          TH_ASSERT(value.status != UpdateStatus::kUpdated || value.version.has_value(),
+                    "an update that moved names the version");
           if (value.status == UpdateStatus::kUpdated &&
-              (!held_ || held_->version != value.version || call.writes)) {
-            received(value.version, std::get<UpdateRequest>(call.body).layout);
+              (!held_ || held_->version != *value.version || call.writes)) {
+            received(*value.version, std::get<UpdateRequest>(call.body).layout);
           }
         } else if constexpr (std::is_same_v<T, UnpublishOk>) {
           held_.reset();
@@ -282,6 +279,7 @@ void ShardAgent::finish_call(const Outcome& outcome) {
           revoke_grants();
           for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
           offloads_.clear();
+          offloading_.clear();
           reports_.clear();
           phase_ = AgentPhase::kClosed;
         }
@@ -302,6 +300,7 @@ void ShardAgent::became_evicted(const Error& error) {
     case Errc::kDivergentCall:
     case Errc::kUnknownClient:
     case Errc::kStaleIncarnation:
+    case Errc::kSequenceGap:
       next_incarnation_ = true;
       break;
     default:
@@ -339,6 +338,7 @@ void ShardAgent::start_over() {
   held_.reset();
   for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
   offloads_.clear();
+  offloading_.clear();
   last_txn_.reset();
 }
 
@@ -348,10 +348,15 @@ void ShardAgent::reset_connection_state() {
   if (call_ && call_->writes) held_.reset();
   cancel_reads();
   reports_.clear();
+  offloading_.clear();  // copies still being made are freed when done: no server counts them
+  stopped_.clear();
+  stopped_order_.clear();
 }
 
 void ShardAgent::on_start_read(const StartRead& read) {
-  if (!reading_call()) return;  // not in a replicate or update: a stale instruction
+  // Only for the call in flight: one of an earlier call, arriving late (the hub sends them again
+  // to a call's retransmissions), would overwrite buffers the application now uses.
+  if (!reading_call() || read.call != call_->seq) return;
   auto found = reads_.find(read.transfer);
   if (found != reads_.end()) {
     if (found->second.done) {
@@ -373,6 +378,8 @@ void ShardAgent::on_start_read(const StartRead& read) {
 }
 
 void ShardAgent::on_serve(const ServeRead& grant) {
+  // A grant arrives after its own withdrawal when messages cross or repeat: never serve it again.
+  if (stopped_.contains({grant.transfer, grant.epoch})) return;
   bool holds = false;
   if (grant.kind == CopyKind::kOffload) {
     holds = offloads_.contains(grant.version);
@@ -384,6 +391,75 @@ void ShardAgent::on_serve(const ServeRead& grant) {
   }
   if (!holds) return;  // a late grant for buffers that moved on: never serve it
   if (grants_.emplace(std::pair{grant.transfer, grant.epoch}, grant).second) emit(GrantServe{grant});
+}
+
+void ShardAgent::on_stop_serving(const StopServing& stop) {
+  const std::pair key{stop.transfer, stop.epoch};
+  if (grants_.erase(key) > 0) emit(RevokeServe{stop.transfer, stop.epoch});
+  if (stopped_.insert(key).second) {
+    stopped_order_.push_back(key);
+    if (stopped_order_.size() > kStoppedGrantsMax) {
+      stopped_.erase(stopped_order_.front());
+      stopped_order_.pop_front();
+    }
+  }
+  TH_ASSERT(stopped_.size() == stopped_order_.size() && stopped_.size() <= kStoppedGrantsMax);
+}
+
+// ---- offload copies --------------------------------------------------------------------------------
+
+void ShardAgent::on_offload(const Offload& offload) {
+  if (auto made = offloads_.find(offload.version); made != offloads_.end()) {
+    // Made before (for an earlier instruction, or announced to a new server): it is this copy now.
+    made->second.copy = offload.copy;
+    report(OffloadDone{offload.version, offload.copy});
+    return;
+  }
+  if (auto making = offloading_.find(offload.version); making != offloading_.end()) {
+    making->second = offload.copy;  // being made: reported under this id once done
+    return;
+  }
+  if (!held_ || held_->version != offload.version || (call_ && call_->writes)) return;  // moved on
+  TH_ASSERT(offloading_.size() < limits::kOffloadsPerReplicaMax, "offloads in progress");
+  offloading_[offload.version] = offload.copy;
+  emit(MakeOffload{offload.version});
+}
+
+void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
+  auto making = offloading_.find(finished.version);
+  const bool wanted = making != offloading_.end() && held_ && held_->version == finished.version;
+  if (!wanted) {
+    // Released meanwhile, or the buffers moved on while they were copied: the copy is not
+    // trustworthy or not needed; the data plane frees it.
+    if (making != offloading_.end()) offloading_.erase(making);
+    if (!offloads_.contains(finished.version)) emit(FreeOffload{finished.version});
+    return;
+  }
+  HeldCopy copy = *held_;
+  copy.copy = making->second;
+  offloading_.erase(making);
+  offloads_[finished.version] = copy;
+  TH_ASSERT(offloads_.size() <= limits::kOffloadsPerReplicaMax, "offload copies held");
+  report(OffloadDone{copy.version, copy.copy});
+}
+
+void ShardAgent::on_release_offload(const ReleaseOffload& release) {
+  if (auto making = offloading_.find(release.version);
+      making != offloading_.end() && making->second == release.copy) {
+    offloading_.erase(making);  // freed when the copy finishes
+  }
+  auto made = offloads_.find(release.version);
+  if (made == offloads_.end() || made->second.copy != release.copy) return;  // stale: another copy
+  // The hub releases only a drained copy, but its StopServing may still be on the way.
+  revoke_grants([&](const ServeRead& grant) {
+    return grant.kind == CopyKind::kOffload && grant.version == release.version;
+  });
+  std::erase_if(reports_, [&](const PendingReport& pending) {
+    const auto* done = std::get_if<OffloadDone>(&pending.body);
+    return done != nullptr && done->version == release.version && done->copy == release.copy;
+  });
+  offloads_.erase(made);
+  emit(FreeOffload{release.version});
 }
 
 void ShardAgent::revoke_grants(const std::function<bool(const ServeRead&)>& match) {

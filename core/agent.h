@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -176,6 +177,10 @@ class ShardAgent {
   void on_reply(const Reply& reply);
   void on_start_read(const StartRead& read);
   void on_serve(const ServeRead& grant);
+  void on_stop_serving(const StopServing& stop);
+  void on_offload(const Offload& offload);
+  void on_offload_finished(const OffloadFinished& finished);
+  void on_release_offload(const ReleaseOffload& release);
   void on_read_finished(const ReadFinished& finished);
   void on_server_lost(const ServerLost& lost);
   void on_tick();
@@ -215,7 +220,12 @@ class ShardAgent {
   bool start_over_ = false;
   std::optional<Call> call_;      // the call in flight (also while re-opening)
   std::optional<HeldCopy> held_;  // the version the registered buffers hold, published
-  std::map<Version, HeldCopy> offloads_;
+  std::map<Version, HeldCopy> offloads_;     // complete offload copies, by version (HeldCopy::copy)
+  std::map<Version, std::uint64_t> offloading_;  // MakeOffload issued: the copy id it will report
+  // Grants the hub withdrew lately: a ServeRead repeated or overtaken by its StopServing is stale.
+  static constexpr std::size_t kStoppedGrantsMax = 1024;
+  std::set<std::pair<TransferId, std::uint32_t>> stopped_;
+  std::deque<std::pair<TransferId, std::uint32_t>> stopped_order_;  // oldest first, to forget
   std::map<TransferId, Reading> reads_;
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants_;  // by (transfer, epoch)
   std::vector<PendingReport> reports_;

@@ -21,7 +21,8 @@ using detail::ShardSlot;
 
 // ==== Construction and the step function ==========================================================
 
-Hub::Hub(HubSettings settings) : settings_(settings) {
+Hub::Hub(HubSettings settings)
+    : settings_(settings), next_copy_id_(settings.id_base + 1), next_transfer_id_(settings.id_base + 1) {
   const Status valid = validate(settings_);
   TH_REQUIRE(valid.ok(), valid.ok() ? "" : valid.error().detail);
 }
@@ -87,7 +88,7 @@ void Hub::on_request(const Request& request) {
   if (request.seq <= slot.last_seq) {
     // A retransmission. Answer again if the call is answered; if it is still in progress, the
     // client may have missed an instruction (messages get lost): send what it should be doing.
-    if (slot.last_reply && slot.last_reply->seq == request.seq) {
+    if (slot.last_reply && !slot.last_reply->to_open && slot.last_reply->seq == request.seq) {
       emit_to(slot, *slot.last_reply);
     } else if (request.seq == slot.last_seq) {
       resend_instructions(replica, shard);
@@ -100,9 +101,10 @@ void Hub::on_request(const Request& request) {
                                                            std::to_string(slot.last_seq + 1))});
     return;
   }
-  if (replica.phase == ReplicaPhase::kResuming) {
-    emit_to(slot, Reply{request.seq, make_error(Errc::kInvalidArgument,
-                                                       "the replica is still re-opening")});
+  if (replica.phase == ReplicaPhase::kResuming || replica.deferred_opens.test(shard)) {
+    // The shard's open is not answered yet (it waits in the failover barrier): a call can only
+    // come from a client that took a late answer of an earlier binding for this one. It is not
+    // answered, nor numbered: once the open is, its retransmission is taken as the call it is.
     return;
   }
   slot.last_seq = request.seq;

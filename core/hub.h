@@ -118,7 +118,12 @@ class Hub {
   void on_close(Replica& replica, Txn& txn);
   void finish(Replica& replica, Txn& txn, Outcome outcome);
   void abort_txn(Replica& replica, Txn& txn, const Error& error);
-  void send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome);
+  void send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome,
+                  bool to_open = false);
+  // The answer to the shard's open (OpenOk, or why the replica cannot go on).
+  void answer_open(Replica& replica, std::uint32_t shard, const Outcome& outcome) {
+    send_reply(replica, shard, replica.shards[shard].open_seq, outcome, /*to_open=*/true);
+  }
   void collect_txn(Replica& replica, std::uint64_t seq);
   bool record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout);
 

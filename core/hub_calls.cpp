@@ -112,11 +112,13 @@ void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestB
       body);
 }
 
-void Hub::send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome) {
+void Hub::send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome,
+                     bool to_open) {
   TH_ASSERT(shard < replica.num_shards);
   ShardSlot& slot = replica.shards[shard];
   TH_ASSERT(!slot.last_reply || slot.last_reply->seq <= seq, "replies go forward in sequence");
-  Reply reply{seq, outcome};
+  TH_ASSERT(!to_open || seq == slot.open_seq, "an open is answered with its own number");
+  Reply reply{seq, outcome, to_open};
   emit_to(slot, reply);
   slot.last_reply = std::move(reply);
 }
@@ -194,7 +196,8 @@ void Hub::undrain(Replica& replica) {
   if (copy->awaiting_offload != 0) {
     auto offload = replica.model->copies.find(copy->awaiting_offload);
     TH_ASSERT(offload != replica.model->copies.end());
-    emit_to_replica(replica, ReleaseOffload{copy->record->version});  // the copy in progress is moot
+    // The copy in progress is moot.
+    emit_to_replica(replica, ReleaseOffload{copy->record->version, offload->second->id});
     remove_copy(*offload->second);
     copy->awaiting_offload = 0;
   }
@@ -472,14 +475,15 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
                                         std::string(copy_state_name(held->state))));
     return;
   }
-  const Version held_version = held != nullptr ? held->record->version : 0;
+  const std::optional<Version> held_version =
+      held != nullptr ? std::optional(held->record->version) : std::nullopt;
   const Resolution resolution = resolve(model, txn.op.selector);
   if (resolution.kind == Resolution::Kind::kError) {
     finish(replica, txn, resolution.error);
     return;
   }
   if (resolution.kind == Resolution::Kind::kWait ||
-      (held != nullptr && resolution.version <= held_version)) {
+      (held_version && resolution.version <= *held_version)) {
     finish(replica, txn, UpdateOk{UpdateStatus::kNoNewerVersion, held_version, {}});
     return;
   }
@@ -491,6 +495,7 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
   txn.target = resolution.version;
   if (held != nullptr) {
     txn.previous = held_version;
+    TH_ASSERT(txn.previous.has_value());
     txn.stage = TxnStage::kDrainingOld;
     start_drain(*held, DrainPurpose::kUpdate);
     return;

@@ -3,6 +3,7 @@
 // which versions are retained or forgotten. Apart because it is the bookkeeping the rest relies on.
 #include "core/hub.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -208,7 +209,7 @@ void Hub::on_drained(Copy& copy) {
   const DrainPurpose purpose = copy.drain_purpose;
   switch (purpose) {
     case DrainPurpose::kRelease:
-      emit_to_replica(owner, ReleaseOffload{copy.record->version});
+      emit_to_replica(owner, ReleaseOffload{copy.record->version, copy.id});
       remove_copy(copy);
       return;
     case DrainPurpose::kClose:
@@ -274,7 +275,7 @@ Hub::Copy& Hub::start_offload(Replica& replica, VersionRecord& record) {
   replica.offloads.push_back(&offload);
   replica.model->offload_copies.insert(offload.id);
   ++stats_.offloads_started;
-  emit_to_replica(replica, Offload{record.version});
+  emit_to_replica(replica, Offload{record.version, offload.id});
   return offload;
 }
 
@@ -296,13 +297,18 @@ void Hub::reconcile_offloads(Model& model) {
 }
 
 void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done) {
-  Copy* offload = nullptr;
-  for (Copy* copy : replica.offloads) {
-    if (copy->record->version == done.version && copy->state == CopyState::kOffloading) {
-      offload = copy;
-    }
+  const auto found = std::find_if(replica.offloads.begin(), replica.offloads.end(),
+                                  [&](const Copy* copy) { return copy->id == done.copy; });
+  if (found == replica.offloads.end()) {
+    // A copy this server does not count (cancelled before it was made, or made for a late
+    // instruction): the shard frees it rather than keep CPU memory nobody reads.
+    emit_to(replica.shards[shard], ReleaseOffload{done.version, done.copy});
+    return;
   }
-  if (offload == nullptr) return;  // a duplicate, or the offload was cancelled
+  Copy* offload = *found;
+  if (offload->record->version != done.version || offload->state != CopyState::kOffloading) {
+    return;  // a duplicate (or a report about another version under this id: ignored)
+  }
   offload->ready.set(shard);
   if (offload->ready.count() < replica.num_shards) return;
   set_state(*offload, CopyState::kComplete);

@@ -25,7 +25,8 @@ using detail::ShardSlot;
 void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session,
                   const OpenRequest& open) {
   auto reject = [&](Errc code, std::string detail, std::uint64_t replica_incarnation = 0) {
-    emit(client, open_session, Reply{seq, make_error(code, std::move(detail)), replica_incarnation});
+    emit(client, open_session,
+         Reply{seq, make_error(code, std::move(detail)), /*to_open=*/true, replica_incarnation});
   };
   if (const Binding* bound = clients_.find(client)) {
     const ShardSlot& slot = bound->replica->shards[bound->shard];
@@ -34,7 +35,9 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
       // Answer it again if the answer exists; a resuming open may still wait in its barrier, and
       // its retransmissions are its heartbeats meanwhile.
       bound->replica->shards[bound->shard].last_seen_ms = now_ms_;
-      if (slot.last_reply && slot.last_reply->seq == seq) emit_to(slot, *slot.last_reply);
+      if (slot.last_reply && slot.last_reply->to_open && slot.last_reply->seq == seq) {
+        emit_to(slot, *slot.last_reply);
+      }
       return;
     }
     if (open_session <= slot.session) {
@@ -160,7 +163,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     if (replica->bound_shards == replica->num_shards) complete_barrier(*replica);
     return;
   }
-  send_reply(*replica, open.shard, seq, OpenOk{replica->num_shards, model.latest});
+  answer_open(*replica, open.shard, OpenOk{replica->num_shards, model.latest});
 }
 
 void Hub::unbind(Replica& replica, std::uint32_t shard) {
@@ -184,7 +187,7 @@ void Hub::evict(Replica& replica, Errc reason, const std::string& detail) {
   if (replica.phase == ReplicaPhase::kResuming) {
     // Shards waiting in the barrier have an open call outstanding: answer it.
     for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-      if (replica.shards[shard].client) send_reply(replica, shard, replica.shards[shard].open_seq, error);
+      if (replica.shards[shard].client) answer_open(replica, shard, error);
     }
   }
   emit_to_replica(replica, Evicted{reason, detail});
@@ -211,7 +214,7 @@ void Hub::remove_replica(Replica& replica) {
 
 void Hub::fail_barrier(Replica& replica, const Error& error) {
   for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-    if (replica.shards[shard].client) send_reply(replica, shard, replica.shards[shard].open_seq, error);
+    if (replica.shards[shard].client) answer_open(replica, shard, error);
   }
   remove_replica(replica);
 }
@@ -288,8 +291,7 @@ void Hub::complete_barrier(Replica& replica) {
       replica.deferred_opens.set(shard);
       continue;
     }
-    send_reply(replica, shard, replica.shards[shard].open_seq,
-               OpenOk{replica.num_shards, replica.model->latest});
+    answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest});
   }
   mark_dirty(*replica.model);
 }
@@ -301,8 +303,7 @@ void Hub::caught_up(Replica& replica, const Txn& txn) {
   TH_ASSERT(txn.seeded && txn.seeded_outcome.has_value() && txn.result.has_value());
   if (same_answer(*txn.result, *txn.seeded_outcome)) {
     for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
-      send_reply(replica, shard, replica.shards[shard].open_seq,
-                 OpenOk{replica.num_shards, replica.model->latest});
+      answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest});
     });
     replica.deferred_opens.reset();
     return;
@@ -388,9 +389,13 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
       }
     }
     if (!usable || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) {
-      for_each_shard(offload_holders, shards, [&](std::uint32_t shard) {
-        emit_to(replica.shards[shard], ReleaseOffload{offload_version});
-      });
+      for (std::uint32_t shard = 0; shard < shards; ++shard) {
+        for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
+          if (held.version == offload_version) {
+            emit_to(replica.shards[shard], ReleaseOffload{offload_version, held.copy});
+          }
+        }
+      }
       continue;
     }
     for (std::uint32_t shard = 0; shard < shards; ++shard) {
@@ -405,6 +410,8 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
     replica.offloads.push_back(&offload);
     model.offload_copies.insert(offload.id);
     on_copy_complete(offload);
+    // Each shard now knows its copy by this server's id (it answers at once: it holds it).
+    emit_to_replica(replica, Offload{offload_version, offload.id});
   }
   for (ShardSlot& slot : replica.shards) slot.resume.reset();
   return true;

@@ -131,7 +131,7 @@ void Hub::settle() {
                                            " could not give the shards behind the answer the others "
                                            "got; re-open the replica");
         for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
-          send_reply(replica, shard, replica.shards[shard].open_seq, error);
+          answer_open(replica, shard, error);
         });
         evict(replica, Errc::kDivergentCall, error.detail);
       }

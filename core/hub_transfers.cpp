@@ -182,8 +182,9 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   };
 
   // Whether a copy here serves or will serve soon. A complete copy has no source: it is its own
-  // root, and never downstream of the reader. Receiving copies count only if their chain of
-  // sources reaches a complete one (followed with a memo, so this is linear in the copies).
+  // root, and never downstream of the reader. Receiving copies count if their chain of sources
+  // reaches a complete one (followed with a memo, so this is linear in the copies), and so does
+  // this datacenter's seeder whatever its chain: a second one may not start (DESIGN.md §5.5).
   auto source_soon_here = [&] {
     const DcSources& here = record.by_dc.at(dc);
     if (here.servable == 0) return false;
@@ -210,7 +211,8 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
       return result;
     };
     for (const Copy* copy : record.copies) {
-      if (copy->owner->dc == dc && copy->counted.servable && usable(copy) && reaches_root(copy)) {
+      if (copy->owner->dc == dc && copy->counted.servable && usable(copy) &&
+          (copy->counted.seeding || reaches_root(copy))) {
         return true;
       }
     }
@@ -256,6 +258,24 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   }
   if (suspect != nullptr) return {Pick::kFound, suspect};
 
+  // Last, a complete copy in another datacenter that only the detour rule ruled out: one of the
+  // datacenters downstream of this reader holds it. Waiting would be for nothing (seed 722011:
+  // the only complete copy sat in the datacenter of a downstream reader, which read across
+  // datacenters from this reader's chain, and the root of that chain waited forever). A complete
+  // copy has no sources of its own, so this makes no second seeder in any datacenter.
+  if (several_dcs && has_downstream) {
+    Copy* detour = nullptr;
+    for (Copy* copy : record.copies) {
+      if (copy->state != CopyState::kComplete || copy->owner->dc == dc ||
+          copy->readers >= settings_.fanout_max) {
+        continue;
+      }
+      auto rank = [](const Copy* c) { return std::tuple{c->failed, c->readers, c->id}; };
+      if (detour == nullptr || rank(copy) < rank(detour)) detour = copy;
+    }
+    if (detour != nullptr) return {Pick::kFound, detour};
+  }
+
   // Wait while some copy holds, or will hold without reading from another copy, all the bytes: a
   // root every chain of sources must reach. None is ever downstream of this reader. Without one,
   // no transfer of the version can complete: its readers are told at once, never left hanging.
@@ -272,11 +292,14 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   TH_ASSERT(source.readers < settings_.fanout_max, "fan-out limit");
   TH_ASSERT(source.record == reader.record);
   transfer.cross_dc = source.owner->dc != owner.dc;
-  if (transfer.cross_dc) {
+  if (transfer.cross_dc && reader.readers == 0) {
+    // Topology (§5.5): across datacenters only when no complete copy here could serve. (Receiving
+    // copies here may be unusable: behind a seeder, or in a chain that waits for its source.)
     const auto local = reader.record->by_dc.find(owner.dc);
-    TH_ASSERT(local == reader.record->by_dc.end() || local->second.eligible.empty() ||
-                  reader.readers > 0,
-              "a remote source was chosen while a local one could serve");
+    TH_ASSERT(local == reader.record->by_dc.end() ||
+                  std::none_of(local->second.eligible.begin(), local->second.eligible.end(),
+                               [](const auto& entry) { return entry.second->state == CopyState::kComplete; }),
+              "a remote source was chosen while a complete local one could serve");
   }
   transfer.source = &source;
   ++transfer.epoch;
@@ -306,7 +329,7 @@ void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
   }
   for (const Copy* offload : replica.offloads) {
     if (offload->state == CopyState::kOffloading && !offload->ready.test(shard)) {
-      emit_to(replica.shards[shard], Offload{offload->record->version});
+      emit_to(replica.shards[shard], Offload{offload->record->version, offload->id});
     }
   }
 }
@@ -318,7 +341,7 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
   TH_ASSERT(transfer.started.test(shard));
   TH_ASSERT(record.checksums[shard] != nullptr, "a source's version has checksums");
   emit_to(reader.owner->shards[shard],
-          StartRead{transfer.id, transfer.epoch, record.version, shard,
+          StartRead{transfer.id, transfer.epoch, transfer.txn_seq, record.version, shard,
                  SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
                            source.owner->shards[shard].endpoint, source.kind,
                            source.state != CopyState::kComplete},

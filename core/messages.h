@@ -65,7 +65,9 @@ struct ReplicateOk {
 };
 struct UpdateOk {
   UpdateStatus status = UpdateStatus::kNoNewerVersion;
-  Version version = 0;  // the version now held (kUpdated) or the one still held
+  // The version now held (kUpdated), or the one still held; none: the replica holds nothing
+  // (which is not version 0).
+  std::optional<Version> version;
   std::string source_replica;
 };
 struct ListOk {
@@ -118,6 +120,7 @@ struct HeldCopy {
   Version version = 0;
   LayoutRef layout;
   ChecksumsRef checksums;
+  std::uint64_t copy = 0;  // an offload copy: the id the server that made it gave it
 };
 
 // The last call a shard completed and the answer it got, as the client remembers it for failover
@@ -203,6 +206,7 @@ struct TransferFailed {
 };
 struct OffloadDone {
   Version version = 0;
+  std::uint64_t copy = 0;  // the offload copy, as Offload named it
 };
 using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone>;
 
@@ -225,6 +229,9 @@ using Input = std::variant<Request, Report, ConnectionLost, Tick>;
 struct Reply {
   std::uint64_t seq = 0;
   Outcome outcome;
+  // The answer to an open (or its refusal), numbered with the last call the client completed; any
+  // other reply answers call `seq`. So a late answer to an open is never taken for a call's.
+  bool to_open = false;
   // An open refused because the replica it names is newer (kStaleIncarnation) or went on without
   // this shard (kDivergentCall): that replica's incarnation, so that the shard joins it rather than
   // replace it with an incarnation of its own. 0 otherwise.
@@ -244,6 +251,9 @@ struct SourceRef {
 struct StartRead {
   TransferId transfer = 0;
   std::uint32_t epoch = 0;  // bumps each time the hub picks another source for this transfer
+  // The reader's call this transfer serves: an instruction that arrives late, during a later call,
+  // is stale and must not touch the buffers.
+  std::uint64_t call = 0;
   Version version = 0;
   std::uint32_t shard = 0;
   SourceRef source;
@@ -264,12 +274,16 @@ struct StopServing {
   std::uint32_t epoch = 0;
 };
 // To every shard of a replica: copy your buffers of `version` to CPU memory, then report OffloadDone.
+// `copy` names the offload copy: a late ReleaseOffload of an earlier copy of the same version never
+// frees a later one, and an OffloadDone names what it completes.
 struct Offload {
   Version version = 0;
+  std::uint64_t copy = 0;
 };
 // To every shard of a replica: the offload copy of `version` is no longer needed; free it.
 struct ReleaseOffload {
   Version version = 0;
+  std::uint64_t copy = 0;
 };
 // To a shard: your replica was removed; re-open (with a new incarnation) to continue.
 struct Evicted {

@@ -200,6 +200,9 @@ Status validate(const HubSettings& settings) {
   if (settings.fanout_max == 0) {
     return make_error(Errc::kInvalidArgument, "fan-out limit must be at least 1");
   }
+  if (settings.id_base > kIdBaseMax) {
+    return make_error(Errc::kInvalidArgument, "id base must leave room to count up (at most 2^62)");
+  }
   return Unit{};
 }
 

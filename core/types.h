@@ -111,7 +111,13 @@ struct HubSettings {
   std::uint32_t fanout_max = 1;
   // `update` answers "not yet" while a datacenter's only copies hang off a cross-datacenter seeder.
   bool smart_skipping = true;
+  // Copy and transfer ids count up from above this. A shell gives each server a base of its own
+  // (drawn at random), so that a client never takes an id of a failed server for one of its
+  // successor's (an offload copy is named by id; see Offload).
+  std::uint64_t id_base = 0;
 };
+
+inline constexpr std::uint64_t kIdBaseMax = 1ULL << 62;
 
 // Checks settings before a hub is built from them.
 Status validate(const HubSettings& settings);

@@ -84,7 +84,12 @@ struct Outcome {
     publishOk @4 :UInt64;  # the version
     unpublishOk @5 :Void;
     replicateOk :group { version @6 :UInt64; sourceReplica @7 :Text; }
-    updateOk :group { status @8 :UInt8; version @9 :UInt64; sourceReplica @10 :Text; }
+    updateOk :group {
+      status @8 :UInt8;
+      version @9 :UInt64;
+      sourceReplica @10 :Text;
+      holding @14 :Bool;  # false: the replica holds nothing (version is then meaningless)
+    }
     listOk @11 :ListSnapshot;
     waitOk @12 :Void;
     closeOk @13 :Void;
@@ -95,6 +100,7 @@ struct HeldCopy {
   version @0 :UInt64;
   layout @1 :List(TensorSpec);
   checksums @2 :List(UInt64);
+  copy @3 :UInt64;  # an offload copy: the id the server that made it gave it
 }
 
 struct TxnRecord {
@@ -153,6 +159,7 @@ struct Report {
     transferFailed :group { transfer @5 :UInt64; epoch @6 :UInt32; reason @7 :UInt8; }
     offloadDone @8 :UInt64;  # the version
   }
+  offloadCopy @9 :UInt64;  # offloadDone: the copy, as the offload instruction named it
 }
 
 struct ToHub {
@@ -177,7 +184,12 @@ struct Effect {
   client @0 :UInt64;
   session @1 :UInt64;
   message :union {
-    reply :group { seq @2 :UInt64; outcome @3 :Outcome; replicaIncarnation @4 :UInt64; }
+    reply :group {
+      seq @2 :UInt64;
+      outcome @3 :Outcome;
+      replicaIncarnation @4 :UInt64;
+      toOpen @23 :Bool;  # the answer to an open, not to call seq
+    }
     startRead :group {
       transfer @5 :UInt64;
       epoch @6 :UInt32;
@@ -185,6 +197,7 @@ struct Effect {
       shard @8 :UInt32;
       source @9 :SourceRef;
       checksums @10 :List(UInt64);
+      call @24 :UInt64;  # the reader's call this transfer serves
     }
     serveRead :group {
       transfer @11 :UInt64;
@@ -199,6 +212,7 @@ struct Effect {
     releaseOffload @20 :UInt64;  # the version
     evicted :group { reason @21 :UInt8; detail @22 :Text; }
   }
+  offloadCopy @25 :UInt64;  # offload, releaseOffload: the copy they name
 }
 
 # ---- Interfaces ---------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ void put(const Outcome& outcome, wire::Outcome::Builder out) {
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
           auto ok = out.initUpdateOk();
           ok.setStatus(static_cast<std::uint8_t>(answer.status));
-          ok.setVersion(answer.version);
+          ok.setHolding(answer.version.has_value());
+          ok.setVersion(answer.version.value_or(0));
           ok.setSourceReplica(answer.source_replica);
         } else if constexpr (std::is_same_v<T, ListOk>) {
           TH_REQUIRE(answer.snapshot != nullptr, "a list answer carries its snapshot");
@@ -130,6 +131,7 @@ void put(const Outcome& outcome, wire::Outcome::Builder out) {
 
 void put(const HeldCopy& held, wire::HeldCopy::Builder out) {
   out.setVersion(held.version);
+  out.setCopy(held.copy);
   put_layout(held.layout, [&](unsigned n) { return out.initLayout(n); });
   put_checksums(held.checksums, [&](unsigned n) { return out.initChecksums(n); });
 }
@@ -311,8 +313,12 @@ Outcome get(wire::Outcome::Reader in) {
     }
     case wire::Outcome::UPDATE_OK: {
       auto ok = in.getUpdateOk();
-      return UpdateOk{enum_in_range(ok.getStatus(), UpdateStatus::kNotYet, "update status"),
-                      ok.getVersion(), name(ok.getSourceReplica(), "source replica")};
+      const auto status = enum_in_range(ok.getStatus(), UpdateStatus::kNotYet, "update status");
+      if (status == UpdateStatus::kUpdated && !ok.getHolding()) {
+        invalid("an update that moved names the version it holds");
+      }
+      return UpdateOk{status, ok.getHolding() ? std::optional(ok.getVersion()) : std::nullopt,
+                      name(ok.getSourceReplica(), "source replica")};
     }
     case wire::Outcome::LIST_OK: return ListOk{get(in.getListOk())};
     case wire::Outcome::WAIT_OK: return WaitOk{};
@@ -322,7 +328,8 @@ Outcome get(wire::Outcome::Reader in) {
 }
 
 HeldCopy get(wire::HeldCopy::Reader in) {
-  HeldCopy held{in.getVersion(), get_layout(in.getLayout()), get_checksums(in.getChecksums())};
+  HeldCopy held{in.getVersion(), get_layout(in.getLayout()), get_checksums(in.getChecksums()),
+                in.getCopy()};
   if (held.layout == nullptr || held.checksums == nullptr ||
       held.checksums->size() != held.layout->tensors().size()) {
     invalid("a held copy needs a layout and one checksum per tensor");
@@ -425,7 +432,9 @@ Report get(wire::Report::Reader in) {
                                                  "read failure")};
       break;
     }
-    case wire::Report::Body::OFFLOAD_DONE: report.body = OffloadDone{body.getOffloadDone()}; break;
+    case wire::Report::Body::OFFLOAD_DONE:
+      report.body = OffloadDone{body.getOffloadDone(), in.getOffloadCopy()};
+      break;
     default: invalid("report of an unknown kind");
   }
   return report;
@@ -439,14 +448,15 @@ Effect get(wire::Effect::Reader in) {
   switch (message.which()) {
     case wire::Effect::Message::REPLY: {
       auto reply = message.getReply();
-      effect.message = Reply{reply.getSeq(), get(reply.getOutcome()), reply.getReplicaIncarnation()};
+      effect.message = Reply{reply.getSeq(), get(reply.getOutcome()), reply.getToOpen(),
+                             reply.getReplicaIncarnation()};
       break;
     }
     case wire::Effect::Message::START_READ: {
       auto read = message.getStartRead();
       auto source = read.getSource();
       effect.message = StartRead{
-          read.getTransfer(), read.getEpoch(), read.getVersion(), read.getShard(),
+          read.getTransfer(), read.getEpoch(), read.getCall(), read.getVersion(), read.getShard(),
           SourceRef{name(source.getReplica(), "source replica"), source.getIncarnation(),
                     name(source.getDatacenter(), "source datacenter"),
                     text(source.getEndpoint(), limits::kEndpointBytesMax, "source endpoint"),
@@ -466,9 +476,11 @@ Effect get(wire::Effect::Reader in) {
       effect.message = StopServing{message.getStopServing().getTransfer(),
                                    message.getStopServing().getEpoch()};
       break;
-    case wire::Effect::Message::OFFLOAD: effect.message = Offload{message.getOffload()}; break;
+    case wire::Effect::Message::OFFLOAD:
+      effect.message = Offload{message.getOffload(), in.getOffloadCopy()};
+      break;
     case wire::Effect::Message::RELEASE_OFFLOAD:
-      effect.message = ReleaseOffload{message.getReleaseOffload()};
+      effect.message = ReleaseOffload{message.getReleaseOffload(), in.getOffloadCopy()};
       break;
     case wire::Effect::Message::EVICTED: {
       auto evicted = message.getEvicted();
@@ -566,6 +578,7 @@ void encode(const Report& report, wire::Report::Builder out) {
         } else {
           static_assert(std::is_same_v<T, OffloadDone>);
           body.setOffloadDone(fact.version);
+          out.setOffloadCopy(fact.copy);
         }
       },
       report.body);
@@ -583,12 +596,14 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           reply.setSeq(body.seq);
           put(body.outcome, reply.initOutcome());
           reply.setReplicaIncarnation(body.replica_incarnation);
+          reply.setToOpen(body.to_open);
         } else if constexpr (std::is_same_v<T, StartRead>) {
           auto read = message.initStartRead();
           read.setTransfer(body.transfer);
           read.setEpoch(body.epoch);
           read.setVersion(body.version);
           read.setShard(body.shard);
+          read.setCall(body.call);
           auto source = read.initSource();
           source.setReplica(body.source.replica);
           source.setIncarnation(body.source.incarnation);
@@ -611,8 +626,10 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           stop.setEpoch(body.epoch);
         } else if constexpr (std::is_same_v<T, Offload>) {
           message.setOffload(body.version);
+          out.setOffloadCopy(body.copy);
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
           message.setReleaseOffload(body.version);
+          out.setOffloadCopy(body.copy);
         } else {
           static_assert(std::is_same_v<T, Evicted>);
           auto evicted = message.initEvicted();

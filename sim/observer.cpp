@@ -26,7 +26,8 @@ std::string summarize(const Outcome& outcome) {
         } else if constexpr (std::is_same_v<T, ReplicateOk>) {
           out << value.version << '/' << value.source_replica;
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
-          out << update_status_name(value.status) << '/' << value.version << '/'
+          out << update_status_name(value.status) << '/'
+              << (value.version ? std::to_string(*value.version) : "-") << '/'
               << value.source_replica;
         } else if constexpr (std::is_same_v<T, ListOk>) {
           const ListSnapshot& snapshot = *value.snapshot;
@@ -62,15 +63,18 @@ bool is_exit_error(const Outcome& outcome) {
 
 }  // namespace
 
-void Observer::on_open(ClientId client, std::uint64_t seq, const OpenRequest& request) {
-  if (auto found = clients_.find(client); found != clients_.end() && found->second.bound) {
-    // The same open again is answered again; an open of a newer session ends the old binding (the
-    // hub evicts that replica), which the Evicted effects report.
-    if (found->second.open_seq == seq) return;
-    leave(client);
+void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session,
+                       const OpenRequest& request) {
+  if (auto found = clients_.find(client); found != clients_.end()) {
+    // The same open again (its session and number) is answered again; an open of a newer session
+    // ends the old binding (the hub evicts that replica), which the Evicted effects report; one of
+    // an older session is refused.
+    if (found->second.open_session == session && found->second.open_seq == seq) return;
+    if (session < found->second.open_session) return;
+    if (found->second.bound) leave(client);
   }
   const std::string key = replica_key(request);
-  clients_[client] = ClientInfo{key, request.shard, seq, request.retention, false};
+  clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false};
   ReplicaInfo& replica = replicas_[key];
   replica.model = request.model;
   replica.name = request.replica;
@@ -109,9 +113,13 @@ void Observer::on_report(ClientId client, const ReportBody& body) {
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
-    auto& reporters = replica.offload_reports[offloaded->version];
-    reporters.insert(info.shard);
-    if (reporters.size() == replica.num_shards) replica.offloads.insert(offloaded->version);
+    auto offload = replica.offloads.find(offloaded->version);
+    if (offload == replica.offloads.end() || offload->second.copy != offloaded->copy ||
+        offload->second.released) {
+      return;
+    }
+    offload->second.reported.insert(info.shard);
+    if (offload->second.reported.size() == replica.num_shards) offload->second.complete = true;
   }
 }
 
@@ -137,7 +145,10 @@ std::size_t Observer::safe_holders(const std::string& model, Version version,
   for (const auto& [key, replica] : replicas_) {
     if (replica.model != model) continue;
     if (&replica != except && !replica.spot && replica.held == version) ++holders;
-    if (replica.offloads.contains(version)) ++holders;
+    if (auto offload = replica.offloads.find(version);
+        offload != replica.offloads.end() && offload->second.complete) {
+      ++holders;
+    }
   }
   return holders;
 }
@@ -186,8 +197,10 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   if (found == clients_.end()) return;
   ClientInfo& info = found->second;
   ReplicaInfo& replica = replicas_[info.replica_key];
-  if (reply.seq == info.open_seq && !info.bound) {
-    // The answer to an open: not a transaction of the replica.
+  if (reply.to_open) {
+    // The answer to an open: not a transaction of the replica. One to an earlier open of this
+    // client (a late or repeated answer) changes nothing.
+    if (reply.seq != info.open_seq || info.bound) return;
     info.bound = std::holds_alternative<OpenOk>(reply.outcome);
     if (info.bound) {
       replica.bound.insert(client);
@@ -232,8 +245,8 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   } else if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
     replica.pending_update_seqs.erase(reply.seq);
     if (updated->status == UpdateStatus::kUpdated) {
-      if (replica.held && *replica.held != updated->version) stop_holding(replica, "update");
-      completed(updated->version);
+      if (replica.held && replica.held != updated->version) stop_holding(replica, "update");
+      completed(*updated->version);
     } else {
       replica.leaving = false;
     }
@@ -259,11 +272,15 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
   if (!announced_.contains(client)) return;
   // Resumed after a failover: the replica holds what every one of its shards announced.
   std::map<Version, std::size_t> primaries;
-  std::map<Version, std::size_t> offloads;
+  std::map<Version, std::pair<std::size_t, std::uint64_t>> offloads;  // holders, the copy's id
   for (const auto& [other, resume] : announced_) {
     if (clients_[other].replica_key != info.replica_key) continue;
     if (resume.primary) ++primaries[resume.primary->version];
-    for (const HeldCopy& held : resume.offloads) ++offloads[held.version];
+    for (const HeldCopy& held : resume.offloads) {
+      auto& [holders, copy] = offloads[held.version];
+      ++holders;
+      copy = held.copy;
+    }
   }
   for (const auto& [version, count] : primaries) {
     if (count != replica.num_shards) continue;
@@ -271,9 +288,9 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
     Version& latest = latest_completed_[replica.model];
     latest = std::max(latest, version);
   }
-  for (const auto& [version, count] : offloads) {
-    if (count != replica.num_shards) continue;
-    replica.offloads.insert(version);
+  for (const auto& [version, held] : offloads) {
+    if (held.first != replica.num_shards) continue;
+    replica.offloads[version] = ReplicaInfo::OffloadInfo{held.second, {}, true, false};
     Version& latest = latest_completed_[replica.model];
     latest = std::max(latest, version);
   }
@@ -306,7 +323,25 @@ void Observer::on_effects(const Effects& effects) {
             grants_.erase(Grant{client, message.transfer, message.epoch});
           } else if constexpr (std::is_same_v<T, StartRead>) {
             on_start_read(client, message);
+          } else if constexpr (std::is_same_v<T, Offload>) {
+            // A new copy, or (after a failover) the new server's id for one the shards hold.
+            if (auto found = clients_.find(client); found != clients_.end()) {
+              ReplicaInfo& replica = replicas_[found->second.replica_key];
+              ReplicaInfo::OffloadInfo& offload = replica.offloads[message.version];
+              if (offload.copy != message.copy) {
+                offload.released = false;
+                if (!offload.complete) offload.reported.clear();
+              }
+              offload.copy = message.copy;
+            }
           } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+            auto found = clients_.find(client);
+            if (found == clients_.end()) return;
+            ReplicaInfo& replica = replicas_[found->second.replica_key];
+            auto offload = replica.offloads.find(message.version);
+            // A release of another copy than the one the shard holds frees nothing (the agent
+            // compares ids): only the copy it names goes, and each shard told is checked.
+            if (offload == replica.offloads.end() || offload->second.copy != message.copy) return;
             for (const auto& [grant, serve] : grants_) {
               if (grant.source == client && serve.kind == CopyKind::kOffload &&
                   serve.version == message.version) {
@@ -315,11 +350,8 @@ void Observer::on_effects(const Effects& effects) {
                           " was released while a reader may still read it");
               }
             }
-            if (auto found = clients_.find(client); found != clients_.end()) {
-              ReplicaInfo& replica = replicas_[found->second.replica_key];
-              replica.offloads.erase(message.version);
-              replica.offload_reports.erase(message.version);
-            }
+            offload->second.complete = false;
+            offload->second.released = true;
           } else if constexpr (std::is_same_v<T, Evicted>) {
             drop_grants_of(client);
             if (auto found = clients_.find(client); found != clients_.end()) {
@@ -327,7 +359,6 @@ void Observer::on_effects(const Effects& effects) {
               ReplicaInfo& replica = replicas_[found->second.replica_key];
               replica.held.reset();
               replica.offloads.clear();
-              replica.offload_reports.clear();
               replica.leaving = false;
               ++changes_[replica.model];
             }
@@ -390,7 +421,6 @@ void Observer::on_server_reset(bool answers_delivered) {
   for (auto& [key, replica] : replicas_) {
     replica.held.reset();
     replica.offloads.clear();
-    replica.offload_reports.clear();
     replica.leaving = false;
     replica.failed.reset();
     replica.pending_update_seqs.clear();

@@ -28,7 +28,7 @@ class Observer {
  public:
   explicit Observer(std::uint32_t fanout_max) : fanout_max_(fanout_max) {}
 
-  void on_open(ClientId client, std::uint64_t seq, const OpenRequest& request);
+  void on_open(ClientId client, std::uint64_t seq, std::uint64_t session, const OpenRequest& request);
   void on_call(ClientId client, std::uint64_t seq, const RequestBody& body);
   void on_report(ClientId client, const ReportBody& body);
   void on_effects(const Effects& effects);
@@ -46,6 +46,7 @@ class Observer {
     std::string replica_key;  // model/replica#incarnation
     std::uint32_t shard = 0;
     std::uint64_t open_seq = 0;
+    std::uint64_t open_session = 0;
     Retention retention;
     bool bound = false;  // from the OpenOk reply until eviction or close
   };
@@ -59,8 +60,16 @@ class Observer {
     bool leaving = false;            // an unpublish/update/close may be draining the held copy
     std::uint64_t leaving_rules = 0; // the model's changes_ when that call was made
     std::optional<Version> failed;   // a reader could not read this replica's copy of this version
-    std::map<Version, std::set<std::uint32_t>> offload_reports;
-    std::set<Version> offloads;      // complete offload copies
+    // Offload copies by version (a replica holds at most one of each): the id the hub names it by
+    // (its latest Offload instruction), the shards that reported it made, and whether it is
+    // complete. A ReleaseOffload or OffloadDone naming another id is about an earlier copy.
+    struct OffloadInfo {
+      std::uint64_t copy = 0;
+      std::set<std::uint32_t> reported;
+      bool complete = false;
+      bool released = false;
+    };
+    std::map<Version, OffloadInfo> offloads;
     std::set<std::uint64_t> pending_update_seqs;
     bool update_wrote = false;       // a StartRead arrived during the pending update: buffers changed
     std::set<ClientId> bound;        // shards between OpenOk and CloseOk/eviction

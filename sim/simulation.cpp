@@ -554,7 +554,7 @@ class Simulation {
             trace_.mix(message.client * 1000003 + message.seq);
             if (!active) {
             } else if (const auto* open = std::get_if<OpenRequest>(&message.body)) {
-              observer_.on_open(message.client, message.seq, *open);
+              observer_.on_open(message.client, message.seq, message.session, *open);
             } else {
               observer_.on_call(message.client, message.seq, message.body);
             }
@@ -611,7 +611,8 @@ class Simulation {
     if (const auto* reply = std::get_if<Reply>(&effect.message)) {
       std::cerr << " reply #" << reply->seq << " outcome " << reply->outcome.index();
       if (const auto* updated = std::get_if<UpdateOk>(&reply->outcome)) {
-        std::cerr << " " << update_status_name(updated->status) << " v" << updated->version;
+        std::cerr << " " << update_status_name(updated->status) << " "
+                  << (updated->version ? "v" + std::to_string(*updated->version) : "nothing");
       }
       if (const auto* error = std::get_if<Error>(&reply->outcome)) {
         std::cerr << " " << errc_name(error->code) << " (" << error->detail << ")";
@@ -1062,7 +1063,7 @@ class Simulation {
     App& app = worker.app;
     if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
       if (updated->status == UpdateStatus::kUpdated) {
-        verify_held(w, updated->version, "update");
+        verify_held(w, *updated->version, "update");
         app.held = updated->version;
       } else {
         // Nothing moved now; what the buffers hold is what the agent says (an interrupted read
@@ -1086,7 +1087,8 @@ class Simulation {
   static std::string short_outcome(const Outcome& outcome) {
     if (const auto* error = std::get_if<Error>(&outcome)) return std::string(errc_name(error->code));
     if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
-      return std::string(update_status_name(updated->status)) + " v" + std::to_string(updated->version);
+      return std::string(update_status_name(updated->status)) + " " +
+             (updated->version ? "v" + std::to_string(*updated->version) : "nothing");
     }
     return "ok";
   }

@@ -88,7 +88,7 @@ int run_fanout_node(const FanoutNodeOptions& options) {
         std::cerr << "th-bench fanout-node: update: " << updated.error().detail << "\n";
         return 1;
       }
-      if (updated.value().version >= 2) {
+      if (updated.value().version.value_or(0) >= 2) {
         source = updated.value().source_replica;
         break;
       }

@@ -121,7 +121,9 @@ int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t stre
     } else {
       const auto updated = value_or_die(reader.handle->update("latest"), "update");
       if (updated.version != version) {
-        std::cerr << "th-bench: update brought version " << updated.version << ", not " << version << "\n";
+        std::cerr << "th-bench: update brought version "
+                  << (updated.version ? std::to_string(*updated.version) : "nothing") << ", not "
+                  << version << "\n";
         return 1;
       }
       from = updated.source_replica;

@@ -131,7 +131,7 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     const double stall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     if (!updated.ok()) die("update", updated.error());
     if (updated.value().status != th::UpdateStatus::kUpdated) continue;  // not yet: wait again
-    held = updated.value().version;
+    held = *updated.value().version;  // kUpdated names it
     const auto stats = handle->stats();
     const std::uint64_t bytes = stats.bytes_received - received_before;
     const bool exact = model.holds(held, options.shard);

@@ -82,11 +82,19 @@ class AgentTest : public ::testing::Test {
   AgentEffects hub(Message message) {
     return step(FromHub{agent_.server(), Effect{kClient, std::move(message), agent_.session()}});
   }
-  AgentEffects reply(std::uint64_t seq, const Outcome& outcome,
-                     std::uint64_t replica_incarnation = 0) {
+  AgentEffects reply(std::uint64_t seq, const Outcome& outcome) {
     Reply answer;  // built field by field: GCC 12 misreads the aggregate's variant as uninitialized
     answer.seq = seq;
     answer.outcome = outcome;
+    return hub(answer);
+  }
+  // The hub's answer to an open (numbered with the last call the client completed).
+  AgentEffects open_reply(std::uint64_t seq, const Outcome& outcome,
+                          std::uint64_t replica_incarnation = 0) {
+    Reply answer;
+    answer.seq = seq;
+    answer.outcome = outcome;
+    answer.to_open = true;
     answer.replica_incarnation = replica_incarnation;
     return hub(answer);
   }
@@ -99,7 +107,7 @@ class AgentTest : public ::testing::Test {
 
   void open() {
     call(open_request());
-    const AgentEffects effects = reply(0, OpenOk{2, std::nullopt});
+    const AgentEffects effects = open_reply(0, OpenOk{2, std::nullopt});
     ASSERT_EQ(only<CallDone>(effects).call_id, call_id_);
     ASSERT_EQ(agent_.phase(), AgentPhase::kOpen);
   }
@@ -113,10 +121,13 @@ class AgentTest : public ::testing::Test {
     ASSERT_EQ(agent_.held()->version, version);
   }
 
-  StartRead start_read(TransferId transfer, std::uint32_t epoch, Version version) const {
+  // An instruction for the call in flight (`call` 0), or for call `call`.
+  StartRead start_read(TransferId transfer, std::uint32_t epoch, Version version,
+                       std::uint64_t call = 0) const {
     StartRead read;
     read.transfer = transfer;
     read.epoch = epoch;
+    read.call = call != 0 ? call : agent_.last_seq() + 1;
     read.version = version;
     read.source.replica = "source";
     read.source.incarnation = 1;
@@ -160,7 +171,7 @@ TEST_F(AgentTest, OpenIsAFreshSessionAtSequenceZero) {
 TEST_F(AgentTest, OnlySuccessfulFreshOpensAreStarts) {
   for (int attempt = 0; attempt < 3; ++attempt) {  // an application retrying a refused open
     call(open_request());
-    reply(0, make_error(Errc::kStaleIncarnation, "newer"), 4);
+    open_reply(0, make_error(Errc::kShardAlreadyOpen, "another process holds this shard"));
     EXPECT_EQ(agent_.phase(), AgentPhase::kIdle);
   }
   EXPECT_EQ(agent_.starts(), 0u);
@@ -222,7 +233,7 @@ TEST_F(AgentTest, HeartbeatsOnlyOnceOpen) {
   ASSERT_GE(opens_at.size(), 3u);
   for (std::size_t i = 1; i < opens_at.size(); ++i) EXPECT_LE(opens_at[i] - opens_at[i - 1], 1000);
 
-  reply(0, OpenOk{2, std::nullopt});
+  open_reply(0, OpenOk{2, std::nullopt});
   int heartbeats = 0;
   for (TimeMs t = 9000; t <= 12'000; t += 100) {
     for (const ReportBody& body : reports(tick_at(t))) {
@@ -284,7 +295,7 @@ TEST_F(AgentTest, FailoverReopensOnTheNextServerAndSendsTheCallAgain) {
   EXPECT_TRUE(all_of<CallDone>(lost).empty());  // the call goes on
   // A server lost that is not ours changes nothing.
   EXPECT_TRUE(step(ServerLost{0}).empty());
-  const std::vector<Request> after_open = requests(reply(1, OpenOk{2, 3}));
+  const std::vector<Request> after_open = requests(open_reply(1, OpenOk{2, 3}));
   ASSERT_EQ(after_open.size(), 1u);
   EXPECT_EQ(after_open[0].seq, 2u);
   EXPECT_TRUE(std::holds_alternative<ListRequest>(after_open[0].body));
@@ -294,7 +305,7 @@ TEST_F(AgentTest, FailoverReopensOnTheNextServerAndSendsTheCallAgain) {
 TEST_F(AgentTest, DivergentCallStartsOverWithNothingAnnounced) {
   open();
   publish(1, 4);
-  hub(Offload{4});
+  hub(Offload{4, 40});
   const AgentEffects offloaded = step(OffloadFinished{4});
   ASSERT_EQ(reports(offloaded).size(), 1u);
   call(ListRequest{});
@@ -308,7 +319,7 @@ TEST_F(AgentTest, DivergentCallStartsOverWithNothingAnnounced) {
   EXPECT_EQ(open.resume, nullptr);
   EXPECT_EQ(open.incarnation, 2u);
   EXPECT_EQ(sent[0].seq, 0u);
-  reply(0, OpenOk{2, std::nullopt});
+  open_reply(0, OpenOk{2, std::nullopt});
   EXPECT_EQ(agent_.starts(), 2u);
   EXPECT_EQ(agent_.last_seq(), 0u);
   EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 1u);
@@ -319,14 +330,14 @@ TEST_F(AgentTest, JoinsTheIncarnationTheHubNamesInsteadOfReplacingIt) {
   hub(Evicted{Errc::kReplicaEvicted, "heartbeat"});
   requests(tick_at(*agent_.next_deadline_ms()));  // resume as incarnation 2
   // Its peers re-formed the replica as incarnation 5 meanwhile.
-  reply(0, make_error(Errc::kStaleIncarnation, "newer"), 5);
+  open_reply(0, make_error(Errc::kStaleIncarnation, "newer"), 5);
   std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
   ASSERT_EQ(sent.size(), 1u);
   EXPECT_EQ(std::get<OpenRequest>(sent[0].body).incarnation, 5u);
   EXPECT_NE(std::get<OpenRequest>(sent[0].body).resume, nullptr);
   // Incarnation 5 went on without this shard: it starts over and joins 5 fresh (not 6, which
   // would evict the peers, which would come back as 7, and so on).
-  reply(0, make_error(Errc::kDivergentCall, "started over"), 5);
+  open_reply(0, make_error(Errc::kDivergentCall, "started over"), 5);
   sent = requests(tick_at(*agent_.next_deadline_ms()));
   ASSERT_EQ(sent.size(), 1u);
   EXPECT_EQ(std::get<OpenRequest>(sent[0].body).incarnation, 5u);
@@ -417,37 +428,44 @@ TEST_F(AgentTest, AFailedReadIsReportedAndRetransmittedUntilAnswered) {
 TEST_F(AgentTest, ReportsAnOffloadAgainWhenAskedForOneItHas) {
   open();
   publish(1, 8);
-  EXPECT_EQ(only<MakeOffload>(hub(Offload{8})).version, 8u);
-  step(OffloadFinished{8});
-  // A new server (or a hub that missed the report) asks again: no second copy, the same report.
-  const AgentEffects again = hub(Offload{8});
+  EXPECT_EQ(only<MakeOffload>(hub(Offload{8, 80})).version, 8u);
+  EXPECT_EQ(std::get<OffloadDone>(reports(step(OffloadFinished{8})).at(0)).copy, 80u);
+  // A new server (or a hub that missed the report) asks again: no second copy, the same report,
+  // under the id it names now.
+  const AgentEffects again = hub(Offload{8, 81});
   EXPECT_TRUE(all_of<MakeOffload>(again).empty());
   const std::vector<ReportBody> sent = reports(again);
   ASSERT_EQ(sent.size(), 1u);
   EXPECT_EQ(std::get<OffloadDone>(sent[0]).version, 8u);
+  EXPECT_EQ(std::get<OffloadDone>(sent[0]).copy, 81u);
   // Asked for a version its buffers do not hold: nothing.
-  EXPECT_TRUE(hub(Offload{9}).empty());
+  EXPECT_TRUE(hub(Offload{9, 90}).empty());
+  // Released under an id that is not the copy's (a late message about the earlier id): nothing.
+  EXPECT_TRUE(hub(ReleaseOffload{8, 80}).empty());
   // Released: freed once, and its grants revoked.
   hub(ServeRead{4, 1, 8, CopyKind::kOffload, 0, "reader"});
-  const AgentEffects released = hub(ReleaseOffload{8});
+  const AgentEffects released = hub(ReleaseOffload{8, 81});
   EXPECT_EQ(only<FreeOffload>(released).version, 8u);
   EXPECT_EQ(only<RevokeServe>(released).transfer, 4u);
-  EXPECT_TRUE(hub(ReleaseOffload{8}).empty());
+  EXPECT_TRUE(hub(ReleaseOffload{8, 81}).empty());
 }
 
 TEST_F(AgentTest, AnOffloadOfBuffersThatMovedOnIsDropped) {
   open();
   publish(1, 8);
-  hub(Offload{8});
+  hub(Offload{8, 80});
   call(UnpublishRequest{});
   reply(2, UnpublishOk{});
-  EXPECT_TRUE(step(OffloadFinished{8}).empty());  // the buffers no longer hold version 8
+  // The buffers no longer hold version 8: the copy is not trusted, and its memory goes.
+  const AgentEffects finished = step(OffloadFinished{8});
+  EXPECT_TRUE(reports(finished).empty());
+  EXPECT_EQ(only<FreeOffload>(finished).version, 8u);
 }
 
 TEST_F(AgentTest, CloseEndsEverything) {
   open();
   publish(1, 8);
-  hub(Offload{8});
+  hub(Offload{8, 80});
   step(OffloadFinished{8});
   call(CloseRequest{});
   const AgentEffects closed = reply(2, CloseOk{});
@@ -456,6 +474,73 @@ TEST_F(AgentTest, CloseEndsEverything) {
   EXPECT_FALSE(agent_.next_deadline_ms().has_value());
   const AgentEffects after = call(ListRequest{});
   EXPECT_EQ(std::get<Error>(only<CallDone>(after).outcome).code, Errc::kUnknownClient);
+}
+
+// th-sim --seed 720279 --workload cross-dc --faults partition=1,clog=1,delay=100 (issue 10,
+// point 3): the hub sent a StartRead of call 10 again to the call's retransmission; the copy came
+// after call 10 was answered, during call 11, and was obeyed: the buffers were rewritten while
+// the hub (and the application) thought the shard held what call 10 brought.
+TEST_F(AgentTest, AStartReadOfAnEarlierCallIsStale) {
+  open();
+  call(ReplicateRequest{Selector::latest(), layout_, 0});
+  hub(start_read(1, 1, 8));
+  step(ReadFinished{1, 1, std::nullopt});
+  reply(1, ReplicateOk{8, "source"});
+  call(UpdateRequest{Selector::latest(), layout_});
+  const AgentEffects late = hub(start_read(1, 1, 8, /*call=*/1));
+  EXPECT_TRUE(late.empty()) << "neither read nor revoke: the buffers keep version 8";
+  ASSERT_TRUE(agent_.held().has_value());
+  EXPECT_EQ(agent_.held()->version, 8u);
+  EXPECT_EQ(only<BeginRead>(hub(start_read(2, 1, 9, /*call=*/2))).read.version, 9u);
+}
+
+// A late answer to an open is not a call's answer, nor a call's answer an open's.
+TEST_F(AgentTest, AnswersToOpensAndToCallsAreNotConfused) {
+  call(open_request());
+  EXPECT_TRUE(reply(0, ListOk{}).empty()) << "a call's answer numbered like the open";
+  EXPECT_EQ(agent_.phase(), AgentPhase::kOpening);
+  open_reply(0, OpenOk{2, std::nullopt});
+  call(ListRequest{});
+  EXPECT_TRUE(open_reply(1, make_error(Errc::kAlreadyOpen, "late")).empty());
+  EXPECT_EQ(only<CallDone>(reply(1, ListOk{})).call_id, call_id_);
+}
+
+// th-sim --seed 710240 --workload cross-dc --faults drop=0.05,crash=0.5,read-failure=0.1,
+// server-crash=1 (issue 10, point 4): a restarted shard's own open was refused because its peers
+// had moved the replica to incarnation 4 on their own; the application could only retry the
+// number it knew, forever, while its peers' barrier timed out again and again.
+TEST_F(AgentTest, TheApplicationsOpenJoinsTheNewerIncarnationTheHubNames) {
+  call(open_request());  // incarnation 1
+  const std::vector<Request> sent =
+      requests(open_reply(0, make_error(Errc::kStaleIncarnation, "newer"), 4));
+  ASSERT_EQ(sent.size(), 1u);
+  const auto& again = std::get<OpenRequest>(sent[0].body);
+  EXPECT_EQ(again.incarnation, 4u);
+  EXPECT_EQ(again.resume, nullptr) << "still the application's fresh open";
+  EXPECT_EQ(agent_.phase(), AgentPhase::kOpening);
+  EXPECT_EQ(only<CallDone>(open_reply(0, OpenOk{2, std::nullopt})).call_id, call_id_);
+  EXPECT_EQ(agent_.incarnation(), 4u);
+}
+
+// A grant that arrives after its own withdrawal (messages crossed or repeated) is never served.
+TEST_F(AgentTest, AGrantAfterItsStopServingIsStale) {
+  open();
+  publish(1, 2);
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{1, 1, 2, CopyKind::kPrimary, 0, "a"})).grant.transfer, 1u);
+  EXPECT_EQ(only<RevokeServe>(hub(StopServing{1, 1})).transfer, 1u);
+  EXPECT_TRUE(hub(ServeRead{1, 1, 2, CopyKind::kPrimary, 0, "a"}).empty());
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{1, 2, 2, CopyKind::kPrimary, 0, "a"})).grant.epoch, 2u);
+}
+
+// The hub numbers this shard's calls otherwise (a gap): the agent does not take that as the call's
+// answer; it opens a new session, as after an eviction.
+TEST_F(AgentTest, ASequenceGapIsNotAnAnswer) {
+  open();
+  call(ListRequest{});
+  const AgentEffects gap = reply(1, make_error(Errc::kSequenceGap, "expected call 3"));
+  EXPECT_EQ(std::get<Error>(only<CallDone>(gap).outcome).code, Errc::kSequenceGap);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kEvicted);
+  EXPECT_EQ(agent_.last_seq(), 0u) << "the call did not take its number";
 }
 
 TEST_F(AgentTest, ClockMayNotGoBackwards) {

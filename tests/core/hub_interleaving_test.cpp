@@ -148,7 +148,7 @@ TEST(HubInterleaving, ShardsAgreeWhileANewVersionAppears) {
     const auto outcome = answer(run, "r");
     ASSERT_TRUE(is<UpdateOk>(outcome)) << (outcome ? describe(*outcome) : "no answer");
     EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kUpdated);
-    seen.insert(std::get<UpdateOk>(*outcome).version);
+    seen.insert(std::get<UpdateOk>(*outcome).version.value());
     EXPECT_TRUE(is<PublishOk>(answer(run, "u")));
   });
   EXPECT_EQ(runs, 180u);  // 6! / (2! 2!)

@@ -1201,6 +1201,52 @@ TEST(HubRegression, ReaderWaitsBehindAChainFromADrainingCopy) {
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
 }
 
+// th-sim --seed 722011 --workload cross-dc --faults drop=0.05,crash=0.5,read-failure=0.1,
+// server-crash=1: a chain r3 -> r2 -> r1 in dc1, which r0 in dc0 reads from across datacenters,
+// lost its root's source; the only complete copy left, t0, is in dc0, so the detour rule ruled it
+// out and r3 waited for ever. A complete copy is taken then.
+TEST(HubRegression, AChainRootTakesADetourRatherThanWaitForNothing) {
+  HubSettings settings;
+  settings.smart_skipping = false;  // so that readers chain behind the seeder
+  settings.fanout_max = 2;
+  Driver driver(settings);
+  const auto t0 = driver.open_replica(rollout("t0", 2, "dc0"));
+  const auto t2 = driver.open_replica(rollout("t2", 2, "dc2"));
+  driver.publish(t0, 1);
+  driver.publish(t2, 1);
+  std::map<std::string, std::vector<ClientId>> r;
+  auto fail_read = [&](const std::string& name) {  // every shard reports the same source
+    std::vector<StartRead> reads;
+    for (ClientId client : r[name]) reads.push_back(*read_of(driver, client));
+    for (std::size_t shard = 0; shard < reads.size(); ++shard) {
+      driver.report(r[name][shard], TransferFailed{reads[shard].transfer, reads[shard].epoch,
+                                                   ReadFailure::kSourceUnreachable});
+    }
+  };
+  r["r3"] = driver.open_replica(rollout("r3", 2, "dc1"));
+  start_replicate(driver, r["r3"], Selector::latest());
+  ASSERT_EQ(read_of(driver, r["r3"][0])->source.replica, "t0");
+  fail_read("r3");  // t0 is suspect from now on
+  ASSERT_EQ(read_of(driver, r["r3"][0])->source.replica, "t2");
+  for (const char* name : {"r2", "r1"}) {
+    r[name] = driver.open_replica(rollout(name, 2, "dc1"));
+    start_replicate(driver, r[name], Selector::latest());
+  }
+  ASSERT_EQ(read_of(driver, r["r1"][0])->source.replica, "r2");
+  r["r0"] = driver.open_replica(rollout("r0", 2, "dc0"));
+  start_replicate(driver, r["r0"], Selector::latest());
+  ASSERT_EQ(read_of(driver, r["r0"][0])->source.replica, "r1") << "across datacenters";
+  driver.lose_connection(t2[0]);  // r3's source is gone
+  const auto read = read_of(driver, r["r3"][0]);
+  ASSERT_TRUE(read);
+  EXPECT_EQ(read->source.replica, "t0");
+  EXPECT_EQ(read->epoch, 3u);
+  for (const char* name : {"r3", "r2", "r1", "r0"}) {
+    driver.finish_reads(r[name]);
+    EXPECT_TRUE(is<ReplicateOk>(driver.replies(r[name]))) << name;
+  }
+}
+
 TEST(HubSettingsTest, InvalidSettingsAreRejected) {
   HubSettings settings;
   settings.fanout_max = 0;

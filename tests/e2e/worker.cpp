@@ -153,8 +153,9 @@ int main(int argc, char** argv) {
         fail(verb, updated.error());
         continue;
       }
-      held = updated.value().version;
-      say("update " + std::string(th::update_status_name(updated.value().status)) + " " + std::to_string(held) +
+      held = updated.value().version.value_or(0);
+      say("update " + std::string(th::update_status_name(updated.value().status)) + " " +
+          (updated.value().version ? std::to_string(held) : "nothing") +
           " from " + updated.value().source_replica);
     } else if (verb == "verify") {
       std::uint64_t wrong = 0;

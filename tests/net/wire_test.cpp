@@ -54,7 +54,7 @@ void expect_same_layout(const LayoutRef& a, const LayoutRef& b) {
 TEST(Wire, OpenWithResumeKeepsEveryField) {
   auto resume = std::make_shared<Resume>();
   resume->primary = HeldCopy{7, sample_layout(), sample_checksums()};
-  resume->offloads.push_back(HeldCopy{5, sample_layout(), sample_checksums()});
+  resume->offloads.push_back(HeldCopy{5, sample_layout(), sample_checksums(), 44});
   resume->last_txn = TxnRecord{
       9, OpKey{OpKind::kReplicate, Selector::latest(2), 0, WaitPredicate{}},
       ReplicateOk{7, "trainer-0"}};
@@ -84,6 +84,7 @@ TEST(Wire, OpenWithResumeKeepsEveryField) {
   EXPECT_EQ(*o.resume->primary->checksums, *sample_checksums());
   ASSERT_EQ(o.resume->offloads.size(), 1u);
   EXPECT_EQ(o.resume->offloads[0].version, 5u);
+  EXPECT_EQ(o.resume->offloads[0].copy, 44u);
   ASSERT_TRUE(o.resume->last_txn.has_value());
   EXPECT_EQ(o.resume->last_txn->seq, 9u);
   EXPECT_EQ(o.resume->last_txn->op, resume->last_txn->op);
@@ -143,7 +144,10 @@ TEST(Wire, EveryReportKind) {
   const auto done = std::get<TransferDone>(round_trip<wire::Report>(Report{4, TransferDone{11, 3}, 6}).body);
   EXPECT_EQ(done.transfer, 11u);
   EXPECT_EQ(done.epoch, 3u);
-  EXPECT_EQ(std::get<OffloadDone>(round_trip<wire::Report>(Report{4, OffloadDone{12}, 6}).body).version, 12u);
+  const auto offloaded =
+      std::get<OffloadDone>(round_trip<wire::Report>(Report{4, OffloadDone{12, 13}, 6}).body);
+  EXPECT_EQ(offloaded.version, 12u);
+  EXPECT_EQ(offloaded.copy, 13u);
   const Report heartbeat = round_trip<wire::Report>(Report{4, Heartbeat{}, 6});
   EXPECT_TRUE(std::holds_alternative<Heartbeat>(heartbeat.body));
   EXPECT_EQ(heartbeat.client, 4u);
@@ -164,39 +168,48 @@ TEST(Wire, EveryAnswerKind) {
       UnpublishOk{},
       ReplicateOk{6, "trainer"},
       UpdateOk{UpdateStatus::kNotYet, 4, ""},
+      UpdateOk{UpdateStatus::kNoNewerVersion, 0, ""},
+      UpdateOk{UpdateStatus::kNoNewerVersion, std::nullopt, ""},
       ListOk{snapshot},
       WaitOk{},
       CloseOk{},
   };
   for (const Outcome& answer : answers) {
-    const Effect got = round_trip<wire::Effect>(Effect{3, Reply{8, answer, 2}, 5});
+    const Effect got = round_trip<wire::Effect>(Effect{3, Reply{8, answer, true, 2}, 5});
     EXPECT_EQ(got.client, 3u);
     EXPECT_EQ(got.session, 5u);
     const auto& reply = std::get<Reply>(got.message);
     EXPECT_EQ(reply.seq, 8u);
     EXPECT_EQ(reply.replica_incarnation, 2u);
+    EXPECT_TRUE(reply.to_open);
     EXPECT_TRUE(same_answer(reply.outcome, answer)) << answer.index();
     EXPECT_EQ(reply.outcome.index(), answer.index());
   }
+  // Holding nothing and holding version 0 are different answers.
+  EXPECT_FALSE(same_answer(answers[7], answers[8]));
+  const auto nothing = std::get<UpdateOk>(
+      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[8]}, 5}).message).outcome);
+  EXPECT_FALSE(nothing.version.has_value());
   const auto error = std::get<Error>(
-      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[0], 0}, 5}).message).outcome);
+      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[0]}, 5}).message).outcome);
   EXPECT_EQ(error.detail, "gone");
   const auto open = std::get<OpenOk>(
-      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[1], 0}, 5}).message).outcome);
+      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[1]}, 5}).message).outcome);
   EXPECT_EQ(open.latest, std::optional<Version>(5));
   const auto list = std::get<ListOk>(
-      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[7], 0}, 5}).message).outcome);
+      std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[9]}, 5}).message).outcome);
   EXPECT_EQ(*list.snapshot, *snapshot);
 }
 
 TEST(Wire, EveryServerMessageKind) {
   {
-    const StartRead sent{21, 3, 9, 1,
+    const StartRead sent{21, 3, 17, 9, 1,
                          SourceRef{"rollout-2", 4, "dc-b", "10.1.1.1:7000", CopyKind::kOffload, true},
                          sample_checksums()};
     const auto got = std::get<StartRead>(round_trip<wire::Effect>(Effect{1, sent, 2}).message);
     EXPECT_EQ(got.transfer, 21u);
     EXPECT_EQ(got.epoch, 3u);
+    EXPECT_EQ(got.call, 17u);
     EXPECT_EQ(got.version, 9u);
     EXPECT_EQ(got.shard, 1u);
     EXPECT_EQ(got.source.replica, "rollout-2");
@@ -220,9 +233,13 @@ TEST(Wire, EveryServerMessageKind) {
   const auto stop = std::get<StopServing>(round_trip<wire::Effect>(Effect{1, StopServing{23, 4}, 2}).message);
   EXPECT_EQ(stop.transfer, 23u);
   EXPECT_EQ(stop.epoch, 4u);
-  EXPECT_EQ(std::get<Offload>(round_trip<wire::Effect>(Effect{1, Offload{30}, 2}).message).version, 30u);
-  EXPECT_EQ(std::get<ReleaseOffload>(round_trip<wire::Effect>(Effect{1, ReleaseOffload{31}, 2}).message).version,
-            31u);
+  const auto offload = std::get<Offload>(round_trip<wire::Effect>(Effect{1, Offload{30, 77}, 2}).message);
+  EXPECT_EQ(offload.version, 30u);
+  EXPECT_EQ(offload.copy, 77u);
+  const auto release =
+      std::get<ReleaseOffload>(round_trip<wire::Effect>(Effect{1, ReleaseOffload{31, 78}, 2}).message);
+  EXPECT_EQ(release.version, 31u);
+  EXPECT_EQ(release.copy, 78u);
   const auto evicted = std::get<Evicted>(
       round_trip<wire::Effect>(Effect{1, Evicted{Errc::kBarrierTimeout, "late"}, 2}).message);
   EXPECT_EQ(evicted.reason, Errc::kBarrierTimeout);

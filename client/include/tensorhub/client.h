@@ -68,7 +68,7 @@ struct ReplicateInfo {
 
 struct UpdateInfo {
   UpdateStatus status = UpdateStatus::kNoNewerVersion;
-  Version version = 0;  // held now
+  std::optional<Version> version;  // held now; none: the shard holds no version (not version 0)
   std::string source_replica;
 };
 

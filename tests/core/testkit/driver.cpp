@@ -117,7 +117,8 @@ std::string describe(const Outcome& outcome) {
         } else if constexpr (std::is_same_v<T, ReplicateOk>) {
           out << "ReplicateOk{" << value.version << " from " << value.source_replica << "}";
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
-          out << "UpdateOk{" << update_status_name(value.status) << " " << value.version << "}";
+          out << "UpdateOk{" << update_status_name(value.status) << " "
+              << (value.version ? std::to_string(*value.version) : "nothing") << "}";
         } else if constexpr (std::is_same_v<T, ListOk>) {
           out << "ListOk";
         } else if constexpr (std::is_same_v<T, WaitOk>) {
@@ -184,6 +185,7 @@ void Driver::route(const Effects& effects) {
             box.grants.erase({message.transfer, message.epoch});
           } else if constexpr (std::is_same_v<T, Offload>) {
             box.offloads.push_back(message.version);
+            box.offload_copies[message.version] = message.copy;
           } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
             box.releases.push_back(message.version);
           } else {
@@ -197,7 +199,7 @@ void Driver::route(const Effects& effects) {
 
 void Driver::open(ClientId client, const OpenRequest& request, std::uint64_t seq) {
   model_names_.insert(request.model);
-  observer_.on_open(client, seq, request);
+  observer_.on_open(client, seq, /*session=*/0, request);
   seqs_[client] = seq + 1;
   step(Request{client, seq, request});
 }
@@ -305,7 +307,9 @@ void Driver::finish_offloads(const std::vector<ClientId>& shards) {
   for (ClientId client : shards) {
     auto offloads = inbox(client).offloads;
     inbox(client).offloads.clear();
-    for (Version version : offloads) report(client, OffloadDone{version});
+    for (Version version : offloads) {
+      report(client, OffloadDone{version, inbox(client).offload_copies.at(version)});
+    }
   }
 }
 

@@ -28,6 +28,7 @@ struct Inbox {
   std::map<TransferId, StartRead> reads;  // the latest instruction per transfer
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
   std::vector<Version> offloads;          // offload instructions not yet answered
+  std::map<Version, std::uint64_t> offload_copies;  // the copy id of the latest one per version
   std::vector<Version> releases;
   std::vector<Evicted> evictions;
   std::uint64_t session = 0;  // of the last effect routed here

@@ -200,7 +200,7 @@ void Fleet::apply(const Action& action) {
       runs_[replica].shards[shard].offloads[version] =
           HeldCopy{version, layout_for(shard), checksums_for(version, shard)};
       ++coverage_.offloads;
-      driver_.report(client, OffloadDone{version});
+      driver_.report(client, OffloadDone{version, driver_.inbox(client).offload_copies.at(version)});
       break;
     }
     case Action::Kind::kCrash: {
@@ -424,7 +424,7 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
         } else if constexpr (std::is_same_v<T, ReplicateOk>) {
           hold(outcome.version);
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
-          if (outcome.status == UpdateStatus::kUpdated) hold(outcome.version);
+          if (outcome.status == UpdateStatus::kUpdated) hold(*outcome.version);
         } else if constexpr (std::is_same_v<T, UnpublishOk>) {
           shard.held.reset();
         } else if constexpr (std::is_same_v<T, CloseOk>) {

@@ -115,6 +115,7 @@ void ShardAgent::reopen() {
 void ShardAgent::open(bool resume) {
   ++session_;
   phase_ = AgentPhase::kOpening;
+  reports_.clear();  // reports belong to a session: the new one announces what is held instead
   OpenRequest request = open_;
   if (resume) {
     auto announced = std::make_shared<Resume>();
@@ -143,9 +144,10 @@ void ShardAgent::send_call() {
 // ---- messages from the hub -------------------------------------------------------------------------
 
 void ShardAgent::on_hub(const FromHub& message) {
-  // Anything from another server, or from before this agent's last open, is stale.
+  // Anything from another server, or from before this agent's last open, is stale; so is anything
+  // of a session the hub has ended (kEvicted: the next open starts a new one).
   if (message.server != server_ || message.effect.session != session_) return;
-  if (phase_ == AgentPhase::kIdle || phase_ == AgentPhase::kClosed) return;
+  if (phase_ != AgentPhase::kOpening && phase_ != AgentPhase::kOpen) return;
   std::visit(
       [&](const auto& body) {
         using T = std::decay_t<decltype(body)>;

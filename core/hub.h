@@ -174,6 +174,14 @@ class Hub {
   void unbind(Replica& replica, std::uint32_t shard);
   void add_retention(Model& model, const Retention& retention, int sign);
   bool is_retained(const Model& model, Version version) const;
+  // Retained by the rules of every open shard except those of `replica`.
+  bool retained_by_others(const Model& model, Version version, const Replica& replica) const;
+  bool kept_latest(const Model& model, Version version, std::uint64_t keep) const;
+  // A version whose last non-spot copy would go if `replica` left, and that another replica's
+  // rule retains; none if the replica may leave.
+  std::optional<Version> last_retained_copy(const Replica& replica) const;
+  // The k-th newest version that was ever complete here (0: latest); none if fewer exist.
+  std::optional<Version> newest_existing(const Model& model, std::uint64_t k) const;
   void complete_barrier(Replica& replica);
   void caught_up(Replica& replica, const Txn& txn);
   void fail_barrier(Replica& replica, const Error& error);

@@ -376,14 +376,18 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
   const Version latest = *model.latest;
   Version target = selector.value;
   if (selector.kind == Selector::Kind::kLatest) {
-    if (selector.value > latest) {
+    // latest-k is the k-th newest version that exists (was complete here), not latest minus k:
+    // trainers skip numbers (a restart, a data-parallel group that publishes every other step).
+    const std::optional<Version> existing = newest_existing(model, selector.value);
+    if (!existing) {
       resolution.kind = Resolution::Kind::kError;
       resolution.error = make_error(Errc::kVersionNotFound,
-                                    format_selector(selector) + " is below version 0 (latest is " +
-                                        std::to_string(latest) + ")");
+                                    format_selector(selector) + ": fewer than " +
+                                        std::to_string(selector.value + 1) +
+                                        " versions exist here (latest is " + std::to_string(latest) + ")");
       return resolution;
     }
-    target = latest - selector.value;
+    target = *existing;
   } else if (selector.value > latest) {
     return resolution;  // not published yet: wait
   }
@@ -525,7 +529,10 @@ bool Hub::evaluate_wait(const Model& model, const WaitPredicate& predicate, Erro
       }
       return false;
     }
-    case WaitPredicate::Kind::kRoleHolds:
+    case WaitPredicate::Kind::kRoleHolds: {
+      // Not vacuously true: a role nobody plays (yet) holds nothing; the wait goes on until a
+      // replica of the role is open and every one holds the version or a newer one.
+      bool any = false;
       for (const auto& [name, replica] : model.replicas) {
         if (replica->role != predicate.role || replica->phase == ReplicaPhase::kClosing) continue;
         const Copy* copy = replica->primary;
@@ -533,8 +540,10 @@ bool Hub::evaluate_wait(const Model& model, const WaitPredicate& predicate, Erro
             copy->record->version < predicate.version) {
           return false;
         }
+        any = true;
       }
-      return true;
+      return any;
+    }
   }
   return false;
 }
@@ -614,6 +623,15 @@ std::shared_ptr<const ListSnapshot> Hub::make_snapshot(const Model& model) const
 // ---- close -----------------------------------------------------------------------------------------
 
 void Hub::on_close(Replica& replica, Txn& txn) {
+  // Leaving with the last copy of a version others keep would lose it (§5.2): refused, so that
+  // the application can unpublish (which offloads) or wait until another replica holds it.
+  if (const std::optional<Version> last = last_retained_copy(replica)) {
+    finish(replica, txn, make_error(Errc::kLastRetainedCopy,
+                                    describe(replica) + " holds the last copy of version " +
+                                        std::to_string(*last) +
+                                        ", which another replica's retention rule keeps"));
+    return;
+  }
   replica.phase = ReplicaPhase::kClosing;
   txn.stage = TxnStage::kClosing;
   // Other calls of this replica can no longer complete.

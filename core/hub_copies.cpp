@@ -4,7 +4,9 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -17,6 +19,7 @@ using detail::CopyId;
 using detail::CopyState;
 using detail::DcSources;
 using detail::DrainPurpose;
+using detail::ShardSlot;
 using detail::SourceKey;
 using detail::TxnStage;
 
@@ -348,9 +351,75 @@ void Hub::add_retention(Model& model, const Retention& retention, int sign) {
 
 bool Hub::is_retained(const Model& model, Version version) const {
   if (model.pinned.contains(version)) return true;
-  if (!model.latest || model.keep_latest.empty()) return false;
-  const std::uint64_t keep = *model.keep_latest.rbegin();
-  return version <= *model.latest && version + keep >= *model.latest;
+  if (model.keep_latest.empty()) return false;
+  return kept_latest(model, version, *model.keep_latest.rbegin());
+}
+
+bool Hub::retained_by_others(const Model& model, Version version, const Replica& replica) const {
+  std::multiset<std::uint64_t> own_keep;
+  std::map<Version, std::uint32_t> own_pins;
+  for (const ShardSlot& slot : replica.shards) {
+    if (!slot.client) continue;
+    if (slot.retention.keep_latest) own_keep.insert(*slot.retention.keep_latest);
+    for (Version pinned : slot.retention.pinned) ++own_pins[pinned];
+  }
+  if (auto pinned = model.pinned.find(version);
+      pinned != model.pinned.end() && pinned->second > own_pins[version]) {
+    return true;
+  }
+  // The largest latest-k rule of the other replicas.
+  for (auto rule = model.keep_latest.rbegin(); rule != model.keep_latest.rend(); ++rule) {
+    if (auto own = own_keep.find(*rule); own != own_keep.end()) {
+      own_keep.erase(own);
+      continue;
+    }
+    return kept_latest(model, version, *rule);
+  }
+  return false;
+}
+
+bool Hub::kept_latest(const Model& model, Version version, std::uint64_t keep) const {
+  // keep_latest = k keeps what latest-0 … latest-k name: the k + 1 newest existing versions.
+  if (!model.latest) return false;
+  auto found = model.versions.find(version);
+  if (found == model.versions.end() || !found->second.ever_complete) return false;
+  const std::optional<Version> floor = newest_existing(model, keep);
+  return !floor || version >= *floor;
+}
+
+std::optional<Version> Hub::last_retained_copy(const Replica& replica) const {
+  if (replica.spot) return std::nullopt;  // a spot replica's copies never count
+  std::vector<const Copy*> copies(replica.offloads.begin(), replica.offloads.end());
+  if (replica.primary != nullptr) copies.push_back(replica.primary);
+  for (const Copy* copy : copies) {
+    // Copies with every byte: complete, or on their way to an offload copy.
+    const bool held = copy->state == CopyState::kComplete || copy->state == CopyState::kDraining ||
+                      copy->state == CopyState::kOffloading;
+    if (!held || copy->failed) continue;
+    const VersionRecord& record = *copy->record;
+    std::uint32_t own = 0;
+    for (const Copy* other : copies) {
+      own += other->record == &record && (other->counted.safe_primary || other->counted.safe_offload);
+    }
+    const std::uint32_t safe = record.safe_primaries + record.safe_offloads;
+    TH_ASSERT(own <= safe, "a replica's safe copies are counted in its version's");
+    if (safe - own == 0 && retained_by_others(*replica.model, record.version, replica)) {
+      return record.version;
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<Version> Hub::newest_existing(const Model& model, std::uint64_t k) const {
+  // Bounded by the versions remembered (kForgottenVersionsWindow below latest, and those still
+  // being published), whatever k a client asks for.
+  std::uint64_t seen = 0;
+  for (auto it = model.versions.rbegin(); it != model.versions.rend(); ++it) {
+    if (!it->second.ever_complete) continue;
+    if (seen == k) return it->first;
+    ++seen;
+  }
+  return std::nullopt;
 }
 
 void Hub::forget_versions(Model& model) {

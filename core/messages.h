@@ -88,7 +88,8 @@ struct WaitPredicate {
   enum class Kind : std::uint8_t {
     kVersionAtLeast,  // some version >= `version` has been published
     kReplicasHold,    // at least `replicas_min` replicas hold `version` completely
-    kRoleHolds,       // every live replica whose role is `role` holds a version >= `version`
+    kRoleHolds,       // some replica has role `role`, and every one that is open (not closing)
+                      // holds a complete version >= `version`
   };
   Kind kind = Kind::kVersionAtLeast;
   Version version = 0;

@@ -43,9 +43,12 @@ enum class Errc : std::uint8_t {
   // Raised by the shells, never by the core.
   kPermissionDenied,  // the server refused the cluster token
   kUnavailable,       // no server could be reached (libthclient's open deadline passed)
+  // close refused: this replica holds the last non-spot copy of a version another replica's
+  // retention rule keeps (unpublish offloads it; close once another replica holds it)
+  kLastRetainedCopy,
 };
 
-inline constexpr Errc kErrcLast = Errc::kUnavailable;  // the wire checks codes against it
+inline constexpr Errc kErrcLast = Errc::kLastRetainedCopy;  // the wire checks codes against it
 std::string_view errc_name(Errc code);
 
 struct Error {

@@ -37,6 +37,7 @@ std::string_view errc_name(Errc code) {
     case Errc::kTimeout: return "timeout";
     case Errc::kPermissionDenied: return "permission-denied";
     case Errc::kUnavailable: return "unavailable";
+    case Errc::kLastRetainedCopy: return "last-retained-copy";
   }
   return "unknown-error";
 }

@@ -75,9 +75,21 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
   }
   const std::string key = replica_key(request);
   clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false};
+  // An open of a newer incarnation replaces the older ones (the hub evicts them, whichever of
+  // their shards it tells): nothing they held is held any more.
+  for (auto& [other_key, other] : replicas_) {
+    if (other.model == request.model && other.name == request.replica &&
+        other.incarnation < request.incarnation && (other.held || !other.offloads.empty())) {
+      other.held.reset();
+      other.offloads.clear();
+      other.leaving = false;
+      ++changes_[other.model];
+    }
+  }
   ReplicaInfo& replica = replicas_[key];
   replica.model = request.model;
   replica.name = request.replica;
+  replica.incarnation = request.incarnation;
   replica.datacenter = request.datacenter;
   replica.spot = request.spot;
   replica.num_shards = request.num_shards;
@@ -290,7 +302,11 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
   }
   for (const auto& [version, held] : offloads) {
     if (held.first != replica.num_shards) continue;
-    replica.offloads[version] = ReplicaInfo::OffloadInfo{held.second, {}, true, false};
+    // The new server names the copy (its Offload comes before the open's answer): keep its id.
+    ReplicaInfo::OffloadInfo& offload = replica.offloads[version];
+    if (offload.copy == 0) offload.copy = held.second;
+    offload.complete = true;
+    offload.released = false;
     Version& latest = latest_completed_[replica.model];
     latest = std::max(latest, version);
   }
@@ -424,6 +440,7 @@ void Observer::on_server_reset(bool answers_delivered) {
     replica.leaving = false;
     replica.failed.reset();
     replica.pending_update_seqs.clear();
+    replica.update_wrote = false;
   }
   for (auto& [client, info] : clients_) info.bound = false;
 }

@@ -53,6 +53,7 @@ class Observer {
   struct ReplicaInfo {
     std::string model;
     std::string name;
+    std::uint64_t incarnation = 0;
     std::string datacenter;
     bool spot = false;
     std::uint32_t num_shards = 1;

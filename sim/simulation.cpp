@@ -592,7 +592,15 @@ class Simulation {
     } else if (const auto* report = std::get_if<Report>(&input); report && logged(report->client)) {
       if (!std::holds_alternative<Heartbeat>(report->body)) {
         std::cerr << now_ << " s" << server << " <- c" << report->client << " report "
-                  << report->body.index() << "\n";
+                  << report->body.index();
+        if (const auto* done = std::get_if<OffloadDone>(&report->body)) {
+          std::cerr << " offload-done v" << done->version << "/" << done->copy;
+        } else if (const auto* finished = std::get_if<TransferDone>(&report->body)) {
+          std::cerr << " transfer-done t" << finished->transfer << "/" << finished->epoch;
+        } else if (const auto* failed = std::get_if<TransferFailed>(&report->body)) {
+          std::cerr << " transfer-failed t" << failed->transfer << "/" << failed->epoch;
+        }
+        std::cerr << "\n";
       }
     }
   }
@@ -606,7 +614,17 @@ class Simulation {
                 << " from " << read->source.replica << " (" << read->source.datacenter << ")";
     }
     if (const auto* serve = std::get_if<ServeRead>(&effect.message)) {
-      std::cerr << " serve t" << serve->transfer << "/" << serve->epoch << " v" << serve->version;
+      std::cerr << " serve t" << serve->transfer << "/" << serve->epoch << " v" << serve->version
+                << (serve->kind == CopyKind::kOffload ? " (offload)" : "");
+    }
+    if (const auto* stop = std::get_if<StopServing>(&effect.message)) {
+      std::cerr << " stop-serving t" << stop->transfer << "/" << stop->epoch;
+    }
+    if (const auto* offload = std::get_if<Offload>(&effect.message)) {
+      std::cerr << " offload v" << offload->version << "/" << offload->copy;
+    }
+    if (const auto* release = std::get_if<ReleaseOffload>(&effect.message)) {
+      std::cerr << " release-offload v" << release->version << "/" << release->copy;
     }
     if (const auto* reply = std::get_if<Reply>(&effect.message)) {
       std::cerr << " reply #" << reply->seq << " outcome " << reply->outcome.index();

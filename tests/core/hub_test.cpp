@@ -245,6 +245,47 @@ TEST(HubReplicate, SelectorsResolveAgainstLatest) {
   EXPECT_EQ(read_of(driver, r[0])->version, 3u);
 }
 
+// latest-k names the k-th newest version that exists, not latest minus k: trainers skip numbers.
+TEST(HubReplicate, LatestMinusKCountsOnlyVersionsThatExist) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t");
+  spec.retention.keep_latest = 1;  // keeps latest-0 and latest-1: versions 7 and 4 below
+  const auto t = driver.open_replica(spec);
+  ReplicaSpec other_spec = trainer("u");
+  const auto u = driver.open_replica(other_spec);
+  for (Version version : {2, 4, 7}) {
+    driver.publish(t, version);
+    driver.publish(u, version);  // so that nothing offloads: u holds every version too
+    driver.call_all(t, UnpublishRequest{});
+    EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+    if (version != 7) {
+      driver.call_all(u, UnpublishRequest{});
+      driver.finish_offloads(u);
+      EXPECT_TRUE(is<UnpublishOk>(driver.replies(u)));
+    }
+  }
+  EXPECT_TRUE(driver.hub().retained("m", 7));
+  EXPECT_TRUE(driver.hub().retained("m", 4)) << "latest-1 is version 4";
+  EXPECT_FALSE(driver.hub().retained("m", 6)) << "version 6 never existed";
+  EXPECT_FALSE(driver.hub().retained("m", 2));
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest(1));
+  ASSERT_TRUE(read_of(driver, r[0]));
+  EXPECT_EQ(read_of(driver, r[0])->version, 4u) << "from the offload copy u made";
+  driver.finish_reads(r);
+  const auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<ReplicateOk>(outcome));
+  EXPECT_EQ(std::get<ReplicateOk>(*outcome).version, 4u);
+  // r now holds the last copy of retained version 4 (u's offload copy went once r held it).
+  driver.call_all(r, CloseRequest{});
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kLastRetainedCopy), "");
+  const auto r2 = driver.open_replica(rollout("r2"));
+  start_replicate(driver, r2, Selector::latest(3));  // only three versions exist
+  EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionNotFound), "");
+  start_replicate(driver, r2, Selector::latest(2));
+  EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionUnavailable), "") << "version 2 went";
+}
+
 TEST(HubReplicate, SkippedVersionIsNotFoundOnceLatestPassesIt) {
   Driver driver;
   const auto t = driver.open_replica(trainer("t"));
@@ -866,6 +907,77 @@ TEST(HubWait, PredicatesBlockUntilTheyHold) {
   driver.call_all(t, WaitRequest{{WaitPredicate::Kind::kReplicasHold, 1, 4, {}}, 100});
   driver.advance(150);
   EXPECT_TRUE(is_error(*driver.replies(t), Errc::kTimeout));
+}
+
+// wait(role holds >= v) is not vacuously true: a role nobody plays holds nothing yet.
+TEST(HubWait, RoleHoldsWaitsForARoleWithoutReplicas) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  driver.publish(t, 1);
+  const auto w = driver.open_replica(trainer("w", 1));
+  driver.call_all(w, WaitRequest{{WaitPredicate::Kind::kRoleHolds, 1, 1, "evaluator"}, 0});
+  EXPECT_FALSE(driver.has_reply(w[0])) << "no evaluator is open";
+  ReplicaSpec spec = rollout("e", 1);
+  spec.role = "evaluator";
+  const auto e = driver.open_replica(spec);
+  EXPECT_FALSE(driver.has_reply(w[0])) << "the evaluator holds nothing";
+  driver.call(e[0], replicate(Selector::latest(), 0));
+  driver.finish_reads(e);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(e)));
+  EXPECT_TRUE(is<WaitOk>(driver.replies(w)));
+}
+
+// update tells holding nothing apart from holding version 0.
+TEST(HubUpdate, HoldingNothingIsNotVersionZero) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  start_update(driver, r, Selector::latest());
+  auto outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNoNewerVersion);
+  EXPECT_FALSE(std::get<UpdateOk>(*outcome).version.has_value());
+  driver.publish(t, 0);
+  start_update(driver, r, Selector::latest());
+  driver.finish_reads(r);
+  outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, std::optional<Version>(0));
+  start_update(driver, r, Selector::latest());
+  outcome = driver.replies(r);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNoNewerVersion);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, std::optional<Version>(0));
+}
+
+// close of the last non-spot copy of a version another replica's rule retains is refused (the
+// copy would go with the process); with only its own rule, or with another copy, it may leave.
+TEST(HubClose, RefusedForTheLastCopyOfAVersionOthersRetain) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  ReplicaSpec keeper = rollout("keeper");
+  keeper.retention.keep_latest = 0;
+  const auto k = driver.open_replica(keeper);
+  driver.publish(t, 1);
+  driver.call_all(t, CloseRequest{});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kLastRetainedCopy), "");
+  // Still open and holding: a reader gets the version from it, after which t may leave.
+  start_replicate(driver, k, Selector::latest());
+  driver.finish_reads(k);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(k)));
+  driver.call_all(t, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
+  // A replica whose own rule is the only one keeping the version may leave with it.
+  ReplicaSpec self = trainer("self");
+  self.retention.keep_latest = 0;
+  const auto s = driver.open_replica(self);
+  driver.call_all(k, CloseRequest{});
+  EXPECT_EQ(expect_error(driver.replies(k), Errc::kLastRetainedCopy), "") << "self keeps it";
+  driver.publish(s, 2);  // k's version 1 is no longer latest-0
+  driver.call_all(k, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(k)));
+  driver.call_all(s, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(s)));
 }
 
 TEST(HubList, DescribesVersionsAndReplicas) {

@@ -141,6 +141,7 @@ Driver::Driver(HubSettings settings)
     : settings_(settings), hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
 
 void Driver::restart_server() {
+  hub_ = std::make_unique<Hub>(settings_);
   observer_.on_server_reset();
   inboxes_.clear();
   seqs_.clear();

@@ -138,7 +138,9 @@ class Hub {
   void emit_start_read(const Transfer& transfer, std::uint32_t shard);
   void resend_instructions(const Replica& replica, std::uint32_t shard);
   void detach_source(Transfer& transfer);
-  void reassign(Transfer& transfer);
+  // The transfer looks for another source (in settle()); `failed`: its source failed it.
+  void reassign(Transfer& transfer, bool failed = true);
+  void keep_one_seeder(const Copy& seeder);
   void complete_transfer(Transfer& transfer);
   void fail_transfer(Transfer& transfer, const Error& error);
   void undrain(Replica& replica);

@@ -91,6 +91,7 @@ void Hub::try_assign(Transfer& transfer) {
       dequeue_waiting(transfer);
       assign(transfer, *choice.copy);
       TH_ASSERT(transfer.source == choice.copy && transfer.reader->state == CopyState::kActive);
+      if (transfer.cross_dc) keep_one_seeder(*transfer.reader);
       return;
     case Pick::kWait:
       enqueue_waiting(transfer);
@@ -364,12 +365,25 @@ void Hub::detach_source(Transfer& transfer) {
   }
 }
 
-void Hub::reassign(Transfer& transfer) {
+void Hub::reassign(Transfer& transfer, bool failed) {
   Model& model = *transfer.reader->owner->model;
   detach_source(transfer);
   set_state(*transfer.reader, CopyState::kWaiting);
-  ++transfer.failures;
+  if (failed) ++transfer.failures;
   orphans_.emplace_back(&model, transfer.id);  // settle() picks another source, or gives up
+}
+
+// A datacenter has at most one seeder per version (§5.5). A new one only starts where no other
+// could serve (select_source), except for a chain root that took a complete copy in a datacenter
+// downstream of it: a copy of its own datacenter that reads across datacenters from that chain
+// then reads here instead (it waits for the new seeder, or pipelines from it).
+void Hub::keep_one_seeder(const Copy& seeder) {
+  TH_ASSERT(seeder.counted.seeding || seeder.failed, "called for a copy that seeds");
+  for (Copy* copy : seeder.record->copies) {
+    if (copy != &seeder && copy->owner->dc == seeder.owner->dc && copy->counted.seeding) {
+      reassign(*copy->incoming, /*failed=*/false);
+    }
+  }
 }
 
 void Hub::complete_transfer(Transfer& transfer) {

@@ -181,6 +181,22 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
   return Unit{};
 }
 
+std::string profile_list() { return "drawn, harsh-net, harsh-crash, harsh"; }
+
+Status apply_profile(Knobs& knobs, std::string_view profile) {
+  constexpr std::string_view kNet = "partition=1,clog=1,delay=100";
+  constexpr std::string_view kCrash = "drop=0.05,crash=0.5,read-failure=0.1,server-crash=1";
+  if (profile == "drawn") return Unit{};
+  if (profile == "harsh-net") return apply_overrides(knobs, kNet);
+  if (profile == "harsh-crash") return apply_overrides(knobs, kCrash);
+  if (profile == "harsh") {
+    if (Status net = apply_overrides(knobs, kNet); !net.ok()) return net;
+    return apply_overrides(knobs, kCrash);
+  }
+  return make_error(Errc::kInvalidArgument,
+                    "unknown profile '" + std::string(profile) + "'; choose from " + profile_list());
+}
+
 std::string describe(const Knobs& knobs) {
   std::ostringstream out;
   out << "workload=" << workload_name(knobs.workload) << " models=" << knobs.models

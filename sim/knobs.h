@@ -75,6 +75,14 @@ Knobs draw_knobs(Rng& rng, const Workload* workload);
 // Applies "key=value,key=value" overrides ("none" switches every fault off). Unknown keys and bad
 // values are errors that name the key.
 Status apply_overrides(Knobs& knobs, std::string_view overrides);
+
+// Named fault profiles, applied over the drawn knobs (and under --faults):
+//   drawn         every knob as drawn from the seed (swarm testing)
+//   harsh-net     partitions and clogging every second, 100 ms mean delays
+//   harsh-crash   5% of messages lost, a crash every 2 s, 10% of reads fail, a server failover
+//   harsh         both at once
+Status apply_profile(Knobs& knobs, std::string_view profile);
+std::string profile_list();  // "drawn, harsh-net, …"
 std::string fault_keys();  // the keys apply_overrides accepts, for --help
 
 std::string describe(const Knobs& knobs);

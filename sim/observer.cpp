@@ -1,5 +1,6 @@
 #include "sim/observer.h"
 
+#include <iterator>
 #include <sstream>
 
 namespace th::sim {
@@ -146,9 +147,11 @@ bool Observer::retained(const std::string& model, Version version) const {
     }
     if (info.retention.keep_latest) keep = std::max(keep.value_or(0), *info.retention.keep_latest);
   }
-  auto latest = latest_completed_.find(model);
-  if (!keep || latest == latest_completed_.end()) return false;
-  return version <= latest->second && version + *keep >= latest->second;
+  // keep_latest = k keeps the k + 1 newest versions that exist (latest-0 … latest-k).
+  auto completed = completed_.find(model);
+  if (!keep || completed == completed_.end() || !completed->second.contains(version)) return false;
+  auto newer = completed->second.upper_bound(version);
+  return static_cast<std::uint64_t>(std::distance(newer, completed->second.end())) <= *keep;
 }
 
 std::size_t Observer::safe_holders(const std::string& model, Version version,
@@ -247,8 +250,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     if (replica.failed != version) replica.failed.reset();
     replica.held = version;
     replica.leaving = false;
-    Version& latest = latest_completed_[replica.model];
-    latest = std::max(latest, version);
+    completed_[replica.model].insert(version);
   };
   if (const auto* published = std::get_if<PublishOk>(&outcome)) {
     completed(published->version);
@@ -297,8 +299,7 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
   for (const auto& [version, count] : primaries) {
     if (count != replica.num_shards) continue;
     replica.held = version;
-    Version& latest = latest_completed_[replica.model];
-    latest = std::max(latest, version);
+    completed_[replica.model].insert(version);
   }
   for (const auto& [version, held] : offloads) {
     if (held.first != replica.num_shards) continue;
@@ -307,8 +308,7 @@ void Observer::on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& r
     if (offload.copy == 0) offload.copy = held.second;
     offload.complete = true;
     offload.released = false;
-    Version& latest = latest_completed_[replica.model];
-    latest = std::max(latest, version);
+    completed_[replica.model].insert(version);
   }
 }
 
@@ -432,7 +432,7 @@ void Observer::on_server_reset(bool answers_delivered) {
   grants_.clear();
   reads_.clear();
   hub_latest_.clear();
-  latest_completed_.clear();
+  completed_.clear();
   announced_.clear();
   for (auto& [key, replica] : replicas_) {
     replica.held.reset();

@@ -102,7 +102,7 @@ class Observer {
   std::map<std::pair<ClientId, TransferId>, StartRead> reads_;  // the latest per reader and transfer
   std::map<ClientId, Resume> announced_;                          // what resumed clients announced
   std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
-  std::map<std::string, Version> latest_completed_;  // per model, from replies
+  std::map<std::string, std::set<Version>> completed_;  // per model: versions complete (replies)
   // Counts, per model, opens that added a retention rule and departures (close, eviction). The hub
   // decides on an offload at some point while a call runs; a rule added or a holder gone meanwhile
   // may or may not have counted, so such a call is not judged.

@@ -84,20 +84,46 @@ struct Replica {
   std::vector<ClientId> dead_clients;   // while crashed: the clients its processes had
 };
 
+// The program of one simulated worker. Trainers publish, (sometimes wait for their rollouts or
+// list,) unpublish and train the next version. Rollouts mostly update, and now and then list, wait
+// on every kind of predicate, or drop their copy and replicate again with every kind of selector.
+// The application keeps what the answers told it: which version its buffers hold (the checker
+// compares the bytes with that, not with the agent's view), and the newest version it heard of.
 struct App {
-  enum class Next : std::uint8_t { kOpen, kPublish, kUnpublish, kUpdate, kList, kDone };
+  enum class Next : std::uint8_t { kOpen, kPublish, kQuery, kUnpublish, kUpdate, kReplicate, kDone };
   Next next = Next::kOpen;
   bool in_call = false;
   std::uint64_t call_id = 0;
   TimeMs call_started_ms = 0;
   std::uint64_t seq_before = 0;      // the agent's last answered call when this one started
   std::string call_name;
+  OpKind call_kind = OpKind::kList;  // of the call in flight (an open is kList here)
+  bool call_writes = false;          // the call in flight may write the buffers (replicate/update)
   std::uint64_t wake_token = 0;
-  Version version = 0;               // trainers: the version being published; rollouts: held
-  std::optional<Version> held;       // what the buffers hold (as the agent says)
+  Version version = 0;               // trainers: the version being published
+  // What the answers said the buffers hold (none: nothing); unknown after a call that failed
+  // while it may have been writing them, until an answer says again.
+  std::optional<Version> told;
+  bool told_known = true;
+  Version known_latest = 0;          // the newest version any answer named
+  Selector replicate_selector;       // rollouts, kReplicate: after dropping their copy
+  TimeMs replicate_timeout_ms = 0;
   bool waiting_for_peers = false;    // the collective after the last call has not completed
   std::optional<Version> final_target;  // liveness: a trainer stops once it published this
 };
+
+// A number every shard of a replica computes alike at the same place of its program (SPMD), to
+// choose the next call from: a mix of the replica, the incarnation its processes started as (not
+// the agents' own, which an eviction advances), the program's start and the call number.
+std::uint64_t program_choice(int replica, std::uint64_t incarnation, std::uint64_t starts,
+                             std::uint64_t seq) {
+  std::uint64_t x = static_cast<std::uint64_t>(replica) * 0x9E3779B97F4A7C15ULL ^
+                    incarnation * 0xBF58476D1CE4E5B9ULL ^ starts * 0x94D049BB133111EBULL ^ seq;
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ULL;
+  x ^= x >> 32;
+  return x;
+}
 
 struct Worker {
   int replica = 0;
@@ -683,6 +709,7 @@ class Simulation {
   // ---- the data plane ----
 
   void begin_read(int w, const StartRead& read) {
+    check_may_write(w, read.version);
     auto source = clients_of_replica(read.source.replica, read.source.incarnation, read.shard);
     Flow flow;
     flow.reader = w;
@@ -828,6 +855,7 @@ class Simulation {
       }
       reader.buffer[offset] = byte;
     }
+    if (flow.copied < std::min(target, kBufferBytes)) check_may_write(flow.reader, read.version);
     flow.copied = std::max(flow.copied, std::min(target, kBufferBytes));
     reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
     if (flow.progress < total) return;
@@ -864,6 +892,8 @@ class Simulation {
     app.call_started_ms = now_;
     app.seq_before = worker.agent->last_seq();
     app.call_name = std::move(name);
+    app.call_kind = std::holds_alternative<OpenRequest>(body) ? OpKind::kList : op_kind(body);
+    app.call_writes = app.call_kind == OpKind::kReplicate || app.call_kind == OpKind::kUpdate;
     ++result_.calls;
     if (logged(worker.client)) {
       std::cerr << now_ << " app c" << worker.client << " calls " << app.call_name << "\n";
@@ -907,6 +937,8 @@ class Simulation {
       return;
     }
     app.waiting_for_peers = false;
+    // The application uses its weights between calls: they must be what it was told.
+    if (app.told_known && app.told) verify_held(w, *app.told, "the last answer (between calls)");
     const int model = replica.model;
     switch (app.next) {
       case App::Next::kOpen: {
@@ -932,18 +964,79 @@ class Simulation {
              "publish v" + std::to_string(app.version));
         return;
       }
+      case App::Next::kQuery: {
+        // A trainer that waits for its rollouts to catch up (paper §4.2), or looks.
+        const std::uint64_t choice = program_choice(worker.replica, replica_of(w).incarnation,
+                                                    worker.agent->starts(), worker.agent->last_seq() + 1);
+        if (choice % 2 == 0) {
+          const Version behind = app.version > knobs_.off_by ? app.version - knobs_.off_by : 1;
+          call(w, WaitRequest{{WaitPredicate::Kind::kRoleHolds, behind, 1, "rollout"}, 2000},
+               "wait rollouts hold v" + std::to_string(behind));
+        } else {
+          call(w, ListRequest{}, "list");
+        }
+        return;
+      }
       case App::Next::kUnpublish:
         call(w, UnpublishRequest{}, "unpublish");
         return;
       case App::Next::kUpdate:
-        call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+        rollout_call(w);
         return;
-      case App::Next::kList:
-        call(w, ListRequest{}, "list");
+      case App::Next::kReplicate:
+        call(w, ReplicateRequest{app.replicate_selector, layout_for(worker.shard),
+                                 app.replicate_timeout_ms},
+             "replicate " + format_selector(app.replicate_selector));
         return;
       case App::Next::kDone:
         return;
     }
+  }
+
+  // The rollout's next call, the same on every shard (see program_choice). With faults healed it
+  // only updates, so that every rollout converges on the final version.
+  void rollout_call(int w) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    auto update = [&] {
+      call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+    };
+    if (!faults_on_) return update();
+    const std::uint64_t choice = program_choice(worker.replica, replica_of(w).incarnation,
+                                                worker.agent->starts(), worker.agent->last_seq() + 1);
+    const std::uint64_t dice = choice % 100;
+    const std::uint64_t arg = choice / 100;
+    const TimeMs timeout_ms = 500 + static_cast<TimeMs>(arg % 6) * 500;
+    const Version known = std::max<Version>(app.known_latest, 1);
+    if (dice < 55) return update();
+    if (dice < 65) return call(w, ListRequest{}, "list");
+    if (dice < 72) {
+      // Without a timeout now and then: trainers keep publishing, so it returns.
+      const TimeMs wait_ms = arg % 3 == 0 ? 0 : timeout_ms;
+      return call(w, WaitRequest{{WaitPredicate::Kind::kVersionAtLeast, app.known_latest + 1, 1, ""}, wait_ms},
+                  "wait version >= " + std::to_string(app.known_latest + 1));
+    }
+    if (dice < 78) {
+      const auto replicas_min = static_cast<std::uint32_t>(1 + arg % 2);
+      return call(w, WaitRequest{{WaitPredicate::Kind::kReplicasHold, known, replicas_min, ""}, timeout_ms},
+                  "wait replicas hold v" + std::to_string(known));
+    }
+    if (dice < 84) {
+      const std::string role = arg % 2 == 0 ? "rollout" : "trainer";
+      return call(w, WaitRequest{{WaitPredicate::Kind::kRoleHolds, known, 1, role}, timeout_ms},
+                  "wait " + role + "s hold v" + std::to_string(known));
+    }
+    // Drop the copy, then replicate with another kind of selector.
+    switch (arg % 5) {
+      case 0: app.replicate_selector = Selector::latest(); break;
+      case 1: app.replicate_selector = Selector::latest(knobs_.off_by); break;
+      case 2: app.replicate_selector = Selector::latest(1 + arg / 5 % 2); break;
+      case 3: app.replicate_selector = Selector::absolute(app.known_latest); break;
+      default: app.replicate_selector = Selector::absolute(app.known_latest + 1); break;
+    }
+    // A version that may never come (or be skipped) is waited for with a timeout.
+    app.replicate_timeout_ms = arg % 5 == 0 ? 0 : 4000;
+    call(w, UnpublishRequest{}, "unpublish (to replicate again)");
   }
 
   // A trainer computes a version into its buffers: allowed only while they are not published.
@@ -961,6 +1054,20 @@ class Simulation {
     }
     worker.buffer_version = version;
     worker.buffer_bytes = knobs_.shard_bytes;
+  }
+
+  // The data plane writes a shard's buffers only for the application's replicate or update in
+  // flight: between calls the application uses what it was told the buffers hold.
+  void check_may_write(int w, Version version) {
+    const App& app = workers_[w].app;
+    if (app.in_call && app.call_writes) return;
+    throw Violation("integrity: " + replica_of(w).name + "/" + std::to_string(workers_[w].shard) +
+                    "'s buffers are rewritten with version " + std::to_string(version) +
+                    " while its application " +
+                    (app.in_call ? "calls " + app.call_name : std::string("makes no call")) +
+                    " and holds " +
+                    (!app.told_known ? "?" : app.told ? "v" + std::to_string(*app.told) : "nothing") +
+                    " (a stale instruction obeyed)");
   }
 
   // Every byte a reader keeps is checked.
@@ -997,7 +1104,7 @@ class Simulation {
     if (error != nullptr && error->code == Errc::kDivergentCall) {
       // The shards' programs got different answers: like an SPMD job whose ranks fell out of step,
       // the framework restarts the whole replica (its other shards may be waiting in a collective).
-      app.held.reset();
+      app.told_known = false;
       schedule(now_, Event(EventKind::kDivergence, worker.replica));
     }
     if (app.next == App::Next::kOpen) {
@@ -1024,6 +1131,8 @@ class Simulation {
     // its replica (eviction, a failed re-open), without an answer.
     if (std::holds_alternative<OpenOk>(outcome)) return;
     if (worker.agent->last_seq() != worker.app.seq_before + 1) return;
+    // An unpublish ended by an eviction completes without the hub's answer (see the agent).
+    if (worker.agent->phase() == AgentPhase::kEvicted) return;
     const auto key = std::tuple{worker.replica, worker.agent->incarnation(), worker.agent->last_seq()};
     auto [found, inserted] = answers_.try_emplace(key, outcome);
     if (!inserted && !same_answer(found->second, outcome)) {
@@ -1039,6 +1148,11 @@ class Simulation {
     App& app = worker.app;
     Replica& replica = replica_of(w);
     const auto* error = std::get_if<Error>(&outcome);
+    if (app.next == App::Next::kQuery) {
+      app.next = App::Next::kUnpublish;  // whatever it found, the trainer goes on
+      wake_app(w, jitter(w, 100, 500));
+      return;
+    }
     if (app.next == App::Next::kPublish) {
       const auto& held = worker.agent->held();
       const bool announced = error != nullptr && error->code == Errc::kAlreadyHolding && held &&
@@ -1052,7 +1166,10 @@ class Simulation {
           app.next = App::Next::kDone;  // liveness: hold the final version published
           return;
         }
-        app.next = App::Next::kUnpublish;
+        // Now and then (while faults are on) a query first; the same on every shard.
+        const std::uint64_t choice = program_choice(worker.replica, replica_of(w).incarnation,
+                                                    worker.agent->starts(), worker.agent->last_seq());
+        app.next = faults_on_ && choice % 4 == 0 ? App::Next::kQuery : App::Next::kUnpublish;
         wake_app(w, jitter(w, knobs_.colocated ? 1000 : 300, knobs_.colocated ? 4000 : 2000));
       } else if (error->code == Errc::kAlreadyHolding) {
         app.next = App::Next::kUnpublish;  // the hub lists another version of ours: drop it first
@@ -1079,27 +1196,44 @@ class Simulation {
   void rollout_done(int w, const Outcome& outcome) {
     Worker& worker = workers_[w];
     App& app = worker.app;
-    if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
-      if (updated->status == UpdateStatus::kUpdated) {
-        verify_held(w, *updated->version, "update");
-        app.held = updated->version;
-      } else {
-        // Nothing moved now; what the buffers hold is what the agent says (an interrupted read
-        // before a failover may have left them holding nothing).
-        const auto& held = worker.agent->held();
-        app.held = held ? std::optional(held->version) : std::nullopt;
-        if (app.held) verify_held(w, *app.held, "an update that moved nothing");
-      }
-    } else if (std::holds_alternative<Error>(outcome)) {
-      // What the buffers hold now, as far as the protocol knows.
-      const auto& held = worker.agent->held();
-      app.held = held ? std::optional(held->version) : std::nullopt;
-      if (app.held) verify_held(w, *app.held, "a failed update");
-    }
-    // The program: update in a loop, with a list as every fourth call of the replica. The choice
-    // follows the replica's call number, which every shard shares (SPMD), not a count of its own.
-    app.next = (worker.agent->last_seq() + 1) % 4 == 0 ? App::Next::kList : App::Next::kUpdate;
+    const OpKind kind = app.call_kind;
+    app.next = App::Next::kUpdate;  // the program chooses again
+    std::visit(
+        [&](const auto& answer) {
+          using T = std::decay_t<decltype(answer)>;
+          if constexpr (std::is_same_v<T, UpdateOk>) {
+            // The answer says what the buffers hold now: moved, or still (or nothing).
+            told(w, answer.version, answer.status == UpdateStatus::kUpdated ? "update" : "an update that moved nothing");
+          } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+            told(w, answer.version, "replicate");
+          } else if constexpr (std::is_same_v<T, UnpublishOk>) {
+            told(w, std::nullopt, "unpublish");
+            app.next = App::Next::kReplicate;
+          } else if constexpr (std::is_same_v<T, ListOk>) {
+            if (answer.snapshot->latest) app.known_latest = std::max(app.known_latest, *answer.snapshot->latest);
+          } else if constexpr (std::is_same_v<T, Error>) {
+            // A replicate or update that failed may have written part of the buffers: the
+            // application no longer knows what they hold, until an answer says again.
+            if (app.call_writes) app.told_known = false;
+            if (kind == OpKind::kUnpublish && answer.code == Errc::kNotPublished) {
+              told(w, std::nullopt, "an unpublish of nothing");
+              app.next = App::Next::kReplicate;
+            }
+          }
+        },
+        outcome);
     wake_app(w, jitter(w, 100, 1500));
+  }
+
+  // An answer told the application what its buffers hold: the bytes must be that version.
+  void told(int w, std::optional<Version> version, const char* after) {
+    App& app = workers_[w].app;
+    app.told = version;
+    app.told_known = true;
+    if (version) {
+      app.known_latest = std::max(app.known_latest, *version);
+      verify_held(w, *version, after);
+    }
   }
 
   static std::string short_outcome(const Outcome& outcome) {
@@ -1148,6 +1282,13 @@ class Simulation {
     if (candidates.empty() || rng_.chance(0.3)) {
       for (std::size_t r = 0; r < replicas_.size(); ++r) {
         if (!replicas_[r].trainer && !replicas_[r].crashed) candidates.push_back(static_cast<int>(r));
+      }
+    }
+    // Trainers crash too (a lost node): mid-publish, mid-unpublish, while serving.
+    if (rng_.chance(0.2)) {
+      candidates.clear();
+      for (std::size_t r = 0; r < replicas_.size(); ++r) {
+        if (replicas_[r].trainer && !replicas_[r].crashed) candidates.push_back(static_cast<int>(r));
       }
     }
     if (candidates.empty()) return;
@@ -1275,8 +1416,9 @@ class Simulation {
       const Version final_version = published_[replica.model];
       if (final_version < knobs_.off_by) continue;
       const Version expected = final_version - knobs_.off_by;
-      if (app.held != expected) {
-        problems << who << " holds " << (app.held ? "v" + std::to_string(*app.held) : "nothing")
+      if (!app.told_known || app.told != expected) {
+        problems << who << " was told it holds "
+                 << (!app.told_known ? "?" : app.told ? "v" + std::to_string(*app.told) : "nothing")
                  << ", not v" << expected << "; ";
       }
     }

@@ -19,6 +19,7 @@ struct Cli {
   std::string workload;
   double duration_s = 30;
   double liveness_s = 90;
+  std::string profile = "drawn";
   std::string faults;
   std::string trace;
   bool check_determinism = false;
@@ -49,6 +50,7 @@ std::string replay_command(const Cli& cli, std::uint64_t seed) {
   if (!cli.workload.empty()) command += " --workload " + cli.workload;
   if (cli.duration_s != 30) command += " --duration " + std::to_string(cli.duration_s);
   if (cli.liveness_s != 90) command += " --liveness " + std::to_string(cli.liveness_s);
+  if (cli.profile != "drawn") command += " --profile " + cli.profile;
   if (!cli.faults.empty()) command += " --faults " + cli.faults;
   return command + " -v";
 }
@@ -65,6 +67,9 @@ th::Result<th::sim::SimOptions> options_for(const Cli& cli, std::uint64_t seed) 
   th::sim::SimOptions options;
   options.seed = seed;
   options.knobs = th::sim::draw_knobs(knob_rng, workload ? &*workload : nullptr);
+  if (auto profiled = th::sim::apply_profile(options.knobs, cli.profile); !profiled.ok()) {
+    return profiled.error();
+  }
   if (auto applied = th::sim::apply_overrides(options.knobs, cli.faults); !applied.ok()) {
     return applied.error();
   }
@@ -99,6 +104,10 @@ int main(int argc, char** argv) {
   app.add_option("--liveness", cli.liveness_s,
                  "seconds after healing within which everything must converge (90)")
       ->check(CLI::Range(1.0, 3600.0));
+  app.add_option("--profile", cli.profile,
+                 "a named fault profile over the drawn knobs: " + th::sim::profile_list() +
+                     " (harsh-net: partition=1,clog=1,delay=100; harsh-crash: drop=0.05,crash=0.5,"
+                     "read-failure=0.1,server-crash=1; harsh: both)");
   app.add_option("--faults", cli.faults,
                  "override drawn fault knobs, key=value,...; keys: " + th::sim::fault_keys());
   app.add_option("--trace", cli.trace,

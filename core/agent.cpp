@@ -319,10 +319,11 @@ void ShardAgent::became_evicted(const Error& error) {
   reset_connection_state();
   if (call_) {
     const std::uint64_t id = call_->id;
-    if (std::holds_alternative<UnpublishRequest>(call_->body)) {
+    if (std::holds_alternative<UnpublishRequest>(call_->body) && error.code != Errc::kDivergentCall) {
       // What unpublish promises holds: the hub lists no copy of this replica and no grant to read
       // the buffers is left. The call is complete (it takes its number, and a resume says so to
-      // the shards that may redo it); the buffers are the application's again.
+      // the shards that may redo it); the buffers are the application's again. (A divergence is
+      // told as it is: the replica's program must start over, and it has to know.)
       held_.reset();
       last_seq_ = call_->seq;
       last_txn_ = TxnRecord{call_->seq, op_key(call_->body), UnpublishOk{}};

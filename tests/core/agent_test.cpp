@@ -363,6 +363,18 @@ TEST_F(AgentTest, AnUnpublishEndedByEvictionHoldsItsPromise) {
   EXPECT_TRUE(std::holds_alternative<UnpublishOk>(open.resume->last_txn->outcome));
 }
 
+// th-sim --seed 750100 --workload colocated --profile harsh-net: an unpublish ended by a
+// divergence was answered UnpublishOk, so the shard's program went on while its peers started
+// over: the replica waited in its collective for ever. A divergence is told as it is.
+TEST_F(AgentTest, AnUnpublishEndedByDivergenceSaysSo) {
+  open();
+  publish(1, 2);
+  call(UnpublishRequest{});
+  const AgentEffects diverged = reply(2, make_error(Errc::kDivergentCall, "peers differ"));
+  EXPECT_EQ(std::get<Error>(only<CallDone>(diverged).outcome).code, Errc::kDivergentCall);
+  EXPECT_FALSE(agent_.held().has_value());
+}
+
 TEST_F(AgentTest, ServesOnlyWhatItHoldsOrReceives) {
   open();
   publish(1, 2);

@@ -143,6 +143,7 @@ Driver::Driver(HubSettings settings)
 void Driver::restart_server() {
   hub_ = std::make_unique<Hub>(settings_);
   observer_.on_server_reset();
+  if (watcher_ != nullptr) watcher_->on_server_restart();
   inboxes_.clear();
   seqs_.clear();
 }
@@ -152,11 +153,13 @@ void Driver::step(const Input& input) {
   const bool heartbeat = std::holds_alternative<Report>(input) &&
                          std::holds_alternative<Heartbeat>(std::get<Report>(input).body);
   if (tracing() && !heartbeat) std::cerr << now_ms_ << " " << describe_input(input) << "\n";
+  if (watcher_ != nullptr) watcher_->before_step(input, now_ms_);
   hub_->step(input, now_ms_, effects);
   if (tracing()) {
     for (const Effect& effect : effects) std::cerr << describe_effect(effect) << "\n";
   }
   hub_->check_invariants();
+  if (watcher_ != nullptr) watcher_->after_step(input, effects, now_ms_);
   observer_.on_effects(effects);
   for (const std::string& name : model_names_) observer_.on_latest(name, hub_->latest(name));
   route(effects);

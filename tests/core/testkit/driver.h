@@ -13,6 +13,7 @@
 
 #include "core/hub.h"
 #include "sim/observer.h"
+#include "tests/core/testkit/reference.h"
 
 namespace th::test {
 
@@ -53,6 +54,8 @@ class Driver {
   // numbers of the old clients are dropped; clients re-open under new ids.
   void restart_server();
   Observer& observer() { return observer_; }
+  // Sees every step's input and effects (the reference model); not owned.
+  void set_watcher(StepWatcher* watcher) { watcher_ = watcher; }
   TimeMs now_ms() const { return now_ms_; }
 
   // Raw steps.
@@ -95,6 +98,7 @@ class Driver {
   std::map<ClientId, Inbox> inboxes_;
   std::map<ClientId, std::uint64_t> seqs_;
   std::set<std::string> model_names_;  // models whose `latest` the observer follows
+  StepWatcher* watcher_ = nullptr;
 };
 
 // Readable one-line description of an outcome, for failure messages.

@@ -11,6 +11,7 @@ namespace {
 constexpr TimeMs kHeartbeatTimeoutMs = 1000;
 constexpr TimeMs kBarrierTimeoutMs = 2000;
 constexpr std::size_t kProgramBacklogMax = 8;
+constexpr TimeMs kCallTimeoutMaxMs = 1500;  // the longest timeout a planned call has
 constexpr int kHealRoundsMax = 400;
 
 [[noreturn]] void fail(const std::string& what) { throw AssertionFailure("fleet: " + what); }
@@ -143,7 +144,10 @@ rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command
   });
 }
 
-Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings) { init(); }
+Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings), reference_(spec.settings) {
+  driver_.set_watcher(&reference_);
+  init();
+}
 
 void Fleet::init() {
   runs_.resize(spec_.replicas.size());
@@ -234,26 +238,34 @@ void Fleet::plan(std::uint32_t replica, std::uint32_t op, std::uint32_t p1, std:
   planned.kind = static_cast<OpKind>(op % 7);
   switch (planned.kind) {
     case OpKind::kPublish:
+      // The next version, one that skips numbers (so that latest-k must count), or an old one.
       planned.version = p1 < 3 ? latest + p1 : p2 + 1;
       break;
     case OpKind::kReplicate:
-      planned.selector = p1 == 0   ? Selector::latest()
-                         : p1 == 1 ? Selector::latest(1)
-                                   : Selector::absolute(latest + p2 > 0 ? latest + p2 - 1 : 0);
-      planned.timeout_ms = p1 == 3 ? 1500 : 0;
+      // latest, latest-k (k up to 3, which may reach below what exists), or an absolute version:
+      // a past one, the latest, a skipped one or one not published yet (only these wait, with a
+      // timeout: a call that need not wait must never hang).
+      if (p1 < 2) {
+        planned.selector = Selector::latest(p1 == 0 ? 0 : 1 + p2 % 3);
+      } else {
+        planned.selector = Selector::absolute(latest + p2 > 0 ? latest + p2 - 1 : 0);
+        planned.timeout_ms = p1 == 3 || p2 >= 2 ? kCallTimeoutMaxMs : 0;
+      }
       break;
     case OpKind::kUpdate:
-      planned.selector = p1 < 3 ? Selector::latest() : Selector::latest(1);
+      planned.selector = p1 < 3 ? Selector::latest() : Selector::latest(1 + p2 % 2);
       break;
-    case OpKind::kWait:
+    case OpKind::kWait: {
       planned.predicate.kind = static_cast<WaitPredicate::Kind>(p1 % 3);
       planned.predicate.version = planned.predicate.kind == WaitPredicate::Kind::kVersionAtLeast
-                                      ? latest + 1
-                                      : std::max<Version>(latest, 1);
+                                      ? latest + 1 + p2 % 2
+                                      : std::max<Version>(latest, 1) - (p2 == 3 && latest > 1 ? 1 : 0);
       planned.predicate.replicas_min = p2 % 3 + 1;
-      planned.predicate.role = "rollout";
+      static constexpr const char* kRoles[] = {"rollout", "trainer", "rollout", "nobody"};
+      planned.predicate.role = kRoles[p2 % 4];
       planned.timeout_ms = p2 % 2 == 0 ? 1000 : 0;
       break;
+    }
     default:
       break;
   }
@@ -537,6 +549,10 @@ void Fleet::open_all() {
 }
 
 void Fleet::heal_and_check_liveness() {
+  // Runs until nothing has moved for longer than any call's timeout plus a few heartbeat
+  // timeouts (so that crashed replicas are evicted and every deadline passes).
+  constexpr int kQuietRoundsMin = (kCallTimeoutMaxMs + 3 * kHeartbeatTimeoutMs) / 300 + 1;
+  int quiet_rounds = 0;
   for (int round = 0; round < kHealRoundsMax; ++round) {
     bool progress = false;
     for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
@@ -561,9 +577,10 @@ void Fleet::heal_and_check_liveness() {
       progress = true;
     }
     apply(Action{Action::Kind::kTick, 3, 0, 0, 0, false});
-    // Run on long enough for crashed replicas to be evicted, then until nothing moves.
-    if (!progress && round * 300 > 3 * kHeartbeatTimeoutMs) break;
+    quiet_rounds = progress ? 0 : quiet_rounds + 1;
+    if (quiet_rounds > kQuietRoundsMin) break;
   }
+  reference_.check_quiescent();
   const HubActivity activity = driver_.hub().activity();
   if (activity.transfers_active != 0 || activity.transfers_waiting != 0 ||
       activity.copies_draining != 0 || activity.copies_offloading != 0) {

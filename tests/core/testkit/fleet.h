@@ -83,6 +83,7 @@ class Fleet {
   void check_retained_versions_readable();
 
   Driver& driver() { return driver_; }
+  const Reference& reference() const { return reference_; }
 
   // What a run exercised, for RC_CLASSIFY: a property that passes without doing anything proves
   // nothing.
@@ -146,6 +147,7 @@ class Fleet {
 
   FleetSpec spec_;
   Driver driver_;
+  Reference reference_;
   std::vector<ReplicaRun> runs_;
   std::map<ClientId, std::pair<std::uint32_t, std::uint32_t>> owners_;  // client -> replica, shard
   std::map<std::string, std::set<Version>> completed_;                  // per model, ever complete

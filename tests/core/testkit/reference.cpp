@@ -1,0 +1,972 @@
+#include "tests/core/testkit/reference.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/assert.h"
+
+namespace th::test {
+
+namespace {
+
+std::string name_of(const Outcome& outcome) {
+  std::ostringstream out;
+  std::visit(
+      [&](const auto& value) {
+        using T = std::decay_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, Error>) {
+          out << errc_name(value.code);
+        } else if constexpr (std::is_same_v<T, PublishOk>) {
+          out << "PublishOk{" << value.version << "}";
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          out << "ReplicateOk{" << value.version << " from " << value.source_replica << "}";
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          out << "UpdateOk{" << update_status_name(value.status) << " "
+              << (value.version ? std::to_string(*value.version) : "nothing") << " "
+              << value.source_replica << "}";
+        } else {
+          out << "answer#" << outcome.index();
+        }
+      },
+      outcome);
+  return out.str();
+}
+
+bool exit_error(const Outcome& outcome) {
+  const auto* error = std::get_if<Error>(&outcome);
+  if (error == nullptr) return false;
+  switch (error->code) {
+    case Errc::kReplicaEvicted:
+    case Errc::kDivergentCall:
+    case Errc::kReplicaClosed:
+    case Errc::kUnknownClient:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::optional<Errc> error_of(const Outcome& outcome) {
+  if (const auto* error = std::get_if<Error>(&outcome)) return error->code;
+  return std::nullopt;
+}
+
+ShardSet all_shards(std::uint32_t count) {
+  ShardSet set;
+  for (std::uint32_t shard = 0; shard < count; ++shard) set.set(shard);
+  return set;
+}
+
+}  // namespace
+
+void Reference::fail(const std::string& what) const { throw AssertionFailure("reference: " + what); }
+
+std::string Reference::key_of(const OpenRequest& open) const {
+  return open.model + "/" + open.replica + "#" + std::to_string(open.incarnation);
+}
+
+std::string Reference::key_of(const Replica& replica) const {
+  return replica.model + "/" + replica.name + "#" + std::to_string(replica.incarnation);
+}
+
+Reference::Replica* Reference::replica_of(ClientId client) {
+  auto found = clients_.find(client);
+  if (found == clients_.end()) return nullptr;
+  auto replica = replicas_.find(found->second.key);
+  return replica == replicas_.end() ? nullptr : &replica->second;
+}
+
+// ==== What the specification says, over the model's account ========================================
+
+std::optional<Version> Reference::latest(const std::string& model) const {
+  auto found = existing_.find(model);
+  if (found == existing_.end() || found->second.empty()) return std::nullopt;
+  return *found->second.rbegin();
+}
+
+bool Reference::model_unsure(const std::string& model) const { return unsure_models_.contains(model); }
+
+// Whether some copy holds, or will hold without reading another, every byte of the version: a
+// complete copy (even one a reader reported), one being published, one draining (it serves its
+// readers to the end), an offload copy made or being made.
+bool Reference::has_bytes(const std::string& model, Version version, bool* unsure) const {
+  bool bytes = false;
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != model || !present(replica)) continue;
+    const bool primary = replica.version == version && (replica.holding == Holding::kComplete ||
+                                                        replica.holding == Holding::kPublishing ||
+                                                        replica.holding == Holding::kDraining);
+    if (primary && replica.drain_unsure) *unsure = true;
+    bytes = bytes || primary || replica.offloads.contains(version) ||
+            replica.offloading.contains(version);
+  }
+  return bytes;
+}
+
+Reference::Resolution Reference::resolve(const std::string& model, const Selector& selector) const {
+  Resolution resolution;
+  const auto found = existing_.find(model);
+  if (found == existing_.end() || found->second.empty()) return resolution;  // wait
+  const std::set<Version>& existing = found->second;
+  Version target = selector.value;
+  if (selector.kind == Selector::Kind::kLatest) {
+    if (selector.value >= existing.size()) {
+      resolution.kind = Resolution::Kind::kNotFound;
+      return resolution;
+    }
+    auto it = existing.rbegin();
+    std::advance(it, static_cast<std::ptrdiff_t>(selector.value));
+    target = *it;
+  } else if (target > *existing.rbegin()) {
+    return resolution;  // wait
+  }
+  resolution.version = target;
+  bool unsure = false;
+  const bool bytes = has_bytes(model, target, &unsure);
+  if (!existing.contains(target)) {
+    // Never complete here: only a copy being published can still make it.
+    resolution.kind = bytes ? Resolution::Kind::kGo : Resolution::Kind::kNotFound;
+    return resolution;
+  }
+  resolution.kind = unsure ? Resolution::Kind::kUnsure
+                           : bytes ? Resolution::Kind::kGo : Resolution::Kind::kUnavailable;
+  return resolution;
+}
+
+// Smart skipping: the reader's datacenter has no complete, healthy copy of the version, and one
+// of its replicas seeds it (reads it from another datacenter now, healthy).
+bool Reference::smart_skip(const Replica& reader, Version version, bool* unsure) const {
+  bool complete_here = false;
+  bool seeding = false;
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != reader.model || replica.datacenter != reader.datacenter ||
+        !present(replica)) {
+      continue;
+    }
+    if (replica.drain_unsure || replica.resuming) *unsure = true;
+    if (replica.holding == Holding::kComplete && replica.version == version && !replica.failed) {
+      complete_here = true;
+    }
+    if (replica.offloads.contains(version) && !replica.failed_offloads.contains(version)) {
+      complete_here = true;
+    }
+    if (replica.holding == Holding::kReceiving && replica.version == version && !replica.failed) {
+      for (const auto& [transfer_key, transfer] : transfers_) {
+        if (transfer.reader == key && transfer.attached && transfer.source_dc != replica.datacenter) {
+          seeding = true;
+        }
+      }
+    }
+  }
+  return !complete_here && seeding;
+}
+
+std::optional<bool> Reference::predicate_holds(const std::string& model,
+                                               const WaitPredicate& predicate,
+                                               std::optional<Errc>* error) const {
+  const std::optional<Version> newest = latest(model);
+  switch (predicate.kind) {
+    case WaitPredicate::Kind::kVersionAtLeast:
+      return newest && *newest >= predicate.version;
+    case WaitPredicate::Kind::kReplicasHold: {
+      std::uint32_t holders = 0;
+      bool unsure = false;
+      for (const auto& [key, replica] : replicas_) {
+        if (replica.model != model || !present(replica)) continue;
+        if (replica.drain_unsure || replica.resuming) unsure = true;
+        holders += replica.holding == Holding::kComplete && replica.version == predicate.version &&
+                   !replica.failed;
+      }
+      if (unsure) return std::nullopt;
+      if (holders >= predicate.replicas_min) return true;
+      const auto versions = existing_.find(model);
+      const bool existed = versions != existing_.end() && versions->second.contains(predicate.version);
+      bool bytes_unsure = false;
+      if (existed && !has_bytes(model, predicate.version, &bytes_unsure)) {
+        if (bytes_unsure) return std::nullopt;
+        *error = Errc::kVersionUnavailable;
+      }
+      return false;
+    }
+    case WaitPredicate::Kind::kRoleHolds: {
+      bool any = false;
+      for (const auto& [key, replica] : replicas_) {
+        if (replica.model != model || replica.role != predicate.role || replica.closing ||
+            !present(replica)) {
+          continue;
+        }
+        if (replica.drain_unsure || replica.resuming) return std::nullopt;
+        if (replica.holding != Holding::kComplete || replica.version < predicate.version) return false;
+        any = true;
+      }
+      return any;
+    }
+  }
+  return std::nullopt;
+}
+
+// ==== Inputs =======================================================================================
+
+void Reference::before_step(const Input& input, TimeMs now_ms) {
+  if (const auto* request = std::get_if<Request>(&input)) {
+    if (const auto* open = std::get_if<OpenRequest>(&request->body)) {
+      on_open(*request, *open, now_ms);
+    } else {
+      on_call(*request, now_ms);
+    }
+  } else if (const auto* report = std::get_if<Report>(&input)) {
+    // Heard of (also while its open waits in a failover barrier, where the hub has it already).
+    if (auto client = clients_.find(report->client); client != clients_.end()) {
+      client->second.last_seen_ms = now_ms;
+    }
+    on_report(*report);
+  }
+}
+
+void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs now_ms) {
+  Client& client = clients_[request.client];
+  client.key = key_of(open);
+  client.shard = open.shard;
+  client.session = request.session;
+  client.open_seq = request.seq;
+  client.bound = false;
+  client.last_seen_ms = now_ms;
+  client.resume = open.resume;
+  Replica& replica = replicas_[client.key];
+  replica.model = open.model;
+  replica.name = open.replica;
+  replica.incarnation = open.incarnation;
+  replica.datacenter = open.datacenter;
+  replica.role = open.role;
+  replica.spot = open.spot;
+  replica.num_shards = open.num_shards;
+  if (open.resume) {
+    replica.resuming = true;
+    unsure_models_.insert(open.model);
+  }
+}
+
+void Reference::on_call(const Request& request, TimeMs now_ms) {
+  auto found = clients_.find(request.client);
+  if (found == clients_.end()) return;
+  Client& client = found->second;
+  client.last_seen_ms = now_ms;
+  if (!client.bound) return;  // answered "unknown client", or not let in yet
+  if (request.session != client.session || request.seq != client.last_seq + 1) return;
+  Replica* replica = replica_of(request.client);
+  if (replica == nullptr) return;
+  client.last_seq = request.seq;
+  auto [entry, created] = replica->calls.try_emplace(request.seq);
+  Call& call = entry->second;
+  if (created) {
+    call.body = request.body;
+    call.op = op_key(request.body);
+    call.arrived_ms = now_ms;
+    call.exact = !model_unsure(replica->model) && !replica->drain_unsure;
+    call.seeded = request.seq <= replica->resumed_at;
+    if (!call.seeded) arrive(*replica, call, client.shard, now_ms);
+  }
+  call.arrived.set(client.shard);
+}
+
+// The first shard of a call arrived: what the hub decides now, it decides from what is now.
+void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs now_ms) {
+  (void)shard;
+  (void)now_ms;
+  const std::optional<Version> held =
+      replica.holding == Holding::kComplete ? std::optional(replica.version) : std::nullopt;
+  call.held_before = held;
+  if (replica.closing && call.op.kind != OpKind::kClose) {
+    call.decided = make_error(Errc::kReplicaClosed, "");
+    return;
+  }
+  std::visit(
+      [&](const auto& body) {
+        using T = std::decay_t<decltype(body)>;
+        if constexpr (std::is_same_v<T, PublishRequest>) {
+          if (replica.holding != Holding::kNone) {
+            call.decided = make_error(Errc::kAlreadyHolding, "");
+          } else {
+            replica.holding = Holding::kPublishing;
+            replica.version = body.version;
+            replica.failed = false;  // a new copy
+          }
+        } else if constexpr (std::is_same_v<T, UnpublishRequest>) {
+          if (replica.holding != Holding::kComplete) {
+            call.decided = make_error(Errc::kNotPublished, "");
+          } else {
+            replica.holding = Holding::kDraining;
+          }
+        } else if constexpr (std::is_same_v<T, ReplicateRequest>) {
+          if (body.timeout_ms < 0 || body.timeout_ms > limits::kDeadlineMsMax) {
+            call.decided = make_error(Errc::kInvalidArgument, "");
+          } else if (replica.holding != Holding::kNone) {
+            call.decided = make_error(Errc::kAlreadyHolding, "");
+          } else {
+            const Resolution resolution = resolve(replica.model, body.selector);
+            switch (resolution.kind) {
+              case Resolution::Kind::kNotFound:
+                call.decided = make_error(Errc::kVersionNotFound, "");
+                if (resolution.version != 0 || body.selector.kind == Selector::Kind::kAbsolute) {
+                  ++seen_.skipped_versions;
+                }
+                break;
+              case Resolution::Kind::kUnavailable:
+                call.decided = make_error(Errc::kVersionUnavailable, "");
+                break;
+              case Resolution::Kind::kUnsure:
+                call.exact = false;
+                break;
+              case Resolution::Kind::kGo:
+                call.allowed.insert(resolution.version);
+                replica.holding = Holding::kReceiving;
+                replica.version = resolution.version;
+                replica.failed = false;
+                break;
+              case Resolution::Kind::kWait:
+                break;  // resolved later (see end_of_step)
+            }
+          }
+        } else if constexpr (std::is_same_v<T, UpdateRequest>) {
+          if (replica.holding == Holding::kPublishing || replica.holding == Holding::kReceiving ||
+              replica.holding == Holding::kDraining) {
+            call.decided = make_error(Errc::kAlreadyHolding, "");
+            return;
+          }
+          const Resolution resolution = resolve(replica.model, body.selector);
+          bool unsure = resolution.kind == Resolution::Kind::kUnsure;
+          if (resolution.kind == Resolution::Kind::kNotFound) {
+            call.decided = make_error(Errc::kVersionNotFound, "");
+          } else if (resolution.kind == Resolution::Kind::kUnavailable) {
+            call.decided = make_error(Errc::kVersionUnavailable, "");
+          } else if (resolution.kind == Resolution::Kind::kWait ||
+                     (resolution.kind == Resolution::Kind::kGo && held && resolution.version <= *held)) {
+            call.decided = UpdateOk{UpdateStatus::kNoNewerVersion, held, {}};
+          } else if (resolution.kind == Resolution::Kind::kGo && settings_.smart_skipping &&
+                     smart_skip(replica, resolution.version, &unsure) && !unsure) {
+            call.decided = UpdateOk{UpdateStatus::kNotYet, held, {}};
+            ++seen_.not_yet;
+          } else if (resolution.kind == Resolution::Kind::kGo && !unsure) {
+            call.moves = true;
+            call.allowed.insert(resolution.version);
+            if (held) {
+              replica.holding = Holding::kDraining;
+              replica.drain_unsure = true;  // until it reads: the old copy drains, then goes
+            } else {
+              replica.holding = Holding::kReceiving;
+              replica.version = resolution.version;
+              replica.failed = false;
+            }
+          }
+          if (unsure) {
+            // The model cannot tell whether it moves: the held copy may be draining.
+            call.exact = false;
+            if (held) replica.drain_unsure = true;
+          }
+        } else if constexpr (std::is_same_v<T, ListRequest>) {
+          // Answered at once; judged when answered (the listing reflects this very moment).
+        } else if constexpr (std::is_same_v<T, WaitRequest>) {
+          if (body.timeout_ms < 0 || body.timeout_ms > limits::kDeadlineMsMax ||
+              body.predicate.replicas_min == 0 || !valid_name(body.predicate.role, true)) {
+            call.decided = make_error(Errc::kInvalidArgument, "");
+          }
+        } else if constexpr (std::is_same_v<T, CloseRequest>) {
+          // Its copies drain (no longer complete); undone if refused (kLastRetainedCopy).
+          replica.closing = true;
+          if (replica.holding == Holding::kComplete) replica.holding = Holding::kDraining;
+        }
+      },
+      call.body);
+}
+
+void Reference::on_report(const Report& report) {
+  auto client = clients_.find(report.client);
+  if (client == clients_.end() || !client->second.bound) return;
+  const std::string& key = client->second.key;
+  const std::uint32_t shard = client->second.shard;
+  Replica* replica = replica_of(report.client);
+  if (replica == nullptr) return;
+  if (const auto* done = std::get_if<TransferDone>(&report.body)) {
+    for (auto& [transfer_key, transfer] : transfers_) {
+      if (transfer.reader != key || transfer.id != done->transfer || done->epoch == 0 ||
+          done->epoch > transfer.epoch) {
+        continue;
+      }
+      if (done->epoch == transfer.epoch && !transfer.started.test(shard)) continue;
+      transfer.done.set(shard);
+      if (auto call = replica->calls.find(transfer.call); call != replica->calls.end()) {
+        call->second.done.set(shard);
+      }
+    }
+  } else if (const auto* failed = std::get_if<TransferFailed>(&report.body)) {
+    for (auto& [transfer_key, transfer] : transfers_) {
+      if (transfer.reader != key || transfer.id != failed->transfer || transfer.epoch != failed->epoch ||
+          !transfer.attached || !transfer.started.test(shard) || transfer.done.test(shard)) {
+        continue;
+      }
+      // The hub no longer trusts the source copy: it serves only as a last resort.
+      auto source = replicas_.find(transfer.source);
+      if (source == replicas_.end()) continue;
+      if (transfer.kind == CopyKind::kOffload) {
+        source->second.failed_offloads.insert(transfer.version);
+      } else if (source->second.version == transfer.version) {
+        source->second.failed = true;
+      }
+    }
+  } else if (const auto* offloaded = std::get_if<OffloadDone>(&report.body)) {
+    // An offload copy is complete once every shard reported the copy the hub asked for.
+    auto making = replica->offloading.find(offloaded->version);
+    if (making == replica->offloading.end() || making->second != offloaded->copy) return;
+    ShardSet& reported = replica->offload_reported[offloaded->version];
+    reported.set(shard);
+    if (reported == all_shards(replica->num_shards)) {
+      replica->offloads[offloaded->version] = offloaded->copy;
+      replica->failed_offloads.erase(offloaded->version);
+      replica->offloading.erase(making);
+      replica->offload_reported.erase(offloaded->version);
+    }
+  }
+}
+
+// ==== Effects ======================================================================================
+
+void Reference::after_step(const Input& input, const Effects& effects, TimeMs now_ms) {
+  // Effects in the order the hub made them: an eviction takes a replica's copies before the
+  // answers that follow from it (a reader told the version is unavailable).
+  for (const Effect& effect : effects) {
+    std::visit(
+        [&](const auto& message) {
+          using T = std::decay_t<decltype(message)>;
+          if constexpr (std::is_same_v<T, Reply>) {
+            if (message.to_open) {
+              on_open_answer(effect.client, message);
+            } else {
+              on_reply(effect.client, message, now_ms);
+            }
+          } else if constexpr (std::is_same_v<T, StartRead>) {
+            on_start_read(effect.client, message);
+          } else if constexpr (std::is_same_v<T, StopServing>) {
+            const auto client = clients_.find(effect.client);
+            if (client == clients_.end()) return;
+            for (auto& [key, transfer] : transfers_) {
+              if (transfer.id == message.transfer && transfer.epoch == message.epoch &&
+                  transfer.source == client->second.key) {
+                transfer.stopped.set(client->second.shard);
+              }
+            }
+          } else if constexpr (std::is_same_v<T, Offload>) {
+            Replica* replica = replica_of(effect.client);
+            if (replica == nullptr) return;
+            if (replica->offloads.contains(message.version)) {
+              replica->offloads[message.version] = message.copy;  // the new server's id for it
+            } else {
+              if (replica->offloading[message.version] != message.copy) {
+                replica->offload_reported.erase(message.version);
+              }
+              replica->offloading[message.version] = message.copy;
+            }
+          } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
+            Replica* replica = replica_of(effect.client);
+            if (replica == nullptr) return;
+            if (auto found = replica->offloads.find(message.version);
+                found != replica->offloads.end() && found->second == message.copy) {
+              replica->offloads.erase(found);
+              replica->failed_offloads.erase(message.version);
+            }
+            if (auto found = replica->offloading.find(message.version);
+                found != replica->offloading.end() && found->second == message.copy) {
+              replica->offloading.erase(found);
+            }
+          } else if constexpr (std::is_same_v<T, Evicted>) {
+            auto client = clients_.find(effect.client);
+            if (client == clients_.end()) return;
+            if (message.reason == Errc::kUnknownClient) {
+              // Told to a client the hub does not know: one the model must not think bound.
+              if (client->second.bound) {
+                fail("the hub does not know shard " + std::to_string(client->second.shard) + " of " +
+                     client->second.key + ", which it let in and never evicted");
+              }
+              return;
+            }
+            evict(client->second.key);
+          }
+        },
+        effect.message);
+  }
+  end_of_step(input, effects, now_ms);
+}
+
+void Reference::on_open_answer(ClientId client_id, const Reply& reply) {
+  auto found = clients_.find(client_id);
+  if (found == clients_.end() || reply.seq != found->second.open_seq) return;
+  Client& client = found->second;
+  if (!std::holds_alternative<OpenOk>(reply.outcome)) {
+    // A refused open: a replica the model made up for it, with nobody in it, is not there.
+    auto replica = replicas_.find(client.key);
+    if (replica != replicas_.end() && replica->second.bound.empty() &&
+        std::none_of(clients_.begin(), clients_.end(), [&](const auto& entry) {
+          return entry.first != found->first && entry.second.key == client.key && !entry.second.bound;
+        })) {
+      replicas_.erase(replica);
+    }
+    client.key.clear();
+    return;
+  }
+  if (client.bound) return;
+  client.bound = true;
+  client.last_seq = client.open_seq;
+  Replica& replica = replicas_[client.key];
+  replica.bound[client.shard] = client_id;
+  // OpenOk tells latest as the hub knows it; for a fresh open of a model the model follows, it
+  // must be what the model says.
+  const auto& ok = std::get<OpenOk>(reply.outcome);
+  if (!client.resume && !model_unsure(replica.model) && ok.latest != latest(replica.model)) {
+    fail("OpenOk tells latest " + (ok.latest ? std::to_string(*ok.latest) : "none") + ", not " +
+         (latest(replica.model) ? std::to_string(*latest(replica.model)) : "none"));
+  }
+  if (!client.resume || !replica.resuming) return;
+  // A replica back after a failover: once its shards are let in, what every shard announced is
+  // what it holds; an announcement of only some shards (a call in flight) the model does not
+  // follow.
+  replica.resuming = false;
+  for (const auto& [id, other] : clients_) {
+    if (other.key == client.key) replica.resumed_at = std::max(replica.resumed_at, other.open_seq);
+  }
+  std::map<Version, std::uint32_t> primaries;
+  std::map<Version, std::uint32_t> offloads;
+  std::uint32_t resumed = 0;
+  for (const auto& [id, other] : clients_) {
+    if (other.key != client.key || !other.resume) continue;
+    ++resumed;
+    if (other.resume->primary) ++primaries[other.resume->primary->version];
+    for (const HeldCopy& held : other.resume->offloads) ++offloads[held.version];
+  }
+  replica.drain_unsure = resumed != replica.num_shards || primaries.size() > 1 ||
+                         (primaries.size() == 1 && primaries.begin()->second != replica.num_shards);
+  if (primaries.size() == 1 && primaries.begin()->second == replica.num_shards) {
+    replica.holding = Holding::kComplete;
+    replica.version = primaries.begin()->first;
+    existing_[replica.model].insert(replica.version);
+  }
+  for (const auto& [version, holders] : offloads) {
+    if (holders != replica.num_shards) continue;
+    // The hub named the copy (its Offload came just before this answer).
+    std::uint64_t copy = 0;
+    if (auto named = replica.offloading.find(version); named != replica.offloading.end()) {
+      copy = named->second;
+      replica.offloading.erase(named);
+    }
+    replica.offloads[version] = copy;
+    existing_[replica.model].insert(version);
+  }
+}
+
+void Reference::on_start_read(ClientId client_id, const StartRead& read) {
+  Replica* reader = replica_of(client_id);
+  if (reader == nullptr) return;
+  auto call = reader->calls.find(read.call);
+  if (call == reader->calls.end()) fail("a StartRead names call " + std::to_string(read.call) +
+                                        ", which " + reader->name + " did not make");
+  Transfer& transfer = transfers_[{clients_.at(client_id).key, read.call}];
+  if (read.epoch > transfer.epoch) {
+    transfer.epoch = read.epoch;
+    transfer.stopped.reset();
+    transfer.started.reset();
+  }
+  transfer.id = read.transfer;
+  transfer.started.set(read.shard);
+  transfer.reader = clients_.at(client_id).key;
+  transfer.call = read.call;
+  transfer.source = reader->model + "/" + read.source.replica + "#" + std::to_string(read.source.incarnation);
+  transfer.source_dc = read.source.datacenter;
+  transfer.kind = read.source.kind;
+  transfer.version = read.version;
+  transfer.attached = true;
+  call->second.read_started = true;
+  call->second.last_source = read.source.replica;
+  if (call->second.allowed.size() == 1 && !call->second.allowed.contains(read.version) &&
+      call->second.exact) {
+    fail(reader->name + " is told to read version " + std::to_string(read.version) + " for call " +
+         std::to_string(read.call) + ", whose selector names " +
+         std::to_string(*call->second.allowed.begin()));
+  }
+  // The old copy of a moving update is gone once the new one is read into the buffers.
+  if (reader->holding != Holding::kReceiving) reader->failed = false;
+  reader->holding = Holding::kReceiving;
+  reader->version = read.version;
+  reader->drain_unsure = false;
+}
+
+void Reference::evict(const std::string& key) {
+  auto found = replicas_.find(key);
+  if (found == replicas_.end()) return;
+  for (auto& [id, client] : clients_) {
+    if (client.key == key) client.bound = false;
+  }
+  std::erase_if(transfers_, [&](const auto& entry) { return entry.second.reader == key; });
+  for (auto& [transfer_key, transfer] : transfers_) {
+    if (transfer.source == key) transfer.attached = false;
+  }
+  replicas_.erase(found);
+}
+
+void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) {
+  Replica* replica = replica_of(client_id);
+  auto client = clients_.find(client_id);
+  if (replica == nullptr || client == clients_.end() || !client->second.bound) {
+    // A client the hub does not know gets "unknown client"; one the model lost track of (its
+    // replica went) only an exit error.
+    if (!exit_error(reply.outcome) && !std::holds_alternative<Error>(reply.outcome)) {
+      fail("an answer (" + name_of(reply.outcome) + ") to a client the hub does not know");
+    }
+    return;
+  }
+  auto call = replica->calls.find(reply.seq);
+  if (call == replica->calls.end()) {
+    if (error_of(reply.outcome) == Errc::kSequenceGap) return;
+    fail(replica->name + " got an answer (" + name_of(reply.outcome) + ") for call " +
+         std::to_string(reply.seq) + ", which the hub never took");
+  }
+  const std::uint32_t shard = client->second.shard;
+  if (!call->second.arrived.test(shard)) {
+    fail("shard " + std::to_string(shard) + " of " + replica->name + " is answered call " +
+         std::to_string(reply.seq) + " before it made it");
+  }
+  if (call->second.answered.test(shard)) return;  // the same answer again (a retransmission)
+  call->second.answered.set(shard);
+  if (std::holds_alternative<CloseOk>(reply.outcome)) {
+    // The shard leaves; the last one to leave takes the replica with it.
+    client->second.bound = false;
+    replica->bound.erase(shard);
+  }
+  if (call->second.answer) {
+    // Replica consistency (§5.3): every shard gets the first shard's answer.
+    if (!exit_error(reply.outcome) && !exit_error(*call->second.answer) &&
+        !same_answer(reply.outcome, *call->second.answer)) {
+      fail("shard " + std::to_string(shard) + " of " + replica->name + " got " +
+           name_of(reply.outcome) + " for call " + std::to_string(reply.seq) +
+           " where another shard got " + name_of(*call->second.answer));
+    }
+    return;
+  }
+  call->second.answer = reply.outcome;
+  ++seen_.answers_checked;
+  check_answer(*replica, reply.seq, call->second, reply.outcome, now_ms);
+  apply_answer(*replica, reply.seq, call->second, reply.outcome);
+}
+
+void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome,
+                             TimeMs now_ms) {
+  if (exit_error(outcome) || call.seeded || !call.exact || model_unsure(replica.model)) return;
+  auto wrong = [&](const std::string& why) {
+    std::string allowed;
+    for (Version version : call.allowed) allowed += " " + std::to_string(version);
+    fail(replica.name + " call " + std::to_string(seq) + " (" + std::string(op_name(call.op.kind)) +
+         "): answered " + name_of(outcome) + ", " + why + " [arrived at " +
+         std::to_string(call.arrived_ms) + " ms; versions it may read:" + allowed +
+         (call.moves ? "; moves" : "") + (call.read_started ? "; read" : "") +
+         (call.may_unavailable ? "; may be unavailable" : "") +
+         (call.may_not_found ? "; may be not found" : "") + "]");
+  };
+  const std::optional<Errc> error = error_of(outcome);
+  const ShardSet everyone = all_shards(replica.num_shards);
+  refresh(replica, call);  // what changed in this very step counts
+  if (call.decided) {
+    if (!same_answer(outcome, *call.decided)) wrong("expected " + name_of(*call.decided));
+    return;
+  }
+  if (error == Errc::kTimeout) {
+    TimeMs timeout_ms = 0;
+    if (const auto* replicate = std::get_if<ReplicateRequest>(&call.body)) timeout_ms = replicate->timeout_ms;
+    if (const auto* wait = std::get_if<WaitRequest>(&call.body)) timeout_ms = wait->timeout_ms;
+    if (timeout_ms == 0 || now_ms < call.arrived_ms + timeout_ms) {
+      wrong("but its timeout (" + std::to_string(timeout_ms) + " ms from " +
+            std::to_string(call.arrived_ms) + ") has not passed");
+    }
+    ++seen_.timeouts;
+    return;
+  }
+  switch (call.op.kind) {
+    case OpKind::kPublish:
+      if (const auto* published = std::get_if<PublishOk>(&outcome)) {
+        if (published->version != call.op.version) wrong("for another version");
+        if (call.arrived != everyone) wrong("before every shard published");
+      }
+      return;
+    case OpKind::kUnpublish:
+      return;  // integrity and retention: the Observer; its answer when due: liveness
+    case OpKind::kReplicate:
+    case OpKind::kUpdate: {
+      Version version = 0;
+      std::string source;
+      if (const auto* replicated = std::get_if<ReplicateOk>(&outcome)) {
+        version = replicated->version;
+        source = replicated->source_replica;
+      } else if (const auto* updated = std::get_if<UpdateOk>(&outcome)) {
+        if (updated->status != UpdateStatus::kUpdated) {
+          wrong(call.moves ? "although a newer version could be read"
+                           : "which the model cannot tell (a decision it did not follow)");
+        }
+        version = updated->version.value_or(0);
+        source = updated->source_replica;
+      } else {
+        if (error == Errc::kVersionUnavailable && call.may_unavailable) return;
+        if (error == Errc::kVersionNotFound && call.may_not_found) return;
+        if (error == Errc::kLayoutMismatch) return;
+        wrong("an error the specification does not give here");
+        return;
+      }
+      ++seen_.resolutions;
+      if (!call.allowed.contains(version)) {
+        std::string allowed;
+        for (Version v : call.allowed) allowed += " " + std::to_string(v);
+        wrong("but its selector named{" + allowed + " }");
+      }
+      if (!call.last_source || source != *call.last_source) {
+        wrong("but the bytes came from " + call.last_source.value_or("nobody"));
+      }
+      if (call.done != everyone) wrong("before every shard's bytes arrived");
+      return;
+    }
+    case OpKind::kList: {
+      const auto* listed = std::get_if<ListOk>(&outcome);
+      if (listed == nullptr) {
+        wrong("an error");
+        return;
+      }
+      const ListSnapshot& snapshot = *listed->snapshot;
+      if (snapshot.latest != latest(replica.model)) {
+        wrong("with latest " + (snapshot.latest ? std::to_string(*snapshot.latest) : "none") +
+              " where " + (latest(replica.model) ? std::to_string(*latest(replica.model)) : "none") +
+              " exists");
+      }
+      for (const auto& [key, other] : replicas_) {
+        if (other.model != replica.model || other.bound.empty() || other.drain_unsure ||
+            other.closing || other.holding != Holding::kComplete) {
+          continue;
+        }
+        const auto shown = std::find_if(snapshot.replicas.begin(), snapshot.replicas.end(),
+                                         [&](const auto& info) { return info.name == other.name; });
+        if (shown == snapshot.replicas.end() || shown->version != other.version ||
+            shown->state != "complete") {
+          wrong("but " + other.name + " holds version " + std::to_string(other.version) +
+                " completely");
+        }
+      }
+      return;
+    }
+    case OpKind::kWait: {
+      const auto& predicate = std::get<WaitRequest>(call.body).predicate;
+      std::optional<Errc> predicate_error;
+      const std::optional<bool> holds = predicate_holds(replica.model, predicate, &predicate_error);
+      if (std::holds_alternative<WaitOk>(outcome)) {
+        ++seen_.waits_answered;
+        if (holds == false) wrong("but its predicate does not hold");
+      } else if (error == Errc::kVersionUnavailable || error == Errc::kVersionNotFound) {
+        if (holds == true) wrong("but its predicate holds");
+      } else {
+        wrong("an error the specification does not give here");
+      }
+      return;
+    }
+    case OpKind::kClose:
+      return;
+  }
+}
+
+// A call waiting for its version resolves as soon as the version is there (the hub resolves it in
+// the step that changed what exists); a transfer fails "unavailable" once no copy with the bytes is
+// left. Returns whether the call can only end in an error now.
+bool Reference::refresh(Replica& replica, Call& call) {
+  bool resolution_error = false;
+  if (const auto* replicate = std::get_if<ReplicateRequest>(&call.body);
+      replicate != nullptr && !call.decided && call.allowed.empty()) {
+    const Resolution resolution = resolve(replica.model, replicate->selector);
+    switch (resolution.kind) {
+      case Resolution::Kind::kGo:
+        call.allowed.insert(resolution.version);
+        if (replica.holding == Holding::kNone) {
+          replica.holding = Holding::kReceiving;
+          replica.version = resolution.version;
+          replica.failed = false;
+        }
+        break;
+      case Resolution::Kind::kNotFound:
+        call.may_not_found = true;
+        resolution_error = true;
+        break;
+      case Resolution::Kind::kUnavailable:
+        call.may_unavailable = true;
+        resolution_error = true;
+        break;
+      case Resolution::Kind::kUnsure:
+        call.exact = false;
+        break;
+      case Resolution::Kind::kWait:
+        break;
+    }
+  }
+  for (Version version : call.allowed) {
+    bool unsure = false;
+    if (!has_bytes(replica.model, version, &unsure) || unsure) call.may_unavailable = true;
+  }
+  return resolution_error;
+}
+
+void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome) {
+  auto hold = [&](Version version) {
+    // A copy a reader reported while it was received stays reported once complete.
+    if (replica.holding != Holding::kReceiving || replica.version != version) replica.failed = false;
+    replica.holding = Holding::kComplete;
+    replica.version = version;
+    replica.drain_unsure = false;
+    existing_[replica.model].insert(version);
+  };
+  std::visit(
+      [&](const auto& answer) {
+        using T = std::decay_t<decltype(answer)>;
+        if constexpr (std::is_same_v<T, PublishOk>) {
+          hold(answer.version);
+        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
+          hold(answer.version);
+        } else if constexpr (std::is_same_v<T, UpdateOk>) {
+          if (answer.status == UpdateStatus::kUpdated) {
+            hold(*answer.version);
+          } else {
+            replica.drain_unsure = false;  // it did not move: it holds what it held
+          }
+        } else if constexpr (std::is_same_v<T, UnpublishOk>) {
+          replica.holding = Holding::kNone;
+          replica.drain_unsure = false;
+        } else if constexpr (std::is_same_v<T, CloseOk>) {
+          replica.holding = Holding::kNone;
+          replica.offloads.clear();
+          replica.offloading.clear();
+        } else if constexpr (std::is_same_v<T, Error>) {
+          if (call.seeded) return;  // given as it was before the failover: nothing happened here
+          switch (call.op.kind) {
+            case OpKind::kPublish:
+              if (replica.holding == Holding::kPublishing && !call.decided) replica.holding = Holding::kNone;
+              break;
+            case OpKind::kReplicate:
+            case OpKind::kUpdate:
+              if (call.decided) break;
+              if (call.read_started || !call.held_before) {
+                replica.holding = Holding::kNone;  // the buffers changed, or held nothing
+              } else {
+                hold(*call.held_before);  // failed before any read: still the previous version
+              }
+              break;
+            case OpKind::kUnpublish:
+              break;
+            case OpKind::kClose:
+              if (answer.code == Errc::kLastRetainedCopy) {
+                replica.closing = false;
+                if (call.held_before) hold(*call.held_before);
+              }
+              break;
+            default:
+              break;
+          }
+        }
+      },
+      outcome);
+  transfers_.erase({key_of(replica), seq});
+  if (replica.bound.empty() && !replica.resuming) evict(key_of(replica));  // closed
+}
+
+// ==== The end of a step: what the hub owed by now ==================================================
+
+void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs now_ms) {
+  (void)effects;
+  const bool tick = std::holds_alternative<Tick>(input);
+  // A transfer whose unfinished shards' sources were all told to stop has no source now.
+  for (auto& [key, transfer] : transfers_) {
+    if ((transfer.started & ~transfer.done & ~transfer.stopped).none() &&
+        (transfer.started & ~transfer.done).any()) {
+      transfer.attached = false;
+    }
+  }
+  // Evictions are due a tick past the heartbeat timeout.
+  if (tick) {
+    for (const auto& [id, client] : clients_) {
+      if (!client.bound) continue;
+      if (now_ms >= client.last_seen_ms + settings_.heartbeat_timeout_ms + 1) {
+        fail("shard " + std::to_string(client.shard) + " of " + client.key + " was last heard of at " +
+             std::to_string(client.last_seen_ms) + " ms and is not evicted at " + std::to_string(now_ms) +
+             " ms (heartbeat timeout " + std::to_string(settings_.heartbeat_timeout_ms) + " ms)");
+      }
+    }
+  }
+  for (auto& [key, replica] : replicas_) {
+    const bool judged = !model_unsure(replica.model) && !replica.drain_unsure;
+    for (auto& [seq, call] : replica.calls) {
+      if (call.answer || call.seeded) continue;
+      // Calls still waiting for their version resolve as soon as it is there.
+      const bool resolution_error = refresh(replica, call);
+      if (!call.exact || !judged) continue;
+      const std::string what = replica.name + " call " + std::to_string(seq) + " (" +
+                               std::string(op_name(call.op.kind)) + ")";
+      if (call.decided) fail(what + " is not answered at once: expected " + name_of(*call.decided));
+      if (resolution_error) fail(what + " is not answered though its version can never be read");
+      if (call.op.kind == OpKind::kList) fail(what + " is not answered at once");
+      if (call.op.kind == OpKind::kPublish && call.arrived == all_shards(replica.num_shards)) {
+        fail(what + " is not answered though every shard published");
+      }
+      TimeMs timeout_ms = 0;
+      if (const auto* replicate = std::get_if<ReplicateRequest>(&call.body)) timeout_ms = replicate->timeout_ms;
+      if (const auto* wait = std::get_if<WaitRequest>(&call.body)) {
+        timeout_ms = wait->timeout_ms;
+        std::optional<Errc> error;
+        if (predicate_holds(replica.model, wait->predicate, &error) == true) {
+          fail(what + " is not answered though its predicate holds");
+        }
+      }
+      if (tick && timeout_ms > 0 && now_ms >= call.arrived_ms + timeout_ms) {
+        fail(what + " is not answered though its timeout passed (" + std::to_string(timeout_ms) +
+             " ms from " + std::to_string(call.arrived_ms) + ")");
+      }
+    }
+    std::erase_if(replica.calls, [&](const auto& entry) {
+      const Call& call = entry.second;
+      return call.answer && (call.answered | ~call.arrived) == ShardSet().set() &&
+             call.arrived == all_shards(replica.num_shards);
+    });
+  }
+  // A model whose replicas are all back after a failover is followed exactly again.
+  for (auto it = unsure_models_.begin(); it != unsure_models_.end();) {
+    const bool back = std::none_of(replicas_.begin(), replicas_.end(), [&](const auto& entry) {
+      return entry.second.model == *it && (entry.second.resuming || entry.second.drain_unsure);
+    });
+    it = back ? unsure_models_.erase(it) : std::next(it);
+  }
+}
+
+void Reference::on_server_restart() {
+  // A fresh server knows nothing: what it will know comes from the clients' resumes.
+  for (const auto& [key, replica] : replicas_) unsure_models_.insert(replica.model);
+  clients_.clear();
+  replicas_.clear();
+  existing_.clear();
+  transfers_.clear();
+}
+
+void Reference::check_quiescent() const {
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.bound.empty()) continue;
+    for (const auto& [seq, call] : replica.calls) {
+      if (call.answer) continue;
+      if (const auto* wait = std::get_if<WaitRequest>(&call.body); wait != nullptr && wait->timeout_ms == 0) {
+        continue;  // may wait for ever: its predicate may never hold
+      }
+      if (const auto* replicate = std::get_if<ReplicateRequest>(&call.body);
+          replicate != nullptr && replicate->timeout_ms == 0 && call.allowed.empty()) {
+        continue;  // its version may never be published
+      }
+      fail("liveness: " + replica.name + " call " + std::to_string(seq) + " (" +
+           std::string(op_name(call.op.kind)) + ") is still unanswered after healing");
+    }
+  }
+}
+
+}  // namespace th::test

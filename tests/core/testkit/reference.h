@@ -1,0 +1,179 @@
+// An independent reference model of the hub's observable semantics (DESIGN.md §4, §5; hub.h), for
+// model-based property tests. It sees every input the hub gets and every effect it produces (see
+// Driver::set_watcher), keeps its own deliberately simple account of the world — which versions
+// exist, what each replica holds, which transfers read from whom — and checks every answer
+// against what the specification says it must be:
+//
+//   versions     latest is the newest version that exists; latest-k is the k-th newest that exists
+//   replicate    resolves its selector like that, answers with that version and with the replica
+//                the bytes came from, only once every shard's bytes arrived, and fails with a
+//                typed error (not found, unavailable) or after its timeout, never before
+//   update       moves if and only if a newer version is there, unless smart skipping says "not
+//                yet" (its datacenter's only copies hang off a seeder); says what is still held
+//   publish      completes when the last shard publishes, and only then
+//   wait         answers as soon as its predicate holds, never before it holds, and at its deadline
+//   list         shows latest and what each replica holds
+//   eviction     a shard silent for longer than the heartbeat timeout is evicted at the next tick,
+//                and no other
+//   liveness     with faults healed and every read done, nothing the hub owes is left unanswered
+//
+// It reads nothing of the hub but its settings. Where its account cannot follow the hub exactly
+// (just after a server failover, while an update's old copy drains), it says so and judges less,
+// never differently: a model that guesses would fail correct hubs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/messages.h"
+#include "core/types.h"
+
+namespace th::test {
+
+class StepWatcher {
+ public:
+  virtual ~StepWatcher() = default;
+  virtual void before_step(const Input& input, TimeMs now_ms) = 0;
+  virtual void after_step(const Input& input, const Effects& effects, TimeMs now_ms) = 0;
+  virtual void on_server_restart() = 0;
+};
+
+class Reference : public StepWatcher {
+ public:
+  explicit Reference(HubSettings settings) : settings_(settings) {}
+
+  void before_step(const Input& input, TimeMs now_ms) override;
+  void after_step(const Input& input, const Effects& effects, TimeMs now_ms) override;
+  void on_server_restart() override;
+
+  // Faults healed, reads done, time passed: every call the hub has taken is answered, except a
+  // wait whose predicate does not hold and which has no timeout.
+  void check_quiescent() const;
+
+  // What the model saw, for RC_CLASSIFY.
+  struct Seen {
+    std::size_t answers_checked = 0;
+    std::size_t resolutions = 0;   // replicate/update answers whose version the model predicted
+    std::size_t not_yet = 0;
+    std::size_t waits_answered = 0;
+    std::size_t timeouts = 0;
+    std::size_t skipped_versions = 0;  // latest-k resolutions across a gap in version numbers
+  };
+  const Seen& seen() const { return seen_; }
+
+ private:
+  enum class Holding : std::uint8_t { kNone, kPublishing, kReceiving, kComplete, kDraining };
+  struct Call {
+    RequestBody body;
+    OpKey op;
+    TimeMs arrived_ms = 0;
+    ShardSet arrived;
+    ShardSet answered;
+    std::optional<Outcome> answer;
+    bool seeded = false;            // after a failover: redone for shards behind; not judged
+    bool exact = true;              // the model could follow the hub when the call arrived
+    // replicate/update: what the model expects
+    std::set<Version> allowed;      // versions the selector resolved to while the call waited
+    std::optional<Outcome> decided; // update: the answer decided at arrival (unless it moves)
+    bool moves = false;             // update: drains and receives
+    std::optional<Version> held_before;
+    std::optional<std::string> last_source;  // the source of the latest StartRead
+    ShardSet done;                  // shards whose TransferDone the hub got
+    bool read_started = false;
+    bool may_not_found = false;     // a resolution while it waited said "not found"
+    bool may_unavailable = false;   // the version had no copy with its bytes while it waited
+  };
+  struct Replica {
+    std::string model;
+    std::string name;
+    std::uint64_t incarnation = 0;
+    std::string datacenter;
+    std::string role;
+    bool spot = false;
+    std::uint32_t num_shards = 0;
+    std::map<std::uint32_t, ClientId> bound;  // shards whose open the hub answered OpenOk
+    bool closing = false;
+    bool resuming = false;          // opened with a resume: until every shard is let in
+    Holding holding = Holding::kNone;
+    Version version = 0;            // of the holding
+    bool failed = false;            // a reader reported the primary copy
+    bool drain_unsure = false;      // an update's old copy drains or is gone: unknown which
+    std::map<Version, std::uint64_t> offloads;  // complete offload copies (id)
+    std::map<Version, std::uint64_t> offloading;
+    std::map<Version, ShardSet> offload_reported;  // shards that reported the copy made
+    std::set<Version> failed_offloads;             // a reader reported the offload copy
+    std::map<std::uint64_t, Call> calls;
+    std::uint64_t resumed_at = 0;   // calls up to this one may be redone after a failover (seeded)
+  };
+  struct Client {
+    std::string key;                // of its replica
+    std::uint32_t shard = 0;
+    std::uint64_t session = 0;
+    std::uint64_t open_seq = 0;
+    bool bound = false;
+    std::uint64_t last_seq = 0;
+    TimeMs last_seen_ms = 0;
+    std::shared_ptr<const Resume> resume;
+  };
+  struct Transfer {                 // the reader's current read, from StartRead
+    TransferId id = 0;
+    std::string reader;             // replica key
+    std::uint64_t call = 0;
+    std::uint32_t epoch = 0;
+    std::string source;             // replica key
+    std::string source_dc;
+    CopyKind kind = CopyKind::kPrimary;
+    Version version = 0;
+    bool attached = true;           // has a source now
+    ShardSet started;               // reader shards told to read in this epoch
+    ShardSet done;
+    ShardSet stopped;               // source shards told to stop serving this epoch
+  };
+
+  [[noreturn]] void fail(const std::string& what) const;
+  Replica* replica_of(ClientId client);
+  std::string key_of(const OpenRequest& open) const;
+  void on_open(const Request& request, const OpenRequest& open, TimeMs now_ms);
+  void on_call(const Request& request, TimeMs now_ms);
+  void arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs now_ms);
+  void on_report(const Report& report);
+  void on_reply(ClientId client, const Reply& reply, TimeMs now_ms);
+  void on_open_answer(ClientId client, const Reply& reply);
+  void check_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome,
+                    TimeMs now_ms);
+  void apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome);
+  bool refresh(Replica& replica, Call& call);
+  void on_start_read(ClientId client, const StartRead& read);
+  void evict(const std::string& key);
+  void end_of_step(const Input& input, const Effects& effects, TimeMs now_ms);
+
+  // The specification, over the model's account.
+  struct Resolution {
+    enum class Kind : std::uint8_t { kWait, kGo, kNotFound, kUnavailable, kUnsure };
+    Kind kind = Kind::kWait;
+    Version version = 0;
+  };
+  Resolution resolve(const std::string& model, const Selector& selector) const;
+  std::optional<Version> latest(const std::string& model) const;
+  bool has_bytes(const std::string& model, Version version, bool* unsure) const;
+  bool smart_skip(const Replica& reader, Version version, bool* unsure) const;
+  std::optional<bool> predicate_holds(const std::string& model, const WaitPredicate& predicate,
+                                      std::optional<Errc>* error) const;
+  bool model_unsure(const std::string& model) const;
+  static bool present(const Replica& replica) { return !replica.bound.empty() || replica.resuming; }
+  std::string key_of(const Replica& replica) const;
+
+  HubSettings settings_;
+  std::map<ClientId, Client> clients_;
+  std::map<std::string, Replica> replicas_;                 // by model/name#incarnation
+  std::map<std::string, std::set<Version>> existing_;       // per model
+  std::map<std::pair<std::string, std::uint64_t>, Transfer> transfers_;  // (reader, call)
+  std::set<std::string> unsure_models_;  // after a failover, until its replicas are back
+  Seen seen_;
+};
+
+}  // namespace th::test

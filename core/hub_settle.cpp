@@ -55,8 +55,7 @@ void Hub::on_tick() {
           continue;
         }
       }
-      for (std::uint32_t shard = 0; shard < replica->num_shards;
-           ++shard) {
+      for (std::uint32_t shard = 0; shard < replica->num_shards; ++shard) {
         const ShardSlot& slot = replica->shards[shard];
         if (!slot.client) continue;
         const TimeMs deadline_ms = slot.last_seen_ms + settings_.heartbeat_timeout_ms + 1;

@@ -36,6 +36,8 @@ def parse(path):
     with open(path, encoding="utf-8") as catalogue:
         lines = catalogue.read().split("\n")
     for number, line in enumerate(lines, 1):
+        if line.startswith("#"):
+            continue  # a comment, anywhere (no snippet starts a line with '#')
         if line.startswith("=== "):
             if current is not None:
                 mutants.append(current)
@@ -137,14 +139,8 @@ def main(argv):
                 text = HEADER + text
             target = os.path.join(out, relative)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            # Rewrite only on change, so that a rerun does not rebuild everything.
-            old = None
-            if os.path.exists(target):
-                with open(target, encoding="utf-8") as existing:
-                    old = existing.read()
-            if old != text:
-                with open(target, "w", encoding="utf-8") as generated:
-                    generated.write(text)
+            with open(target, "w", encoding="utf-8") as generated:
+                generated.write(text)
         listing = "".join(f"{number}\t{m['name']}\t{m['file']}\t{m['kind']}\t{m['why']}\n"
                           for number, m in enumerate(mutants, 1))
         with open(os.path.join(out, "mutants.tsv"), "w", encoding="utf-8") as table:

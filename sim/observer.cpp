@@ -94,7 +94,11 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
   replica.datacenter = request.datacenter;
   replica.spot = request.spot;
   replica.num_shards = request.num_shards;
-  if (request.resume) announced_[client] = *request.resume;
+  if (request.resume) {
+    announced_[client] = *request.resume;
+  } else {
+    announced_.erase(client);
+  }
 }
 
 void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& body) {
@@ -370,6 +374,7 @@ void Observer::on_effects(const Effects& effects) {
             offload->second.released = true;
           } else if constexpr (std::is_same_v<T, Evicted>) {
             drop_grants_of(client);
+            announced_.erase(client);  // what it held went with it; a new shard announces anew
             if (auto found = clients_.find(client); found != clients_.end()) {
               leave(client);
               ReplicaInfo& replica = replicas_[found->second.replica_key];

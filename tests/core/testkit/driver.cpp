@@ -8,8 +8,6 @@
 
 namespace th::test {
 
-namespace {
-
 // TH_TRACE=1 prints every input and effect: the way to read a failing property case.
 bool tracing() {
   static const bool enabled = std::getenv("TH_TRACE") != nullptr;
@@ -86,7 +84,6 @@ std::string describe_effect(const Effect& effect) {
   return out.str();
 }
 
-}  // namespace
 
 LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes) {
   std::vector<TensorSpec> tensors = {

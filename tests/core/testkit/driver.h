@@ -101,6 +101,11 @@ class Driver {
   StepWatcher* watcher_ = nullptr;
 };
 
+// TH_TRACE=1 prints every input and effect of the tests' hubs (to stderr).
+bool tracing();
+std::string describe_input(const Input& input);
+std::string describe_effect(const Effect& effect);
+
 // Readable one-line description of an outcome, for failure messages.
 std::string describe(const Outcome& outcome);
 bool is_error(const Outcome& outcome, Errc code);

@@ -11,7 +11,6 @@ namespace {
 constexpr TimeMs kHeartbeatTimeoutMs = 1000;
 constexpr TimeMs kBarrierTimeoutMs = 2000;
 constexpr std::size_t kProgramBacklogMax = 8;
-constexpr TimeMs kCallTimeoutMaxMs = 1500;  // the longest timeout a planned call has
 constexpr int kHealRoundsMax = 400;
 
 [[noreturn]] void fail(const std::string& what) { throw AssertionFailure("fleet: " + what); }
@@ -71,7 +70,8 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
 
 std::ostream& operator<<(std::ostream& out, const Action& action) {
   static constexpr const char* kNames[] = {"plan",  "step", "step-all", "finish-read", "fail-read",
-                                           "offload", "crash", "tick",  "diverge",   "failover"};
+                                           "offload", "crash", "tick",  "diverge",   "failover",
+                                           "burst"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -97,6 +97,7 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         {5, Action::Kind::kTick},
         {1 * closes, Action::Kind::kDiverge},
         {1 * faults, Action::Kind::kFailover},
+        {4, Action::Kind::kBurst},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -223,6 +224,16 @@ void Fleet::apply(const Action& action) {
     case Action::Kind::kFailover:
       failover();
       break;
+    case Action::Kind::kBurst:
+      for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+        if (spec_.replicas[replica].trainer) continue;
+        plan(replica, action.a % 2 == 0 ? 3 : 2, /*latest*/ 0, 0);
+        for (std::uint32_t shard = 0; shard < runs_[replica].shards.size(); ++shard) {
+          step(replica, shard);
+          pump();
+        }
+      }
+      break;
   }
   pump();
 }
@@ -234,62 +245,8 @@ void Fleet::plan(std::uint32_t replica, std::uint32_t op, std::uint32_t p1, std:
   if (run.program.size() - slowest >= kProgramBacklogMax) return;
   const std::string& model = spec_.models[spec_.replicas[replica].model].name;
   const Version latest = driver_.hub().latest(model).value_or(0);
-  PlannedOp planned;
-  planned.kind = static_cast<OpKind>(op % 7);
-  switch (planned.kind) {
-    case OpKind::kPublish:
-      // The next version, one that skips numbers (so that latest-k must count), or an old one.
-      planned.version = p1 < 3 ? latest + p1 : p2 + 1;
-      break;
-    case OpKind::kReplicate:
-      // latest, latest-k (k up to 3, which may reach below what exists), or an absolute version:
-      // a past one, the latest, a skipped one or one not published yet (only these wait, with a
-      // timeout: a call that need not wait must never hang).
-      if (p1 < 2) {
-        planned.selector = Selector::latest(p1 == 0 ? 0 : 1 + p2 % 3);
-      } else {
-        planned.selector = Selector::absolute(latest + p2 > 0 ? latest + p2 - 1 : 0);
-        planned.timeout_ms = p1 == 3 || p2 >= 2 ? kCallTimeoutMaxMs : 0;
-      }
-      break;
-    case OpKind::kUpdate:
-      planned.selector = p1 < 3 ? Selector::latest() : Selector::latest(1 + p2 % 2);
-      break;
-    case OpKind::kWait: {
-      planned.predicate.kind = static_cast<WaitPredicate::Kind>(p1 % 3);
-      planned.predicate.version = planned.predicate.kind == WaitPredicate::Kind::kVersionAtLeast
-                                      ? latest + 1 + p2 % 2
-                                      : std::max<Version>(latest, 1) - (p2 == 3 && latest > 1 ? 1 : 0);
-      planned.predicate.replicas_min = p2 % 3 + 1;
-      static constexpr const char* kRoles[] = {"rollout", "trainer", "rollout", "nobody"};
-      planned.predicate.role = kRoles[p2 % 4];
-      planned.timeout_ms = p2 % 2 == 0 ? 1000 : 0;
-      break;
-    }
-    default:
-      break;
-  }
+  PlannedOp planned = plan_op(op, p1, p2, latest);
   run.program.push_back(planned);
-}
-
-RequestBody Fleet::body_for(const PlannedOp& op, std::uint32_t shard) const {
-  switch (op.kind) {
-    case OpKind::kPublish:
-      return PublishRequest{op.version, layout_for(shard), checksums_for(op.version, shard)};
-    case OpKind::kUnpublish:
-      return UnpublishRequest{};
-    case OpKind::kReplicate:
-      return ReplicateRequest{op.selector, layout_for(shard), op.timeout_ms};
-    case OpKind::kUpdate:
-      return UpdateRequest{op.selector, layout_for(shard)};
-    case OpKind::kList:
-      return ListRequest{};
-    case OpKind::kWait:
-      return WaitRequest{op.predicate, op.timeout_ms};
-    case OpKind::kClose:
-      return CloseRequest{};
-  }
-  fail("unknown op");
 }
 
 OpenRequest Fleet::open_request(std::uint32_t replica, std::uint32_t shard) const {
@@ -416,11 +373,7 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
   record.outcome = reply.outcome;
   if (!diverged) {
     const PlannedOp& op = run.program[shard.next_op];
-    static constexpr th::OpKind kKinds[] = {th::OpKind::kPublish, th::OpKind::kUnpublish,
-                                            th::OpKind::kReplicate, th::OpKind::kUpdate,
-                                            th::OpKind::kList,    th::OpKind::kWait,
-                                            th::OpKind::kClose};
-    record.op.kind = kKinds[static_cast<int>(op.kind)];
+    record.op.kind = op.kind;
     if (op.kind == OpKind::kPublish) record.op.version = op.version;
     if (op.kind == OpKind::kReplicate || op.kind == OpKind::kUpdate) record.op.selector = op.selector;
     if (op.kind == OpKind::kWait) record.op.predicate = op.predicate;

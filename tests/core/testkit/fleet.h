@@ -18,6 +18,7 @@
 #include <rapidcheck/state.h>
 
 #include "tests/core/testkit/driver.h"
+#include "tests/core/testkit/program.h"
 
 namespace th::test {
 
@@ -57,6 +58,8 @@ struct Action {
     kTick,        // time passes: a * 100 ms
     kDiverge,     // shard b of replica a calls list instead of its program's next op
     kFailover,    // the server dies; a fresh one takes over and every live shard re-opens
+    kBurst,       // every rollout plans update(latest) (a: or replicate) and steps at once: a
+                  // step boundary, where readers chain into pipelines
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -100,14 +103,6 @@ class Fleet {
   const Coverage& coverage() const { return coverage_; }
 
  private:
-  enum class OpKind : std::uint8_t { kPublish, kUnpublish, kReplicate, kUpdate, kList, kWait, kClose };
-  struct PlannedOp {
-    OpKind kind = OpKind::kList;
-    Version version = 0;
-    Selector selector;
-    WaitPredicate predicate;
-    TimeMs timeout_ms = 0;
-  };
   struct ShardRun {
     ClientId client = 0;          // 0: not open
     bool opened = false;          // got OpenOk
@@ -135,7 +130,6 @@ class Fleet {
   void step(std::uint32_t replica, std::uint32_t shard, bool diverge = false);
   void open_shard(std::uint32_t replica, std::uint32_t shard);
   void restart(std::uint32_t replica);
-  RequestBody body_for(const PlannedOp& op, std::uint32_t shard) const;
   void pump();
   void on_reply(std::uint32_t replica, std::uint32_t shard, const Reply& reply);
   std::vector<std::pair<ClientId, StartRead>> outstanding_reads();

@@ -69,6 +69,20 @@ std::string Reference::key_of(const Replica& replica) const {
   return replica.model + "/" + replica.name + "#" + std::to_string(replica.incarnation);
 }
 
+// The replica a client's open names, as the open describes it (made if the model has none).
+Reference::Replica& Reference::replica_for(const Client& client) {
+  Replica& replica = replicas_[client.key];
+  const OpenRequest& open = client.open;
+  replica.model = open.model;
+  replica.name = open.replica;
+  replica.incarnation = open.incarnation;
+  replica.datacenter = open.datacenter;
+  replica.role = open.role;
+  replica.spot = open.spot;
+  replica.num_shards = open.num_shards;
+  return replica;
+}
+
 Reference::Replica* Reference::replica_of(ClientId client) {
   auto found = clients_.find(client);
   if (found == clients_.end()) return nullptr;
@@ -224,23 +238,37 @@ void Reference::before_step(const Input& input, TimeMs now_ms) {
 }
 
 void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs now_ms) {
+  if (auto known = clients_.find(request.client);
+      known != clients_.end() && (request.session < known->second.session ||
+                                  (request.session == known->second.session &&
+                                   request.seq == known->second.open_seq && known->second.bound))) {
+    // An open of an earlier session (refused), or the same open again: it keeps the shard alive.
+    if (request.session == known->second.session) known->second.last_seen_ms = now_ms;
+    return;
+  }
   Client& client = clients_[request.client];
+  if (request.session != client.session && !client.key.empty()) {
+    client.previous_key = client.key;
+    client.previous_session = client.session;
+  }
   client.key = key_of(open);
+  client.open = open;
+  client.open.resume.reset();
   client.shard = open.shard;
   client.session = request.session;
   client.open_seq = request.seq;
   client.bound = false;
   client.last_seen_ms = now_ms;
   client.resume = open.resume;
-  Replica& replica = replicas_[client.key];
-  replica.model = open.model;
-  replica.name = open.replica;
-  replica.incarnation = open.incarnation;
-  replica.datacenter = open.datacenter;
-  replica.role = open.role;
-  replica.spot = open.spot;
-  replica.num_shards = open.num_shards;
-  if (open.resume) {
+  client.waiting.reset();
+  Replica& replica = replica_for(client);
+  // A shard that made no call and holds nothing joins a replica whose shards opened afresh, and
+  // are not all in yet, as if it opened afresh too.
+  if (open.resume && open.resume->nothing() && request.seq == 0 && !replica.bound.empty() &&
+      !replica.resuming && !replica.whole) {
+    client.resume.reset();
+  }
+  if (client.resume) {
     replica.resuming = true;
     unsure_models_.insert(open.model);
   }
@@ -255,6 +283,10 @@ void Reference::on_call(const Request& request, TimeMs now_ms) {
   if (request.session != client.session || request.seq != client.last_seq + 1) return;
   Replica* replica = replica_of(request.client);
   if (replica == nullptr) return;
+  if (!replica->whole) {
+    client.waiting = request;  // taken once every shard is in (a retransmission replaces it)
+    return;
+  }
   client.last_seq = request.seq;
   auto [entry, created] = replica->calls.try_emplace(request.seq);
   Call& call = entry->second;
@@ -434,12 +466,22 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
   // Effects in the order the hub made them: an eviction takes a replica's copies before the
   // answers that follow from it (a reader told the version is unavailable).
   for (const Effect& effect : effects) {
+    if (auto client = clients_.find(effect.client);
+        client != clients_.end() && effect.session != client->second.session) {
+      // About the binding of an earlier session (the client opened anew since): only an
+      // eviction of that binding tells the model anything.
+      if (std::holds_alternative<Evicted>(effect.message) &&
+          effect.session == client->second.previous_session) {
+        evict(client->second.previous_key);
+      }
+      continue;
+    }
     std::visit(
         [&](const auto& message) {
           using T = std::decay_t<decltype(message)>;
           if constexpr (std::is_same_v<T, Reply>) {
             if (message.to_open) {
-              on_open_answer(effect.client, message);
+              on_open_answer(effect.client, message, now_ms);
             } else {
               on_reply(effect.client, message, now_ms);
             }
@@ -496,7 +538,7 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
   end_of_step(input, effects, now_ms);
 }
 
-void Reference::on_open_answer(ClientId client_id, const Reply& reply) {
+void Reference::on_open_answer(ClientId client_id, const Reply& reply, TimeMs now_ms) {
   auto found = clients_.find(client_id);
   if (found == clients_.end() || reply.seq != found->second.open_seq) return;
   Client& client = found->second;
@@ -515,7 +557,7 @@ void Reference::on_open_answer(ClientId client_id, const Reply& reply) {
   if (client.bound) return;
   client.bound = true;
   client.last_seq = client.open_seq;
-  Replica& replica = replicas_[client.key];
+  Replica& replica = replica_for(client);
   replica.bound[client.shard] = client_id;
   // OpenOk tells latest as the hub knows it; for a fresh open of a model the model follows, it
   // must be what the model says.
@@ -524,7 +566,11 @@ void Reference::on_open_answer(ClientId client_id, const Reply& reply) {
     fail("OpenOk tells latest " + (ok.latest ? std::to_string(*ok.latest) : "none") + ", not " +
          (latest(replica.model) ? std::to_string(*latest(replica.model)) : "none"));
   }
-  if (!client.resume || !replica.resuming) return;
+  if (!client.resume || !replica.resuming) {
+    if (!replica.whole && replica.bound.size() == replica.num_shards) become_whole(replica, now_ms);
+    return;
+  }
+  replica.whole = true;  // the barrier let every shard in
   // A replica back after a failover: once its shards are let in, what every shard announced is
   // what it holds; an announcement of only some shards (a call in flight) the model does not
   // follow.
@@ -573,6 +619,9 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
     transfer.stopped.reset();
     transfer.started.reset();
   }
+  // Every source after the first replaces one that failed or went away: after more than
+  // kSourceFailuresPerTransferMax of them the hub may give up on the transfer.
+  if (read.epoch > limits::kSourceFailuresPerTransferMax) call->second.may_unavailable = true;
   transfer.id = read.transfer;
   transfer.started.set(read.shard);
   transfer.reader = clients_.at(client_id).key;
@@ -610,6 +659,18 @@ void Reference::evict(const std::string& key) {
   replicas_.erase(found);
 }
 
+// Every shard is in: the calls that waited for it are taken, in shard order, as the hub does.
+void Reference::become_whole(Replica& replica, TimeMs now_ms) {
+  replica.whole = true;
+  const std::map<std::uint32_t, ClientId> bound = replica.bound;
+  for (const auto& [shard, id] : bound) {
+    auto client = clients_.find(id);
+    if (client == clients_.end() || !client->second.waiting) continue;
+    const Request request = *std::exchange(client->second.waiting, std::nullopt);
+    on_call(request, now_ms);
+  }
+}
+
 void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) {
   Replica* replica = replica_of(client_id);
   auto client = clients_.find(client_id);
@@ -624,6 +685,15 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   auto call = replica->calls.find(reply.seq);
   if (call == replica->calls.end()) {
     if (error_of(reply.outcome) == Errc::kSequenceGap) return;
+    const auto& last = client->second.last_answer;
+    if (last && last->first == reply.seq) {
+      // The answer again, to a retransmission of a call the model has settled.
+      if (!same_answer(last->second, reply.outcome)) {
+        fail(replica->name + " call " + std::to_string(reply.seq) + " is answered " +
+             name_of(reply.outcome) + " again, after " + name_of(last->second));
+      }
+      return;
+    }
     fail(replica->name + " got an answer (" + name_of(reply.outcome) + ") for call " +
          std::to_string(reply.seq) + ", which the hub never took");
   }
@@ -634,10 +704,15 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   }
   if (call->second.answered.test(shard)) return;  // the same answer again (a retransmission)
   call->second.answered.set(shard);
+  client->second.last_answer = std::pair{reply.seq, reply.outcome};
   if (std::holds_alternative<CloseOk>(reply.outcome)) {
     // The shard leaves; the last one to leave takes the replica with it.
     client->second.bound = false;
     replica->bound.erase(shard);
+    if (replica->bound.empty() && !replica->resuming) {
+      evict(key_of(*replica));
+      return;
+    }
   }
   if (call->second.answer) {
     // Replica consistency (§5.3): every shard gets the first shard's answer.
@@ -861,8 +936,9 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
               break;
             case OpKind::kClose:
               if (answer.code == Errc::kLastRetainedCopy) {
+                // The copy is as it was, a reader's report on it included.
                 replica.closing = false;
-                if (call.held_before) hold(*call.held_before);
+                if (call.held_before) replica.holding = Holding::kComplete;
               }
               break;
             default:
@@ -872,7 +948,6 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
       },
       outcome);
   transfers_.erase({key_of(replica), seq});
-  if (replica.bound.empty() && !replica.resuming) evict(key_of(replica));  // closed
 }
 
 // ==== The end of a step: what the hub owed by now ==================================================

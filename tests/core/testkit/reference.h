@@ -98,6 +98,7 @@ class Reference : public StepWatcher {
     std::map<std::uint32_t, ClientId> bound;  // shards whose open the hub answered OpenOk
     bool closing = false;
     bool resuming = false;          // opened with a resume: until every shard is let in
+    bool whole = false;             // every shard let in: until then calls wait
     Holding holding = Holding::kNone;
     Version version = 0;            // of the holding
     bool failed = false;            // a reader reported the primary copy
@@ -118,6 +119,12 @@ class Reference : public StepWatcher {
     std::uint64_t last_seq = 0;
     TimeMs last_seen_ms = 0;
     std::shared_ptr<const Resume> resume;
+    std::optional<Request> waiting;  // a call made before every shard of its replica was let in
+    OpenRequest open;               // as sent (the replica it names, if the model lost it since)
+    std::optional<std::pair<std::uint64_t, Outcome>> last_answer;  // repeated to retransmissions
+    // The binding before the last open (a new session): effects of that session are about it.
+    std::string previous_key;
+    std::uint64_t previous_session = 0;
   };
   struct Transfer {                 // the reader's current read, from StartRead
     TransferId id = 0;
@@ -136,13 +143,15 @@ class Reference : public StepWatcher {
 
   [[noreturn]] void fail(const std::string& what) const;
   Replica* replica_of(ClientId client);
+  Replica& replica_for(const Client& client);
   std::string key_of(const OpenRequest& open) const;
   void on_open(const Request& request, const OpenRequest& open, TimeMs now_ms);
   void on_call(const Request& request, TimeMs now_ms);
   void arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs now_ms);
   void on_report(const Report& report);
   void on_reply(ClientId client, const Reply& reply, TimeMs now_ms);
-  void on_open_answer(ClientId client, const Reply& reply);
+  void on_open_answer(ClientId client, const Reply& reply, TimeMs now_ms);
+  void become_whole(Replica& replica, TimeMs now_ms);
   void check_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome,
                     TimeMs now_ms);
   void apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome);

@@ -1,0 +1,30 @@
+// The calls the property tests' replicas make: a program of planned operations, appended by the
+// tests' actions and run by every shard of the replica (SPMD). Shared by the hub-level fleet and
+// the agent-level cluster, so that both explore the same argument shapes.
+#pragma once
+
+#include <cstdint>
+
+#include "core/messages.h"
+
+namespace th::test {
+
+// The longest timeout a planned call has.
+inline constexpr TimeMs kCallTimeoutMaxMs = 1500;
+
+struct PlannedOp {
+  OpKind kind = OpKind::kList;
+  Version version = 0;      // publish
+  Selector selector;        // replicate, update
+  WaitPredicate predicate;  // wait
+  TimeMs timeout_ms = 0;    // replicate, wait
+};
+
+// Operation `op` (publish, unpublish, replicate, update, list, wait, close: op % 7) with
+// parameters p1 and p2 choosing the argument shape, relative to the model's `latest`.
+PlannedOp plan_op(std::uint32_t op, std::uint32_t p1, std::uint32_t p2, Version latest);
+
+// The request shard `shard` sends for it (deterministic tensors: testkit/driver.h).
+RequestBody body_for(const PlannedOp& op, std::uint32_t shard);
+
+}  // namespace th::test

@@ -177,7 +177,10 @@ void ShardAgent::on_reply(const Reply& reply) {
     // The open is numbered with the last completed call; a call's late answer is not the open's.
     if (!reply.to_open || reply.seq != last_seq_) return;
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
-    const bool fresh = std::get<OpenRequest>(open_request_->body).resume == nullptr;
+    // The application's open begins a run of the replica's program even when it resumed (it may
+    // have reached the previous server); so does a re-open after the shards diverged.
+    const bool fresh =
+        open_call_id_.has_value() || std::get<OpenRequest>(open_request_->body).resume == nullptr;
     open_request_.reset();
     if (std::holds_alternative<OpenOk>(reply.outcome)) {
       phase_ = AgentPhase::kOpen;
@@ -308,7 +311,9 @@ void ShardAgent::became_evicted(const Error& error) {
     default:
       break;  // e.g. a barrier that timed out: the replica is gone, not replaced
   }
-  if (error.code == Errc::kDivergentCall) {
+  // A replica whose shards cannot agree, or cannot all come back after a failover (one closed,
+  // or died for good), starts over: resuming again would wait in the same barrier for ever.
+  if (error.code == Errc::kDivergentCall || error.code == Errc::kBarrierTimeout) {
     start_over();
     start_over_ = true;
   }
@@ -524,8 +529,11 @@ void ShardAgent::on_server_lost(const ServerLost& lost) {
   reset_connection_state();
   if (phase_ == AgentPhase::kEvicted) return;  // the next call re-opens, on the new server
   // The client "resets to unpublished" and re-opens on the next server, announcing what it holds;
-  // the call in flight is sent again once the open is answered.
-  open(/*resume=*/!open_call_id_);
+  // the call in flight is sent again once the open is answered. An open of the application's that
+  // got no answer resumes too, holding nothing at call 0: it may have bound the shard on the
+  // previous server, whose peers then made calls there, and the new server must gather the
+  // replica in its barrier rather than let this shard start afresh alone.
+  open(/*resume=*/true);
 }
 
 void ShardAgent::on_tick() {

@@ -21,7 +21,8 @@
 //   kOpen      --close answered-->          kClosed
 // Resuming (after eviction or failover) announces the copy the shard holds, unless a call that
 // writes its buffers was in flight, and the last call it completed with its answer. A replica whose
-// shards diverged (kDivergentCall) starts over instead: fresh open, nothing announced. Shards may
+// shards diverged (kDivergentCall), or could not all re-open after a failover (kBarrierTimeout: one
+// of them closed or is gone for good), starts over instead: fresh open, nothing announced. Shards may
 // learn of an eviction from different messages (one sees "divergent", another only "unknown
 // client"); the hub settles a replica whose shards open both ways by answering the resuming ones
 // kDivergentCall, so they start over too.

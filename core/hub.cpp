@@ -67,6 +67,10 @@ void Hub::step(const Input& input, TimeMs now_ms, Effects& effects) {
 
 void Hub::on_request(const Request& request) {
   ++stats_.requests;
+  take_request(request);
+}
+
+void Hub::take_request(const Request& request) {
   if (const auto* open = std::get_if<OpenRequest>(&request.body)) {
     on_open(request.client, request.seq, request.session, *open);
     return;
@@ -105,6 +109,18 @@ void Hub::on_request(const Request& request) {
     // The shard's open is not answered yet (it waits in the failover barrier): a call can only
     // come from a client that took a late answer of an earlier binding for this one. It is not
     // answered, nor numbered: once the open is, its retransmission is taken as the call it is.
+    return;
+  }
+  if (!replica.whole) {
+    // Not every shard has opened: the call waits for them (a retransmission replaces it), up to
+    // the barrier timeout from the first call that waits.
+    TH_ASSERT(replica.phase == ReplicaPhase::kLive && replica.txns.empty(),
+              "a replica takes calls only once whole");
+    slot.waiting_call = request;
+    if (replica.barrier_deadline_ms == 0) {
+      replica.barrier_deadline_ms = now_ms_ + settings_.barrier_timeout_ms;
+      expiry_due_by(replica.barrier_deadline_ms);
+    }
     return;
   }
   slot.last_seq = request.seq;

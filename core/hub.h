@@ -99,6 +99,7 @@ class Hub {
 
   // Inputs.
   void on_request(const Request& request);
+  void take_request(const Request& request);  // also the calls that waited for every shard
   void on_open(ClientId client, std::uint64_t seq, std::uint64_t session, const OpenRequest& open);
   void on_report(const Report& report);
   void on_tick();
@@ -125,6 +126,7 @@ class Hub {
     send_reply(replica, shard, replica.shards[shard].open_seq, outcome, /*to_open=*/true);
   }
   void collect_txn(Replica& replica, std::uint64_t seq);
+  void become_whole(Replica& replica);
   bool record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout);
 
   // Versions, sources and transfers.
@@ -164,6 +166,7 @@ class Hub {
   void after_primary_drained(Replica& replica, detail::DrainPurpose purpose);
   Copy& start_offload(Replica& replica, VersionRecord& record);
   Copy* releasing_offload(const Replica& replica, Version version) const;
+  Copy* failed_offload(const Replica& replica, Version version) const;
   bool needs_offload(const Copy& copy) const;
   Status commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
                       const LayoutRef& layout, const ChecksumsRef& checksums);

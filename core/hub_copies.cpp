@@ -234,9 +234,14 @@ void Hub::on_drained(Copy& copy) {
         // owner still has an offload copy of this version that is only draining to be released,
         // that copy is kept instead: a replica never holds two offload copies of one version, so
         // ReleaseOffload{version} always names exactly one.
+        // One that a reader reported is never read again: the new copy replaces it.
         if (Copy* releasing = releasing_offload(owner, copy.record->version)) {
           set_state(*releasing, CopyState::kComplete);
         } else {
+          if (Copy* failed = failed_offload(owner, copy.record->version)) {
+            emit_to_replica(owner, ReleaseOffload{failed->record->version, failed->id});
+            remove_copy(*failed);
+          }
           Copy& offload = start_offload(owner, *copy.record);
           copy.awaiting_offload = offload.id;
           return;
@@ -267,6 +272,13 @@ Hub::Copy* Hub::releasing_offload(const Replica& replica, Version version) const
         offload->drain_purpose == DrainPurpose::kRelease) {
       return offload;
     }
+  }
+  return nullptr;
+}
+
+Hub::Copy* Hub::failed_offload(const Replica& replica, Version version) const {
+  for (Copy* offload : replica.offloads) {
+    if (offload->record->version == version && offload->failed) return offload;
   }
   return nullptr;
 }

@@ -107,8 +107,11 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
                                             describe(*replica) + " is already open");
         return;
       }
-      if (replica->phase == ReplicaPhase::kLive && open.resume != nullptr) {
+      if (replica->phase == ReplicaPhase::kLive && open.resume != nullptr &&
+          !(open.resume->nothing() && seq == 0 && !replica->whole)) {
         // The replica's other shards started afresh: this shard's history no longer applies.
+        // (A shard that had made no call and holds nothing joins them: its open may have reached
+        // the previous server, or not, and either way there is nothing to resume.)
         reject(Errc::kDivergentCall,
                "the other shards of " + describe(*replica) + " started over; open fresh",
                replica->incarnation);
@@ -152,7 +155,8 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
   expiry_due_by(now_ms_ + settings_.heartbeat_timeout_ms + 1);
   slot.retention = open.retention;
   slot.endpoint = open.data_endpoint;
-  slot.resume = open.resume;
+  slot.resume = replica->phase == ReplicaPhase::kResuming ? open.resume : nullptr;
+  slot.waiting_call.reset();
   ++replica->bound_shards;
   TH_ASSERT(replica->bound_shards <= replica->num_shards);
   clients_.insert(client, Binding{replica, open.shard});
@@ -164,6 +168,24 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     return;
   }
   answer_open(*replica, open.shard, OpenOk{replica->num_shards, model.latest});
+  if (replica->bound_shards == replica->num_shards && !replica->whole) become_whole(*replica);
+}
+
+// Every shard has opened: the calls that waited for that are taken, in shard order (replica
+// consistency does not depend on it: the first to arrive decides for all).
+void Hub::become_whole(Replica& replica) {
+  TH_ASSERT(replica.phase == ReplicaPhase::kLive && replica.bound_shards == replica.num_shards);
+  replica.whole = true;
+  replica.barrier_deadline_ms = 0;
+  std::vector<Request> waiting;
+  for (ShardSlot& slot : replica.shards) {
+    if (slot.waiting_call) waiting.push_back(*std::exchange(slot.waiting_call, std::nullopt));
+  }
+  for (const Request& request : waiting) {
+    // An earlier one may have ended the replica (a divergent call): the rest are moot.
+    if (clients_.find(request.client) == nullptr) continue;
+    take_request(request);
+  }
 }
 
 void Hub::unbind(Replica& replica, std::uint32_t shard) {
@@ -282,6 +304,8 @@ void Hub::complete_barrier(Replica& replica) {
   }
   if (!announce(replica, seeded)) return;
   replica.phase = ReplicaPhase::kLive;
+  replica.whole = true;
+  replica.barrier_deadline_ms = 0;
   // Shards that are ahead wait for the others to redo the call they missed, if it has work left to
   // do here (a receive or a publish): until then the replica is not whole, and a new call of theirs
   // would be answered about a replica that is not what the others will see.

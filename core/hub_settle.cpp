@@ -54,6 +54,15 @@ void Hub::on_tick() {
                                  std::to_string(settings_.barrier_timeout_ms) + " ms"});
           continue;
         }
+      } else if (!replica->whole && replica->barrier_deadline_ms != 0) {
+        next_due_ms = std::min(next_due_ms, replica->barrier_deadline_ms);
+        if (now_ms_ >= replica->barrier_deadline_ms) {
+          expired.push_back({model.get(), name, replica->incarnation, true,
+                             "not every shard of " + describe(*replica) + " opened within " +
+                                 std::to_string(settings_.barrier_timeout_ms) +
+                                 " ms of a call that waits for them"});
+          continue;
+        }
       }
       for (std::uint32_t shard = 0; shard < replica->num_shards; ++shard) {
         const ShardSlot& slot = replica->shards[shard];
@@ -75,8 +84,10 @@ void Hub::on_tick() {
     if (found == entry.model->replicas.end() || found->second->incarnation != entry.incarnation) {
       continue;
     }
-    if (entry.barrier) {
+    if (entry.barrier && found->second->phase == ReplicaPhase::kResuming) {
       fail_barrier(*found->second, make_error(Errc::kBarrierTimeout, entry.detail));
+    } else if (entry.barrier) {
+      evict(*found->second, Errc::kBarrierTimeout, entry.detail);  // their opens were answered
     } else {
       evict(*found->second, Errc::kReplicaEvicted, entry.detail);
     }

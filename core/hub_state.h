@@ -178,6 +178,8 @@ struct ShardSlot {
   Retention retention;
   std::string endpoint;
   std::shared_ptr<const Resume> resume;
+  // A call made before every shard of the replica opened: taken once they all have.
+  std::optional<Request> waiting_call;
 };
 
 enum class ReplicaPhase : std::uint8_t {
@@ -196,6 +198,12 @@ struct Replica {
   bool spot = false;
   std::string role;
   ReplicaPhase phase = ReplicaPhase::kLive;
+  // Every shard has opened (at once, or in a failover barrier). Until then no call is taken: a
+  // shard could otherwise be answered before a peer's open, on a server that knows less than
+  // the one that peer's resume comes from (paper §4.5, "waits for all shards to switch").
+  bool whole = false;
+  // kResuming: when the barrier gives up; kLive and not whole: when calls stop waiting for the
+  // shards that have not opened (0 while no call waits).
   TimeMs barrier_deadline_ms = 0;
   std::vector<ShardSlot> shards;
   std::uint32_t bound_shards = 0;

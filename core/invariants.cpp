@@ -94,6 +94,16 @@ void Hub::check_invariants() const {
       TH_ASSERT(bound == replica.bound_shards, "bound shard count");
       TH_ASSERT(replica.phase != ReplicaPhase::kResuming || expiry_scan_due_ms_ <= replica.barrier_deadline_ms,
                 "no barrier deadline comes before the next expiry scan");
+      bool waiting = false;
+      for (const ShardSlot& slot : replica.shards) waiting = waiting || slot.waiting_call.has_value();
+      TH_ASSERT(replica.whole || replica.txns.empty(), "a replica takes calls only once whole");
+      TH_ASSERT(!waiting || (!replica.whole && replica.phase == ReplicaPhase::kLive &&
+                             replica.barrier_deadline_ms != 0 &&
+                             expiry_scan_due_ms_ <= replica.barrier_deadline_ms),
+                "a call waits for every shard to open only with a deadline");
+      TH_ASSERT(replica.whole || replica.phase != ReplicaPhase::kLive ||
+                    replica.bound_shards < replica.num_shards,
+                "a live replica with every shard bound is whole");
       TH_ASSERT(bound > 0, "a replica without shards is removed");
       bound_total += bound;
       if (replica.primary != nullptr) {

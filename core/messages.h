@@ -139,6 +139,9 @@ struct Resume {
   std::optional<HeldCopy> primary;
   std::vector<HeldCopy> offloads;
   std::optional<TxnRecord> last_txn;
+
+  // A shard that made no call since it opened and holds nothing.
+  bool nothing() const { return !primary && offloads.empty() && !last_txn; }
 };
 
 struct OpenRequest {

@@ -555,6 +555,21 @@ TEST_F(AgentTest, ASequenceGapIsNotAnAnswer) {
   EXPECT_EQ(agent_.last_seq(), 0u) << "the call did not take its number";
 }
 
+// The open may have bound the shard on the server that failed, and its peers made calls there: on
+// the new server it resumes, holding nothing at call 0, so that the barrier gathers the replica.
+TEST_F(AgentTest, AnOpenInFlightAtAFailoverResumesHoldingNothing) {
+  call(open_request());
+  const std::vector<Request> sent = requests(step(ServerLost{0}));
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].seq, 0u);
+  const auto& open = std::get<OpenRequest>(sent[0].body);
+  ASSERT_NE(open.resume, nullptr);
+  EXPECT_TRUE(open.resume->nothing());
+  const AgentEffects effects = open_reply(0, OpenOk{2, std::nullopt});
+  EXPECT_EQ(only<CallDone>(effects).call_id, call_id_);
+  EXPECT_EQ(agent_.starts(), 1u) << "the application's open begins a run of its program";
+}
+
 TEST_F(AgentTest, ClockMayNotGoBackwards) {
   tick_at(100);
   now_ms_ = 99;

@@ -1359,6 +1359,99 @@ TEST(HubRegression, AChainRootTakesADetourRatherThanWaitForNothing) {
   }
 }
 
+// Found by AgentModel (lossy): shard 1 of a replica was answered "version unavailable" for call 1
+// while shard 0's open was still lost; after a failover shard 0 opened afresh first, shard 1's
+// resume was refused, and shard 0 got "no newer version" for the same call. A replica now takes
+// calls only once every shard has opened, so no shard learns anything its peers' opens could
+// change, and a shard with nothing to resume joins peers that opened afresh.
+TEST(HubRegression, ACallWaitsUntilEveryShardHasOpened) {
+  Driver driver;
+  const ReplicaSpec spec = rollout("r");
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard1, driver.open_request(spec, 1));
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard1})));
+  driver.call(shard1, UpdateRequest{Selector::latest(), layout_for(1)});
+  EXPECT_FALSE(driver.has_reply(shard1)) << "shard 0 has not opened";
+  driver.advance(1000);
+  EXPECT_FALSE(driver.has_reply(shard1));
+  driver.open(shard0, driver.open_request(spec, 0));
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard0})));
+  ASSERT_TRUE(driver.has_reply(shard1)) << "taken once every shard opened";
+  driver.call(shard0, UpdateRequest{Selector::latest(), layout_for(0)});
+  EXPECT_TRUE(is<UpdateOk>(driver.replies({shard0, shard1})));
+}
+
+TEST(HubRegression, AShardWithNothingToResumeJoinsPeersThatOpenedAfresh) {
+  Driver driver;  // the new server
+  const ReplicaSpec spec = rollout("r");
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard0, driver.open_request(spec, 0));
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard0})));
+  driver.open(shard1, resume_request(driver, spec, 1, std::nullopt), 0);
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard1}))) << "not told to start over";
+  driver.call_all({shard0, shard1}, ListRequest{});
+  EXPECT_TRUE(is<ListOk>(driver.replies({shard0, shard1})));
+}
+
+// Found by AgentModel (lossy): a trainer read its own offload copy back, a read of it failed, and
+// its next unpublish made a second offload copy of the version beside the reported one (the agent
+// keeps one per version). The reported copy, never read again, is released for the new one.
+TEST(HubRegression, AnUnpublishReplacesAnOffloadCopyAReaderReported) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t", 1);
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.call_all(t, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto read = read_of(driver, t[0]);
+  ASSERT_TRUE(read);
+  ASSERT_EQ(read->source.kind, CopyKind::kOffload);
+  driver.report(t[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
+  // A reader pipelining from t's buffers reports them too: no copy of version 1 is trusted now.
+  ReplicaSpec r_spec = rollout("r", 1);
+  r_spec.spot = true;
+  const auto r = driver.open_replica(r_spec);
+  driver.call_all(r, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto pipelined = read_of(driver, r[0]);
+  ASSERT_TRUE(pipelined && pipelined->source.replica == "t" && pipelined->source.partial);
+  driver.report(r[0], TransferFailed{pipelined->transfer, pipelined->epoch, ReadFailure::kSourceUnreachable});
+  driver.finish_reads(t);  // from the reported copy, the last resort
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(t)));
+  driver.finish_reads(r);
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(r)));
+  ASSERT_TRUE(driver.inbox(t[0]).releases.empty());
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1}) << "the reported copy goes";
+  ASSERT_EQ(driver.inbox(t[0]).offloads, std::vector<Version>{1}) << "a new one is made";
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+}
+
+// A shard that never opens cannot keep its peers' calls waiting for ever.
+TEST(HubOpen, ACallWaitsForMissingShardsOnlyUntilTheBarrierTimeout) {
+  HubSettings settings;
+  settings.barrier_timeout_ms = 5'000;
+  Driver driver(settings);
+  const ReplicaSpec spec = rollout("r");
+  const ClientId shard0 = driver.new_client();
+  driver.open(shard0, driver.open_request(spec, 0));
+  ASSERT_TRUE(is<OpenOk>(driver.replies({shard0})));
+  driver.advance(10'000);  // no call waits: the replica may take its time to fill
+  EXPECT_TRUE(driver.inbox(shard0).evictions.empty());
+  driver.call(shard0, ListRequest{});
+  driver.advance(4'900);
+  EXPECT_TRUE(driver.inbox(shard0).evictions.empty());
+  driver.advance(200);
+  ASSERT_EQ(driver.inbox(shard0).evictions.size(), 1u);
+  EXPECT_EQ(driver.inbox(shard0).evictions[0].reason, Errc::kBarrierTimeout);
+  EXPECT_TRUE(driver.hub().snapshot("m")->replicas.empty()) << "the replica is gone";
+}
+
 TEST(HubSettingsTest, InvalidSettingsAreRejected) {
   HubSettings settings;
   settings.fanout_max = 0;

@@ -70,7 +70,11 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
     // The same open again (its session and number) is answered again; an open of a newer session
     // ends the old binding (the hub evicts that replica), which the Evicted effects report; one of
     // an older session is refused.
-    if (found->second.open_session == session && found->second.open_seq == seq) return;
+    if (found->second.open_session == session && found->second.open_seq == seq) {
+      // After an eviction (of which the client may not know yet) the hub takes it as a new open.
+      if (request.resume && !found->second.bound) announced_[client] = *request.resume;
+      return;
+    }
     if (session < found->second.open_session) return;
     if (found->second.bound) leave(client);
   }
@@ -446,6 +450,7 @@ void Observer::on_server_reset(bool answers_delivered) {
     replica.failed.reset();
     replica.pending_update_seqs.clear();
     replica.update_wrote = false;
+    replica.bound.clear();  // the new server binds the shards anew
   }
   for (auto& [client, info] : clients_) info.bound = false;
 }

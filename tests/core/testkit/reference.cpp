@@ -162,7 +162,12 @@ bool Reference::smart_skip(const Replica& reader, Version version, bool* unsure)
       complete_here = true;
     }
     if (replica.offloads.contains(version) && !replica.failed_offloads.contains(version)) {
-      complete_here = true;
+      // Unless the hub may be releasing it (it then takes no new reader).
+      if (offload_may_go(reader.model, version)) {
+        *unsure = true;
+      } else {
+        complete_here = true;
+      }
     }
     if (replica.holding == Holding::kReceiving && replica.version == version && !replica.failed) {
       for (const auto& [transfer_key, transfer] : transfers_) {
@@ -173,6 +178,38 @@ bool Reference::smart_skip(const Replica& reader, Version version, bool* unsure)
     }
   }
   return !complete_here && seeding;
+}
+
+// Whether a rule keeps `version`: pinned by an open shard, or among the k+1 newest versions that
+// exist for a shard that keeps the latest k.
+bool Reference::retained(const std::string& model, Version version) const {
+  const auto found = existing_.find(model);
+  std::size_t newer = 0;
+  if (found != existing_.end()) {
+    newer = static_cast<std::size_t>(std::distance(found->second.upper_bound(version), found->second.end()));
+  }
+  for (const auto& [id, client] : clients_) {
+    if (!client.bound || client.open.model != model) continue;
+    const Retention& rule = client.open.retention;
+    if (std::find(rule.pinned.begin(), rule.pinned.end(), version) != rule.pinned.end()) return true;
+    if (rule.keep_latest && newer <= *rule.keep_latest) return true;
+  }
+  return false;
+}
+
+// An offload copy the hub may have begun to release: another safe copy of its version exists, or
+// the version left retention.
+bool Reference::offload_may_go(const std::string& model, Version version) const {
+  std::size_t offloads = 0;
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != model || !present(replica)) continue;
+    if (!replica.spot && replica.holding == Holding::kComplete && replica.version == version &&
+        !replica.failed) {
+      return true;
+    }
+    offloads += replica.offloads.contains(version) && !replica.failed_offloads.contains(version);
+  }
+  return offloads > 1 || !retained(model, version);
 }
 
 std::optional<bool> Reference::predicate_holds(const std::string& model,
@@ -424,7 +461,10 @@ void Reference::on_report(const Report& report) {
           done->epoch > transfer.epoch) {
         continue;
       }
-      if (done->epoch == transfer.epoch && !transfer.started.test(shard)) continue;
+      // A shard done in the current epoch counts only while the transfer has its source (the hub
+      // forgets who read what when it detaches one); done in an earlier epoch, it counts once
+      // the transfer reads from a new source.
+      if (done->epoch == transfer.epoch && (!transfer.started.test(shard) || !transfer.attached)) continue;
       transfer.done.set(shard);
       if (auto call = replica->calls.find(transfer.call); call != replica->calls.end()) {
         call->second.done.set(shard);
@@ -566,11 +606,12 @@ void Reference::on_open_answer(ClientId client_id, const Reply& reply, TimeMs no
     fail("OpenOk tells latest " + (ok.latest ? std::to_string(*ok.latest) : "none") + ", not " +
          (latest(replica.model) ? std::to_string(*latest(replica.model)) : "none"));
   }
-  if (!client.resume || !replica.resuming) {
+  if (!replica.resuming) {
     if (!replica.whole && replica.bound.size() == replica.num_shards) become_whole(replica, now_ms);
     return;
   }
-  replica.whole = true;  // the barrier let every shard in
+  // The barrier let every shard in (this one may have opened afresh and joined it).
+  replica.whole = true;
   // A replica back after a failover: once its shards are let in, what every shard announced is
   // what it holds; an announcement of only some shards (a call in flight) the model does not
   // follow.
@@ -994,7 +1035,7 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
         timeout_ms = wait->timeout_ms;
         std::optional<Errc> error;
         if (predicate_holds(replica.model, wait->predicate, &error) == true) {
-          fail(what + " is not answered though its predicate holds");
+          fail(what + " is not answered though its predicate holds (" + describe_holders(replica.model) + ")");
         }
       }
       if (tick && timeout_ms > 0 && now_ms >= call.arrived_ms + timeout_ms) {
@@ -1015,6 +1056,20 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
     });
     it = back ? unsure_models_.erase(it) : std::next(it);
   }
+}
+
+// What the model thinks each replica of `model` holds, for failure messages.
+std::string Reference::describe_holders(const std::string& model) const {
+  static constexpr const char* kHoldings[] = {"nothing", "publishing", "receiving", "complete", "draining"};
+  std::string text;
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != model || !present(replica)) continue;
+    if (!text.empty()) text += ", ";
+    text += replica.name + " " + kHoldings[static_cast<int>(replica.holding)];
+    if (replica.holding != Holding::kNone) text += " v" + std::to_string(replica.version);
+    if (replica.failed) text += " reported";
+  }
+  return text;
 }
 
 void Reference::on_server_restart() {

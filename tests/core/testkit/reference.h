@@ -170,11 +170,14 @@ class Reference : public StepWatcher {
   std::optional<Version> latest(const std::string& model) const;
   bool has_bytes(const std::string& model, Version version, bool* unsure) const;
   bool smart_skip(const Replica& reader, Version version, bool* unsure) const;
+  bool retained(const std::string& model, Version version) const;
+  bool offload_may_go(const std::string& model, Version version) const;
   std::optional<bool> predicate_holds(const std::string& model, const WaitPredicate& predicate,
                                       std::optional<Errc>* error) const;
   bool model_unsure(const std::string& model) const;
   static bool present(const Replica& replica) { return !replica.bound.empty() || replica.resuming; }
   std::string key_of(const Replica& replica) const;
+  std::string describe_holders(const std::string& model) const;
 
   HubSettings settings_;
   std::map<ClientId, Client> clients_;

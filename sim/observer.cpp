@@ -77,6 +77,7 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
     }
     if (session < found->second.open_session) return;
     if (found->second.bound) leave(client);
+    drop_grants_of(client);  // a new session: the client revoked every grant of the old one
   }
   const std::string key = replica_key(request);
   clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false};
@@ -377,9 +378,13 @@ void Observer::on_effects(const Effects& effects) {
             offload->second.complete = false;
             offload->second.released = true;
           } else if constexpr (std::is_same_v<T, Evicted>) {
+            // About the binding of an earlier open of this client (the one that ended it, a newer
+            // session or incarnation, was seen already): nothing of the current one changes.
+            auto found = clients_.find(client);
+            if (found != clients_.end() && effect.session < found->second.open_session) return;
             drop_grants_of(client);
             announced_.erase(client);  // what it held went with it; a new shard announces anew
-            if (auto found = clients_.find(client); found != clients_.end()) {
+            if (found != clients_.end()) {
               leave(client);
               ReplicaInfo& replica = replicas_[found->second.replica_key];
               replica.held.reset();

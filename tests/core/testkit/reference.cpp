@@ -687,11 +687,18 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
   reader->drain_unsure = false;
 }
 
-void Reference::evict(const std::string& key) {
+void Reference::evict(const std::string& evicted) {
+  const std::string key = evicted;  // a copy: callers pass a client's key, which is cleared below
   auto found = replicas_.find(key);
   if (found == replicas_.end()) return;
   for (auto& [id, client] : clients_) {
-    if (client.key == key) client.bound = false;
+    if (client.key != key) continue;
+    // Gone with it: what it announced no longer counts for a replica of the same name (and
+    // incarnation) that opens later.
+    client.bound = false;
+    client.key.clear();
+    client.resume.reset();
+    client.waiting.reset();
   }
   std::erase_if(transfers_, [&](const auto& entry) { return entry.second.reader == key; });
   for (auto& [transfer_key, transfer] : transfers_) {
@@ -782,7 +789,8 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
          std::to_string(call.arrived_ms) + " ms; versions it may read:" + allowed +
          (call.moves ? "; moves" : "") + (call.read_started ? "; read" : "") +
          (call.may_unavailable ? "; may be unavailable" : "") +
-         (call.may_not_found ? "; may be not found" : "") + "]");
+         (call.may_not_found ? "; may be not found" : "") + "; holders: " +
+         describe_holders(replica.model) + "]");
   };
   const std::optional<Errc> error = error_of(outcome);
   const ShardSet everyone = all_shards(replica.num_shards);
@@ -1068,6 +1076,8 @@ std::string Reference::describe_holders(const std::string& model) const {
     text += replica.name + " " + kHoldings[static_cast<int>(replica.holding)];
     if (replica.holding != Holding::kNone) text += " v" + std::to_string(replica.version);
     if (replica.failed) text += " reported";
+    for (const auto& [version, copy] : replica.offloads) text += " offload v" + std::to_string(version);
+    for (const auto& [version, copy] : replica.offloading) text += " offloading v" + std::to_string(version);
   }
   return text;
 }

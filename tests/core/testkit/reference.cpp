@@ -692,7 +692,7 @@ void Reference::evict(const std::string& evicted) {
   auto found = replicas_.find(key);
   if (found == replicas_.end()) return;
   for (auto& [id, client] : clients_) {
-    if (client.key != key) continue;
+    if (client.key != key || !client.bound) continue;  // (one not bound may be opening anew)
     // Gone with it: what it announced no longer counts for a replica of the same name (and
     // incarnation) that opens later.
     client.bound = false;

@@ -12,17 +12,28 @@
 // Calls and how they block (a reply is an Effect carrying a Reply with the request's seq):
 //   open       immediate, except when resuming after a failover: waits until every shard re-opened
 //              (Errc::kBarrierTimeout after settings.barrier_timeout_ms)
+//   (any call) taken only once every shard of the replica has opened: until then it waits, and if
+//              the others do not open within settings.barrier_timeout_ms of the first call that
+//              waits, the replica is evicted with kBarrierTimeout
 //   publish    when every shard of the replica has published (the version is then visible)
 //   unpublish  when no transfer reads the replica's copy any more, after an offload if retention needs
 //   replicate  when the version exists and every shard has received it; a lost version fails with
-//              kVersionUnavailable; an optional timeout fails with kTimeout
+//              kVersionUnavailable; an optional timeout fails with kTimeout. `latest-k` is the k-th
+//              newest version that exists (was ever complete), whatever the numbers skipped. With
+//              smart skipping, readers do not pipeline behind a copy still seeding across
+//              datacenters: they wait for it, then read at local speed
 //   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate;
 //              if it fails before the shards were told to read (no StartRead), the replica still
-//              holds its previous version; once reading began, it holds nothing
+//              holds its previous version; once reading began, it holds nothing. UpdateOk names
+//              the version held afterwards, or none (holding nothing is not version 0)
 //   list       immediate
-//   wait       when the predicate holds (or its timeout, or kVersionUnavailable)
+//   wait       when the predicate holds (or its timeout, or kVersionUnavailable). kRoleHolds is
+//              not vacuous: it holds only once some open replica plays the role and every such
+//              replica holds the version or a newer one
 //   close      when the replica's copies have drained; a departure: no offload is made, since it
-//              would live in the memory of the process that leaves
+//              would live in the memory of the process that leaves. Refused (kLastRetainedCopy)
+//              while the replica holds the last non-spot copy of a version another replica's
+//              rule retains: the application hands it on (or waits for that rule to go) first
 // Every call of a replica is a transaction: its shards get identical answers.
 #pragma once
 

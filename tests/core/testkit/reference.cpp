@@ -299,12 +299,10 @@ void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs 
   client.resume = open.resume;
   client.waiting.reset();
   Replica& replica = replica_for(client);
-  // A shard that made no call and holds nothing joins a replica whose shards opened afresh, and
-  // are not all in yet, as if it opened afresh too.
-  if (open.resume && open.resume->nothing() && request.seq == 0 && !replica.bound.empty() &&
-      !replica.resuming && !replica.whole) {
-    client.resume.reset();
-  }
+  // A resume never joins a replica that is live (some shard in, no barrier): the hub refuses it,
+  // or, for a shard that made no call and holds nothing while its peers are not all in yet, lets
+  // it join as if it opened afresh.
+  if (client.resume && !replica.bound.empty() && !replica.resuming) client.resume.reset();
   if (client.resume) {
     replica.resuming = true;
     unsure_models_.insert(open.model);

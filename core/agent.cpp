@@ -276,9 +276,14 @@ void ShardAgent::finish_call(const Outcome& outcome) {
           held_.reset();
           revoke_grants(primary);
         } else if constexpr (std::is_same_v<T, Error>) {
-          if (call.writes) held_.reset();  // a failed receive leaves the buffers holding nothing
-          // The hub holds nothing of this replica's as published: no longer announce it.
-          if (value.code == Errc::kNotPublished) held_.reset();
+          // A failed receive leaves the buffers holding nothing, and an error kNotPublished says
+          // the hub holds nothing of this replica's as published: either way the buffers are the
+          // application's again, so no grant to read them may stand (its StopServing may be late
+          // or lost with a connection).
+          if (call.writes || value.code == Errc::kNotPublished) {
+            held_.reset();
+            revoke_grants(primary);
+          }
         } else if constexpr (std::is_same_v<T, CloseOk>) {
           held_.reset();
           revoke_grants();

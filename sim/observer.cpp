@@ -252,6 +252,9 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     violation("integrity: shard " + std::to_string(info.shard) + " of " + info.replica_key +
               " was told its close returned while a reader may still read its buffers");
   }
+  // The shard left: what it announced at a resume went with it (a replica of the same name and
+  // incarnation that opens later holds only what its own shards announce).
+  if (std::holds_alternative<CloseOk>(outcome)) announced_.erase(client);
   if (!first) return;
   // State changes, once per call of the replica.
   auto completed = [&](Version version) {

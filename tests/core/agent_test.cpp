@@ -392,6 +392,21 @@ TEST_F(AgentTest, ServesOnlyWhatItHoldsOrReceives) {
   EXPECT_EQ(only<GrantServe>(hub(ServeRead{6, 1, 6, CopyKind::kPrimary, 0, "e"})).grant.transfer, 6u);
 }
 
+// Property-test find (AgentModel, lossy network): the hub's StopServing for a pipelined read was
+// lost, the receive failed, and the application wrote the buffers while the grant still stood.
+TEST_F(AgentTest, AFailedReceiveRevokesTheGrantsToPipelineFromIt) {
+  open();
+  call(UpdateRequest{Selector::latest(), layout_});
+  hub(start_read(1, 1, 3));
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{2, 1, 3, CopyKind::kPrimary, 0, "downstream"})).grant.transfer,
+            2u);
+  // No StopServing: the answer alone gives the buffers back to the application.
+  const AgentEffects failed = reply(1, Error{Errc::kVersionUnavailable, "no copy is left"});
+  EXPECT_EQ(only<RevokeServe>(failed).transfer, 2u);
+  EXPECT_FALSE(agent_.held().has_value());
+  EXPECT_TRUE(hub(ServeRead{3, 1, 3, CopyKind::kPrimary, 0, "late"}).empty());
+}
+
 TEST_F(AgentTest, ReadsOnlyInsideAReadingCallAndReportsOnce) {
   open();
   EXPECT_TRUE(hub(start_read(1, 1, 2)).empty());  // no replicate/update in flight: stale

@@ -50,7 +50,7 @@ std::ostream& operator<<(std::ostream& out, const ClusterAction& action) {
   static constexpr const char* kNames[] = {"plan",      "step",      "step-all", "deliver",
                                            "deliver-all", "drop",    "duplicate", "finish-read",
                                            "fail-read", "offload",   "crash",    "tick",
-                                           "failover",  "burst"};
+                                           "failover",  "burst",     "crash-source"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -81,6 +81,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         {5, ClusterAction::Kind::kTick},
         {1 * faults, ClusterAction::Kind::kFailover},
         {4, ClusterAction::Kind::kBurst},
+        {2 * faults, ClusterAction::Kind::kCrashSource},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -110,6 +111,9 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         break;
       case ClusterAction::Kind::kCrash:
         action.b = *rc::gen::inRange<std::uint32_t>(0, 2);
+        break;
+      case ClusterAction::Kind::kCrashSource:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, 4);
         break;
       case ClusterAction::Kind::kTick:
         action.a = *rc::gen::inRange<std::uint32_t>(1, 16);
@@ -207,6 +211,20 @@ void Cluster::apply(const ClusterAction& action) {
     case ClusterAction::Kind::kFailover:
       failover();
       break;
+    case ClusterAction::Kind::kCrashSource: {
+      std::vector<std::uint32_t> sources;
+      for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+        if (runs_[replica].crashed) continue;
+        for (int w : runs_[replica].workers) {
+          if (workers_[w].alive && !workers_[w].grants.empty()) {
+            sources.push_back(replica);
+            break;
+          }
+        }
+      }
+      if (!sources.empty()) crash(sources[action.a % sources.size()], /*connection_lost=*/true);
+      break;
+    }
     case ClusterAction::Kind::kBurst:
       for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
         if (spec_.replicas[replica].trainer) continue;
@@ -408,7 +426,15 @@ void Cluster::deliver(std::size_t index) {
   if (client == clients_.end()) return;
   Worker& worker = workers_[client->second];
   if (!worker.alive || worker.client != packet.client) return;  // a process that is gone
-  agent_step(client->second, FromHub{packet.server, std::get<Effect>(packet.message)});
+  const Effect& effect = std::get<Effect>(packet.message);
+  if (packet.server == worker.agent->server() && effect.session == worker.agent->session()) {
+    if (const auto* stop = std::get_if<StopServing>(&effect.message)) {
+      worker.withdrawn.insert({stop->transfer, stop->epoch});
+    } else if (const auto* release = std::get_if<ReleaseOffload>(&effect.message)) {
+      worker.released[release->version] = release->copy;
+    }
+  }
+  agent_step(client->second, FromHub{packet.server, effect});
 }
 
 void Cluster::deliver_all(std::size_t max) {
@@ -520,6 +546,15 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
           packet.message = e.request;
           network_.push_back(std::move(packet));
         } else if constexpr (std::is_same_v<T, SendReport>) {
+          if (const auto* offloaded = std::get_if<OffloadDone>(&e.report.body)) {
+            // Only a copy of the version itself: one of buffers that moved on while it was made
+            // holds other bytes.
+            if (!worker.offload_copies.contains(offloaded->version)) {
+              fail(who + " reports an offload copy of version " + std::to_string(offloaded->version) +
+                   " it does not have");
+            }
+            worker.offload_ids[offloaded->version] = offloaded->copy;
+          }
           if (std::holds_alternative<Heartbeat>(e.report.body)) {
             hub_step(e.server, e.report);  // heartbeats do not queue behind the test's choices
             return;
@@ -551,6 +586,10 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
         } else if constexpr (std::is_same_v<T, CancelRead>) {
           worker.reads.erase(e.transfer);
         } else if constexpr (std::is_same_v<T, GrantServe>) {
+          if (worker.withdrawn.contains({e.grant.transfer, e.grant.epoch})) {
+            fail(who + " serves transfer " + std::to_string(e.grant.transfer) + " (epoch " +
+                 std::to_string(e.grant.epoch) + ") after the hub withdrew it (a stale grant)");
+          }
           if (e.grant.kind == CopyKind::kPrimary && worker.content != e.grant.version) {
             fail(who + " grants reads of version " + std::to_string(e.grant.version) +
                  " from buffers that hold " + (worker.content ? std::to_string(*worker.content) : "nothing"));
@@ -565,6 +604,17 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
         } else if constexpr (std::is_same_v<T, MakeOffload>) {
           worker.making.push_back(e.version);
         } else if constexpr (std::is_same_v<T, FreeOffload>) {
+          // A kept copy goes only when the hub releases that very copy, or when the shard leaves
+          // or starts over (closed or evicted: every copy goes).
+          const AgentPhase phase = worker.agent->phase();
+          auto id = worker.offload_ids.find(e.version);
+          auto released = worker.released.find(e.version);
+          if (worker.offload_copies.contains(e.version) && phase == AgentPhase::kOpen &&
+              id != worker.offload_ids.end() &&
+              (released == worker.released.end() || released->second != id->second)) {
+            fail(who + " frees its offload copy of version " + std::to_string(e.version) +
+                 " (copy " + std::to_string(id->second) + ") that the hub did not release");
+          }
           for (const auto& [key, grant] : worker.grants) {
             if (grant.kind == CopyKind::kOffload && grant.version == e.version) {
               fail(who + " frees its offload copy of version " + std::to_string(e.version) +

@@ -52,6 +52,7 @@ struct ClusterAction {
     kTick,        // a * 100 ms pass
     kFailover,    // the active server dies; clients fail over to a fresh one
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps: a step boundary
+    kCrashSource, // the a-th replica that serves a read dies, its connections dropping
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -112,6 +113,10 @@ class Cluster {
     std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;  // the data server's
     std::map<TransferId, StartRead> reads;                             // reads in progress
     std::vector<Version> making;                                       // offload copies asked for
+    // What the hub told it, as delivered: grants withdrawn, offload copies named and released.
+    std::set<std::pair<TransferId, std::uint32_t>> withdrawn;
+    std::map<Version, std::uint64_t> offload_ids;  // the copy it last reported, per version
+    std::map<Version, std::uint64_t> released;     // the last ReleaseOffload, per version
     // The application.
     bool opened = false;
     bool in_call = false;

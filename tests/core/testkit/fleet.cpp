@@ -71,7 +71,7 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
 std::ostream& operator<<(std::ostream& out, const Action& action) {
   static constexpr const char* kNames[] = {"plan",  "step", "step-all", "finish-read", "fail-read",
                                            "offload", "crash", "tick",  "diverge",   "failover",
-                                           "burst"};
+                                           "burst", "crash-source"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -98,6 +98,7 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         {1 * closes, Action::Kind::kDiverge},
         {1 * faults, Action::Kind::kFailover},
         {4, Action::Kind::kBurst},
+        {2 * faults, Action::Kind::kCrashSource},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -126,6 +127,9 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         break;
       case Action::Kind::kCrash:
         action.b = *rc::gen::inRange<std::uint32_t>(0, 2);
+        break;
+      case Action::Kind::kCrashSource:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, 4);
         break;
       case Action::Kind::kTick:
         action.a = *rc::gen::inRange<std::uint32_t>(1, 16);
@@ -234,6 +238,21 @@ void Fleet::apply(const Action& action) {
         }
       }
       break;
+    case Action::Kind::kCrashSource: {
+      std::vector<std::uint32_t> sources;
+      for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
+        const ReplicaRun& run = runs_[replica];
+        if (run.crashed || run.shards[0].client == 0) continue;
+        if (!driver_.inbox(run.shards[0].client).grants.empty()) sources.push_back(replica);
+      }
+      if (sources.empty()) break;
+      Action crash;
+      crash.kind = Action::Kind::kCrash;
+      crash.a = sources[action.a % sources.size()];
+      crash.b = 1;
+      apply(crash);
+      break;
+    }
   }
   pump();
 }

@@ -60,6 +60,8 @@ struct Action {
     kFailover,    // the server dies; a fresh one takes over and every live shard re-opens
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps at once: a
                   // step boundary, where readers chain into pipelines
+    kCrashSource, // the a-th replica that serves a read dies, its connection dropping: the copies
+                  // pipelining from it lose their root mid-transfer (DESIGN.md §5.6)
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;

@@ -653,6 +653,7 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
   if (call == reader->calls.end()) fail("a StartRead names call " + std::to_string(read.call) +
                                         ", which " + reader->name + " did not make");
   Transfer& transfer = transfers_[{clients_.at(client_id).key, read.call}];
+  const bool assigned = read.epoch > transfer.epoch;  // a source chosen now, not told again
   if (read.epoch > transfer.epoch) {
     transfer.epoch = read.epoch;
     transfer.stopped.reset();
@@ -677,6 +678,24 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
     fail(reader->name + " is told to read version " + std::to_string(read.version) + " for call " +
          std::to_string(read.call) + ", whose selector names " +
          std::to_string(*call->second.allowed.begin()));
+  }
+  // Smart skipping (paper §4.3.4), for replicate as for update: nobody starts to pipeline from a
+  // copy that is itself still receiving across datacenters. (One already pipelining when its
+  // source turned to another datacenter goes on: the bytes it has are not read again.)
+  if (assigned && settings_.smart_skipping && read.source.partial &&
+      read.source.kind == CopyKind::kPrimary) {
+    auto source = replicas_.find(transfer.source);
+    for (const auto& [key, upstream] : transfers_) {
+      if (source == replicas_.end() || upstream.reader != transfer.source || !upstream.attached ||
+          (upstream.started & ~upstream.done).none()) {
+        continue;
+      }
+      if (upstream.source_dc != source->second.datacenter) {
+        fail(reader->name + " pipelines version " + std::to_string(read.version) + " from " +
+             read.source.replica + ", which still seeds it from datacenter '" + upstream.source_dc +
+             "' (smart skipping)");
+      }
+    }
   }
   // The old copy of a moving update is gone once the new one is read into the buffers.
   if (reader->holding != Holding::kReceiving) reader->failed = false;
@@ -752,15 +771,21 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   call->second.answered.set(shard);
   client->second.last_answer = std::pair{reply.seq, reply.outcome};
   if (std::holds_alternative<CloseOk>(reply.outcome)) {
-    // The shard leaves; the last one to leave takes the replica with it.
+    // The shard leaves; the last one to leave takes the replica with it. What it announced no
+    // longer counts for a replica of the same name that opens later.
     client->second.bound = false;
+    client->second.key.clear();
+    client->second.resume.reset();
     replica->bound.erase(shard);
     if (replica->bound.empty() && !replica->resuming) {
       evict(key_of(*replica));
       return;
     }
   }
-  if (call->second.answer) {
+  // The first answer that is the replica's (not an exit error told to one shard, such as "closed"
+  // to a shard that diverged from a close) is the one the model applies.
+  if (call->second.answer && (exit_error(*call->second.answer) == exit_error(reply.outcome) ||
+                              exit_error(reply.outcome))) {
     // Replica consistency (§5.3): every shard gets the first shard's answer.
     if (!exit_error(reply.outcome) && !exit_error(*call->second.answer) &&
         !same_answer(reply.outcome, *call->second.answer)) {
@@ -936,6 +961,14 @@ bool Reference::refresh(Replica& replica, Call& call) {
 }
 
 void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome) {
+  // An answer given after a shard already made a later call (after a failover, the shards behind
+  // are told what the others were told before it) changes nothing: that later call decided what
+  // the replica holds since.
+  const auto later = replica.calls.upper_bound(seq);
+  if (call.seeded && later != replica.calls.end() && later->second.arrived.any()) {
+    transfers_.erase({key_of(replica), seq});
+    return;
+  }
   auto hold = [&](Version version) {
     // A copy a reader reported while it was received stays reported once complete.
     if (replica.holding != Holding::kReceiving || replica.version != version) replica.failed = false;

@@ -423,8 +423,10 @@ void ShardAgent::on_stop_serving(const StopServing& stop) {
 
 void ShardAgent::on_offload(const Offload& offload) {
   if (auto made = offloads_.find(offload.version); made != offloads_.end()) {
-    // Made before (for an earlier instruction, or announced to a new server): it is this copy now.
+    // Made before (for an earlier instruction, or announced to a new server): it is this copy now,
+    // and a report under its old id no longer says anything (one report per copy is pending).
     made->second.copy = offload.copy;
+    drop_offload_reports(offload.version);
     report(OffloadDone{offload.version, offload.copy});
     return;
   }
@@ -467,10 +469,7 @@ void ShardAgent::on_release_offload(const ReleaseOffload& release) {
   revoke_grants([&](const ServeRead& grant) {
     return grant.kind == CopyKind::kOffload && grant.version == release.version;
   });
-  std::erase_if(reports_, [&](const PendingReport& pending) {
-    const auto* done = std::get_if<OffloadDone>(&pending.body);
-    return done != nullptr && done->version == release.version && done->copy == release.copy;
-  });
+  drop_offload_reports(release.version);  // under any id: the copy is freed
   offloads_.erase(made);
   emit(FreeOffload{release.version});
 }
@@ -517,6 +516,13 @@ void ShardAgent::report(ReportBody body) {
   emit(SendReport{server_, Report{config_.client, body, session_}});
   reports_.push_back(PendingReport{std::move(body), now_ms_ + config_.retry_initial_ms,
                                    config_.retry_initial_ms});
+}
+
+void ShardAgent::drop_offload_reports(Version version) {
+  std::erase_if(reports_, [&](const PendingReport& pending) {
+    const auto* done = std::get_if<OffloadDone>(&pending.body);
+    return done != nullptr && done->version == version;
+  });
 }
 
 void ShardAgent::drop_reports(TransferId transfer) {

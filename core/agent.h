@@ -197,7 +197,8 @@ class ShardAgent {
   void revoke_grants(const std::function<bool(const ServeRead&)>& match = {});
   void cancel_reads();
   void report(ReportBody body);
-  void drop_reports(TransferId transfer);
+  void drop_reports(TransferId transfer);      // the failure reports of a transfer
+  void drop_offload_reports(Version version);  // the OffloadDone reports of a version
   bool reading_call() const;
   void emit(AgentEffect effect) { effects_->push_back(std::move(effect)); }
 

@@ -239,8 +239,11 @@ void Hub::on_drained(Copy& copy) {
           set_state(*releasing, CopyState::kComplete);
         } else {
           if (Copy* failed = failed_offload(owner, copy.record->version)) {
-            emit_to_replica(owner, ReleaseOffload{failed->record->version, failed->id});
+            // Its readers (one may read it as a last resort) are told to stop before the shards
+            // free its memory.
+            const ReleaseOffload release{failed->record->version, failed->id};
             remove_copy(*failed);
+            emit_to_replica(owner, release);
           }
           Copy& offload = start_offload(owner, *copy.record);
           copy.awaiting_offload = offload.id;

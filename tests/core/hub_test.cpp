@@ -1432,6 +1432,49 @@ TEST(HubRegression, AnUnpublishReplacesAnOffloadCopyAReaderReported) {
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
 }
 
+// Soak find (AgentModel, lossy network): the reported offload copy an unpublish replaces was
+// released while a reader still read it as its last resort. The reader is told to stop first.
+TEST(HubRegression, AReplacedOffloadCopysReaderStopsBeforeTheCopyIsReleased) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t", 1);
+  spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  // t reads version 1 back from its offload copy and reports that copy.
+  driver.call_all(t, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto read = read_of(driver, t[0]);
+  ASSERT_TRUE(read && read->source.kind == CopyKind::kOffload);
+  driver.report(t[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
+  // A reader pipelining from t's buffers reports them too, and once t is done goes on from the
+  // reported offload copy: the last resort when no copy is trusted.
+  ReplicaSpec r_spec = rollout("r", 1);
+  r_spec.spot = true;
+  const auto r = driver.open_replica(r_spec);
+  driver.call_all(r, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto pipelined = read_of(driver, r[0]);
+  ASSERT_TRUE(pipelined && pipelined->source.replica == "t" && pipelined->source.partial);
+  driver.report(r[0], TransferFailed{pipelined->transfer, pipelined->epoch, ReadFailure::kSourceUnreachable});
+  driver.finish_reads(t);
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(t)));
+  const auto from_offload = read_of(driver, r[0]);
+  ASSERT_TRUE(from_offload && from_offload->epoch > pipelined->epoch);
+  ASSERT_EQ(from_offload->source.kind, CopyKind::kOffload);
+  // t unpublishes: the reported copy is replaced while r still reads it. (The outside observer
+  // fails the step if the copy is released while r's grant to read it stands.)
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1}) << "the reported copy goes";
+  EXPECT_EQ(driver.inbox(t[0]).offloads, std::vector<Version>{1}) << "a new one is made";
+  driver.finish_offloads(t);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  const auto last = read_of(driver, r[0]);
+  ASSERT_TRUE(last && last->epoch > from_offload->epoch) << "r reads from another copy";
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<UpdateOk>(driver.replies(r)));
+}
+
 // A shard that never opens cannot keep its peers' calls waiting for ever.
 TEST(HubOpen, ACallWaitsForMissingShardsOnlyUntilTheBarrierTimeout) {
   HubSettings settings;

@@ -126,6 +126,7 @@ void ShardAgent::open(bool resume) {
     request.resume = std::move(announced);
   } else {
     last_seq_ = 0;
+    start_open_ = true;
   }
   open_request_ = Request{config_.client, last_seq_, std::move(request), session_};
   emit(SendRequest{server_, *open_request_});
@@ -179,12 +180,14 @@ void ShardAgent::on_reply(const Reply& reply) {
     TH_ASSERT(open_request_.has_value(), "an open in flight is remembered");
     // The application's open begins a run of the replica's program even when it resumed (it may
     // have reached the previous server); so does a re-open after the shards diverged.
-    const bool fresh =
-        open_call_id_.has_value() || std::get<OpenRequest>(open_request_->body).resume == nullptr;
+    // (A start-over open sent again as a resume after a failover, holding nothing at call 0, is
+    // still one.)
+    const bool fresh = open_call_id_.has_value() || start_open_;
     open_request_.reset();
     if (std::holds_alternative<OpenOk>(reply.outcome)) {
       phase_ = AgentPhase::kOpen;
       if (fresh) ++starts_;
+      start_open_ = false;
       reopen_backoff_ms_ = 0;
       next_heartbeat_ms_ = now_ms_;
       if (open_call_id_) {

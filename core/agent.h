@@ -209,6 +209,9 @@ class ShardAgent {
   std::uint64_t session_ = 0;
   std::uint64_t last_seq_ = 0;    // the last call the hub answered
   std::uint64_t starts_ = 0;
+  // The open in flight begins a run of the replica's program (sequence from 0, nothing announced),
+  // until an OpenOk: a failover re-sends it as a resume holding nothing, and it still counts.
+  bool start_open_ = false;
   std::optional<TxnRecord> last_txn_;
   std::optional<std::uint64_t> open_call_id_;  // the application's open, until it is answered
   // The replica was evicted: re-open as the next incarnation. Every shard learns this from the same

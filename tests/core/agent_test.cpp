@@ -325,6 +325,28 @@ TEST_F(AgentTest, DivergentCallStartsOverWithNothingAnnounced) {
   EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 1u);
 }
 
+// Soak find (AgentModel, lossy network): the server failed over while a start-over open was in
+// flight; the open went again as a resume and the new run was not counted, so the application's
+// checks took the first call of the new run for the first call of the old one.
+TEST_F(AgentTest, AStartOverOpenResentAfterAFailoverStillStartsARun) {
+  open();
+  publish(1, 4);
+  call(ListRequest{});
+  reply(2, make_error(Errc::kDivergentCall, "other shards differ"));
+  const std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
+  ASSERT_EQ(sent.size(), 1u);
+  ASSERT_EQ(std::get<OpenRequest>(sent[0].body).resume, nullptr);
+  const std::vector<Request> again = requests(step(ServerLost{agent_.server()}));
+  ASSERT_EQ(again.size(), 1u);
+  const auto& reopen = std::get<OpenRequest>(again[0].body);
+  ASSERT_NE(reopen.resume, nullptr) << "the new server gathers the replica in its barrier";
+  EXPECT_FALSE(reopen.resume->primary.has_value());
+  EXPECT_EQ(again[0].seq, 0u);
+  open_reply(0, OpenOk{2, std::nullopt});
+  EXPECT_EQ(agent_.starts(), 2u);
+  EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 1u);
+}
+
 TEST_F(AgentTest, JoinsTheIncarnationTheHubNamesInsteadOfReplacingIt) {
   open();
   hub(Evicted{Errc::kReplicaEvicted, "heartbeat"});

@@ -94,6 +94,7 @@ void tally(Coverage& coverage, const Cluster& cluster) {
                 {"evictions", seen.evictions > 0},
                 {"lost messages", seen.lost > 0},
                 {"duplicated messages", seen.duplicated > 0},
+                {"late copies of old messages", seen.replayed > 0},
                 {"reordered messages", seen.reordered > 0},
                 {"selectors resolved", judged.resolutions > 0},
                 {"waits answered", judged.waits_answered > 0}});

@@ -50,7 +50,8 @@ std::ostream& operator<<(std::ostream& out, const ClusterAction& action) {
   static constexpr const char* kNames[] = {"plan",      "step",      "step-all", "deliver",
                                            "deliver-all", "drop",    "duplicate", "finish-read",
                                            "fail-read", "offload",   "crash",    "tick",
-                                           "failover",  "burst",     "crash-source"};
+                                           "failover",  "burst",     "crash-source",
+                                           "replay"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -82,6 +83,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         {1 * faults, ClusterAction::Kind::kFailover},
         {4, ClusterAction::Kind::kBurst},
         {2 * faults, ClusterAction::Kind::kCrashSource},
+        {2 * loss, ClusterAction::Kind::kReplay},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -114,6 +116,9 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         break;
       case ClusterAction::Kind::kCrashSource:
         action.a = *rc::gen::inRange<std::uint32_t>(0, 4);
+        break;
+      case ClusterAction::Kind::kReplay:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, 32);
         break;
       case ClusterAction::Kind::kTick:
         action.a = *rc::gen::inRange<std::uint32_t>(1, 16);
@@ -185,6 +190,14 @@ void Cluster::apply(const ClusterAction& action) {
       if (!network_.empty()) {
         network_.erase(network_.begin() + static_cast<std::ptrdiff_t>(action.a % network_.size()));
         ++coverage_.lost;
+      }
+      break;
+    case ClusterAction::Kind::kReplay:
+      if (!delivered_.empty()) {
+        Packet copy = delivered_[delivered_.size() - 1 - action.a % delivered_.size()];
+        copy.id = next_packet_++;
+        network_.push_back(std::move(copy));
+        ++coverage_.replayed;
       }
       break;
     case ClusterAction::Kind::kDuplicate:
@@ -427,6 +440,8 @@ void Cluster::deliver(std::size_t index) {
   Worker& worker = workers_[client->second];
   if (!worker.alive || worker.client != packet.client) return;  // a process that is gone
   const Effect& effect = std::get<Effect>(packet.message);
+  delivered_.push_back(packet);
+  if (delivered_.size() > kReplayWindow) delivered_.pop_front();
   if (packet.server == worker.agent->server() && effect.session == worker.agent->session()) {
     if (const auto* stop = std::get_if<StopServing>(&effect.message)) {
       worker.withdrawn.insert({stop->transfer, stop->epoch});

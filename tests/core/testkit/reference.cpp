@@ -102,7 +102,7 @@ bool Reference::model_unsure(const std::string& model) const { return unsure_mod
 
 // Whether some copy holds, or will hold without reading another, every byte of the version: a
 // complete copy (even one a reader reported), one being published, one draining (it serves its
-// readers to the end), an offload copy made or being made.
+// readers to the end; `unsure`: it may be gone), an offload copy made or being made.
 bool Reference::has_bytes(const std::string& model, Version version, bool* unsure) const {
   bool bytes = false;
   for (const auto& [key, replica] : replicas_) {
@@ -110,7 +110,9 @@ bool Reference::has_bytes(const std::string& model, Version version, bool* unsur
     const bool primary = replica.version == version && (replica.holding == Holding::kComplete ||
                                                         replica.holding == Holding::kPublishing ||
                                                         replica.holding == Holding::kDraining);
-    if (primary && replica.drain_unsure) *unsure = true;
+    // A draining copy (an unpublish, a close, an update's old copy) goes within the step once no
+    // reader is left: whether it is still there the model does not follow.
+    if (primary && (replica.drain_unsure || replica.holding == Holding::kDraining)) *unsure = true;
     bytes = bytes || primary || replica.offloads.contains(version) ||
             replica.offloading.contains(version);
   }

@@ -779,6 +779,9 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
     client->second.key.clear();
     client->second.resume.reset();
     replica->bound.erase(shard);
+    // Its replica is closing (also when the close was seeded after a failover and so never
+    // "arrived" here): it no longer counts for a role, and its other shards leave with it.
+    replica->closing = true;
     if (replica->bound.empty() && !replica->resuming) {
       evict(key_of(*replica));
       return;
@@ -910,7 +913,13 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
       const std::optional<bool> holds = predicate_holds(replica.model, predicate, &predicate_error);
       if (std::holds_alternative<WaitOk>(outcome)) {
         ++seen_.waits_answered;
-        if (holds == false) wrong("but its predicate does not hold");
+        if (holds == false) {
+          static constexpr const char* kKinds[] = {"version >=", "replicas hold", "role holds"};
+          wrong("but its predicate (" + std::string(kKinds[static_cast<int>(predicate.kind)]) + " v" +
+                std::to_string(predicate.version) + ", replicas " +
+                std::to_string(predicate.replicas_min) + ", role '" + predicate.role +
+                "') does not hold");
+        }
       } else if (error == Errc::kVersionUnavailable || error == Errc::kVersionNotFound) {
         if (holds == true) wrong("but its predicate holds");
       } else {

@@ -1,5 +1,6 @@
 #include "sim/observer.h"
 
+#include <algorithm>
 #include <iterator>
 #include <sstream>
 
@@ -108,7 +109,9 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
 
 void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& body) {
   auto found = clients_.find(client);
-  if (found == clients_.end() || !found->second.bound) return;
+  if (found == clients_.end()) return;
+  found->second.called_seq = std::max(found->second.called_seq, seq);
+  if (!found->second.bound) return;
   // A shard late to a call its replica already got the answer to changes nothing.
   if (answers_.contains({found->second.replica_key, seq})) return;
   ReplicaInfo& replica = replicas_[found->second.replica_key];
@@ -235,6 +238,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   }
   const bool first = !answers_.contains({info.replica_key, reply.seq});
   check_consistency(info, reply);
+  if (reply.seq < info.called_seq) return;  // an earlier call answered again: nothing happens
   const Outcome& outcome = reply.outcome;
   auto has_grant = [&](auto predicate) {
     for (const auto& [grant, serve] : grants_) {

@@ -49,6 +49,9 @@ class Observer {
     std::uint64_t open_session = 0;
     Retention retention;
     bool bound = false;  // from the OpenOk reply until eviction or close
+    // The latest call this client made: the hub answers a late retransmission of an earlier call
+    // again, which tells a client that moved on nothing (its agent ignores it).
+    std::uint64_t called_seq = 0;
   };
   struct ReplicaInfo {
     std::string model;

@@ -440,8 +440,11 @@ void Cluster::deliver(std::size_t index) {
   Worker& worker = workers_[client->second];
   if (!worker.alive || worker.client != packet.client) return;  // a process that is gone
   const Effect& effect = std::get<Effect>(packet.message);
-  delivered_.push_back(packet);
-  if (delivered_.size() > kReplayWindow) delivered_.pop_front();
+  // Instructions, not answers, are worth replaying: an agent tells a late answer by its number.
+  if (!std::holds_alternative<Reply>(effect.message)) {
+    delivered_.push_back(packet);
+    if (delivered_.size() > kReplayWindow) delivered_.pop_front();
+  }
   if (packet.server == worker.agent->server() && effect.session == worker.agent->session()) {
     if (const auto* stop = std::get_if<StopServing>(&effect.message)) {
       worker.withdrawn.insert({stop->transfer, stop->epoch});

@@ -54,7 +54,7 @@ struct ClusterAction {
     kFailover,    // the active server dies; clients fail over to a fresh one
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps: a step boundary
     kCrashSource, // the a-th replica that serves a read dies, its connections dropping
-    kReplay,      // the a-th of the last messages the hub sent arrives again, late (a stale copy)
+    kReplay,      // the a-th of the last instructions the hub sent arrives again, late (stale)
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -172,7 +172,7 @@ class Cluster {
   std::map<ClientId, int> clients_;
   ClientId next_client_ = 1;
   std::vector<Packet> network_;
-  // The last messages delivered to agents, for late copies of them (kReplay); a bounded window.
+  // The last instructions delivered to agents, for late copies of them (kReplay); a bounded window.
   static constexpr std::size_t kReplayWindow = 32;
   std::deque<Packet> delivered_;
   std::uint64_t next_packet_ = 1;

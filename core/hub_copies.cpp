@@ -119,7 +119,8 @@ Contribution Hub::contribution(const Copy& copy) const {
   c.safe_offload = c.complete && copy.kind == CopyKind::kOffload;
   c.servable = usable && (complete || active);
   // A seeder a reader reported as failed no longer counts: another may seed (DESIGN.md §5.5).
-  c.seeding = usable && active && copy.incoming != nullptr && copy.incoming->cross_dc;
+  c.crossing = active && copy.incoming != nullptr && copy.incoming->cross_dc;
+  c.seeding = usable && c.crossing;
   // The copies that hold, or will hold without reading another copy, every byte: every chain of
   // sources ends in one, or its readers are told the version is unavailable. A draining copy is
   // one (it serves its readers to the end, and they then hold the bytes; one without readers goes
@@ -148,6 +149,7 @@ void Hub::apply(Copy& copy, const Contribution& c, int sign) {
   add_count(sources.servable, c.servable, sign);
   add_count(sources.complete, c.complete, sign);
   add_count(sources.seeding, c.seeding, sign);
+  add_count(sources.crossing, c.crossing, sign);
   add_count(record.safe_primaries, c.safe_primary, sign);
   add_count(record.safe_offloads, c.safe_offload, sign);
   add_count(record.complete_primaries, c.complete_primary, sign);

@@ -82,6 +82,7 @@ struct Contribution {
   bool safe_offload = false;    // complete, not failed, offload
   bool root = false;            // holds, or will hold without reading another copy, every byte
   bool seeding = false;         // kActive, not failed, receiving from another datacenter
+  bool crossing = false;        // kActive, receiving from another datacenter (failed or not)
 
   friend bool operator==(const Contribution&, const Contribution&) = default;
 };
@@ -110,6 +111,9 @@ struct DcSources {
   std::uint32_t servable = 0;
   std::uint32_t complete = 0;
   std::uint32_t seeding = 0;
+  // Copies here that read across datacenters: while there is none, no copy here can be behind a
+  // seeder (the first crossing on any chain of sources from here is a copy here).
+  std::uint32_t crossing = 0;
 };
 
 struct VersionRecord {

@@ -170,8 +170,10 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   };
   // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
   // here wait until it is complete and then pipeline at local speed (paper §4.3.4).
+  const auto crossing_here = record.by_dc.find(dc);
+  const bool any_crossing_here = crossing_here != record.by_dc.end() && crossing_here->second.crossing > 0;
   auto behind_seeder = [&](const Copy* candidate) {
-    if (!settings_.smart_skipping) return false;
+    if (!settings_.smart_skipping || !any_crossing_here) return false;
     const Copy* at = candidate;
     for (std::size_t hops = 0; hops <= model.copies.size(); ++hops) {
       if (at->state != CopyState::kActive) return false;

@@ -28,6 +28,7 @@ struct DcCounts {
   std::uint32_t servable = 0;
   std::uint32_t complete = 0;
   std::uint32_t seeding = 0;
+  std::uint32_t crossing = 0;
 };
 struct RecordCounts {
   std::vector<DcCounts> by_dc;  // a handful of datacenters: a flat list
@@ -273,6 +274,7 @@ void Hub::check_invariants() const {
         sources.servable += c.servable;
         sources.complete += c.complete;
         sources.seeding += c.seeding;
+        sources.crossing += c.crossing;
         sums.safe_primaries += c.safe_primary;
         sums.safe_offloads += c.safe_offload;
         sums.complete_primaries += c.complete_primary;
@@ -284,7 +286,7 @@ void Hub::check_invariants() const {
         const DcCounts& want = found == nullptr ? none : *found;
         TH_ASSERT(sources.eligible.size() == want.eligible, "eligible sources of version", version);
         TH_ASSERT(sources.servable == want.servable && sources.complete == want.complete &&
-                      sources.seeding == want.seeding,
+                      sources.seeding == want.seeding && sources.crossing == want.crossing,
                   "datacenter counters of version", version);
         // Topology (§5.5): at most one seeding replica per datacenter per version at a time.
         TH_ASSERT(sources.seeding <= 1, "two seeding replicas in one datacenter");

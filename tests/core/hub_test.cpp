@@ -1395,31 +1395,41 @@ TEST(HubRegression, AShardWithNothingToResumeJoinsPeersThatOpenedAfresh) {
   EXPECT_TRUE(is<ListOk>(driver.replies({shard0, shard1})));
 }
 
+// Trainer t publishes version 1, unpublishes it (an offload copy keeps it), reads it back from
+// that copy and reports it; a spot rollout r pipelining from t's buffers reports them too, so no
+// copy of version 1 is trusted. Neither read is finished.
+void report_every_copy_of_version_1(Driver& driver, std::vector<ClientId>* t, std::vector<ClientId>* r,
+                                    StartRead* pipelined) {
+  ReplicaSpec spec = trainer("t", 1);
+  spec.retention.keep_latest = 0;
+  *t = driver.open_replica(spec);
+  driver.publish(*t, 1);
+  driver.call_all(*t, UnpublishRequest{});
+  driver.finish_offloads(*t);
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(*t)));
+  driver.call_all(*t, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto read = read_of(driver, (*t)[0]);
+  ASSERT_TRUE(read && read->source.kind == CopyKind::kOffload);
+  driver.report((*t)[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
+  ReplicaSpec r_spec = rollout("r", 1);
+  r_spec.spot = true;
+  *r = driver.open_replica(r_spec);
+  driver.call_all(*r, UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto from_buffers = read_of(driver, (*r)[0]);
+  ASSERT_TRUE(from_buffers && from_buffers->source.replica == "t" && from_buffers->source.partial);
+  driver.report((*r)[0], TransferFailed{from_buffers->transfer, from_buffers->epoch,
+                                        ReadFailure::kSourceUnreachable});
+  *pipelined = *from_buffers;
+}
+
 // Found by AgentModel (lossy): a trainer read its own offload copy back, a read of it failed, and
 // its next unpublish made a second offload copy of the version beside the reported one (the agent
 // keeps one per version). The reported copy, never read again, is released for the new one.
 TEST(HubRegression, AnUnpublishReplacesAnOffloadCopyAReaderReported) {
   Driver driver;
-  ReplicaSpec spec = trainer("t", 1);
-  spec.retention.keep_latest = 0;
-  const auto t = driver.open_replica(spec);
-  driver.publish(t, 1);
-  driver.call_all(t, UnpublishRequest{});
-  driver.finish_offloads(t);
-  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  driver.call_all(t, UpdateRequest{Selector::latest(), layout_for(0)});
-  const auto read = read_of(driver, t[0]);
-  ASSERT_TRUE(read);
-  ASSERT_EQ(read->source.kind, CopyKind::kOffload);
-  driver.report(t[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
-  // A reader pipelining from t's buffers reports them too: no copy of version 1 is trusted now.
-  ReplicaSpec r_spec = rollout("r", 1);
-  r_spec.spot = true;
-  const auto r = driver.open_replica(r_spec);
-  driver.call_all(r, UpdateRequest{Selector::latest(), layout_for(0)});
-  const auto pipelined = read_of(driver, r[0]);
-  ASSERT_TRUE(pipelined && pipelined->source.replica == "t" && pipelined->source.partial);
-  driver.report(r[0], TransferFailed{pipelined->transfer, pipelined->epoch, ReadFailure::kSourceUnreachable});
+  std::vector<ClientId> t, r;
+  StartRead pipelined;
+  ASSERT_NO_FATAL_FAILURE(report_every_copy_of_version_1(driver, &t, &r, &pipelined));
   driver.finish_reads(t);  // from the reported copy, the last resort
   ASSERT_TRUE(is<UpdateOk>(driver.replies(t)));
   driver.finish_reads(r);
@@ -1436,31 +1446,14 @@ TEST(HubRegression, AnUnpublishReplacesAnOffloadCopyAReaderReported) {
 // released while a reader still read it as its last resort. The reader is told to stop first.
 TEST(HubRegression, AReplacedOffloadCopysReaderStopsBeforeTheCopyIsReleased) {
   Driver driver;
-  ReplicaSpec spec = trainer("t", 1);
-  spec.retention.keep_latest = 0;
-  const auto t = driver.open_replica(spec);
-  driver.publish(t, 1);
-  driver.call_all(t, UnpublishRequest{});
-  driver.finish_offloads(t);
-  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  // t reads version 1 back from its offload copy and reports that copy.
-  driver.call_all(t, UpdateRequest{Selector::latest(), layout_for(0)});
-  const auto read = read_of(driver, t[0]);
-  ASSERT_TRUE(read && read->source.kind == CopyKind::kOffload);
-  driver.report(t[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
-  // A reader pipelining from t's buffers reports them too, and once t is done goes on from the
-  // reported offload copy: the last resort when no copy is trusted.
-  ReplicaSpec r_spec = rollout("r", 1);
-  r_spec.spot = true;
-  const auto r = driver.open_replica(r_spec);
-  driver.call_all(r, UpdateRequest{Selector::latest(), layout_for(0)});
-  const auto pipelined = read_of(driver, r[0]);
-  ASSERT_TRUE(pipelined && pipelined->source.replica == "t" && pipelined->source.partial);
-  driver.report(r[0], TransferFailed{pipelined->transfer, pipelined->epoch, ReadFailure::kSourceUnreachable});
+  std::vector<ClientId> t, r;
+  StartRead pipelined;
+  ASSERT_NO_FATAL_FAILURE(report_every_copy_of_version_1(driver, &t, &r, &pipelined));
+  // Once t is done, r goes on from the reported offload copy: the last resort.
   driver.finish_reads(t);
   ASSERT_TRUE(is<UpdateOk>(driver.replies(t)));
   const auto from_offload = read_of(driver, r[0]);
-  ASSERT_TRUE(from_offload && from_offload->epoch > pipelined->epoch);
+  ASSERT_TRUE(from_offload && from_offload->epoch > pipelined.epoch);
   ASSERT_EQ(from_offload->source.kind, CopyKind::kOffload);
   // t unpublishes: the reported copy is replaced while r still reads it. (The outside observer
   // fails the step if the copy is released while r's grant to read it stands.)

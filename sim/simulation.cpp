@@ -1416,10 +1416,13 @@ class Simulation {
       const Version final_version = published_[replica.model];
       if (final_version < knobs_.off_by) continue;
       const Version expected = final_version - knobs_.off_by;
-      if (!app.told_known || app.told != expected) {
+      // update(latest-k) never moves a replica back: one that replicated a newer version (the
+      // workloads call replicate with every selector) keeps it once the trainers stop.
+      if (!app.told_known || !app.told || *app.told < expected || *app.told > final_version) {
         problems << who << " was told it holds "
                  << (!app.told_known ? "?" : app.told ? "v" + std::to_string(*app.told) : "nothing")
-                 << ", not v" << expected << "; ";
+                 << ", not v" << expected
+                 << (knobs_.off_by > 0 ? "..v" + std::to_string(final_version) : std::string()) << "; ";
       }
     }
     if (!problems.str().empty()) {

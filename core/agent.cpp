@@ -114,6 +114,7 @@ void ShardAgent::reopen() {
 
 void ShardAgent::open(bool resume) {
   ++session_;
+  named_this_session_.clear();  // the next server names the copies anew
   phase_ = AgentPhase::kOpening;
   reports_.clear();  // reports belong to a session: the new one announces what is held instead
   OpenRequest request = open_;
@@ -293,6 +294,7 @@ void ShardAgent::finish_call(const Outcome& outcome) {
           for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
           offloads_.clear();
           offloading_.clear();
+          named_this_session_.clear();
           reports_.clear();
           phase_ = AgentPhase::kClosed;
         }
@@ -426,15 +428,21 @@ void ShardAgent::on_stop_serving(const StopServing& stop) {
 
 void ShardAgent::on_offload(const Offload& offload) {
   if (auto made = offloads_.find(offload.version); made != offloads_.end()) {
+    if (auto named = named_this_session_.find(offload.version);
+        named != named_this_session_.end() && offload.copy < named->second) {
+      return;  // a late instruction about a copy of this version the server has since replaced
+    }
     // Made before (for an earlier instruction, or announced to a new server): it is this copy now,
     // and a report under its old id no longer says anything (one report per copy is pending).
     made->second.copy = offload.copy;
+    named_this_session_[offload.version] = offload.copy;
     drop_offload_reports(offload.version);
     report(OffloadDone{offload.version, offload.copy});
     return;
   }
   if (auto making = offloading_.find(offload.version); making != offloading_.end()) {
-    making->second = offload.copy;  // being made: reported under this id once done
+    // Being made: reported under this id once done (unless the instruction is a late one).
+    making->second = std::max(making->second, offload.copy);
     return;
   }
   if (!held_ || held_->version != offload.version || (call_ && call_->writes)) return;  // moved on
@@ -455,6 +463,7 @@ void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
   }
   HeldCopy copy = *held_;
   copy.copy = making->second;
+  named_this_session_[finished.version] = copy.copy;  // offloading_ holds this session's ids only
   offloading_.erase(making);
   offloads_[finished.version] = copy;
   TH_ASSERT(offloads_.size() <= limits::kOffloadsPerReplicaMax, "offload copies held");
@@ -474,6 +483,7 @@ void ShardAgent::on_release_offload(const ReleaseOffload& release) {
   });
   drop_offload_reports(release.version);  // under any id: the copy is freed
   offloads_.erase(made);
+  named_this_session_.erase(release.version);
   emit(FreeOffload{release.version});
 }
 

@@ -226,6 +226,9 @@ class ShardAgent {
   std::optional<Call> call_;      // the call in flight (also while re-opening)
   std::optional<HeldCopy> held_;  // the version the registered buffers hold, published
   std::map<Version, HeldCopy> offloads_;     // complete offload copies, by version (HeldCopy::copy)
+  // The id this session's server gave each offload copy: it numbers copies in increasing order, so
+  // an Offload naming a lower id for the same version is an earlier instruction arriving late.
+  std::map<Version, std::uint64_t> named_this_session_;
   std::map<Version, std::uint64_t> offloading_;  // MakeOffload issued: the copy id it will report
   // Grants the hub withdrew lately: a ServeRead repeated or overtaken by its StopServing is stale.
   static constexpr std::size_t kStoppedGrantsMax = 1024;

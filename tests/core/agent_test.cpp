@@ -506,6 +506,21 @@ TEST_F(AgentTest, ReportsAnOffloadAgainWhenAskedForOneItHas) {
   }
 }
 
+// th-sim seed 31701838 (elastic, harsh-net): a late Offload naming the copy's earlier id relabelled
+// it back; the hub, which counted the newer id, answered the report with a release of the earlier
+// one, and the shard freed the copy the hub still sent readers to (every read failed).
+TEST_F(AgentTest, ALateOffloadNamingAnEarlierIdIsStale) {
+  open();
+  publish(1, 8);
+  hub(Offload{8, 80});
+  step(OffloadFinished{8});
+  ASSERT_EQ(reports(hub(Offload{8, 81})).size(), 1u);  // the server renamed the copy
+  EXPECT_TRUE(hub(Offload{8, 80}).empty()) << "the earlier instruction, late";
+  EXPECT_TRUE(hub(ReleaseOffload{8, 80}).empty()) << "the hub's answer to a report under 80";
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{4, 1, 8, CopyKind::kOffload, 0, "reader"})).grant.transfer, 4u);
+  EXPECT_EQ(only<FreeOffload>(hub(ReleaseOffload{8, 81})).version, 8u);
+}
+
 TEST_F(AgentTest, AnOffloadOfBuffersThatMovedOnIsDropped) {
   open();
   publish(1, 8);

@@ -170,8 +170,8 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   };
   // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
   // here wait until it is complete and then pipeline at local speed (paper §4.3.4).
-  const auto crossing_here = record.by_dc.find(dc);
-  const bool any_crossing_here = crossing_here != record.by_dc.end() && crossing_here->second.crossing > 0;
+  const auto local = record.by_dc.find(dc);
+  const bool any_crossing_here = local != record.by_dc.end() && local->second.crossing > 0;
   auto behind_seeder = [&](const Copy* candidate) {
     if (!settings_.smart_skipping || !any_crossing_here) return false;
     const Copy* at = candidate;
@@ -222,7 +222,6 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     return false;
   };
 
-  const auto local = record.by_dc.find(dc);
   if (local != record.by_dc.end()) {
     for (const auto& [key, copy] : local->second.eligible) {
       if (usable(copy) && !behind_seeder(copy)) return {Pick::kFound, copy};

@@ -156,6 +156,45 @@ struct OffloadCopy {
   std::vector<net::ExposedRegion> regions;
 };
 
+// Offload seeding: a CPU copy laid out like the buffers of `layout` would be on the data plane
+// (the packed small tensors, then each big one), and the plan that reads into it in place.
+std::pair<std::shared_ptr<OffloadCopy>, Plan> seed_copy_of(const LayoutRef& layout,
+                                                           std::shared_ptr<OffloadCopy> copy) {
+  Plan plan;
+  plan.layout = layout;
+  std::uint64_t big_bytes = 0;
+  for (const TensorSpec& tensor : layout->tensors()) {
+    if (tensor.bytes < kPackedTensorBytesMax) {
+      plan.packed_offset.push_back(plan.packed_bytes);
+      plan.packed_bytes += tensor.bytes;
+    } else {
+      plan.packed_offset.push_back(Plan::kNotPacked);
+      plan.big.push_back(plan.packed_offset.size() - 1);
+      big_bytes += tensor.bytes;
+    }
+  }
+  // The copy of an earlier read of this seed (from another source) is read into again.
+  const bool fresh = copy == nullptr || copy->bytes.size() != plan.packed_bytes + big_bytes;
+  if (fresh) {
+    copy = std::make_shared<OffloadCopy>();
+    copy->bytes.resize(plan.packed_bytes + big_bytes);
+    if (plan.packed_bytes > 0) copy->regions.push_back({copy->bytes.data(), plan.packed_bytes});
+  }
+  std::byte* at = copy->bytes.data() + plan.packed_bytes;
+  const auto& tensors = layout->tensors();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (plan.packed_offset[i] != Plan::kNotPacked) {
+      plan.tensor_data.push_back(copy->bytes.data() + plan.packed_offset[i]);  // read in place
+    } else {
+      plan.tensor_data.push_back(at);
+      if (fresh) copy->regions.push_back({at, tensors[i].bytes});
+      at += tensors[i].bytes;
+    }
+  }
+  TH_ASSERT(at == copy->bytes.data() + copy->bytes.size(), "a seed copy has the layout's size");
+  return {std::move(copy), std::move(plan)};
+}
+
 }  // namespace
 
 // ==== Impl ==========================================================================================
@@ -187,6 +226,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
     std::shared_ptr<net::Progress> progress;
     Plan plan;
     std::byte* packed = nullptr;
+    std::shared_ptr<OffloadCopy> seed;  // offload seeding: the CPU copy read into (kept alive)
   };
 
   void taskFailed(kj::Exception&& exception) override;
@@ -201,6 +241,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void lose(std::uint32_t server, std::uint64_t generation, const std::string& why);
   void serve(const ServeRead& grant);
   void start_read(const StartRead& read);
+  void start_seed_read(const StartRead& read);
+  void join_reported_threads();
   void start_offload(Version version);
   kj::Promise<void> tick_loop();
   // Other threads: run `work` on the I/O thread (false once it stopped).
@@ -241,6 +283,9 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // joined keeps its stack: a trainer offloads every step).
   std::map<std::uint64_t, std::thread> offload_threads_;
   std::vector<std::uint64_t> offloads_reported_;  // their threads are returning
+  // Offload seeding: a thread per seed read (bounded by the offload copies a replica may hold),
+  // beside the reader thread, so that a slow cross-datacenter read never delays the buffers'.
+  std::map<TransferId, std::shared_ptr<std::atomic<bool>>> seed_reads_;  // their cancel flags
   std::uint64_t next_offload_id_ = 1;
   std::atomic<bool> io_stopped_{false};
 
@@ -396,8 +441,17 @@ void Handle::Impl::apply(const AgentEffect& effect) {
         } else if constexpr (std::is_same_v<T, SendReport>) {
           send_to(e.server, e.report);
         } else if constexpr (std::is_same_v<T, BeginRead>) {
-          start_read(e.read);
+          if (e.read.offload_copy != 0) {
+            start_seed_read(e.read);
+          } else {
+            start_read(e.read);
+          }
         } else if constexpr (std::is_same_v<T, CancelRead>) {
+          if (auto seed = seed_reads_.find(e.transfer); seed != seed_reads_.end()) {
+            seed->second->store(true);
+            seed_reads_.erase(seed);
+            return;
+          }
           std::lock_guard lock(reader_mutex_);
           for (ReadJob& job : read_jobs_) {
             if (job.read.transfer == e.transfer) job.cancelled->store(true);
@@ -596,13 +650,47 @@ void Handle::Impl::start_read(const StartRead& read) {
     buffers_version_ = read.version;
     buffers_progress_ = std::make_shared<net::Progress>(0);
   }
-  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data()};
+  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data(),
+              nullptr};
   std::lock_guard lock(reader_mutex_);
   // One read at a time into these buffers: a newer one replaces whatever is queued or running.
   for (ReadJob& queued : read_jobs_) queued.cancelled->store(true);
   if (running_read_) running_read_->cancelled->store(true);
   read_jobs_.push_back(std::move(job));
   reader_wakeup_.notify_one();
+}
+
+void Handle::Impl::start_seed_read(const StartRead& read) {
+  TH_ASSERT(read.layout != nullptr, "a seed read names its layout");
+  auto& slot = offloads_[read.version];  // the agent never grants a copy before it is whole
+  auto [copy, plan] = seed_copy_of(read.layout, slot);
+  slot = copy;
+  if (auto previous = seed_reads_.find(read.transfer); previous != seed_reads_.end()) {
+    previous->second->store(true);  // from the source this read replaces
+  }
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  seed_reads_[read.transfer] = cancelled;
+  join_reported_threads();
+  std::byte* packed = copy->bytes.data();
+  ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy};
+  const std::uint64_t id = next_offload_id_++;
+  offload_threads_[id] = std::thread([this, id, job = std::move(job)]() mutable {
+    run_read(job);
+    on_io([this, id, transfer = job.read.transfer, cancelled = job.cancelled] {
+      if (auto entry = seed_reads_.find(transfer); entry != seed_reads_.end() && entry->second == cancelled) {
+        seed_reads_.erase(entry);
+      }
+      offloads_reported_.push_back(id);
+    });
+  });
+}
+
+void Handle::Impl::join_reported_threads() {
+  for (std::uint64_t done : offloads_reported_) {
+    offload_threads_.at(done).join();
+    offload_threads_.erase(done);
+  }
+  offloads_reported_.clear();
 }
 
 void Handle::Impl::reader_main() {
@@ -658,7 +746,8 @@ void Handle::Impl::run_read(ReadJob& job) {
     // Scatter the packed tensors, then check every tensor against the checksum of its publisher.
     const auto& tensors = plan.layout->tensors();
     for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (plan.packed_offset[i] != Plan::kNotPacked) {
+      // (A seed copy keeps its packed tensors where they arrived.)
+      if (plan.packed_offset[i] != Plan::kNotPacked && job.seed == nullptr) {
         std::memcpy(plan.tensor_data[i], job.packed + plan.packed_offset[i], tensors[i].bytes);
       }
     }
@@ -695,11 +784,7 @@ void Handle::Impl::start_offload(Version version) {
   }
   // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change
   // meanwhile: the application's unpublish() is still blocked.
-  for (std::uint64_t done : offloads_reported_) {
-    offload_threads_.at(done).join();
-    offload_threads_.erase(done);
-  }
-  offloads_reported_.clear();
+  join_reported_threads();
   const Plan& current = plan();  // first: it may rebuild packed_
   auto regions = regions_of(current, packed_.data());
   const std::uint64_t id = next_offload_id_++;
@@ -906,7 +991,10 @@ void Handle::Impl::shutdown() {
   if (io_thread_.joinable()) {
     // Offload threads report through the loop: let them finish first.
     std::map<std::uint64_t, std::thread> offloads;
-    on_io([&] { offloads.swap(offload_threads_); });
+    on_io([&] {
+      for (auto& [transfer, cancelled] : seed_reads_) cancelled->store(true);
+      offloads.swap(offload_threads_);
+    });
     for (auto& [id, thread] : offloads) thread.join();
     on_io([this] { stop_->fulfill(); });
     io_thread_.join();

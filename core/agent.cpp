@@ -115,6 +115,7 @@ void ShardAgent::reopen() {
 void ShardAgent::open(bool resume) {
   ++session_;
   named_this_session_.clear();  // the next server names the copies anew
+  released_seeds_.clear();      // ids of the previous session's copies mean nothing to this one
   phase_ = AgentPhase::kOpening;
   reports_.clear();  // reports belong to a session: the new one announces what is held instead
   OpenRequest request = open_;
@@ -291,6 +292,8 @@ void ShardAgent::finish_call(const Outcome& outcome) {
         } else if constexpr (std::is_same_v<T, CloseOk>) {
           held_.reset();
           revoke_grants();
+          drop_seeds_in_progress();
+          seeds_.clear();  // the complete ones are offload copies: freed below
           for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
           offloads_.clear();
           offloading_.clear();
@@ -354,6 +357,8 @@ void ShardAgent::became_evicted(const Error& error) {
 // The replica diverged: nothing the shard held or did is trusted any more.
 void ShardAgent::start_over() {
   held_.reset();
+  drop_seeds_in_progress();
+  seeds_.clear();
   for (const auto& [version, offload] : offloads_) emit(FreeOffload{version});
   offloads_.clear();
   offloading_.clear();
@@ -367,11 +372,19 @@ void ShardAgent::reset_connection_state() {
   cancel_reads();
   reports_.clear();
   offloading_.clear();  // copies still being made are freed when done: no server counts them
+  // Seeds in progress go with the server that started them; complete ones are offload copies,
+  // announced to the next server like any other.
+  drop_seeds_in_progress();
+  seeds_.clear();
   stopped_.clear();
   stopped_order_.clear();
 }
 
 void ShardAgent::on_start_read(const StartRead& read) {
+  if (read.offload_copy != 0) {
+    on_seed_read(read);
+    return;
+  }
   // Only for the call in flight: one of an earlier call, arriving late (the hub sends them again
   // to a call's retransmissions), would overwrite buffers the application now uses.
   if (!reading_call() || read.call != call_->seq) return;
@@ -427,6 +440,12 @@ void ShardAgent::on_stop_serving(const StopServing& stop) {
 // ---- offload copies --------------------------------------------------------------------------------
 
 void ShardAgent::on_offload(const Offload& offload) {
+  if (auto seed = seeds_.find(offload.version); seed != seeds_.end()) {
+    if (offload.copy < seed->second.copy) return;  // a late instruction from before the seed
+    // The server names this version's copy anew (a complete seed is now an ordinary offload
+    // copy), or released the seed and makes another: either way the seed is no longer tracked.
+    drop_seed(offload.version);
+  }
   if (auto made = offloads_.find(offload.version); made != offloads_.end()) {
     if (auto named = named_this_session_.find(offload.version);
         named != named_this_session_.end() && offload.copy < named->second) {
@@ -471,6 +490,14 @@ void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
 }
 
 void ShardAgent::on_release_offload(const ReleaseOffload& release) {
+  if (auto seed = seeds_.find(release.version);
+      seed != seeds_.end() && seed->second.copy == release.copy) {
+    released_seeds_.push_back(release.copy);
+    if (released_seeds_.size() > kReleasedSeedsMax) released_seeds_.pop_front();
+    const bool done = seed->second.done;
+    drop_seed(release.version);
+    if (!done) return;  // freed with the read; a complete one is released below
+  }
   if (auto making = offloading_.find(release.version);
       making != offloading_.end() && making->second == release.copy) {
     offloading_.erase(making);  // freed when the copy finishes
@@ -512,11 +539,102 @@ bool ShardAgent::reading_call() const {
           std::holds_alternative<UpdateRequest>(call_->body));
 }
 
+// ---- offload seeding -------------------------------------------------------------------------------
+
+void ShardAgent::on_seed_read(const StartRead& read) {
+  TH_ASSERT(read.layout != nullptr && read.checksums != nullptr, "a seed read names its layout");
+  // While (re-)opening, the hub repeats the instruction with the heartbeats that follow.
+  if (phase_ != AgentPhase::kOpen) return;
+  if (std::find(released_seeds_.begin(), released_seeds_.end(), read.offload_copy) !=
+      released_seeds_.end()) {
+    return;  // repeated or late, about a seed the hub released
+  }
+  if (auto found = seeds_.find(read.version); found != seeds_.end()) {
+    Seeding& seed = found->second;
+    if (read.offload_copy < seed.copy) return;  // about an earlier copy of this version
+    if (read.offload_copy == seed.copy) {
+      // The instruction again (the hub repeats it with heartbeats until it hears how the read
+      // went): answered again, since that answer may have been lost.
+      if (read.transfer != seed.transfer || read.epoch < seed.epoch) return;
+      if (seed.done) {
+        send_report(TransferDone{seed.transfer, seed.epoch});
+        return;
+      }
+      if (read.epoch == seed.epoch) {
+        if (seed.failure) send_report(TransferFailed{seed.transfer, seed.epoch, *seed.failure});
+        return;  // otherwise under way
+      }
+      seed.epoch = read.epoch;
+      seed.failure.reset();
+      emit(BeginRead{read});  // replaces the read from the old source
+      return;
+    }
+    // A newer copy of this version: the hub released the older one (its ReleaseOffload is late).
+    drop_seed(read.version);
+  }
+  if (auto made = offloads_.find(read.version); made != offloads_.end()) {
+    // A copy the hub does not count (it seeds only a replica without one): freed first.
+    revoke_grants([&](const ServeRead& grant) {
+      return grant.kind == CopyKind::kOffload && grant.version == read.version;
+    });
+    drop_offload_reports(read.version);
+    offloads_.erase(made);
+    emit(FreeOffload{read.version});
+  }
+  offloading_.erase(read.version);  // a copy being made for a late instruction: freed when done
+  TH_ASSERT(seeds_.size() + offloads_.size() < 2 * limits::kOffloadsPerReplicaMax, "seeds held");
+  seeds_[read.version] = Seeding{read.transfer, read.epoch, read.offload_copy, read.layout,
+                                 read.checksums, false, std::nullopt};
+  emit(BeginRead{read});
+}
+
+void ShardAgent::on_seed_finished(const ReadFinished& finished) {
+  for (auto& [version, seed] : seeds_) {
+    if (seed.transfer != finished.transfer) continue;
+    if (seed.epoch != finished.epoch || seed.done || seed.failure) return;
+    // Sent once, not retransmitted: no call's answer acknowledges a seed's report, and the hub
+    // repeats the instruction until it has one.
+    if (finished.failure) {
+      seed.failure = finished.failure;
+      send_report(TransferFailed{finished.transfer, finished.epoch, *finished.failure});
+      return;
+    }
+    seed.done = true;
+    offloads_[version] = HeldCopy{version, seed.layout, seed.checksums, seed.copy};
+    named_this_session_[version] = seed.copy;
+    send_report(TransferDone{seed.transfer, seed.epoch});
+    return;
+  }
+  // A seed dropped meanwhile: its buffer was freed with it.
+}
+
+void ShardAgent::drop_seed(Version version) {
+  auto found = seeds_.find(version);
+  TH_ASSERT(found != seeds_.end());
+  if (!found->second.done) {
+    emit(CancelRead{found->second.transfer});
+    emit(FreeOffload{version});
+  }
+  seeds_.erase(found);
+}
+
+void ShardAgent::drop_seeds_in_progress() {
+  std::vector<Version> in_progress;
+  for (const auto& [version, seed] : seeds_) {
+    if (!seed.done) in_progress.push_back(version);
+  }
+  for (Version version : in_progress) drop_seed(version);
+}
+
 // ---- the data plane --------------------------------------------------------------------------------
 
 void ShardAgent::on_read_finished(const ReadFinished& finished) {
   auto found = reads_.find(finished.transfer);
-  if (found == reads_.end() || found->second.epoch != finished.epoch || found->second.done) return;
+  if (found == reads_.end()) {
+    on_seed_finished(finished);
+    return;
+  }
+  if (found->second.epoch != finished.epoch || found->second.done) return;
   if (!finished.failure) {
     found->second.done = true;
     report(TransferDone{finished.transfer, finished.epoch});
@@ -536,6 +654,10 @@ void ShardAgent::drop_offload_reports(Version version) {
     const auto* done = std::get_if<OffloadDone>(&pending.body);
     return done != nullptr && done->version == version;
   });
+}
+
+void ShardAgent::send_report(ReportBody body) {
+  emit(SendReport{server_, Report{config_.client, std::move(body), session_}});
 }
 
 void ShardAgent::drop_reports(TransferId transfer) {

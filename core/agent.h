@@ -96,10 +96,13 @@ struct SendReport {
 };
 // Read shard `read.shard` of `read.version` from `read.source` into the registered buffers; verify
 // each tensor against `read.checksums`; then feed ReadFinished. Replaces any read of the same
-// transfer.
+// transfer. With `read.offload_copy` set (offload seeding), read instead into the offload buffer of
+// `read.version`, created for it in CPU memory with `read.layout` if there is none: FreeOffload
+// frees it, whole or partial.
 struct BeginRead {
   StartRead read;
 };
+// Stop the read of this transfer; it needs no ReadFinished.
 struct CancelRead {
   TransferId transfer = 0;
 };
@@ -166,6 +169,16 @@ class ShardAgent {
     TimeMs next_send_ms = 0;
     TimeMs backoff_ms = 0;
   };
+  // Offload seeding: a CPU copy read across datacenters outside any call (see StartRead).
+  struct Seeding {
+    TransferId transfer = 0;
+    std::uint32_t epoch = 0;
+    std::uint64_t copy = 0;
+    LayoutRef layout;
+    ChecksumsRef checksums;
+    bool done = false;  // every byte arrived and matched: in offloads_ too
+    std::optional<ReadFailure> failure;  // the read from the current source failed
+  };
   struct Reading {
     std::uint32_t epoch = 0;
     Version version = 0;
@@ -183,6 +196,12 @@ class ShardAgent {
   void on_offload_finished(const OffloadFinished& finished);
   void on_release_offload(const ReleaseOffload& release);
   void on_read_finished(const ReadFinished& finished);
+  void on_seed_read(const StartRead& read);
+  void on_seed_finished(const ReadFinished& finished);
+  // Forgets the seed of `version`: a read in progress stops and its buffer is freed; a complete one
+  // stays in offloads_ (the caller decides).
+  void drop_seed(Version version);
+  void drop_seeds_in_progress();
   void on_server_lost(const ServerLost& lost);
   void on_tick();
 
@@ -198,6 +217,7 @@ class ShardAgent {
   void cancel_reads();
   void report(ReportBody body);
   void drop_reports(TransferId transfer);      // the failure reports of a transfer
+  void send_report(ReportBody body);           // once: no retransmission
   void drop_offload_reports(Version version);  // the OffloadDone reports of a version
   bool reading_call() const;
   void emit(AgentEffect effect) { effects_->push_back(std::move(effect)); }
@@ -230,6 +250,10 @@ class ShardAgent {
   // an Offload naming a lower id for the same version is an earlier instruction arriving late.
   std::map<Version, std::uint64_t> named_this_session_;
   std::map<Version, std::uint64_t> offloading_;  // MakeOffload issued: the copy id it will report
+  std::map<Version, Seeding> seeds_;             // offload seeds, by version
+  // Seed copies released lately: a StartRead for one, repeated or late, must not start it again.
+  static constexpr std::size_t kReleasedSeedsMax = 64;
+  std::deque<std::uint64_t> released_seeds_;
   // Grants the hub withdrew lately: a ServeRead repeated or overtaken by its StopServing is stale.
   static constexpr std::size_t kStoppedGrantsMax = 1024;
   std::set<std::pair<TransferId, std::uint32_t>> stopped_;

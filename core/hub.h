@@ -58,6 +58,7 @@ struct HubStats {
   std::uint64_t transfers_completed = 0;
   std::uint64_t source_failures = 0;
   std::uint64_t offloads_started = 0;
+  std::uint64_t seeds_started = 0;  // offload seeding: CPU copies read across datacenters
   std::uint64_t evictions = 0;
 };
 
@@ -150,6 +151,7 @@ class Hub {
   void assign(Transfer& transfer, Copy& source);
   void emit_start_read(const Transfer& transfer, std::uint32_t shard);
   void resend_instructions(const Replica& replica, std::uint32_t shard);
+  void resend_seed_reads(const Replica& replica, std::uint32_t shard);
   void detach_source(Transfer& transfer);
   // The transfer looks for another source (in settle()); `failed`: its source failed it.
   void reassign(Transfer& transfer, bool failed = true);
@@ -161,6 +163,12 @@ class Hub {
   void enqueue_waiting(Transfer& transfer);
   void dequeue_waiting(Transfer& transfer);
   bool smart_skip(const VersionRecord& record, detail::DcId dc) const;
+  // Offload seeding: whether this update would be the first read of the version into the
+  // replica's datacenter, and so reads it into a CPU copy in the background instead.
+  bool wants_seed(const VersionRecord& record, const Replica& replica) const;
+  void start_seed(Replica& replica, VersionRecord& record);
+  // Whether an offload seed may still be consumed by its owner (see reconcile_offloads).
+  bool seed_needed(const Copy& seed) const;
 
   // Copies.
   Copy& create_copy(Replica& owner, VersionRecord& record, CopyKind kind, detail::CopyState state);

@@ -496,6 +496,13 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
     finish(replica, txn, UpdateOk{UpdateStatus::kNotYet, held_version, {}});
     return;
   }
+  if (settings_.offload_seeding && wants_seed(record, replica)) {
+    // The replica's buffers keep what they hold; it seeds its datacenter from CPU memory and
+    // consumes that copy at its next update (paper §4.3.4).
+    start_seed(replica, model.versions.at(resolution.version));
+    finish(replica, txn, UpdateOk{UpdateStatus::kNotYet, held_version, {}});
+    return;
+  }
   txn.target = resolution.version;
   if (held != nullptr) {
     txn.previous = held_version;
@@ -658,6 +665,10 @@ void Hub::on_close(Replica& replica, Txn& txn) {
         if (copy->readers == 0) drained_.emplace_back(replica.model, copy->id);
         break;
       default:
+        if (copy->seed) {
+          // Still reading across datacenters: the shards stop and free the buffer.
+          emit_to_replica(replica, ReleaseOffload{copy->record->version, copy->id});
+        }
         remove_copy(*copy);  // not yet a source, or an offload that will not be needed
         break;
     }

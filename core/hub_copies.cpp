@@ -129,7 +129,10 @@ Contribution Hub::contribution(const Copy& copy) const {
   c.root = complete || copy.state == CopyState::kPublishing ||
            copy.state == CopyState::kOffloading || copy.state == CopyState::kDraining;
   const bool fits = copy.readers < settings_.fanout_max;
-  c.eligible = fits && usable && (complete || (active && settings_.pipeline));
+  // A seed (an offload copy being read) is not a pipeline source: its buffer is the data plane's
+  // until verified whole.
+  c.eligible = fits && usable &&
+               (complete || (active && settings_.pipeline && copy.kind == CopyKind::kPrimary));
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
   return c;
 }
@@ -307,6 +310,7 @@ void Hub::reconcile_offloads(Model& model) {
     Copy& offload = *found->second;
     if (offload.state != CopyState::kComplete) continue;
     const VersionRecord& record = *offload.record;
+    if (offload.seed && seed_needed(offload)) continue;
     // Released once another non-spot replica holds the version completely, once a second offload
     // copy exists, or once the version leaves retention.
     if (record.safe_primaries > 0 || record.safe_offloads > 1 ||
@@ -314,6 +318,23 @@ void Hub::reconcile_offloads(Model& model) {
       start_drain(offload, DrainPurpose::kRelease);
     }
   }
+}
+
+bool Hub::seed_needed(const Copy& seed) const {
+  TH_ASSERT(seed.seed && seed.kind == CopyKind::kOffload);
+  const Version version = seed.record->version;
+  // Until its owner holds the version (or a newer one) in its buffers, or seeds a newer one: in
+  // the steady state one model's worth of CPU memory per seeding replica. (Not "until a newer
+  // version exists": a replica that follows latest-k seeds versions older than latest.)
+  const Copy* primary = seed.owner->primary;
+  const bool consumed = primary != nullptr && primary->record->version >= version &&
+                        (primary->state == CopyState::kComplete ||
+                         primary->state == CopyState::kDraining);
+  const bool superseded =
+      std::any_of(seed.owner->offloads.begin(), seed.owner->offloads.end(), [&](const Copy* other) {
+        return other->seed && other->record->version > version;
+      });
+  return !consumed && !superseded;
 }
 
 void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done) {

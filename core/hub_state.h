@@ -11,6 +11,9 @@
 //   primary, received:    kGathering --all shards called--> kWaiting <--source lost--> kActive
 //                         kActive --all shards done--> kComplete
 //   offload:              kOffloading --all shards reported OffloadDone--> kComplete
+//   offload seed:         kWaiting <--source lost--> kActive --all shards done--> kComplete
+//                         (read across datacenters into CPU memory, outside any call; serves
+//                          only once complete)
 //   any kComplete:        --unpublish/update/close/release--> kDraining --readers == 0--> removed
 //                         (a draining primary of the last safe holder of a retained version first
 //                          makes an offload copy, then is removed)
@@ -99,6 +102,9 @@ struct Copy {
   bool failed = false;             // a reader could not read it; never chosen again
   DrainPurpose drain_purpose = DrainPurpose::kUnpublish;
   CopyId awaiting_offload = 0;     // a draining primary waits for this offload copy to complete
+  // An offload copy made by offload seeding (read from another datacenter, not copied from the
+  // owner's buffers): kept while its owner may still consume it (see Hub::reconcile_offloads).
+  bool seed = false;
   // While kPublishing: what each shard published, committed to the model/version on completion.
   std::vector<LayoutRef> pending_layouts;
   std::vector<ChecksumsRef> pending_checksums;

@@ -35,6 +35,43 @@ bool Hub::smart_skip(const VersionRecord& record, DcId dc) const {
   return found != record.by_dc.end() && found->second.complete == 0 && found->second.seeding > 0;
 }
 
+bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const {
+  if (replica.spot || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) return false;
+  const auto local = record.by_dc.find(replica.dc);
+  if (local != record.by_dc.end() && (local->second.servable > 0 || local->second.complete > 0)) {
+    return false;  // a copy here serves, or will: read it instead (the common case, decided in O(1))
+  }
+  for (const Copy* offload : replica.offloads) {
+    if (offload->record == &record) return false;  // one offload copy per version and replica
+  }
+  // Only readers still waiting for their first source may be here: no copy here holds bytes.
+  for (const Copy* copy : record.copies) {
+    if (copy->owner->dc == replica.dc && copy->state != CopyState::kGathering &&
+        copy->state != CopyState::kWaiting) {
+      return false;
+    }
+  }
+  // With no root left the version is unavailable, which the update's own path tells the reader.
+  return record.roots > 0;
+}
+
+void Hub::start_seed(Replica& replica, VersionRecord& record) {
+  TH_ASSERT(wants_seed(record, replica));
+  Model& model = *replica.model;
+  Copy& seed = create_copy(replica, record, CopyKind::kOffload, CopyState::kWaiting);
+  seed.seed = true;
+  replica.offloads.push_back(&seed);
+  model.offload_copies.insert(seed.id);
+  auto transfer = std::make_unique<Transfer>();
+  transfer->id = next_transfer_id_++;
+  transfer->reader = &seed;
+  Transfer& ref = *transfer;
+  seed.incoming = &ref;
+  model.transfers.emplace(ref.id, std::move(transfer));
+  ++stats_.seeds_started;
+  try_assign(ref);  // may fail it at once (nothing to read from): the copy is then gone
+}
+
 void Hub::begin_receive(Replica& replica, Txn& txn, Version version) {
   Model& model = *replica.model;
   txn.target = version;
@@ -168,6 +205,15 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
            (!has_downstream || !is_downstream(*candidate, reader, model.copies.size())) &&
            (!several_dcs || !makes_detour(*candidate, dc, downstream_dcs, model.copies.size()));
   };
+  // Offload seeding: the replica's own seed copy first, once complete; reading it crosses no
+  // network (paper §4.3.4: "subsequent polling prioritizes consuming the offloaded copy").
+  if (reader.kind == CopyKind::kPrimary) {
+    for (Copy* own : reader.owner->offloads) {
+      if (own->seed && own->record == &record && own->counted.eligible && usable(own)) {
+        return {Pick::kFound, own};
+      }
+    }
+  }
   // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
   // here wait until it is complete and then pipeline at local speed (paper §4.3.4).
   const auto local = record.by_dc.find(dc);
@@ -334,6 +380,23 @@ void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
       emit_to(replica.shards[shard], Offload{offload->record->version, offload->id});
     }
   }
+  resend_seed_reads(replica, shard);
+}
+
+// A seed's transfer belongs to no call, so no retransmitted call brings its instructions again:
+// they are repeated with the shard's heartbeats until the shard has its bytes (a lost StartRead
+// would otherwise leave the datacenter skipping the version for ever).
+void Hub::resend_seed_reads(const Replica& replica, std::uint32_t shard) {
+  for (const Copy* offload : replica.offloads) {
+    if (offload->incoming == nullptr) continue;
+    const Transfer& transfer = *offload->incoming;
+    if (transfer.source != nullptr && transfer.started.test(shard)) {
+      emit_to(transfer.source->owner->shards[shard],
+              ServeRead{transfer.id, transfer.epoch, offload->record->version,
+                        transfer.source->kind, shard, replica.name});
+      emit_start_read(transfer, shard);
+    }
+  }
 }
 
 void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
@@ -342,12 +405,19 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
   const VersionRecord& record = *reader.record;
   TH_ASSERT(transfer.started.test(shard));
   TH_ASSERT(record.checksums[shard] != nullptr, "a source's version has checksums");
-  emit_to(reader.owner->shards[shard],
-          StartRead{transfer.id, transfer.epoch, transfer.txn_seq, record.version, shard,
-                 SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
-                           source.owner->shards[shard].endpoint, source.kind,
-                           source.state != CopyState::kComplete},
-                 record.checksums[shard]});
+  StartRead start{transfer.id, transfer.epoch, transfer.txn_seq, record.version, shard,
+                  SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
+                            source.owner->shards[shard].endpoint, source.kind,
+                            source.state != CopyState::kComplete},
+                  record.checksums[shard], 0, nullptr};
+  if (reader.kind == CopyKind::kOffload) {
+    TH_ASSERT(reader.seed, "only a seed copy is read into");
+    const LayoutRef& layout = reader.owner->model->layouts[shard];
+    TH_ASSERT(layout != nullptr, "a version that exists fixed the model's layout");
+    start.offload_copy = reader.id;
+    start.layout = layout;
+  }
+  emit_to(reader.owner->shards[shard], std::move(start));
 }
 
 void Hub::detach_source(Transfer& transfer) {
@@ -402,6 +472,7 @@ void Hub::complete_transfer(Transfer& transfer) {
   ++stats_.transfers_completed;
   set_state(reader, CopyState::kComplete);
   on_copy_complete(reader);
+  if (reader.kind == CopyKind::kOffload) return;  // a seed: no call waits for it
   auto found = replica.txns.find(seq);
   if (found == replica.txns.end() || found->second.result) return;
   const Version version = reader.record->version;
@@ -416,6 +487,14 @@ void Hub::complete_transfer(Transfer& transfer) {
 
 void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   Replica& replica = *transfer.reader->owner;
+  if (transfer.reader->kind == CopyKind::kOffload) {
+    // A seed: no call waits for it; the shards stop reading and free the buffer. The next update
+    // learns what became of the version on its own path.
+    const ReleaseOffload release{transfer.reader->record->version, transfer.reader->id};
+    remove_copy(*transfer.reader);
+    emit_to_replica(replica, release);
+    return;
+  }
   const std::uint64_t seq = transfer.txn_seq;
   const bool written = transfer.epoch > 0;  // some shard was told to read: its buffers changed
   remove_copy(*transfer.reader);            // also ends the transfer
@@ -472,6 +551,7 @@ void Hub::on_report(const Report& report) {
           on_offload_done(replica, shard, body);
         } else {
           static_assert(std::is_same_v<T, Heartbeat>);
+          if (!replica.offloads.empty()) resend_seed_reads(replica, shard);
         }
       },
       report.body);

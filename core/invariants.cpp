@@ -178,7 +178,11 @@ void Hub::check_invariants() const {
         TH_ASSERT(copy.state != CopyState::kOffloading);
       } else {
         TH_ASSERT(copy.state == CopyState::kOffloading || copy.state == CopyState::kComplete ||
-                  copy.state == CopyState::kDraining);
+                      copy.state == CopyState::kDraining ||
+                      (copy.seed && (copy.state == CopyState::kWaiting ||
+                                     copy.state == CopyState::kActive)),
+                  "offload copy state", copy_state_name(copy.state));
+        TH_ASSERT(!copy.seed || copy.state != CopyState::kOffloading, "a seed is read, not copied");
       }
       const bool reading = copy.state == CopyState::kWaiting || copy.state == CopyState::kActive;
       TH_ASSERT(!reading || copy.incoming != nullptr, "a receiving copy has a transfer");

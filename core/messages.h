@@ -252,6 +252,9 @@ struct SourceRef {
 };
 
 // To a reader shard: read your shard of `version` from `source`, verify against `checksums`.
+// Into the registered buffers, for call `call`; or, with `offload_copy` set (offload seeding), into
+// a new CPU buffer of `layout` that becomes that offload copy once every byte is verified, outside
+// any call.
 struct StartRead {
   TransferId transfer = 0;
   std::uint32_t epoch = 0;  // bumps each time the hub picks another source for this transfer
@@ -262,6 +265,8 @@ struct StartRead {
   std::uint32_t shard = 0;
   SourceRef source;
   ChecksumsRef checksums;
+  std::uint64_t offload_copy = 0;  // 0: into the registered buffers
+  LayoutRef layout;                // offload seeding: the layout of the buffer to fill
 };
 // To a source shard: a grant; serve reads of (version, kind) to this transfer and epoch only.
 struct ServeRead {

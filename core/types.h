@@ -111,6 +111,11 @@ struct HubSettings {
   std::uint32_t fanout_max = 1;
   // `update` answers "not yet" while a datacenter's only copies hang off a cross-datacenter seeder.
   bool smart_skipping = true;
+  // Offload seeding (paper §4.3.4): the first `update` of a datacenter that would read a version
+  // across datacenters instead has it read, in the background, into a CPU copy of its replica's
+  // (an offload copy that seeds the datacenter) and answers "not yet" at once; the next update
+  // reads that local copy. Trades one model's worth of CPU memory per datacenter for GPU stall.
+  bool offload_seeding = false;
   // Copy and transfer ids count up from above this. A shell gives each server a base of its own
   // (drawn at random), so that a client never takes an id of a failed server for one of its
   // successor's (an offload copy is named by id; see Offload).

@@ -198,6 +198,8 @@ struct Effect {
       source @9 :SourceRef;
       checksums @10 :List(UInt64);
       call @24 :UInt64;  # the reader's call this transfer serves
+      offloadCopy @26 :UInt64;  # offload seeding: read into this new CPU copy (0: the buffers)
+      layout @27 :List(TensorSpec);  # offload seeding: the layout of that copy
     }
     serveRead :group {
       transfer @11 :UInt64;

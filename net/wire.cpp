@@ -462,7 +462,9 @@ Effect get(wire::Effect::Reader in) {
                     text(source.getEndpoint(), limits::kEndpointBytesMax, "source endpoint"),
                     enum_in_range(source.getKind(), CopyKind::kOffload, "copy kind"),
                     source.getPartial()},
-          get_checksums(read.getChecksums())};
+          get_checksums(read.getChecksums()), read.getOffloadCopy(), get_layout(read.getLayout())};
+      const auto& start = std::get<StartRead>(effect.message);
+      if (start.offload_copy != 0 && start.layout == nullptr) invalid("a seed read without a layout");
       break;
     }
     case wire::Effect::Message::SERVE_READ: {
@@ -612,6 +614,8 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           source.setKind(static_cast<std::uint8_t>(body.source.kind));
           source.setPartial(body.source.partial);
           put_checksums(body.checksums, [&](unsigned n) { return read.initChecksums(n); });
+          read.setOffloadCopy(body.offload_copy);
+          if (body.layout) put_layout(body.layout, [&](unsigned n) { return read.initLayout(n); });
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           auto serve = message.initServeRead();
           serve.setTransfer(body.transfer);

@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-pipeline", no_pipeline, "Readers pull only from complete copies (no pipeline replication)");
   app.add_flag("--no-smart-skipping", no_smart_skipping,
                "update() never answers 'not yet' while a cross-datacenter seeder is still receiving");
+  app.add_flag("--offload-seeding", config.hub.offload_seeding,
+               "The first update() of a datacenter that would read a version across datacenters reads it "
+               "into a CPU copy in the background and answers 'not yet'; its next update() reads that copy "
+               "(paper §4.3.4; costs one model shard of client CPU memory per seeding replica)");
   app.add_flag("--no-heartbeat-datagrams", no_heartbeat_datagrams,
                "Take heartbeats as calls only (by default also as UDP datagrams on the listen port's number, "
                "which costs the server ~60x less CPU per heartbeat)");

@@ -109,6 +109,8 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   // Sizes set the timing only (the real buffers are small): enough that transfers overlap and
   // pipelines form, small enough that the liveness phase can move everything several times.
   knobs.shard_bytes = static_cast<std::uint64_t>(rng.range(8, 64)) << 20;
+  // Drawn last, so that the knobs above stay what each seed drew before the option existed.
+  knobs.offload_seeding = knobs.remote_rollouts > 0 && rng.chance(0.5);
   return knobs;
 }
 
@@ -124,7 +126,8 @@ bool parse_number(std::string_view text, T& value) {
 
 std::string fault_keys() {
   return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
-         "storm (0/1), server-crash (0/1), read-failure, straggler (fraction), skew (ppm)";
+         "storm (0/1), server-crash (0/1), read-failure, straggler (fraction), skew (ppm); and the hub "
+         "option offload-seeding (0/1)";
 }
 
 Status apply_overrides(Knobs& knobs, std::string_view overrides) {
@@ -172,6 +175,8 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.read_failure = number;
     } else if (key == "straggler" && number <= 1) {
       knobs.straggler_fraction = number;
+    } else if (key == "offload-seeding") {
+      knobs.offload_seeding = number != 0;
     } else if (key == "skew") {
       knobs.clock_skew_ppm = static_cast<std::int64_t>(number);
     } else {
@@ -204,7 +209,8 @@ std::string describe(const Knobs& knobs) {
       << " spot=" << knobs.spot_rollouts << " remote=" << knobs.remote_rollouts
       << " off-by=" << knobs.off_by << " colocated=" << knobs.colocated
       << " pipeline=" << knobs.pipeline << " fanout=" << knobs.fanout
-      << " smart-skipping=" << knobs.smart_skipping << " heartbeat-timeout=" << knobs.heartbeat_timeout_ms
+      << " smart-skipping=" << knobs.smart_skipping << " offload-seeding=" << knobs.offload_seeding
+      << " heartbeat-timeout=" << knobs.heartbeat_timeout_ms
       << "ms drop=" << knobs.drop << " duplicate=" << knobs.duplicate << " delay=" << knobs.delay_min_ms
       << "+" << knobs.delay_mean_ms << "ms clog=" << knobs.clog_per_s << "/s*" << knobs.clog_ms
       << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms

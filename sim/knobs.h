@@ -43,6 +43,7 @@ struct Knobs {
   bool pipeline = true;
   std::uint32_t fanout = 1;
   bool smart_skipping = true;
+  bool offload_seeding = false;
   TimeMs heartbeat_timeout_ms = 3000;
   // Network faults (control plane).
   double drop = 0;                   // per message

@@ -137,6 +137,17 @@ void Observer::on_report(ClientId client, const ReportBody& body) {
         source->second.failed = read->second.version;
       }
     }
+  } else if (const auto* done = std::get_if<TransferDone>(&body)) {
+    // A seed's shard has its bytes: the copy counts once every shard has.
+    auto read = reads_.find({client, done->transfer});
+    if (read == reads_.end() || read->second.offload_copy == 0) return;
+    auto offload = replica.offloads.find(read->second.version);
+    if (offload == replica.offloads.end() || offload->second.copy != read->second.offload_copy ||
+        offload->second.released) {
+      return;
+    }
+    offload->second.reported.insert(info.shard);
+    if (offload->second.reported.size() == replica.num_shards) offload->second.complete = true;
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
     auto offload = replica.offloads.find(offloaded->version);
     if (offload == replica.offloads.end() || offload->second.copy != offloaded->copy ||
@@ -414,6 +425,21 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
   auto earlier = reads_.find({client, read.transfer});
   if (earlier != reads_.end() && earlier->second.epoch == read.epoch) return;
   reads_[{client, read.transfer}] = read;
+  if (read.offload_copy != 0) {
+    // Offload seeding: a new CPU copy is filled; the registered buffers are untouched.
+    ReplicaInfo::OffloadInfo& offload = reader.offloads[read.version];
+    if (offload.copy != read.offload_copy) {
+      offload = ReplicaInfo::OffloadInfo{};
+      offload.copy = read.offload_copy;
+    }
+  } else {
+    on_buffer_read(client, info, reader, read);
+  }
+  check_topology(info, reader, read);
+}
+
+void Observer::on_buffer_read(ClientId client, const ClientInfo& info, ReplicaInfo& reader,
+                              const StartRead& read) {
   if (!reader.pending_update_seqs.empty()) reader.update_wrote = true;
   // Integrity: the reader's buffers are about to be overwritten with `read.version`.
   for (const auto& [grant, serve] : grants_) {
@@ -425,6 +451,10 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
   if (read.source.kind == CopyKind::kPrimary && read.source.replica == reader.name) {
     violation("topology: " + info.replica_key + " is told to read from itself");
   }
+}
+
+void Observer::check_topology(const ClientInfo& info, const ReplicaInfo& reader,
+                              const StartRead& read) {
   // Topology: another datacenter only when no complete, healthy copy is in the reader's own.
   if (read.source.datacenter != reader.datacenter) {
     for (const auto& [key, other] : replicas_) {

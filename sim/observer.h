@@ -88,6 +88,9 @@ class Observer {
   void violation(std::string what) { violations_.push_back(std::move(what)); }
   void on_reply(ClientId client, const Reply& reply);
   void on_start_read(ClientId client, const StartRead& read);
+  void on_buffer_read(ClientId client, const ClientInfo& info, ReplicaInfo& reader,
+                      const StartRead& read);
+  void check_topology(const ClientInfo& info, const ReplicaInfo& reader, const StartRead& read);
   void on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica);
   void check_consistency(const ClientInfo& info, const Reply& reply);
   void stop_holding(ReplicaInfo& replica, const char* why);

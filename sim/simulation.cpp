@@ -226,6 +226,7 @@ class Simulation {
     settings.pipeline = knobs_.pipeline;
     settings.fanout_max = knobs_.fanout;
     settings.smart_skipping = knobs_.smart_skipping;
+    settings.offload_seeding = knobs_.offload_seeding;
     for (auto& server : servers_) {
       server = std::make_unique<Hub>(settings);
     }
@@ -691,6 +692,11 @@ class Simulation {
         if (evicted->reason != Errc::kUnknownClient) ++result_.evictions;
       }
       if (std::holds_alternative<Offload>(effect.message)) ++result_.offloads;
+      if (const auto* read = std::get_if<StartRead>(&effect.message);
+          read != nullptr && read->offload_copy != 0 &&
+          seed_copies_.emplace(server, read->offload_copy).second) {
+        ++result_.seeds;
+      }
       send_to_worker(static_cast<std::uint32_t>(server), effect);
     }
   }
@@ -709,7 +715,8 @@ class Simulation {
   // ---- the data plane ----
 
   void begin_read(int w, const StartRead& read) {
-    check_may_write(w, read.version);
+    const bool seed = read.offload_copy != 0;
+    if (!seed) check_may_write(w, read.version);
     auto source = clients_of_replica(read.source.replica, read.source.incarnation, read.shard);
     Flow flow;
     flow.reader = w;
@@ -721,8 +728,13 @@ class Simulation {
       flow.fail_at_progress = rng_.unit() * static_cast<double>(knobs_.shard_bytes);
     }
     Worker& reader = workers_[w];
-    reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
-    reader.buffer_bytes = 0;
+    if (seed) {
+      // Offload seeding: into a CPU buffer of its own (created now, freed by FreeOffload).
+      reader.offloads.try_emplace(read.version, kBufferBytes, std::uint8_t{0});
+    } else {
+      reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
+      reader.buffer_bytes = 0;
+    }
     flows_[{w, read.transfer}] = flow;
     if (!data_tick_scheduled_) {
       data_tick_scheduled_ = true;
@@ -845,6 +857,16 @@ class Simulation {
     flow.progress = std::min(flow.progress + rate * kDataTickMs, std::max(available, flow.progress));
     const auto target = static_cast<std::size_t>(flow.progress / total * kBufferBytes);
     const int model = replicas_[reader.replica].model;
+    const bool seed = read.offload_copy != 0;
+    std::vector<std::uint8_t>* into = &reader.buffer;
+    if (seed) {
+      auto buffer = reader.offloads.find(read.version);
+      if (buffer == reader.offloads.end()) {
+        throw Violation("integrity: " + replica_of(flow.reader).name + " reads a seed of version " +
+                        std::to_string(read.version) + " into an offload buffer it freed");
+      }
+      into = &buffer->second;
+    }
     for (std::size_t offset = flow.copied; offset < std::min(target, kBufferBytes); ++offset) {
       const std::uint8_t byte = (*bytes)[offset];
       if (byte != content(model, read.version, read.shard, offset)) {
@@ -853,14 +875,14 @@ class Simulation {
                         std::to_string(read.version) + " (the source's buffers changed under a "
                         "grant to read them)");
       }
-      reader.buffer[offset] = byte;
+      (*into)[offset] = byte;
     }
-    if (flow.copied < std::min(target, kBufferBytes)) check_may_write(flow.reader, read.version);
+    if (!seed && flow.copied < std::min(target, kBufferBytes)) check_may_write(flow.reader, read.version);
     flow.copied = std::max(flow.copied, std::min(target, kBufferBytes));
-    reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
+    if (!seed) reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
     if (flow.progress < total) return;
     // Every tensor is checked against the checksums the hub gave with the instruction.
-    const bool matches = checksums_of(reader.buffer) == *read.checksums;
+    const bool matches = checksums_of(*into) == *read.checksums;
     finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
   }
 
@@ -1496,6 +1518,7 @@ class Simulation {
   std::uint64_t next_seq_ = 0;
   Effects hub_effects_;
   AgentEffects agent_effects_;
+  std::set<std::pair<std::size_t, std::uint64_t>> seed_copies_;  // (server, copy) seen seeding
 };
 
 }  // namespace
@@ -1507,7 +1530,8 @@ std::string SimResult::summary() const {
       << " s simulated, " << calls << " calls, " << versions << " publishes, " << reads
       << " shard reads (" << reads_failed << " failed), " << crashes << " crashes, "
       << divergence_restarts << " divergence restarts, " << evictions
-      << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << messages
+      << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << seeds
+      << " seeds, " << messages
       << " messages (" << messages_lost << " lost), trace hash " << std::hex << trace_hash << std::dec;
   return out.str();
 }

@@ -47,6 +47,7 @@ struct SimResult {
   std::uint64_t evictions = 0;
   std::uint64_t failovers = 0;
   std::uint64_t offloads = 0;
+  std::uint64_t seeds = 0;          // offload seeding: CPU copies read across datacenters
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;
 

@@ -205,7 +205,7 @@ TEST(Wire, EveryServerMessageKind) {
   {
     const StartRead sent{21, 3, 17, 9, 1,
                          SourceRef{"rollout-2", 4, "dc-b", "10.1.1.1:7000", CopyKind::kOffload, true},
-                         sample_checksums()};
+                         sample_checksums(), 0, nullptr};
     const auto got = std::get<StartRead>(round_trip<wire::Effect>(Effect{1, sent, 2}).message);
     EXPECT_EQ(got.transfer, 21u);
     EXPECT_EQ(got.epoch, 3u);
@@ -219,6 +219,25 @@ TEST(Wire, EveryServerMessageKind) {
     EXPECT_EQ(got.source.kind, CopyKind::kOffload);
     EXPECT_TRUE(got.source.partial);
     EXPECT_EQ(*got.checksums, *sample_checksums());
+    EXPECT_EQ(got.offload_copy, 0u);
+    EXPECT_EQ(got.layout, nullptr);
+  }
+  {
+    // Offload seeding: into a new CPU copy of the given layout.
+    const StartRead sent{21, 3, 0, 9, 1,
+                         SourceRef{"trainer-0", 1, "dc-a", "10.1.1.2:7000", CopyKind::kPrimary, false},
+                         sample_checksums(), 88, sample_layout()};
+    const auto got = std::get<StartRead>(round_trip<wire::Effect>(Effect{1, sent, 2}).message);
+    EXPECT_EQ(got.offload_copy, 88u);
+    expect_same_layout(got.layout, sample_layout());
+    // A seed read without a layout cannot be carried out: refused at the boundary.
+    StartRead bad = sent;
+    bad.layout = nullptr;
+    auto flat = bytes_of<wire::Effect>(Effect{1, bad, 2});
+    capnp::FlatArrayMessageReader reader(flat);
+    const auto decoded = decode(reader.getRoot<wire::Effect>());
+    ASSERT_FALSE(decoded.ok());
+    EXPECT_EQ(decoded.error().code, Errc::kInvalidArgument);
   }
   {
     const ServeRead sent{22, 1, 9, CopyKind::kPrimary, 1, "rollout-5"};

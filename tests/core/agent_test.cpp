@@ -135,6 +135,15 @@ class AgentTest : public ::testing::Test {
     return read;
   }
 
+  // Offload seeding: read `version` into the new CPU copy `copy`, outside any call.
+  StartRead seed_read(TransferId transfer, std::uint32_t epoch, Version version, std::uint64_t copy) const {
+    StartRead read = start_read(transfer, epoch, version, 0);
+    read.call = 0;
+    read.offload_copy = copy;
+    read.layout = layout_;
+    return read;
+  }
+
   ShardAgent agent_{test_config()};
   TimeMs now_ms_ = 0;
   std::uint64_t call_id_ = 0;
@@ -531,6 +540,69 @@ TEST_F(AgentTest, AnOffloadOfBuffersThatMovedOnIsDropped) {
   const AgentEffects finished = step(OffloadFinished{8});
   EXPECT_TRUE(reports(finished).empty());
   EXPECT_EQ(only<FreeOffload>(finished).version, 8u);
+}
+
+TEST_F(AgentTest, ASeedIsReadOutsideAnyCallAndServedOnlyOnceWhole) {
+  open();
+  publish(1, 4);
+  // No call in flight, and the registered buffers (version 4) are untouched.
+  const BeginRead begin = only<BeginRead>(hub(seed_read(7, 1, 5, 50)));
+  EXPECT_EQ(begin.read.offload_copy, 50u);
+  ASSERT_TRUE(agent_.held().has_value());
+  EXPECT_EQ(agent_.held()->version, 4u);
+  EXPECT_TRUE(hub(seed_read(7, 1, 5, 50)).empty()) << "repeated while under way: nothing";
+  EXPECT_TRUE(hub(ServeRead{9, 1, 5, CopyKind::kOffload, 0, "peer"}).empty()) << "not whole yet";
+  // The buffers' own grant is unaffected.
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{8, 1, 4, CopyKind::kPrimary, 0, "peer"})).grant.version, 4u);
+  const std::vector<ReportBody> done = reports(step(ReadFinished{7, 1, std::nullopt}));
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(std::get<TransferDone>(done[0]).transfer, 7u);
+  EXPECT_EQ(only<GrantServe>(hub(ServeRead{9, 2, 5, CopyKind::kOffload, 0, "peer"})).grant.version, 5u);
+  // Sent once (no call's answer acknowledges it): not retransmitted; answered again when the hub,
+  // which may have missed it, repeats the instruction.
+  for (TimeMs t = 0; t <= 10000; t += 50) {
+    for (const ReportBody& body : reports(tick_at(t))) {
+      EXPECT_FALSE(std::holds_alternative<TransferDone>(body)) << "at " << t;
+    }
+  }
+  EXPECT_EQ(reports(hub(seed_read(7, 1, 5, 50))).size(), 1u);
+  // A failover announces the whole seed like any offload copy.
+  const AgentEffects lost = step(ServerLost{0});
+  const Request reopen = requests(lost).at(0);
+  const auto& resume = std::get<OpenRequest>(reopen.body).resume;
+  ASSERT_NE(resume, nullptr);
+  ASSERT_EQ(resume->offloads.size(), 1u);
+  EXPECT_EQ(resume->offloads[0].version, 5u);
+  EXPECT_EQ(resume->offloads[0].copy, 50u);
+}
+
+TEST_F(AgentTest, AFailedSeedReadIsReportedAgainWhenAskedAndReadAgainFromTheNextSource) {
+  open();
+  hub(seed_read(7, 1, 5, 50));
+  EXPECT_EQ(reports(step(ReadFinished{7, 1, ReadFailure::kSourceUnreachable})).size(), 1u);
+  const std::vector<ReportBody> again = reports(hub(seed_read(7, 1, 5, 50)));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(std::get<TransferFailed>(again[0]).reason, ReadFailure::kSourceUnreachable);
+  EXPECT_EQ(only<BeginRead>(hub(seed_read(7, 2, 5, 50))).read.epoch, 2u);
+  EXPECT_TRUE(reports(step(ReadFinished{7, 1, std::nullopt})).empty()) << "the old source's read";
+}
+
+TEST_F(AgentTest, AReleasedSeedStopsItsReadFreesItsBufferAndIsNeverStartedAgain) {
+  open();
+  hub(seed_read(7, 1, 5, 50));
+  EXPECT_TRUE(hub(ReleaseOffload{5, 49}).empty()) << "another copy's release";
+  const AgentEffects released = hub(ReleaseOffload{5, 50});
+  EXPECT_EQ(only<CancelRead>(released).transfer, 7u);
+  EXPECT_EQ(only<FreeOffload>(released).version, 5u);
+  EXPECT_TRUE(hub(seed_read(7, 1, 5, 50)).empty()) << "late: about the released seed";
+  EXPECT_TRUE(step(ReadFinished{7, 1, std::nullopt}).empty()) << "its read, finishing anyway";
+  // A new seed of the same version (a later copy) starts afresh.
+  EXPECT_EQ(only<BeginRead>(hub(seed_read(8, 1, 5, 51))).read.offload_copy, 51u);
+  // A server loss drops a seed in progress: the next server knows nothing of it.
+  const AgentEffects lost = step(ServerLost{0});
+  EXPECT_EQ(only<CancelRead>(lost).transfer, 8u);
+  EXPECT_EQ(only<FreeOffload>(lost).version, 5u);
+  EXPECT_TRUE(std::get<OpenRequest>(requests(lost).at(0).body).resume->offloads.empty());
 }
 
 TEST_F(AgentTest, CloseEndsEverything) {

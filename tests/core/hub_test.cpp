@@ -477,6 +477,176 @@ TEST(HubTopology, SmartSkippingCanBeSwitchedOff) {
   EXPECT_EQ(read_of(driver, poller[0])->source.replica, "seeder");
 }
 
+// ---- offload seeding (paper §4.3.4) ----------------------------------------------------------------
+
+HubSettings seeding_settings() {
+  HubSettings settings;
+  settings.offload_seeding = true;
+  return settings;
+}
+
+const ListSnapshot::ReplicaInfo& replica_info(Driver& driver, const std::string& name) {
+  static std::optional<ListSnapshot> snapshot;
+  snapshot = driver.hub().snapshot("m");
+  for (const auto& info : snapshot->replicas) {
+    if (info.name == name) return info;
+  }
+  throw std::runtime_error("no replica " + name);
+}
+
+TEST(HubOffloadSeeding, TheFirstUpdateOfADatacenterSeedsACpuCopyAndItsNextUpdateReadsIt) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));  // dc0
+  const auto far1 = driver.open_replica(rollout("far1", 2, "dc1"));
+  const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far1, Selector::latest());
+  // Answered at once: the buffers keep what they hold (nothing), the seed is read in the background.
+  auto outcome = driver.replies(far1);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNotYet);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, std::nullopt);
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    const auto seed = read_of(driver, far1[shard]);
+    ASSERT_TRUE(seed);
+    EXPECT_NE(seed->offload_copy, 0u) << "into a CPU copy, not the registered buffers";
+    ASSERT_NE(seed->layout, nullptr);
+    EXPECT_FALSE(seed->layout->mismatch(*layout_for(shard)));
+    EXPECT_EQ(seed->source.replica, "t");
+    EXPECT_EQ(seed->source.datacenter, "dc0");
+  }
+  EXPECT_EQ(replica_info(driver, "far1").state, "empty");
+  EXPECT_EQ(replica_info(driver, "far1").offloads, std::vector<Version>{1});
+  EXPECT_EQ(driver.hub().stats().seeds_started, 1u);
+  // One seed per datacenter: the other replica there skips the version until the seed is whole.
+  start_update(driver, far2, Selector::latest());
+  outcome = driver.replies(far2);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kNotYet);
+  EXPECT_FALSE(read_of(driver, far2[0]));
+  EXPECT_EQ(driver.hub().stats().seeds_started, 1u);
+  driver.finish_reads(far1);
+  // The seeder's next update reads its own CPU copy, and nothing crosses datacenters again.
+  start_update(driver, far1, Selector::latest());
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    const auto read = read_of(driver, far1[shard]);
+    ASSERT_TRUE(read);
+    EXPECT_EQ(read->offload_copy, 0u);
+    EXPECT_EQ(read->source.replica, "far1");
+    EXPECT_EQ(read->source.kind, CopyKind::kOffload);
+  }
+  start_update(driver, far2, Selector::latest());
+  EXPECT_EQ(read_of(driver, far2[0])->source.datacenter, "dc1");
+  driver.finish_reads(far1);
+  outcome = driver.replies(far1);
+  ASSERT_TRUE(is<UpdateOk>(outcome));
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).status, UpdateStatus::kUpdated);
+  EXPECT_EQ(std::get<UpdateOk>(*outcome).version, 1u);
+  driver.finish_reads(far2);
+  EXPECT_EQ(std::get<UpdateOk>(*driver.replies(far2)).version, 1u);
+  // Consumed: the CPU memory is given back (once its last reader finished).
+  EXPECT_TRUE(replica_info(driver, "far1").offloads.empty());
+  for (ClientId client : far1) {
+    EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1});
+  }
+}
+
+TEST(HubOffloadSeeding, OnlyAReadAcrossDatacentersSeeds) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
+  ReplicaSpec spot = rollout("spot", 2, "dc1");
+  spot.spot = true;
+  const auto far_spot = driver.open_replica(spot);
+  driver.publish(t, 1);
+  // A reader in the publisher's datacenter reads into its buffers as usual.
+  start_update(driver, near, Selector::latest());
+  EXPECT_EQ(read_of(driver, near[0])->offload_copy, 0u);
+  // A spot replica never seeds: its copies do not count, and it may vanish at any moment.
+  start_update(driver, far_spot, Selector::latest());
+  ASSERT_TRUE(read_of(driver, far_spot[0]));
+  EXPECT_EQ(read_of(driver, far_spot[0])->offload_copy, 0u);
+  EXPECT_EQ(driver.hub().stats().seeds_started, 0u);
+}
+
+TEST(HubOffloadSeeding, TheSeedInstructionRepeatsWithHeartbeatsUntilTheShardHasItsBytes) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  const auto seed = read_of(driver, far[0]);
+  ASSERT_TRUE(seed);
+  // Lost: no call of the replica is in flight to bring it again.
+  driver.inbox(far[0]).reads.clear();
+  driver.inbox(far[1]).reads.clear();
+  driver.advance(1000);
+  const auto again = read_of(driver, far[0]);
+  ASSERT_TRUE(again) << "repeated with the shard's heartbeat";
+  EXPECT_EQ(again->transfer, seed->transfer);
+  EXPECT_EQ(again->epoch, seed->epoch);
+  EXPECT_EQ(again->offload_copy, seed->offload_copy);
+  driver.report(far[0], TransferDone{seed->transfer, seed->epoch});
+  driver.inbox(far[0]).reads.clear();
+  driver.inbox(far[1]).reads.clear();
+  driver.advance(1000);
+  EXPECT_FALSE(read_of(driver, far[0])) << "shard 0 has its bytes";
+  EXPECT_TRUE(read_of(driver, far[1])) << "shard 1 does not yet";
+}
+
+TEST(HubOffloadSeeding, ASeedWhoseSourcesAreGoneIsReleasedAndTheNextUpdateSaysWhy) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  // The trainer dies before the seed is read: nothing holds version 1 any more.
+  driver.lose_connection(t[0]);
+  for (ClientId client : far) {
+    EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1}) << "the shards free the buffer";
+  }
+  EXPECT_TRUE(replica_info(driver, "far").offloads.empty());
+  start_update(driver, far, Selector::latest());
+  EXPECT_EQ(expect_error(driver.replies(far), Errc::kVersionUnavailable), "");
+}
+
+TEST(HubOffloadSeeding, CloseWhileSeedingFreesTheSeed) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  driver.call_all(far, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(far)));
+  for (ClientId client : far) EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1});
+  // The trainer's copy no longer serves anyone.
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+}
+
+// A replica that follows latest-k seeds a version older than latest; the seed waits for it.
+TEST(HubOffloadSeeding, ASeedIsKeptUntilItsOwnerConsumesItEvenWhenNewerVersionsExist) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  driver.finish_reads(far);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 2);
+  EXPECT_EQ(replica_info(driver, "far").offloads, std::vector<Version>{1}) << "not consumed yet";
+  start_update(driver, far, Selector::latest(1));
+  EXPECT_EQ(read_of(driver, far[0])->source.replica, "far");
+  driver.finish_reads(far);
+  EXPECT_EQ(std::get<UpdateOk>(*driver.replies(far)).version, 1u);
+  EXPECT_TRUE(replica_info(driver, "far").offloads.empty());
+}
+
 // ---- update ---------------------------------------------------------------------------------------
 
 TEST(HubUpdate, NoNewerVersionAtOnceOtherwiseDrainAndReplicate) {

@@ -200,6 +200,35 @@ TEST_F(EndToEnd, LastCopyIsOffloadedAndServedFromThere) {
   EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
 }
 
+// Offload seeding (paper §4.3.4): the first update of a datacenter answers "not yet" at once and
+// reads the version across datacenters into CPU memory; its next update reads that copy, bit-exact,
+// and the datacenter's other replicas read locally.
+TEST_F(EndToEnd, OffloadSeedingAnswersNotYetThenServesTheCpuCopy) {
+  const std::string server = start_server({"--offload-seeding"});
+  Process& trainer = worker({server}, "trainer", {"--datacenter", "dc0", "--small-tensors", "3"},
+                            {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  std::vector<std::string> polls = {"update:latest"};
+  for (int i = 0; i < 12; ++i) {  // the seed takes milliseconds here; 3 s of polls is plenty
+    polls.push_back("sleep:250");
+    polls.push_back("update:latest");
+  }
+  std::vector<std::string> seeder_script = polls;
+  seeder_script.push_back("verify");
+  seeder_script.push_back("wait-line");  // stays, holding version 1 in dc1
+  Process& seeder = worker({server}, "far", {"--datacenter", "dc1", "--small-tensors", "3"}, seeder_script);
+  EXPECT_EQ(expect(seeder, "update "), "update not-yet nothing from ");
+  EXPECT_EQ(expect(seeder, "update updated"), "update updated 1 from far") << "read from its own CPU copy";
+  EXPECT_EQ(expect(seeder, "verify "), "verify ok 1");
+  std::vector<std::string> local_script = polls;
+  local_script.push_back("verify");
+  Process& local = worker({server}, "far2", {"--datacenter", "dc1", "--small-tensors", "3"}, local_script);
+  EXPECT_EQ(expect(local, "update updated"), "update updated 1 from far") << "read inside dc1";
+  EXPECT_EQ(expect(local, "verify "), "verify ok 1");
+  trainer.send_line("go");
+  seeder.send_line("go");
+}
+
 // A rollout killed and restarted (a new incarnation) catches up with the newest version.
 TEST_F(EndToEnd, RestartedRolloutCatchesUp) {
   const std::string server = start_server();

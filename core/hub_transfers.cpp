@@ -215,11 +215,15 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     }
   }
   // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
-  // here wait until it is complete and then pipeline at local speed (paper §4.3.4).
+  // here wait until it is complete and then pipeline at local speed (paper §4.3.4). Nor does a
+  // reader in a third datacenter read from a copy still crossing into another one (a chain across
+  // three datacenters, as slow as its slowest link).
   const auto local = record.by_dc.find(dc);
   const bool any_crossing_here = local != record.by_dc.end() && local->second.crossing > 0;
   auto behind_seeder = [&](const Copy* candidate) {
-    if (!settings_.smart_skipping || !any_crossing_here) return false;
+    // A local candidate's chain can cross datacenters only through a copy here.
+    const bool may_cross = candidate->owner->dc != dc || any_crossing_here;
+    if (!settings_.smart_skipping || !may_cross) return false;
     const Copy* at = candidate;
     for (std::size_t hops = 0; hops <= model.copies.size(); ++hops) {
       if (at->state != CopyState::kActive) return false;
@@ -283,7 +287,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   for (const auto& [other_dc, sources] : record.by_dc) {
     if (other_dc == dc) continue;
     for (const auto& [key, copy] : sources.eligible) {
-      if (!usable(copy)) continue;
+      if (!usable(copy) || behind_seeder(copy)) continue;
       if (best == nullptr || key < best_key) {
         best = copy;
         best_key = key;

@@ -464,6 +464,26 @@ TEST(HubTopology, SmartSkippingMakesReplicateWaitForTheSeeder) {
   EXPECT_FALSE(read->source.partial);
 }
 
+// Property-test find (three datacenters): a reader in dc2 pipelined from a copy in dc0 that was
+// still seeding from dc1. With smart skipping nobody reads behind a copy still crossing
+// datacenters, whichever datacenter that copy is in.
+TEST(HubTopology, SmartSkippingAlsoKeepsAThirdDatacenterFromPipeliningBehindASeeder) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));  // dc0
+  const auto seeder = driver.open_replica(rollout("seeder", 2, "dc1"));
+  const auto third = driver.open_replica(rollout("third", 2, "dc2"));
+  driver.publish(t, 1);
+  start_replicate(driver, seeder, Selector::latest());
+  EXPECT_EQ(read_of(driver, seeder[0])->source.replica, "t");
+  start_replicate(driver, third, Selector::latest());  // t serves its one reader already
+  EXPECT_FALSE(read_of(driver, third[0])) << "not behind the seeder still crossing into dc1";
+  driver.finish_reads(seeder);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(seeder)));
+  const auto read = read_of(driver, third[0]);
+  ASSERT_TRUE(read);
+  EXPECT_FALSE(read->source.partial);
+}
+
 TEST(HubTopology, SmartSkippingCanBeSwitchedOff) {
   HubSettings settings;
   settings.smart_skipping = false;
@@ -1431,6 +1451,74 @@ TEST(HubRegression, ChainsEndingInWaitingReadersAreUnavailableNotAHang) {
   for (const std::string& name : names) {
     EXPECT_EQ(expect_error(driver.replies(r[name]), Errc::kVersionUnavailable), "") << name;
   }
+  const HubActivity activity = driver.hub().activity();
+  EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
+}
+
+// Two chain roots in one datacenter lose their sources at once; each chain has a tail in a
+// datacenter of its own, so that the only complete copy (in a fourth) is a detour for neither.
+// A chain that ends in a reader still waiting must not count as "a source soon here": each root
+// would wait for the other's chain, for ever (the mutant 'waiting-chain-counts'; the property
+// fleets, with two or three datacenters, never build this shape).
+TEST(HubRegression, TwoRootsDoNotWaitForEachOthersWaitingChains) {
+  Driver driver;  // pipeline, fan-out 1, smart skipping
+  auto one = [&](const std::string& name, const std::string& datacenter) {
+    return driver.open_replica(rollout(name, 1, datacenter));
+  };
+  ReplicaSpec far_trainer = trainer("t", 1);
+  far_trainer.datacenter = "dc3";
+  const auto t = driver.open_replica(far_trainer);
+  driver.publish(t, 1);
+  std::map<std::string, std::vector<ClientId>> r;
+  auto replicate_from = [&](const std::string& name, const std::string& datacenter,
+                            const std::string& source) {
+    r[name] = one(name, datacenter);
+    start_replicate(driver, r[name], Selector::latest());
+    const auto read = read_of(driver, r[name][0]);
+    ASSERT_TRUE(read) << name;
+    ASSERT_EQ(read->source.replica, source) << name;
+  };
+  replicate_from("s1", "dc0", "t");
+  driver.finish_reads(r["s1"]);
+  replicate_from("s2", "dc0", "s1");
+  driver.finish_reads(r["s2"]);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r["s1"])));
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r["s2"])));
+  replicate_from("w1", "dc0", "s1");
+  replicate_from("w2", "dc0", "s2");
+  replicate_from("c1", "dc0", "w1");
+  replicate_from("c2", "dc0", "w2");
+  replicate_from("f", "dc3", "t");   // t's one slot is taken
+  replicate_from("d1", "dc1", "c1");
+  replicate_from("d2", "dc2", "c2");
+  // Both roots' sources die.
+  // Their reads from the sources about to die are void (the data plane fails them).
+  driver.inbox(r["w1"][0]).reads.clear();
+  driver.inbox(r["w2"][0]).reads.clear();
+  driver.lose_connection(r["s1"][0]);
+  driver.lose_connection(r["s2"][0]);
+  // Every reader finishes: each round, whoever reads from a complete copy reads to the end.
+  const std::vector<std::string> readers = {"f", "w1", "w2", "c1", "c2", "d1", "d2"};
+  std::set<std::string> answered;
+  std::set<std::string> complete = {"t"};
+  for (int round = 0; round < 20 && answered.size() < readers.size(); ++round) {
+    for (const std::string& name : readers) {
+      if (answered.contains(name)) continue;
+      const auto read = read_of(driver, r[name][0]);
+      if (!read || !complete.contains(read->source.replica)) continue;
+      driver.finish_reads(r[name]);
+      if (auto outcome = driver.replies(r[name])) {
+        EXPECT_TRUE(is<ReplicateOk>(outcome)) << name << ": " << describe(*outcome);
+        answered.insert(name);
+        complete.insert(name);
+      }
+    }
+  }
+  std::string left;
+  for (const std::string& name : readers) {
+    if (!answered.contains(name)) left += " " + name;
+  }
+  EXPECT_EQ(answered.size(), readers.size()) << "readers left waiting for ever:" << left;
   const HubActivity activity = driver.hub().activity();
   EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
 }

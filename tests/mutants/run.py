@@ -8,8 +8,11 @@ with a violation (or a hang). The targets: the property test alone kills at leas
 test and simulator together kill all. The property test runs with a fixed RapidCheck seed, so the
 score is the same on every machine; TH_MUTANT_SEED changes it (a look at other cases).
 
-    run.py --list mutants.tsv --property BIN --sim BIN [--report FILE] [--jobs N]
+    run.py --list mutants.tsv --property BIN --sim BIN [--unit BIN] [--report FILE] [--jobs N]
            [--cases N] [--only NAME,...] [--property-target 0.9] [--combined-target 1.0]
+
+With --unit, the hub's unit tests (core_hub_test built against the mutants) also run against the
+survivors of both: a third figure, for information; the targets are the two above.
 """
 import argparse
 import concurrent.futures
@@ -82,6 +85,14 @@ def judge(args, number, name):
     else:
         result["sim"] = "pass"
     result["sim_s"] = sim_seconds
+    result["unit"] = "-"
+    if result["sim"] == "pass" and args.unit:
+        status, _, output = run([args.unit], {"TH_MUTANT": str(number)}, PROPERTY_TIMEOUT_S)
+        result["unit"] = status
+        if status != "pass":
+            failed = [line.split("]", 1)[1].strip() for line in output.splitlines()
+                      if line.startswith("[  FAILED  ]") and "listed below" not in line]
+            result["unit_why"] = "unit test " + (failed[0].split(" ")[0] if failed else status)
     return result
 
 
@@ -90,6 +101,7 @@ def main():
     parser.add_argument("--list", required=True)
     parser.add_argument("--property", required=True)
     parser.add_argument("--sim", required=True)
+    parser.add_argument("--unit", default="")
     parser.add_argument("--report")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", type=int, default=2000)
@@ -137,7 +149,8 @@ def main():
             "|---|---|---|---|---|---|"]
     files = {number: path for number, _, path, _ in mutants}
     for result in results:
-        caught = result["property_why"] or result["sim_why"] or "SURVIVED"
+        caught = (result["property_why"] or result["sim_why"] or
+                  (f"SURVIVED (killed by {result['unit_why']})" if result.get("unit_why") else "SURVIVED"))
         sim = result["sim"] if result["sim"] == "-" else f"{result['sim']} ({result['sim_s']:.0f} s)"
         rows.append(f"| {result['id']} | {result['name']} | {files[result['id']]} | "
                     f"{result['property']} ({result['property_s']:.1f} s) | {sim} | {caught} |")
@@ -150,6 +163,11 @@ def main():
                f"property, RapidCheck seed {args.seed}")
     survivors = [result["name"] for result in results
                  if result["property"] == "pass" and result["sim"] == "pass"]
+    if args.unit and survivors:
+        by_unit = [result["name"] for result in results
+                   if result["name"] in survivors and result.get("unit") not in ("-", "pass")]
+        summary += (f"; the hub's unit tests kill {len(by_unit)} of the {len(survivors)} survivors"
+                    + (f" ({', '.join(by_unit)})" if by_unit else ""))
     print("\n".join(rows))
     print(summary)
     if survivors:

@@ -54,7 +54,9 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
       replica.model = static_cast<std::uint32_t>(i % models);
       replica.name = "r" + std::to_string(i);
       replica.trainer = i < models;
-      replica.datacenter = *rc::gen::element<std::string>("dc0", "dc1");
+      // A third datacenter now and then: chains of sources that cross two of them (the
+      // 'waiting chain' counts of select_source) need three.
+      replica.datacenter = *rc::gen::weightedElement<std::string>({{4, "dc0"}, {4, "dc1"}, {1, "dc2"}});
       replica.spot = *rc::gen::weightedElement<bool>({{3, false}, {1, true}});
       if (*rc::gen::arbitrary<bool>()) {
         replica.retention.keep_latest = *rc::gen::inRange<std::uint64_t>(0, 3);

@@ -156,10 +156,10 @@ struct OffloadCopy {
   std::vector<net::ExposedRegion> regions;
 };
 
-// Offload seeding: a CPU copy laid out like the buffers of `layout` would be on the data plane
-// (the packed small tensors, then each big one), and the plan that reads into it in place.
-std::pair<std::shared_ptr<OffloadCopy>, Plan> seed_copy_of(const LayoutRef& layout,
-                                                           std::shared_ptr<OffloadCopy> copy) {
+// Offload seeding: fills `copy` (empty) with a CPU buffer laid out like the buffers of `layout`
+// would be on the data plane (the packed small tensors, then each big one), and returns the plan
+// that reads into it in place. Allocates gigabytes: called on the seed's own thread.
+Plan seed_copy_of(const LayoutRef& layout, OffloadCopy& copy) {
   Plan plan;
   plan.layout = layout;
   std::uint64_t big_bytes = 0;
@@ -173,26 +173,22 @@ std::pair<std::shared_ptr<OffloadCopy>, Plan> seed_copy_of(const LayoutRef& layo
       big_bytes += tensor.bytes;
     }
   }
-  // The copy of an earlier read of this seed (from another source) is read into again.
-  const bool fresh = copy == nullptr || copy->bytes.size() != plan.packed_bytes + big_bytes;
-  if (fresh) {
-    copy = std::make_shared<OffloadCopy>();
-    copy->bytes.resize(plan.packed_bytes + big_bytes);
-    if (plan.packed_bytes > 0) copy->regions.push_back({copy->bytes.data(), plan.packed_bytes});
-  }
-  std::byte* at = copy->bytes.data() + plan.packed_bytes;
+  TH_ASSERT(copy.bytes.empty() && copy.regions.empty(), "a seed copy is filled once");
+  copy.bytes.resize(plan.packed_bytes + big_bytes);
+  if (plan.packed_bytes > 0) copy.regions.push_back({copy.bytes.data(), plan.packed_bytes});
+  std::byte* at = copy.bytes.data() + plan.packed_bytes;
   const auto& tensors = layout->tensors();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (plan.packed_offset[i] != Plan::kNotPacked) {
-      plan.tensor_data.push_back(copy->bytes.data() + plan.packed_offset[i]);  // read in place
+      plan.tensor_data.push_back(copy.bytes.data() + plan.packed_offset[i]);  // read in place
     } else {
       plan.tensor_data.push_back(at);
-      if (fresh) copy->regions.push_back({at, tensors[i].bytes});
+      copy.regions.push_back({at, tensors[i].bytes});
       at += tensors[i].bytes;
     }
   }
-  TH_ASSERT(at == copy->bytes.data() + copy->bytes.size(), "a seed copy has the layout's size");
-  return {std::move(copy), std::move(plan)};
+  TH_ASSERT(at == copy.bytes.data() + copy.bytes.size(), "a seed copy has the layout's size");
+  return plan;
 }
 
 }  // namespace
@@ -283,9 +279,15 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // joined keeps its stack: a trainer offloads every step).
   std::map<std::uint64_t, std::thread> offload_threads_;
   std::vector<std::uint64_t> offloads_reported_;  // their threads are returning
-  // Offload seeding: a thread per seed read (bounded by the offload copies a replica may hold),
-  // beside the reader thread, so that a slow cross-datacenter read never delays the buffers'.
-  std::map<TransferId, std::shared_ptr<std::atomic<bool>>> seed_reads_;  // their cancel flags
+  // Offload seeding: a thread per seed read (the hub has one read at a time per replica, plus
+  // reads replaced by a newer epoch that are winding down), beside the reader thread, so that a
+  // slow cross-datacenter read never delays the buffers'.
+  struct SeedRead {
+    Version version = 0;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+  };
+  std::map<TransferId, SeedRead> seed_reads_;
+  bool threads_closed_ = false;  // shutdown: no new offload or seed thread
   std::uint64_t next_offload_id_ = 1;
   std::atomic<bool> io_stopped_{false};
 
@@ -448,7 +450,7 @@ void Handle::Impl::apply(const AgentEffect& effect) {
           }
         } else if constexpr (std::is_same_v<T, CancelRead>) {
           if (auto seed = seed_reads_.find(e.transfer); seed != seed_reads_.end()) {
-            seed->second->store(true);
+            seed->second.cancelled->store(true);
             seed_reads_.erase(seed);
             return;
           }
@@ -662,33 +664,56 @@ void Handle::Impl::start_read(const StartRead& read) {
 
 void Handle::Impl::start_seed_read(const StartRead& read) {
   TH_ASSERT(read.layout != nullptr, "a seed read names its layout");
-  auto& slot = offloads_[read.version];  // the agent never grants a copy before it is whole
-  auto [copy, plan] = seed_copy_of(read.layout, slot);
-  slot = copy;
   if (auto previous = seed_reads_.find(read.transfer); previous != seed_reads_.end()) {
-    previous->second->store(true);  // from the source this read replaces
+    previous->second.cancelled->store(true);  // from the source this read replaces
   }
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
-  seed_reads_[read.transfer] = cancelled;
+  seed_reads_[read.transfer] = SeedRead{read.version, cancelled};
+  // A fresh buffer each time (a replaced read may still be writing into the old one). The agent
+  // grants reads of it only once it is whole, after this thread has said so through the loop.
+  auto copy = std::make_shared<OffloadCopy>();
+  offloads_[read.version] = copy;
+  auto fail = [this, read](const std::string& why) {
+    log("seed of version " + std::to_string(read.version) + ": " + why);
+    post(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+  };
+  if (threads_closed_) return;  // closing: nobody waits for it
   join_reported_threads();
-  std::byte* packed = copy->bytes.data();
-  ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy};
   const std::uint64_t id = next_offload_id_++;
-  offload_threads_[id] = std::thread([this, id, job = std::move(job)]() mutable {
-    run_read(job);
-    on_io([this, id, transfer = job.read.transfer, cancelled = job.cancelled] {
-      if (auto entry = seed_reads_.find(transfer); entry != seed_reads_.end() && entry->second == cancelled) {
-        seed_reads_.erase(entry);
+  try {
+    offload_threads_[id] = std::thread([this, id, read, copy, cancelled] {
+      try {
+        Plan plan = seed_copy_of(read.layout, *copy);
+        std::byte* packed = copy->bytes.data();
+        ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy};
+        run_read(job);
+      } catch (const std::bad_alloc&) {
+        on_io([this, read] {
+          log("seed of version " + std::to_string(read.version) + ": no memory for the CPU copy");
+          step(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+        });
       }
-      offloads_reported_.push_back(id);
+      on_io([this, id, transfer = read.transfer, cancelled] {
+        if (auto entry = seed_reads_.find(transfer);
+            entry != seed_reads_.end() && entry->second.cancelled == cancelled) {
+          seed_reads_.erase(entry);
+        }
+        offloads_reported_.push_back(id);
+      });
     });
-  });
+  } catch (const std::system_error& error) {
+    offload_threads_.erase(id);
+    fail(std::string("no thread to read it: ") + error.what());
+  }
 }
 
 void Handle::Impl::join_reported_threads() {
   for (std::uint64_t done : offloads_reported_) {
-    offload_threads_.at(done).join();
-    offload_threads_.erase(done);
+    // (Shutdown may have taken the thread to join it itself.)
+    if (auto thread = offload_threads_.find(done); thread != offload_threads_.end()) {
+      thread->second.join();
+      offload_threads_.erase(thread);
+    }
   }
   offloads_reported_.clear();
 }
@@ -784,6 +809,7 @@ void Handle::Impl::start_offload(Version version) {
   }
   // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change
   // meanwhile: the application's unpublish() is still blocked.
+  if (threads_closed_) return;
   join_reported_threads();
   const Plan& current = plan();  // first: it may rebuild packed_
   auto regions = regions_of(current, packed_.data());
@@ -800,8 +826,11 @@ void Handle::Impl::start_offload(Version version) {
       at += region.bytes;
     }
     on_io([this, id, version, copy] {
-      offloads_[version] = copy;
       offloads_reported_.push_back(id);
+      // A seed of this version started meanwhile (after a re-open): its buffer stays.
+      const bool seeding = std::any_of(seed_reads_.begin(), seed_reads_.end(),
+                                       [&](const auto& seed) { return seed.second.version == version; });
+      if (!seeding) offloads_[version] = copy;
       step(OffloadFinished{version});
     });
   });
@@ -992,7 +1021,8 @@ void Handle::Impl::shutdown() {
     // Offload threads report through the loop: let them finish first.
     std::map<std::uint64_t, std::thread> offloads;
     on_io([&] {
-      for (auto& [transfer, cancelled] : seed_reads_) cancelled->store(true);
+      threads_closed_ = true;
+      for (auto& [transfer, seed] : seed_reads_) seed.cancelled->store(true);
       offloads.swap(offload_threads_);
     });
     for (auto& [id, thread] : offloads) thread.join();

@@ -242,10 +242,10 @@ void ShardAgent::on_reply(const Reply& reply) {
         break;
     }
   }
-  finish_call(reply.outcome);
+  finish_call(reply.outcome, reply.released);
 }
 
-void ShardAgent::finish_call(const Outcome& outcome) {
+void ShardAgent::finish_call(const Outcome& outcome, bool released) {
   TH_ASSERT(call_.has_value());
   const Call call = std::move(*call_);
   call_.reset();
@@ -285,7 +285,9 @@ void ShardAgent::finish_call(const Outcome& outcome) {
           // the hub holds nothing of this replica's as published: either way the buffers are the
           // application's again, so no grant to read them may stand (its StopServing may be late
           // or lost with a connection).
-          if (call.writes || value.code == Errc::kNotPublished) {
+          // The hub says so too when it told some shard to read (`released`): this shard's
+          // instruction may have been lost, and its intact buffers no longer count as published.
+          if (call.writes || value.code == Errc::kNotPublished || released) {
             held_.reset();
             revoke_grants(primary);
           }
@@ -477,7 +479,10 @@ void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
     // Released meanwhile, or the buffers moved on while they were copied: the copy is not
     // trustworthy or not needed; the data plane frees it.
     if (making != offloading_.end()) offloading_.erase(making);
-    if (!offloads_.contains(finished.version)) emit(FreeOffload{finished.version});
+    // (The data plane's buffer of this version may be a seed's now: FreeOffload would free it.)
+    if (!offloads_.contains(finished.version) && !seeds_.contains(finished.version)) {
+      emit(FreeOffload{finished.version});
+    }
     return;
   }
   HeldCopy copy = *held_;

@@ -207,7 +207,7 @@ class ShardAgent {
 
   void open(bool resume);
   void send_call();
-  void finish_call(const Outcome& outcome);
+  void finish_call(const Outcome& outcome, bool released = false);
   void became_evicted(const Error& error);
   void reopen();
   void start_over();

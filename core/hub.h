@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -75,6 +76,9 @@ struct HubActivity {
 
 class Hub {
  public:
+  // A seed's read instructions are repeated to a shard at most this often (see resend_seed_reads).
+  static constexpr TimeMs kSeedResendMs = 3000;
+
   explicit Hub(HubSettings settings);
   Hub(const Hub&) = delete;
   Hub& operator=(const Hub&) = delete;
@@ -132,7 +136,7 @@ class Hub {
   void finish(Replica& replica, Txn& txn, Outcome outcome);
   void abort_txn(Replica& replica, Txn& txn, const Error& error);
   void send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome,
-                  bool to_open = false);
+                  bool to_open = false, bool released = false);
   // The answer to the shard's open (OpenOk, or why the replica cannot go on).
   void answer_open(Replica& replica, std::uint32_t shard, const Outcome& outcome) {
     send_reply(replica, shard, replica.shards[shard].open_seq, outcome, /*to_open=*/true);
@@ -150,8 +154,9 @@ class Hub {
   SourceChoice select_source(const Transfer& transfer) const;
   void assign(Transfer& transfer, Copy& source);
   void emit_start_read(const Transfer& transfer, std::uint32_t shard);
-  void resend_instructions(const Replica& replica, std::uint32_t shard);
-  void resend_seed_reads(const Replica& replica, std::uint32_t shard);
+  void resend_instructions(Replica& replica, std::uint32_t shard);
+  // `now`: whatever the time of the last repeat.
+  void resend_seed_reads(Replica& replica, std::uint32_t shard, bool now);
   void detach_source(Transfer& transfer);
   // The transfer looks for another source (in settle()); `failed`: its source failed it.
   void reassign(Transfer& transfer, bool failed = true);
@@ -169,6 +174,8 @@ class Hub {
   void start_seed(Replica& replica, VersionRecord& record);
   // Whether an offload seed may still be consumed by its owner (see reconcile_offloads).
   bool seed_needed(const Copy& seed) const;
+  // Stops and frees the replica's seeds still being read that `match`.
+  void release_unfinished_seeds(Replica& replica, const std::function<bool(const Copy&)>& match);
 
   // Copies.
   Copy& create_copy(Replica& owner, VersionRecord& record, CopyKind kind, detail::CopyState state);

@@ -113,12 +113,14 @@ void Hub::arrive(Replica& replica, Txn& txn, std::uint32_t shard, const RequestB
 }
 
 void Hub::send_reply(Replica& replica, std::uint32_t shard, std::uint64_t seq, const Outcome& outcome,
-                     bool to_open) {
+                     bool to_open, bool released) {
   TH_ASSERT(shard < replica.num_shards);
   ShardSlot& slot = replica.shards[shard];
   TH_ASSERT(!slot.last_reply || slot.last_reply->seq <= seq, "replies go forward in sequence");
   TH_ASSERT(!to_open || seq == slot.open_seq, "an open is answered with its own number");
+  TH_ASSERT(!released || std::holds_alternative<Error>(outcome), "only a failed call releases");
   Reply reply{seq, outcome, to_open};
+  reply.released = released;
   emit_to(slot, reply);
   slot.last_reply = std::move(reply);
 }
@@ -144,7 +146,8 @@ void Hub::finish(Replica& replica, Txn& txn, Outcome outcome) {
   if (txn.seeded && txn.seeded_outcome) caught_up(replica, txn);
   const ShardSet pending = txn.arrived & ~txn.replied;
   for_each_shard(pending, replica.num_shards, [&](std::uint32_t shard) {
-    send_reply(replica, shard, txn.seq, *txn.result);
+    send_reply(replica, shard, txn.seq, *txn.result, /*to_open=*/false,
+               txn.released && std::holds_alternative<Error>(*txn.result));
     txn.replied.set(shard);
   });
   TH_ASSERT(txn.replied == txn.arrived, "every shard that called has its answer");

@@ -292,6 +292,9 @@ Hub::Copy* Hub::failed_offload(const Replica& replica, Version version) const {
 }
 
 Hub::Copy& Hub::start_offload(Replica& replica, VersionRecord& record) {
+  // A seed of this version still being read is moot: the buffers hold the version already, and a
+  // replica holds one offload copy per version.
+  release_unfinished_seeds(replica, [&](const Copy& seed) { return seed.record == &record; });
   TH_ASSERT(replica.offloads.size() < limits::kOffloadsPerReplicaMax, "offloads per replica");
   TH_ASSERT(!replica.spot, "a spot replica's copy never counts, so it never offloads");
   Copy& offload = create_copy(replica, record, CopyKind::kOffload, CopyState::kOffloading);
@@ -308,15 +311,34 @@ void Hub::reconcile_offloads(Model& model) {
     auto found = model.copies.find(id);
     if (found == model.copies.end()) continue;
     Copy& offload = *found->second;
+    const bool reading = offload.state == CopyState::kWaiting || offload.state == CopyState::kActive;
+    if (offload.seed && reading && !seed_needed(offload)) {
+      // Its owner has the version (or a newer one) some other way: the read is for nothing.
+      release_unfinished_seeds(*offload.owner, [&](const Copy& seed) { return &seed == &offload; });
+      continue;
+    }
     if (offload.state != CopyState::kComplete) continue;
     const VersionRecord& record = *offload.record;
-    if (offload.seed && seed_needed(offload)) continue;
+    // (A seed a reader reported is not trusted any more: kept only as retention needs.)
+    if (offload.seed && !offload.failed && seed_needed(offload)) continue;
     // Released once another non-spot replica holds the version completely, once a second offload
     // copy exists, or once the version leaves retention.
     if (record.safe_primaries > 0 || record.safe_offloads > 1 ||
         !is_retained(model, record.version)) {
       start_drain(offload, DrainPurpose::kRelease);
     }
+  }
+}
+
+void Hub::release_unfinished_seeds(Replica& replica, const std::function<bool(const Copy&)>& match) {
+  const std::vector<Copy*> offloads = replica.offloads;
+  for (Copy* offload : offloads) {
+    const bool reading = offload->state == CopyState::kWaiting || offload->state == CopyState::kActive;
+    if (!offload->seed || !reading || !match(*offload)) continue;
+    TH_ASSERT(offload->readers == 0, "a seed serves only once whole");
+    const ReleaseOffload release{offload->record->version, offload->id};
+    remove_copy(*offload);
+    emit_to_replica(replica, release);
   }
 }
 

@@ -147,6 +147,9 @@ struct Transfer {
   bool queued = false;           // in reader->record->waiting
   std::uint64_t txn_seq = 0;     // the reader's transaction that completes with this transfer
   std::string last_source;       // name of the replica the data came from, for the reply
+  // A seed's transfer (no call retransmits its instructions): when each shard may next be told
+  // again (see Hub::resend_seed_reads).
+  std::vector<TimeMs> resend_at_ms;
 };
 
 // Where a transaction of a replica stands.
@@ -173,6 +176,7 @@ struct Txn {
   std::optional<Outcome> result;       // once set, every expected shard gets exactly this
   std::optional<Version> target;       // replicate/update: the version settled on
   std::optional<Version> previous;     // update: the version held before, until data moves
+  bool released = false;               // failed after a shard was told to read (Reply::released)
   std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout
   TimeMs deadline_ms = 0;              // 0: none
   std::uint64_t ticket = 0;            // position in Model::unresolved / Model::waits
@@ -220,6 +224,10 @@ struct Replica {
   ShardSet deferred_opens;  // ahead of a failover: their OpenOk waits until the others caught up
   Copy* primary = nullptr;
   std::vector<Copy*> offloads;
+  // Offload seeding: the version whose last seed here failed (its sources failed it until the
+  // transfer gave up): the next update of it reads the ordinary way, rather than seed again and
+  // answer "not yet" for ever.
+  std::optional<Version> seed_failed;
   std::map<std::uint64_t, Txn> txns;
 };
 

@@ -36,7 +36,9 @@ bool Hub::smart_skip(const VersionRecord& record, DcId dc) const {
 }
 
 bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const {
-  if (replica.spot || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) return false;
+  // One slot is kept for the offload copy retention may need when the primary drains.
+  if (replica.spot || replica.offloads.size() + 1 >= limits::kOffloadsPerReplicaMax) return false;
+  if (replica.seed_failed == record.version) return false;
   const auto local = record.by_dc.find(replica.dc);
   if (local != record.by_dc.end() && (local->second.servable > 0 || local->second.complete > 0)) {
     return false;  // a copy here serves, or will: read it instead (the common case, decided in O(1))
@@ -45,9 +47,10 @@ bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const 
     if (offload->record == &record) return false;  // one offload copy per version and replica
   }
   // Only readers still waiting for their first source may be here: no copy here holds bytes.
+  // A seed waiting for a source is this datacenter's seed already (one per datacenter).
   for (const Copy* copy : record.copies) {
-    if (copy->owner->dc == replica.dc && copy->state != CopyState::kGathering &&
-        copy->state != CopyState::kWaiting) {
+    if (copy->owner->dc == replica.dc &&
+        (copy->seed || (copy->state != CopyState::kGathering && copy->state != CopyState::kWaiting))) {
       return false;
     }
   }
@@ -58,6 +61,10 @@ bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const 
 void Hub::start_seed(Replica& replica, VersionRecord& record) {
   TH_ASSERT(wants_seed(record, replica));
   Model& model = *replica.model;
+  // At most one seed of a replica is read at a time: an older one still crossing datacenters is
+  // moot once the replica's updates have moved past it (they would otherwise pile up, each a
+  // model's worth of CPU memory competing for the same link).
+  release_unfinished_seeds(replica, [&](const Copy& other) { return other.record != &record; });
   Copy& seed = create_copy(replica, record, CopyKind::kOffload, CopyState::kWaiting);
   seed.seed = true;
   replica.offloads.push_back(&seed);
@@ -65,6 +72,7 @@ void Hub::start_seed(Replica& replica, VersionRecord& record) {
   auto transfer = std::make_unique<Transfer>();
   transfer->id = next_transfer_id_++;
   transfer->reader = &seed;
+  transfer->resend_at_ms.assign(replica.num_shards, 0);
   Transfer& ref = *transfer;
   seed.incoming = &ref;
   model.transfers.emplace(ref.id, std::move(transfer));
@@ -366,10 +374,11 @@ void Hub::assign(Transfer& transfer, Copy& source) {
     emit_to(source.owner->shards[shard], ServeRead{transfer.id, transfer.epoch, reader.record->version,
                                                   source.kind, shard, owner.name});
     emit_start_read(transfer, shard);
+    if (!transfer.resend_at_ms.empty()) transfer.resend_at_ms[shard] = now_ms_ + kSeedResendMs;
   }
 }
 
-void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
+void Hub::resend_instructions(Replica& replica, std::uint32_t shard) {
   if (const Copy* copy = replica.primary; copy != nullptr && copy->incoming != nullptr) {
     const Transfer& transfer = *copy->incoming;
     if (transfer.source != nullptr && transfer.started.test(shard)) {
@@ -384,16 +393,21 @@ void Hub::resend_instructions(const Replica& replica, std::uint32_t shard) {
       emit_to(replica.shards[shard], Offload{offload->record->version, offload->id});
     }
   }
-  resend_seed_reads(replica, shard);
+  resend_seed_reads(replica, shard, /*now=*/false);
 }
 
 // A seed's transfer belongs to no call, so no retransmitted call brings its instructions again:
 // they are repeated with the shard's heartbeats until the shard has its bytes (a lost StartRead
-// would otherwise leave the datacenter skipping the version for ever).
-void Hub::resend_seed_reads(const Replica& replica, std::uint32_t shard) {
-  for (const Copy* offload : replica.offloads) {
+// would otherwise leave the datacenter skipping the version for ever), at most every
+// kSeedResendMs: a read that goes well takes far longer than a heartbeat, and the repeat (with
+// the layout and checksums) is not free.
+void Hub::resend_seed_reads(Replica& replica, std::uint32_t shard, bool now) {
+  for (Copy* offload : replica.offloads) {
     if (offload->incoming == nullptr) continue;
-    const Transfer& transfer = *offload->incoming;
+    Transfer& transfer = *offload->incoming;
+    TH_ASSERT(transfer.resend_at_ms.size() == replica.num_shards, "a seed's transfer times repeats");
+    if (!now && now_ms_ < transfer.resend_at_ms[shard]) continue;
+    transfer.resend_at_ms[shard] = now_ms_ + kSeedResendMs;
     if (transfer.source != nullptr && transfer.started.test(shard)) {
       emit_to(transfer.source->owner->shards[shard],
               ServeRead{transfer.id, transfer.epoch, offload->record->version,
@@ -493,7 +507,8 @@ void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   Replica& replica = *transfer.reader->owner;
   if (transfer.reader->kind == CopyKind::kOffload) {
     // A seed: no call waits for it; the shards stop reading and free the buffer. The next update
-    // learns what became of the version on its own path.
+    // learns what became of the version on its own path (not by seeding it again).
+    replica.seed_failed = transfer.reader->record->version;
     const ReleaseOffload release{transfer.reader->record->version, transfer.reader->id};
     remove_copy(*transfer.reader);
     emit_to_replica(replica, release);
@@ -505,6 +520,7 @@ void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   auto found = replica.txns.find(seq);
   if (found == replica.txns.end() || found->second.result) return;
   if (!written && found->second.previous) restore_previous(replica, *found->second.previous);
+  found->second.released = written;
   finish(replica, found->second, error);
 }
 
@@ -555,7 +571,7 @@ void Hub::on_report(const Report& report) {
           on_offload_done(replica, shard, body);
         } else {
           static_assert(std::is_same_v<T, Heartbeat>);
-          if (!replica.offloads.empty()) resend_seed_reads(replica, shard);
+          if (!replica.offloads.empty()) resend_seed_reads(replica, shard, /*now=*/false);
         }
       },
       report.body);

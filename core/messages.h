@@ -240,6 +240,10 @@ struct Reply {
   // this shard (kDivergentCall): that replica's incarnation, so that the shard joins it rather than
   // replace it with an incarnation of its own. 0 otherwise.
   std::uint64_t replica_incarnation = 0;
+  // A replicate or update that failed after some shard was told to read: the hub no longer counts
+  // the version the replica held (its buffers may have been written), so neither may the shard,
+  // even one whose instruction never arrived. False otherwise.
+  bool released = false;
 };
 
 struct SourceRef {

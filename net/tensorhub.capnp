@@ -189,6 +189,7 @@ struct Effect {
       outcome @3 :Outcome;
       replicaIncarnation @4 :UInt64;
       toOpen @23 :Bool;  # the answer to an open, not to call seq
+      released @28 :Bool;  # a failed replicate/update: the replica's held version no longer counts
     }
     startRead :group {
       transfer @5 :UInt64;

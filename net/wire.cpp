@@ -449,7 +449,7 @@ Effect get(wire::Effect::Reader in) {
     case wire::Effect::Message::REPLY: {
       auto reply = message.getReply();
       effect.message = Reply{reply.getSeq(), get(reply.getOutcome()), reply.getToOpen(),
-                             reply.getReplicaIncarnation()};
+                             reply.getReplicaIncarnation(), reply.getReleased()};
       break;
     }
     case wire::Effect::Message::START_READ: {
@@ -599,6 +599,7 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           put(body.outcome, reply.initOutcome());
           reply.setReplicaIncarnation(body.replica_incarnation);
           reply.setToOpen(body.to_open);
+          reply.setReleased(body.released);
         } else if constexpr (std::is_same_v<T, StartRead>) {
           auto read = message.initStartRead();
           read.setTransfer(body.transfer);

@@ -605,6 +605,46 @@ TEST_F(AgentTest, AReleasedSeedStopsItsReadFreesItsBufferAndIsNeverStartedAgain)
   EXPECT_TRUE(std::get<OpenRequest>(requests(lost).at(0).body).resume->offloads.empty());
 }
 
+// Review find: an offload copy still being made when the session ended finished after a seed of
+// the same version had started; the agent freed "the" buffer of that version: the seed's.
+TEST_F(AgentTest, AnUnwantedOffloadNeverFreesTheBufferOfASeed) {
+  open();
+  publish(1, 5);
+  hub(Offload{5, 80});
+  step(ServerLost{0});
+  open_reply(1, OpenOk{2, 5});
+  ASSERT_EQ(agent_.phase(), AgentPhase::kOpen);
+  EXPECT_EQ(only<BeginRead>(hub(seed_read(7, 1, 5, 50))).read.offload_copy, 50u);
+  EXPECT_TRUE(all_of<FreeOffload>(step(OffloadFinished{5})).empty());
+}
+
+// Soak find (AgentModel, lossy network): an update failed after the hub told the shard to read,
+// but that instruction was lost; the agent still called its untouched buffers published, the hub
+// no longer did, and the application published new weights it never wrote.
+TEST_F(AgentTest, AFailedUpdateTheHubSaysReleasedTheCopyHoldsNothingEvenUnread) {
+  open();
+  publish(1, 1);
+  hub(ServeRead{4, 1, 1, CopyKind::kPrimary, 0, "reader"});
+  call(UpdateRequest{Selector::latest(), layout_});
+  Reply answer;
+  answer.seq = 2;
+  answer.outcome = make_error(Errc::kVersionUnavailable, "no copy of version 3 is left");
+  answer.released = true;
+  const AgentEffects effects = hub(answer);
+  EXPECT_TRUE(std::holds_alternative<Error>(only<CallDone>(effects).outcome));
+  EXPECT_FALSE(agent_.held().has_value());
+  EXPECT_EQ(only<RevokeServe>(effects).transfer, 4u);
+}
+
+TEST_F(AgentTest, AFailedUpdateThatReleasedNothingKeepsTheCopy) {
+  open();
+  publish(1, 1);
+  call(UpdateRequest{Selector::latest(), layout_});
+  reply(2, make_error(Errc::kVersionUnavailable, "gone before anyone was told to read"));
+  ASSERT_TRUE(agent_.held().has_value());
+  EXPECT_EQ(agent_.held()->version, 1u);
+}
+
 TEST_F(AgentTest, CloseEndsEverything) {
   open();
   publish(1, 8);

@@ -53,6 +53,16 @@ std::string expect_error(const std::optional<Outcome>& outcome, Errc code) {
   return {};
 }
 
+// The listing of one replica of model m.
+const ListSnapshot::ReplicaInfo& replica_info(Driver& driver, const std::string& name) {
+  static std::optional<ListSnapshot> snapshot;
+  snapshot = driver.hub().snapshot("m");
+  for (const auto& info : snapshot->replicas) {
+    if (info.name == name) return info;
+  }
+  throw std::runtime_error("no replica " + name);
+}
+
 // ---- open -----------------------------------------------------------------------------------------
 
 TEST(HubOpen, RejectsMalformedRequests) {
@@ -497,21 +507,30 @@ TEST(HubTopology, SmartSkippingCanBeSwitchedOff) {
   EXPECT_EQ(read_of(driver, poller[0])->source.replica, "seeder");
 }
 
+// An update that fails after a shard was told to read says so in its answer (Reply::released):
+// a shard whose instruction was lost must not go on calling its buffers published.
+TEST(HubUpdate, AFailedUpdateSaysWhetherTheHeldVersionStillCounts) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  const auto r = driver.open_replica(rollout("r", 1));
+  driver.publish(r, 1);
+  driver.publish(t, 2);
+  driver.call(r[0], UpdateRequest{Selector::latest(), layout_for(0)});
+  ASSERT_TRUE(read_of(driver, r[0]));
+  driver.lose_connection(t[0]);  // the only source of version 2 dies mid-read
+  auto reply = driver.take_reply(r[0]);
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(is_error(reply->outcome, Errc::kVersionUnavailable)) << describe(reply->outcome);
+  EXPECT_TRUE(reply->released);
+  EXPECT_EQ(replica_info(driver, "r").version, std::nullopt);
+}
+
 // ---- offload seeding (paper §4.3.4) ----------------------------------------------------------------
 
 HubSettings seeding_settings() {
   HubSettings settings;
   settings.offload_seeding = true;
   return settings;
-}
-
-const ListSnapshot::ReplicaInfo& replica_info(Driver& driver, const std::string& name) {
-  static std::optional<ListSnapshot> snapshot;
-  snapshot = driver.hub().snapshot("m");
-  for (const auto& info : snapshot->replicas) {
-    if (info.name == name) return info;
-  }
-  throw std::runtime_error("no replica " + name);
 }
 
 TEST(HubOffloadSeeding, TheFirstUpdateOfADatacenterSeedsACpuCopyAndItsNextUpdateReadsIt) {
@@ -601,7 +620,9 @@ TEST(HubOffloadSeeding, TheSeedInstructionRepeatsWithHeartbeatsUntilTheShardHasI
   // Lost: no call of the replica is in flight to bring it again.
   driver.inbox(far[0]).reads.clear();
   driver.inbox(far[1]).reads.clear();
-  driver.advance(1000);
+  driver.advance(Hub::kSeedResendMs - 1000);
+  EXPECT_FALSE(read_of(driver, far[0])) << "not at every heartbeat";
+  driver.advance(1100);  // (heartbeats come at the start of each 100 ms slice)
   const auto again = read_of(driver, far[0]);
   ASSERT_TRUE(again) << "repeated with the shard's heartbeat";
   EXPECT_EQ(again->transfer, seed->transfer);
@@ -610,7 +631,7 @@ TEST(HubOffloadSeeding, TheSeedInstructionRepeatsWithHeartbeatsUntilTheShardHasI
   driver.report(far[0], TransferDone{seed->transfer, seed->epoch});
   driver.inbox(far[0]).reads.clear();
   driver.inbox(far[1]).reads.clear();
-  driver.advance(1000);
+  driver.advance(Hub::kSeedResendMs + 100);
   EXPECT_FALSE(read_of(driver, far[0])) << "shard 0 has its bytes";
   EXPECT_TRUE(read_of(driver, far[1])) << "shard 1 does not yet";
 }
@@ -645,6 +666,82 @@ TEST(HubOffloadSeeding, CloseWhileSeedingFreesTheSeed) {
   // The trainer's copy no longer serves anyone.
   driver.call_all(t, UnpublishRequest{});
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+}
+
+// Review find: seeds of successive versions piled up while each crossed datacenters (each a
+// model's worth of CPU memory on one link). A replica reads one seed at a time.
+TEST(HubOffloadSeeding, ANewerSeedReplacesAnOlderOneStillBeingRead) {
+  Driver driver(seeding_settings());
+  const auto t1 = driver.open_replica(trainer("t1"));
+  const auto t2 = driver.open_replica(trainer("t2"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t1, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  ASSERT_EQ(read_of(driver, far[0])->version, 1u);
+  driver.publish(t2, 2);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  EXPECT_EQ(read_of(driver, far[0])->version, 2u);
+  for (ClientId client : far) EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1});
+  EXPECT_EQ(replica_info(driver, "far").offloads, std::vector<Version>{2});
+  // Nothing reads t1's copy any more: its unpublish returns at once.
+  driver.call_all(t1, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t1)));
+}
+
+// Review find: a seed still waiting for a source counted as "no copy here", so every other
+// replica of the datacenter started a seed of its own.
+TEST(HubOffloadSeeding, ASeedWaitingForASourceIsTheDatacentersSeedAlready) {
+  HubSettings settings = seeding_settings();
+  settings.pipeline = false;  // so that the seed waits while t serves its one reader
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
+  const auto far1 = driver.open_replica(rollout("far1", 2, "dc1"));
+  const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
+  driver.publish(t, 1);
+  start_replicate(driver, near, Selector::latest());
+  start_update(driver, far1, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far1)));
+  EXPECT_FALSE(read_of(driver, far1[0])) << "the seed waits for t";
+  start_update(driver, far2, Selector::latest());
+  EXPECT_EQ(driver.hub().stats().seeds_started, 1u);
+  EXPECT_TRUE(replica_info(driver, "far2").offloads.empty());
+  // Once t is free the seed reads; far2 reads in dc1 after it.
+  driver.finish_reads(near);
+  ASSERT_TRUE(read_of(driver, far1[0]));
+  EXPECT_NE(read_of(driver, far1[0])->offload_copy, 0u);
+  EXPECT_FALSE(read_of(driver, far2[0]));
+  driver.finish_reads(far1);
+  ASSERT_TRUE(read_of(driver, far2[0]));
+  EXPECT_EQ(read_of(driver, far2[0])->source.datacenter, "dc1");
+}
+
+// Review find: a seed whose reads keep failing was released and seeded again at the next update,
+// which answered "not yet" for ever. After a failed seed the replica reads the ordinary way.
+TEST(HubOffloadSeeding, AfterASeedFailsTheNextUpdateReadsTheOrdinaryWay) {
+  Driver driver(seeding_settings());
+  const auto t = driver.open_replica(trainer("t"));
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  driver.publish(t, 1);
+  start_update(driver, far, Selector::latest());
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  for (std::uint32_t i = 0; i <= limits::kSourceFailuresPerTransferMax + 1; ++i) {
+    const auto read = read_of(driver, far[0]);
+    if (!read) break;
+    driver.inbox(far[0]).reads.clear();
+    driver.report(far[0], TransferFailed{read->transfer, read->epoch, ReadFailure::kSourceUnreachable});
+  }
+  for (ClientId client : far) EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1});
+  EXPECT_TRUE(replica_info(driver, "far").offloads.empty());
+  driver.inbox(far[0]).reads.clear();
+  driver.inbox(far[1]).reads.clear();
+  start_update(driver, far, Selector::latest());
+  const auto read = read_of(driver, far[0]);
+  ASSERT_TRUE(read) << "reads now (t, though reported, is the last resort)";
+  EXPECT_EQ(read->offload_copy, 0u) << "into the buffers, not another seed";
+  EXPECT_EQ(driver.hub().stats().seeds_started, 1u);
 }
 
 // A replica that follows latest-k seeds a version older than latest; the seed waits for it.

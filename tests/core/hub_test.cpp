@@ -533,6 +533,19 @@ HubSettings seeding_settings() {
   return settings;
 }
 
+// t (dc0) publishes version 1; far (dc1) updates: "not yet", and a seed of version 1 is read.
+struct Seeded {
+  Driver driver{seeding_settings()};
+  std::vector<ClientId> t = driver.open_replica(trainer("t"));
+  std::vector<ClientId> far = driver.open_replica(rollout("far", 2, "dc1"));
+  Seeded() {
+    driver.publish(t, 1);
+    start_update(driver, far, Selector::latest());
+    const auto outcome = driver.replies(far);
+    EXPECT_TRUE(is<UpdateOk>(outcome) && std::get<UpdateOk>(*outcome).status == UpdateStatus::kNotYet);
+  }
+};
+
 TEST(HubOffloadSeeding, TheFirstUpdateOfADatacenterSeedsACpuCopyAndItsNextUpdateReadsIt) {
   Driver driver(seeding_settings());
   const auto t = driver.open_replica(trainer("t"));  // dc0
@@ -609,12 +622,9 @@ TEST(HubOffloadSeeding, OnlyAReadAcrossDatacentersSeeds) {
 }
 
 TEST(HubOffloadSeeding, TheSeedInstructionRepeatsWithHeartbeatsUntilTheShardHasItsBytes) {
-  Driver driver(seeding_settings());
-  const auto t = driver.open_replica(trainer("t"));
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  driver.publish(t, 1);
-  start_update(driver, far, Selector::latest());
-  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  Seeded seeded;
+  Driver& driver = seeded.driver;
+  const auto& far = seeded.far;
   const auto seed = read_of(driver, far[0]);
   ASSERT_TRUE(seed);
   // Lost: no call of the replica is in flight to bring it again.
@@ -637,12 +647,10 @@ TEST(HubOffloadSeeding, TheSeedInstructionRepeatsWithHeartbeatsUntilTheShardHasI
 }
 
 TEST(HubOffloadSeeding, ASeedWhoseSourcesAreGoneIsReleasedAndTheNextUpdateSaysWhy) {
-  Driver driver(seeding_settings());
-  const auto t = driver.open_replica(trainer("t"));
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  driver.publish(t, 1);
-  start_update(driver, far, Selector::latest());
-  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  Seeded seeded;
+  Driver& driver = seeded.driver;
+  const auto& t = seeded.t;
+  const auto& far = seeded.far;
   // The trainer dies before the seed is read: nothing holds version 1 any more.
   driver.lose_connection(t[0]);
   for (ClientId client : far) {
@@ -654,12 +662,10 @@ TEST(HubOffloadSeeding, ASeedWhoseSourcesAreGoneIsReleasedAndTheNextUpdateSaysWh
 }
 
 TEST(HubOffloadSeeding, CloseWhileSeedingFreesTheSeed) {
-  Driver driver(seeding_settings());
-  const auto t = driver.open_replica(trainer("t"));
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  driver.publish(t, 1);
-  start_update(driver, far, Selector::latest());
-  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  Seeded seeded;
+  Driver& driver = seeded.driver;
+  const auto& t = seeded.t;
+  const auto& far = seeded.far;
   driver.call_all(far, CloseRequest{});
   EXPECT_TRUE(is<CloseOk>(driver.replies(far)));
   for (ClientId client : far) EXPECT_EQ(driver.inbox(client).releases, std::vector<Version>{1});
@@ -721,12 +727,9 @@ TEST(HubOffloadSeeding, ASeedWaitingForASourceIsTheDatacentersSeedAlready) {
 // Review find: a seed whose reads keep failing was released and seeded again at the next update,
 // which answered "not yet" for ever. After a failed seed the replica reads the ordinary way.
 TEST(HubOffloadSeeding, AfterASeedFailsTheNextUpdateReadsTheOrdinaryWay) {
-  Driver driver(seeding_settings());
-  const auto t = driver.open_replica(trainer("t"));
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  driver.publish(t, 1);
-  start_update(driver, far, Selector::latest());
-  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  Seeded seeded;
+  Driver& driver = seeded.driver;
+  const auto& far = seeded.far;
   for (std::uint32_t i = 0; i <= limits::kSourceFailuresPerTransferMax + 1; ++i) {
     const auto read = read_of(driver, far[0]);
     if (!read) break;
@@ -746,12 +749,10 @@ TEST(HubOffloadSeeding, AfterASeedFailsTheNextUpdateReadsTheOrdinaryWay) {
 
 // A replica that follows latest-k seeds a version older than latest; the seed waits for it.
 TEST(HubOffloadSeeding, ASeedIsKeptUntilItsOwnerConsumesItEvenWhenNewerVersionsExist) {
-  Driver driver(seeding_settings());
-  const auto t = driver.open_replica(trainer("t"));
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  driver.publish(t, 1);
-  start_update(driver, far, Selector::latest());
-  ASSERT_TRUE(is<UpdateOk>(driver.replies(far)));
+  Seeded seeded;
+  Driver& driver = seeded.driver;
+  const auto& t = seeded.t;
+  const auto& far = seeded.far;
   driver.finish_reads(far);
   driver.call_all(t, UnpublishRequest{});
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));

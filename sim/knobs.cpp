@@ -111,6 +111,11 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   knobs.shard_bytes = static_cast<std::uint64_t>(rng.range(8, 64)) << 20;
   // Drawn last, so that the knobs above stay what each seed drew before the option existed.
   knobs.offload_seeding = knobs.remote_rollouts > 0 && rng.chance(0.5);
+  // Chains of sources across three or more datacenters (one in four seeds with several remote
+  // rollouts).
+  if (knobs.remote_rollouts > 1 && rng.chance(0.25)) {
+    knobs.remote_datacenters = static_cast<std::uint32_t>(rng.range(2, 3));
+  }
   return knobs;
 }
 
@@ -207,7 +212,7 @@ std::string describe(const Knobs& knobs) {
   out << "workload=" << workload_name(knobs.workload) << " models=" << knobs.models
       << " shards=" << knobs.shards << " trainers=" << knobs.trainers << " rollouts=" << knobs.rollouts
       << " spot=" << knobs.spot_rollouts << " remote=" << knobs.remote_rollouts
-      << " off-by=" << knobs.off_by << " colocated=" << knobs.colocated
+      << " remote-dcs=" << knobs.remote_datacenters << " off-by=" << knobs.off_by << " colocated=" << knobs.colocated
       << " pipeline=" << knobs.pipeline << " fanout=" << knobs.fanout
       << " smart-skipping=" << knobs.smart_skipping << " offload-seeding=" << knobs.offload_seeding
       << " heartbeat-timeout=" << knobs.heartbeat_timeout_ms

@@ -36,7 +36,8 @@ struct Knobs {
   std::uint32_t rollouts = 4;        // per model
   std::uint32_t models = 1;
   std::uint32_t spot_rollouts = 0;   // per model, of `rollouts`
-  std::uint32_t remote_rollouts = 0; // per model, in the second datacenter
+  std::uint32_t remote_rollouts = 0; // per model, in other datacenters than the trainers'
+  std::uint32_t remote_datacenters = 1;  // the remote rollouts take turns among dc1..dcN
   std::uint32_t off_by = 0;          // rollouts follow latest-off_by
   bool colocated = false;            // trainers roll out between publish and unpublish
   // The hub.

@@ -365,7 +365,10 @@ class Simulation {
         replica.model = static_cast<int>(m);
         replica.name = model + "-rollout" + std::to_string(r);
         replica.spot = r < knobs_.spot_rollouts;
-        replica.datacenter = r >= knobs_.rollouts - knobs_.remote_rollouts ? "dc1" : "dc0";
+        replica.datacenter =
+            r >= knobs_.rollouts - knobs_.remote_rollouts
+                ? "dc" + std::to_string(1 + r % knobs_.remote_datacenters)
+                : "dc0";
         add_replica(std::move(replica));
       }
     }

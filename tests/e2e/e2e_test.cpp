@@ -208,11 +208,7 @@ TEST_F(EndToEnd, OffloadSeedingAnswersNotYetThenServesTheCpuCopy) {
   Process& trainer = worker({server}, "trainer", {"--datacenter", "dc0", "--small-tensors", "3"},
                             {"publish:1", "wait-line"});
   expect(trainer, "publish ok 1");
-  std::vector<std::string> polls = {"update:latest"};
-  for (int i = 0; i < 12; ++i) {  // the seed takes milliseconds here; 3 s of polls is plenty
-    polls.push_back("sleep:250");
-    polls.push_back("update:latest");
-  }
+  const std::vector<std::string> polls = {"update:latest", "poll:latest"};
   std::vector<std::string> seeder_script = polls;
   seeder_script.push_back("verify");
   seeder_script.push_back("wait-line");  // stays, holding version 1 in dc1
@@ -227,6 +223,30 @@ TEST_F(EndToEnd, OffloadSeedingAnswersNotYetThenServesTheCpuCopy) {
   EXPECT_EQ(expect(local, "verify "), "verify ok 1");
   trainer.send_line("go");
   seeder.send_line("go");
+}
+
+// kill -9 of a seeder halfway through its seed: once the server has evicted it, the next replica of
+// the datacenter seeds instead, and nobody is left reading from, or waiting on, the dead one.
+TEST_F(EndToEnd, ASeederKilledMidSeedIsReplacedByAnotherReplicaOfItsDatacenter) {
+  const std::string server = start_server({"--offload-seeding"});
+  const std::vector<std::string> big = {"--tensor-bytes", "8000000"};
+  std::vector<std::string> trainer_flags = big;
+  trainer_flags.insert(trainer_flags.end(), {"--datacenter", "dc0"});
+  Process& trainer = worker({server}, "trainer", trainer_flags, {"publish:1", "wait-line", "unpublish"});
+  expect(trainer, "publish ok 1");
+  // About 6 s to read 24 MB at 4 MB/s: killed well before the seed is whole.
+  Process& slow = worker({server}, "far1", {"--tensor-bytes", "8000000", "--read-rate", "4000000",
+                                            "--datacenter", "dc1"},
+                         {"update:latest", "wait-line"});
+  EXPECT_EQ(expect(slow, "update "), "update not-yet nothing from ");
+  slow.kill9();
+  // The server evicts far1 after 3 s of silence; far2's polls go on for up to 30 s.
+  Process& next = worker({server}, "far2", {"--tensor-bytes", "8000000", "--datacenter", "dc1"},
+                         {"poll:latest", "verify"});
+  EXPECT_EQ(expect(next, "update updated"), "update updated 1 from far2") << "its own seed";
+  EXPECT_EQ(expect(next, "verify "), "verify ok 1");
+  trainer.send_line("go");
+  EXPECT_EQ(expect(trainer, "unpublish "), "unpublish ok");
 }
 
 // A rollout killed and restarted (a new incarnation) catches up with the newest version.

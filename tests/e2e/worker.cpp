@@ -9,6 +9,7 @@
 //   scribble         overwrite every tensor (as a trainer's next step would)
 //   replicate:SEL    replicate; prints "replicate ok V from SOURCE"
 //   update:SEL       update; prints "update STATUS V from SOURCE"
+//   poll:SEL         update every 250 ms while it answers not-yet (at most 30 s), printing each
 //   verify           check every byte against the version last received or published
 //   wait-line        block until a line arrives on stdin (the test says "go")
 //   sleep:MS         sleep
@@ -147,16 +148,23 @@ int main(int argc, char** argv) {
       }
       held = replicated.value().version;
       say("replicate ok " + std::to_string(held) + " from " + replicated.value().source_replica);
-    } else if (verb == "update") {
-      auto updated = handle->update(arg);
-      if (!updated.ok()) {
-        fail(verb, updated.error());
-        continue;
+    } else if (verb == "update" || verb == "poll") {
+      // poll: update every 250 ms while the answer is "not yet" (at most 120 times), as a rollout
+      // loop would.
+      const int tries = verb == "poll" ? 120 : 1;
+      for (int attempt = 0; attempt < tries; ++attempt) {
+        if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+        auto updated = handle->update(arg);
+        if (!updated.ok()) {
+          fail("update", updated.error());
+          break;
+        }
+        held = updated.value().version.value_or(0);
+        say("update " + std::string(th::update_status_name(updated.value().status)) + " " +
+            (updated.value().version ? std::to_string(held) : "nothing") +
+            " from " + updated.value().source_replica);
+        if (updated.value().status != th::UpdateStatus::kNotYet) break;
       }
-      held = updated.value().version.value_or(0);
-      say("update " + std::string(th::update_status_name(updated.value().status)) + " " +
-          (updated.value().version ? std::to_string(held) : "nothing") +
-          " from " + updated.value().source_replica);
     } else if (verb == "verify") {
       std::uint64_t wrong = 0;
       for (std::size_t t = 0; t < buffers.size(); ++t) {

@@ -194,6 +194,9 @@ class Hub {
   Copy* releasing_offload(const Replica& replica, Version version) const;
   Copy* failed_offload(const Replica& replica, Version version) const;
   bool needs_offload(const Copy& copy) const;
+  // An offload copy draining to be released that is again the last safe copy of a retained
+  // version (the copy that made it redundant went first).
+  bool offload_needed_again(const Copy& offload) const;
   Status commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
                       const LayoutRef& layout, const ChecksumsRef& checksums);
   Status check_shard(const Model& model, const VersionRecord& record, std::uint32_t shard,

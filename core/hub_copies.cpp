@@ -217,6 +217,10 @@ void Hub::on_drained(Copy& copy) {
   const DrainPurpose purpose = copy.drain_purpose;
   switch (purpose) {
     case DrainPurpose::kRelease:
+      if (offload_needed_again(copy)) {
+        set_state(copy, CopyState::kComplete);
+        return;
+      }
       emit_to_replica(owner, ReleaseOffload{copy.record->version, copy.id});
       remove_copy(copy);
       return;
@@ -311,6 +315,12 @@ void Hub::reconcile_offloads(Model& model) {
     auto found = model.copies.find(id);
     if (found == model.copies.end()) continue;
     Copy& offload = *found->second;
+    if (offload_needed_again(offload)) {
+      // It was being released because another safe copy held the version; that copy is gone
+      // (its replica crashed or moved on) before the release finished: keep it, readable again.
+      set_state(offload, CopyState::kComplete);
+      continue;
+    }
     const bool reading = offload.state == CopyState::kWaiting || offload.state == CopyState::kActive;
     if (offload.seed && reading && !seed_needed(offload)) {
       // Its owner has the version (or a newer one) some other way: the read is for nothing.
@@ -328,6 +338,16 @@ void Hub::reconcile_offloads(Model& model) {
       start_drain(offload, DrainPurpose::kRelease);
     }
   }
+}
+
+bool Hub::offload_needed_again(const Copy& offload) const {
+  if (offload.state != CopyState::kDraining || offload.drain_purpose != DrainPurpose::kRelease ||
+      offload.failed) {
+    return false;
+  }
+  const VersionRecord& record = *offload.record;
+  return !offload.owner->spot && record.safe_primaries + record.safe_offloads == 0 &&
+         is_retained(*offload.owner->model, record.version);
 }
 
 void Hub::release_unfinished_seeds(Replica& replica, const std::function<bool(const Copy&)>& match) {

@@ -1621,6 +1621,42 @@ TEST(HubRegression, TwoRootsDoNotWaitForEachOthersWaitingChains) {
   EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
 }
 
+// Soak find (AgentModel, three datacenters): an offload copy being released, because another
+// non-spot replica had come to hold the version, was still released after that replica crashed:
+// the retained version was left on nothing safe. The release is taken back.
+TEST(HubRegression, AnOffloadBeingReleasedIsKeptWhenTheCopyThatMadeItRedundantGoes) {
+  Driver driver;
+  ReplicaSpec spec = trainer("t", 1);
+  spec.retention.keep_latest = 0;  // latest is retained
+  const auto t = driver.open_replica(spec);
+  driver.publish(t, 1);
+  driver.call_all(t, UnpublishRequest{});
+  driver.finish_offloads(t);
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  const auto q = driver.open_replica(rollout("q", 1));
+  start_replicate(driver, q, Selector::latest());
+  ASSERT_EQ(read_of(driver, q[0])->source.kind, CopyKind::kOffload);
+  const auto r = driver.open_replica(rollout("r", 1));
+  start_replicate(driver, r, Selector::latest());
+  driver.finish_reads(r);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  // r holds version 1: t's offload copy drains to be released (q still reads it)...
+  EXPECT_TRUE(driver.inbox(t[0]).releases.empty());
+  auto offloaded = [&] {
+    const auto snapshot = driver.hub().snapshot("m");
+    return snapshot->versions.at(0).version == 1 && snapshot->versions.at(0).offloaded;
+  };
+  EXPECT_FALSE(offloaded()) << "draining: it takes no new reader";
+  // ...and r crashes before q is done: the offload copy is the last safe one again.
+  driver.lose_connection(r[0]);
+  EXPECT_TRUE(offloaded()) << "complete again, readable";
+  EXPECT_TRUE(driver.inbox(t[0]).releases.empty());
+  // Once q holds the version, the offload copy may go (q is a safe copy).
+  driver.finish_reads(q);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(q)));
+  EXPECT_EQ(driver.inbox(t[0]).releases, std::vector<Version>{1});
+}
+
 // The same, as the paper's pathological case: a retained version whose last non-spot holder
 // crashes (its connection drops) while readers chain behind it ends in version-unavailable.
 TEST(HubRegression, RetainedVersionWhoseLastHolderCrashesIsUnavailableToEveryChain) {

@@ -640,6 +640,9 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
             }
           }
           worker.offload_copies.erase(e.version);
+          // The next copy of this version is another buffer: unnamed until the agent reports it
+          // (one made for a late instruction may be freed unreported, when its release is late too).
+          worker.offload_ids.erase(e.version);
         } else {
           static_assert(std::is_same_v<T, CallDone>);
           on_call_done(w, e);

@@ -1016,7 +1016,10 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
               break;
             case OpKind::kReplicate:
             case OpKind::kUpdate:
-              if (call.decided) break;
+              // Decided at arrival, yet a read may have begun since (soak seed: the version was
+              // published anew by a restarted trainer, whose crash then failed the read): the
+              // buffers changed all the same.
+              if (call.decided && !call.read_started) break;
               if (call.read_started || !call.held_before) {
                 replica.holding = Holding::kNone;  // the buffers changed, or held nothing
               } else {

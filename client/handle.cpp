@@ -16,6 +16,7 @@
 #include <capnp/rpc-twoparty.h>
 #include <xxhash.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -251,6 +252,10 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 
   ClientOptions options_;
   ClientId client_id_;
+  // Proves to a server that a connection of ours speaks for client_id_ (kept for the handle's life,
+  // so that a reconnect before the server saw the old connection close is recognised).
+  static constexpr std::size_t kClientSecretBytes = 16;
+  std::array<kj::byte, kClientSecretBytes> client_secret_;
   ShardAgent agent_;
   std::unique_ptr<net::DataServer> data_server_;
   std::string advertised_;
@@ -355,8 +360,19 @@ class Handle::Impl::SinkImpl final : public wire::Sink::Server {
 Handle::Impl::Impl(ClientOptions options)
     : options_(std::move(options)),
       client_id_([] {
-        std::random_device entropy;  // a handle id unique in the job: 64 random bits
-        return (static_cast<std::uint64_t>(entropy()) << 32) ^ entropy();
+        std::random_device entropy;  // a handle id unique in the job: 64 random bits (never 0)
+        std::uint64_t id = 0;
+        while (id == 0) id = (static_cast<std::uint64_t>(entropy()) << 32) ^ entropy();
+        return id;
+      }()),
+      client_secret_([] {
+        std::random_device entropy;  // the kernel's getrandom: 128 bits proving the id is ours
+        std::array<kj::byte, kClientSecretBytes> secret{};
+        for (std::size_t i = 0; i < secret.size(); i += 4) {
+          const std::uint32_t word = entropy();
+          std::memcpy(secret.data() + i, &word, 4);
+        }
+        return secret;
       }()),
       agent_(agent_config_of(options_, client_id_)) {}
 
@@ -526,6 +542,8 @@ void Handle::Impl::connect(std::uint32_t server) {
             request.setToken(options_.token);
             request.setSink(kj::heap<SinkImpl>(*this, server));
             request.setClientName(options_.replica + "/" + std::to_string(options_.shard));
+            request.setClient(client_id_);
+            request.setClientSecret(kj::arrayPtr(client_secret_.data(), client_secret_.size()));
             // Pipelined: the queued messages go out on the promised session at once, in the same
             // flight as bootstrap and connect. On a busy server every round trip waits behind the
             // other connections' calls, so an open that needs one round trip instead of three is
@@ -554,9 +572,11 @@ void Handle::Impl::connect(std::uint32_t server) {
           })
           .catch_([this, server, generation, address](kj::Exception&& exception) {
             const std::string why = exception.getDescription().cStr();
-            if (why.find("permission denied") != std::string::npos) {
+            if (why.find("wrong cluster token") != std::string::npos) {
               fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
             }
+            // (Refused because another connection holds our id with another secret: someone else
+            // uses it. Retried with backoff like any lost server; it succeeds once that one is gone.)
             lose(server, generation, "cannot reach server " + address + ": " + why);
           }));
 }

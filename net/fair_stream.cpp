@@ -1,5 +1,6 @@
 #include "net/fair_stream.h"
 
+#include <algorithm>
 #include <iostream>
 
 #include "core/assert.h"
@@ -57,13 +58,24 @@ kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::tryReadMes
     kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options, kj::ArrayPtr<capnp::word> scratch_space) {
   if (messages_allowed_ > 0) {
     --messages_allowed_;
-    return inner_.tryReadMessage(fd_space, options, scratch_space);
+    return read(fd_space, options, scratch_space);
   }
   // This connection had its share: read again when the gate lets it.
   return gate_.next_turn().then([this, fd_space, options, scratch_space] {
     messages_allowed_ = messages_per_turn_ - 1;
-    return inner_.tryReadMessage(fd_space, options, scratch_space);
+    return read(fd_space, options, scratch_space);
   });
+}
+
+kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read(
+    kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options, kj::ArrayPtr<capnp::word> scratch_space) {
+  // The limit in force when the read starts: Cap'n Proto refuses a larger segment table at once.
+  options.traversalLimitInWords = std::min<std::uint64_t>(options.traversalLimitInWords, message_words_max_);
+  return inner_.tryReadMessage(fd_space, options, scratch_space)
+      .then([this](kj::Maybe<capnp::MessageReaderAndFds>&& message) {
+        if (message != nullptr) ++messages_read_;
+        return kj::mv(message);
+      });
 }
 
 kj::Promise<void> FairMessageStream::writeMessage(kj::ArrayPtr<const int> fds,

@@ -78,11 +78,23 @@ class FairMessageStream final : public capnp::MessageStream {
   kj::Maybe<int> getSendBufferSize() override;
   kj::Promise<void> end() override;
 
+  // Messages read so far (the owner's evidence that the peer is alive).
+  std::uint64_t messages_read() const { return messages_read_; }
+  // Caps the size of every message read from now on (Cap'n Proto allocates a message's declared
+  // size as soon as it has read its segment table, before the bytes arrive).
+  void set_message_words_max(std::uint64_t words_max) { message_words_max_ = words_max; }
+
  private:
+  kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> read(kj::ArrayPtr<kj::AutoCloseFd> fd_space,
+                                                         capnp::ReaderOptions options,
+                                                         kj::ArrayPtr<capnp::word> scratch_space);
+
   capnp::AsyncIoMessageStream inner_;
   TurnGate& gate_;
   std::uint32_t messages_per_turn_;
   std::uint32_t messages_allowed_ = kMessagesFirstTurn;  // left in this turn
+  std::uint64_t messages_read_ = 0;
+  std::uint64_t message_words_max_ = UINT64_MAX;
 };
 #pragma GCC diagnostic pop
 

@@ -262,8 +262,15 @@ struct ServerStats {
 # The bootstrap capability of th-server.
 interface Hub {
   # Authenticates the connection with the cluster token. Refused (an exception of type FAILED with a
-  # reason) for a wrong token.
-  connect @0 (token :Text, sink :Sink, clientName :Text) -> (session :Session, heartbeats :HeartbeatChannel);
+  # reason) for a wrong token; a connection that presents wrong tokens repeatedly is closed.
+  #
+  # client, clientSecret: the one client handle this connection speaks for (Session.send refuses
+  # messages naming any other). The secret (at least 16 random bytes, kept by the handle for its
+  # lifetime) proves a reconnecting handle is the one that holds the id: a connect naming a client
+  # bound to another live connection takes it over only with the same secret. client 0: a connection
+  # that sends no messages (inspect-only tools).
+  connect @0 (token :Text, sink :Sink, clientName :Text, client :UInt64, clientSecret :Data)
+      -> (session :Session, heartbeats :HeartbeatChannel);
 
   # Every model's listing and the server's counters (th-ctl). Same token as connect.
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);

@@ -7,6 +7,10 @@
 #include <iostream>
 #include <random>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -25,6 +29,14 @@ Status validate(const ServiceConfig& config) {
       config.messages_per_turn == 0 || config.wakeups_per_poll == 0) {
     return make_error(Errc::kInvalidArgument, "flow-control limits must be positive");
   }
+  if (config.unauthenticated_max == 0 || config.auth_deadline_ms <= 0 ||
+      config.unauthenticated_message_words_max == 0 || config.wrong_tokens_per_connection_max == 0 ||
+      config.idle_timeout_ms < 0) {
+    return make_error(Errc::kInvalidArgument, "connection limits must be positive");
+  }
+  if (config.idle_timeout_ms != 0 && config.idle_timeout_ms <= config.hub.heartbeat_timeout_ms) {
+    return make_error(Errc::kInvalidArgument, "the idle timeout must exceed the heartbeat timeout");
+  }
   return Unit{};
 }
 
@@ -37,6 +49,14 @@ std::optional<LogLevel> parse_log_level(std::string_view name) {
 }
 
 namespace {
+
+// How often connections are checked against their auth deadline and idle timeout.
+constexpr TimeMs kSweepMs = 1000;
+// How long accepting pauses after accept() failed (out of descriptors): long enough not to spin.
+constexpr std::int64_t kAcceptRetryDelayMs = 100;
+// A client's secret at connect: at least 128 bits.
+constexpr std::size_t kClientSecretBytesMin = 16;
+constexpr std::size_t kClientSecretBytesMax = 64;
 
 // How long heartbeat datagrams gather in the socket's buffer between two reads while they keep
 // coming. Far below any heartbeat timeout; at 8,192 beats/s, ~80 datagrams per read.
@@ -61,6 +81,43 @@ bool same_token(std::string_view a, std::string_view b) {
   return differ == 0;
 }
 
+// Whether two secrets are equal, in a time that does not depend on where they differ.
+bool same_secret(kj::ArrayPtr<const kj::byte> a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char differ = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) differ |= static_cast<unsigned char>(a[i] ^ static_cast<kj::byte>(b[i]));
+  return differ == 0;
+}
+
+// Text from the network, fit for one log line: printable ASCII only, bounded.
+std::string sanitised(std::string_view text) {
+  std::string out;
+  for (char c : text.substr(0, limits::kNameBytesMax)) out += c >= 0x20 && c < 0x7f ? c : '?';
+  return out;
+}
+
+std::string peer_of(kj::AsyncIoStream& stream) {
+  sockaddr_storage address{};
+  kj::uint length = sizeof address;
+  try {
+    stream.getpeername(reinterpret_cast<sockaddr*>(&address), &length);
+  } catch (const kj::Exception&) {
+    return "?";
+  }
+  char host[INET6_ADDRSTRLEN] = "?";
+  std::uint16_t port = 0;
+  if (address.ss_family == AF_INET) {
+    const auto& in = reinterpret_cast<const sockaddr_in&>(address);
+    inet_ntop(AF_INET, &in.sin_addr, host, sizeof host);
+    port = ntohs(in.sin_port);
+  } else if (address.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(address);
+    inet_ntop(AF_INET6, &in6.sin6_addr, host, sizeof host);
+    port = ntohs(in6.sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
 // A connection's heartbeat secret: unpredictable to other peers, never 0 (0 means "no channel").
 std::uint64_t new_secret() {
   static std::random_device device;  // the kernel's getrandom
@@ -79,19 +136,26 @@ ClientId client_of(const net::ToHubMessage& message) {
 
 struct HubService::Connection {
   std::uint64_t id = 0;
-  std::string name = "?";  // what the client calls itself (logs only)
+  std::string peer = "?";  // the address it connects from
+  std::string name = "?";  // what the client calls itself (logs only; sanitised, once authenticated)
   kj::Own<kj::AsyncIoStream> stream;
   kj::Own<net::FairMessageStream> messages;
   kj::Own<capnp::TwoPartyVatNetwork> network;
   kj::Own<capnp::RpcSystem<capnp::rpc::twoparty::VatId>> rpc;
-  kj::Maybe<wire::Sink::Client> sink;  // set once authenticated
-  std::vector<ClientId> clients;       // bound here; a handful per process
+  kj::Maybe<wire::Sink::Client> sink;  // set by connect
+  bool authenticated = false;          // presented the token (connect or inspect)
+  std::uint32_t wrong_tokens = 0;
+  TimeMs accepted_ms = 0;
+  TimeMs active_ms = 0;                // when it last sent a message or a heartbeat datagram came
+  std::uint64_t messages_seen = 0;     // messages->messages_read() at active_ms
+  ClientId client = 0;                 // the client it speaks for (0: none)
+  std::string client_secret;           // what the client proved it with
   std::vector<Effect> backlog;         // effects not yet handed to deliver()
   std::uint32_t delivers_in_flight = 0;
   std::uint64_t heartbeat_secret = 0;        // 0: no datagram channel
   std::optional<TimeMs> heartbeat_datagram_ms;  // when the last datagram of its clients came
 
-  std::string describe() const { return "connection " + std::to_string(id) + " (" + name + ")"; }
+  std::string describe() const { return "connection " + std::to_string(id) + " (" + name + " from " + peer + ")"; }
 };
 
 class HubService::SessionImpl final : public wire::Session::Server {
@@ -127,12 +191,14 @@ class HubService::HubImpl final : public wire::Hub::Server {
     if (found == service_.connections_.end()) return KJ_EXCEPTION(DISCONNECTED, "the connection is closing");
     Connection& connection = *found->second;
     auto params = context.getParams();
-    connection.name = std::string(params.getClientName().cStr()).substr(0, limits::kNameBytesMax);
-    if (!same_token(params.getToken().cStr(), service_.config_.token)) {
-      service_.log(LogLevel::kWarn, connection.describe() + " presented a wrong cluster token: refused");
+    if (!service_.check_token(connection, params.getToken())) {
       return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
     }
     if (connection.sink != nullptr) return KJ_EXCEPTION(FAILED, "invalid-argument: connect called twice");
+    connection.name = sanitised(params.getClientName().cStr());
+    if (auto refused = service_.claim_client(connection, params.getClient(), params.getClientSecret())) {
+      return KJ_EXCEPTION(FAILED, *refused);
+    }
     connection.sink = params.getSink();
     service_.log(LogLevel::kDebug, connection.describe() + " authenticated");
     auto results = context.getResults();
@@ -147,8 +213,9 @@ class HubService::HubImpl final : public wire::Hub::Server {
   }
 
   kj::Promise<void> inspect(InspectContext context) override {
-    if (!same_token(context.getParams().getToken().cStr(), service_.config_.token)) {
-      service_.log(LogLevel::kWarn, "an inspect call presented a wrong cluster token: refused");
+    auto found = service_.connections_.find(connection_);
+    if (found == service_.connections_.end()) return KJ_EXCEPTION(DISCONNECTED, "the connection is closing");
+    if (!service_.check_token(*found->second, context.getParams().getToken())) {
       return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
     }
     const Hub& hub = service_.hub_;
@@ -265,36 +332,56 @@ bool HubService::heartbeat_datagrams_heard(const Connection& connection) const {
 }
 
 kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
-  return listener.accept().then([this, &listener](kj::Own<kj::AsyncIoStream> stream) {
-    on_connection(kj::mv(stream));
-    return accept_loop(listener);
-  });
+  return listener.accept().then(
+      [this, &listener](kj::Own<kj::AsyncIoStream> stream) {
+        on_connection(kj::mv(stream));
+        return accept_loop(listener);
+      },
+      [this, &listener](kj::Exception&& exception) {
+        // Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the listener itself is fine.
+        // Make room if silent connections hold descriptors, pause, and go on; a server that stops
+        // accepting, or exits, would end the training job.
+        shed_oldest_unauthenticated();
+        log_summarised(accept_errors_log_, LogLevel::kError, "accept failure(s), retrying",
+                       exception.getDescription().cStr());
+        return timer_.afterDelay(kAcceptRetryDelayMs * kj::MILLISECONDS).then([this, &listener] {
+          return accept_loop(listener);
+        });
+      });
 }
 
 kj::Promise<void> HubService::clock_loop() {
   return timer_.afterDelay(config_.tick_ms * kj::MILLISECONDS).then([this] {
     feed(Tick{});
+    if (now_ms() - swept_ms_ >= kSweepMs) sweep_connections();
     return clock_loop();
   });
 }
 
 void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
-  if (connections_.size() >= config_.connections_max) {
-    log(LogLevel::kWarn, "refusing a connection: " + std::to_string(connections_.size()) +
-                             " open (limit " + std::to_string(config_.connections_max) + ")");
+  if (connections_.size() >= config_.connections_max && !shed_oldest_unauthenticated()) {
+    log_summarised(refused_connections_log_, LogLevel::kWarn,
+                   "connection(s) refused at the limit of " + std::to_string(config_.connections_max),
+                   "from " + peer_of(*stream));
     return;  // dropping the stream closes it
   }
+  if (unauthenticated_count_ >= config_.unauthenticated_max) shed_oldest_unauthenticated();
   auto connection = std::make_unique<Connection>();
   connection->id = next_connection_id_++;
+  connection->peer = peer_of(*stream);
+  connection->accepted_ms = connection->active_ms = now_ms();
   connection->stream = kj::mv(stream);
   connection->messages = kj::heap<net::FairMessageStream>(*connection->stream, turn_gate_,
                                                           config_.messages_per_turn);
+  connection->messages->set_message_words_max(config_.unauthenticated_message_words_max);
   connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->messages, capnp::rpc::twoparty::Side::SERVER);
   connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network,
                                                   kj::heap<HubImpl>(*this, connection->id)));
   const std::uint64_t id = connection->id;
   tasks_.add(connection->network->onDisconnect().then([this, id] { on_disconnect(id); }));
   connections_.emplace(id, std::move(connection));
+  unauthenticated_.push_back(id);
+  ++unauthenticated_count_;
 }
 
 void HubService::on_disconnect(std::uint64_t connection_id) {
@@ -302,14 +389,121 @@ void HubService::on_disconnect(std::uint64_t connection_id) {
   if (found == connections_.end()) return;
   std::unique_ptr<Connection> connection = std::move(found->second);
   connections_.erase(found);
-  log(connection->clients.empty() ? LogLevel::kDebug : LogLevel::kInfo,
-      connection->describe() + " closed; " + std::to_string(connection->clients.size()) + " client(s) lost");
-  for (ClientId client : connection->clients) {
-    client_connection_.erase(client);
-    feed(ConnectionLost{client});
+  if (!connection->authenticated) {
+    TH_ASSERT(unauthenticated_count_ > 0);
+    --unauthenticated_count_;
+  }
+  const bool client_lost = connection->client != 0;
+  log(client_lost ? LogLevel::kInfo : LogLevel::kDebug,
+      connection->describe() + " closed" + (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""));
+  if (client_lost) {
+    client_connection_.erase(connection->client);
+    feed(ConnectionLost{connection->client});
   }
   // The RPC system may still be unwinding the call stack that brought us here: free it later.
   tasks_.add(kj::evalLater([connection = std::move(connection)] {}));
+}
+
+void HubService::close_connection(std::uint64_t connection_id, const std::string& why) {
+  auto found = connections_.find(connection_id);
+  if (found == connections_.end()) return;
+  log(found->second->authenticated ? LogLevel::kInfo : LogLevel::kDebug,
+      "closing " + found->second->describe() + ": " + why);
+  on_disconnect(connection_id);  // destroying its RPC system and stream closes the socket
+}
+
+bool HubService::shed_oldest_unauthenticated() {
+  while (!unauthenticated_.empty()) {
+    const std::uint64_t id = unauthenticated_.front();
+    unauthenticated_.pop_front();
+    auto found = connections_.find(id);
+    if (found == connections_.end() || found->second->authenticated) continue;
+    close_connection(id, "the oldest of the connections that have not authenticated, to make room");
+    return true;
+  }
+  return false;
+}
+
+std::int64_t HubService::idle_timeout_ms() const {
+  if (config_.idle_timeout_ms != 0) return config_.idle_timeout_ms;
+  return std::max<std::int64_t>(10 * config_.hub.heartbeat_timeout_ms, 60'000);
+}
+
+void HubService::sweep_connections() {
+  const TimeMs now = now_ms();
+  swept_ms_ = now;
+  std::vector<std::pair<std::uint64_t, std::string>> expired;
+  for (auto& [id, connection] : connections_) {
+    if (connection->messages->messages_read() != connection->messages_seen) {
+      connection->messages_seen = connection->messages->messages_read();
+      connection->active_ms = now;
+    }
+    if (connection->heartbeat_datagram_ms) connection->active_ms = std::max(connection->active_ms, *connection->heartbeat_datagram_ms);
+    if (!connection->authenticated && now - connection->accepted_ms > config_.auth_deadline_ms) {
+      expired.emplace_back(id, "no cluster token within " + std::to_string(config_.auth_deadline_ms) + " ms");
+    } else if (connection->authenticated && now - connection->active_ms > idle_timeout_ms()) {
+      expired.emplace_back(id, "silent for " + std::to_string(now - connection->active_ms) + " ms");
+    }
+  }
+  for (const auto& [id, why] : expired) close_connection(id, why);
+  // Forget the closed and the authenticated (the queue holds at most one entry per connection made
+  // since it was last empty; keep it proportional to the connections that are open).
+  if (unauthenticated_.size() > 2 * connections_.size() + 64) {
+    std::erase_if(unauthenticated_, [&](std::uint64_t id) {
+      auto found = connections_.find(id);
+      return found == connections_.end() || found->second->authenticated;
+    });
+  }
+}
+
+bool HubService::check_token(Connection& connection, capnp::Text::Reader token) {
+  if (same_token(token.cStr(), config_.token)) {
+    if (!connection.authenticated) {
+      connection.authenticated = true;
+      TH_ASSERT(unauthenticated_count_ > 0);
+      --unauthenticated_count_;
+      connection.messages->set_message_words_max(UINT64_MAX);  // Cap'n Proto's own limit (64 MiB)
+    }
+    return true;
+  }
+  ++connection.wrong_tokens;
+  log_summarised(wrong_tokens_log_, LogLevel::kWarn, "call(s) with a wrong cluster token refused",
+                 "from " + connection.peer);
+  if (connection.wrong_tokens >= config_.wrong_tokens_per_connection_max) {
+    // After the refusal goes out; the call that brought us here is still on the stack.
+    const std::uint64_t id = connection.id;
+    tasks_.add(kj::evalLater([this, id] {
+      close_connection(id, std::to_string(config_.wrong_tokens_per_connection_max) + " wrong cluster tokens");
+    }));
+  }
+  return false;
+}
+
+std::optional<std::string> HubService::claim_client(Connection& connection, ClientId client,
+                                                    kj::ArrayPtr<const kj::byte> secret) {
+  if (client == 0) return std::nullopt;  // speaks for no client (inspect-only)
+  if (secret.size() < kClientSecretBytesMin || secret.size() > kClientSecretBytesMax) {
+    return "invalid-argument: a client's secret is " + std::to_string(kClientSecretBytesMin) + ".." +
+           std::to_string(kClientSecretBytesMax) + " bytes";
+  }
+  if (auto bound = client_connection_.find(client); bound != client_connection_.end()) {
+    Connection& holder = *connections_.at(bound->second);
+    if (!same_secret(secret, holder.client_secret)) {
+      log_summarised(claims_refused_log_, LogLevel::kWarn,
+                     "connect(s) naming a client held by another connection, with another secret, refused",
+                     "client " + std::to_string(client) + " claimed by " + connection.describe() + ", held by " +
+                         holder.describe());
+      return "permission denied: client " + std::to_string(client) + " belongs to another connection";
+    }
+    // The handle reconnected before its old connection was seen to close: it speaks here now.
+    holder.client = 0;
+    log(LogLevel::kInfo, "client " + std::to_string(client) + " moved from " + holder.describe() + " to " +
+                             connection.describe());
+  }
+  connection.client = client;
+  connection.client_secret.assign(reinterpret_cast<const char*>(secret.begin()), secret.size());
+  client_connection_[client] = connection.id;
+  return std::nullopt;
 }
 
 std::string HubService::on_messages(Connection& connection, capnp::List<wire::ToHub>::Reader messages) {
@@ -322,18 +516,15 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
       continue;
     }
     const ClientId client = client_of(decoded.value());
-    auto bound = client_connection_.find(client);
-    if (bound == client_connection_.end() || bound->second != connection.id) {
-      // A client speaks on its newest connection (it reconnected before we saw the old one close).
-      if (bound != client_connection_.end()) {
-        if (auto old = connections_.find(bound->second); old != connections_.end()) {
-          std::erase(old->second->clients, client);
-          log(LogLevel::kInfo, "client " + std::to_string(client) + " moved from " +
-                                   old->second->describe() + " to " + connection.describe());
-        }
-      }
-      client_connection_[client] = connection.id;
-      connection.clients.push_back(client);
+    if (client != connection.client || client == 0) {
+      // Another client's id (a stolen one, or a bug): the Hub never sees it.
+      const std::string why = connection.client == 0
+                                  ? std::string("this connection named no client at connect")
+                                  : "this connection speaks for client " + std::to_string(connection.client);
+      log_summarised(foreign_messages_log_, LogLevel::kWarn, "message(s) naming another connection's client refused",
+                     connection.describe() + " named client " + std::to_string(client));
+      if (refused.empty()) refused = "a message names client " + std::to_string(client) + ": " + why;
+      continue;
     }
     if (const auto* report = std::get_if<Report>(&decoded.value());
         report != nullptr && std::holds_alternative<Heartbeat>(report->body)) {
@@ -415,6 +606,16 @@ void HubService::flush(Connection& connection) {
 
 TimeMs HubService::now_ms() const {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started_).count();
+}
+
+void HubService::log_summarised(LogSummary& summary, LogLevel level, const std::string& what,
+                                const std::string& last) {
+  ++summary.unlogged;
+  const TimeMs now = now_ms();
+  if (now - summary.logged_ms < kSummaryLogMs) return;
+  log(level, std::to_string(summary.unlogged) + " " + what + " (the last: " + sanitised(last) + ")");
+  summary.unlogged = 0;
+  summary.logged_ms = now;
 }
 
 void HubService::log(LogLevel level, const std::string& line) const {

@@ -3,9 +3,13 @@
 // One thread, one IoLoop. Every message that arrives is decoded (net/wire), fed to the Hub with the
 // server's clock, and the Hub's effects are routed to the connections of the clients they name and
 // delivered in batches. The shell adds no protocol logic; what it owns is logistics:
-//   - authentication: a connection must present the cluster token before it gets a Session;
-//   - client binding: a client id belongs to the connection it last spoke on; when a connection
-//     closes, the Hub hears ConnectionLost for each of its clients;
+//   - authentication: a connection must present the cluster token before it gets a Session, within
+//     a deadline, in small messages, and a few wrong tokens close it; unauthenticated connections
+//     are capped apart from the others (the oldest goes first), so silent ones cannot fill the
+//     server; an authenticated connection that goes quiet is closed too;
+//   - client binding: a connection speaks for the one client it named at connect; the id moves to
+//     another connection only with the secret it was first claimed with (a reconnecting handle);
+//     when a connection closes, the Hub hears ConnectionLost for its client;
 //   - flow control: each connection has a bounded number of Sink.deliver calls in flight and a
 //     bounded backlog of effects; a client that falls behind further is disconnected;
 //   - time: a timer feeds Tick so that heartbeat expiry, barriers and call deadlines fire;
@@ -19,6 +23,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -40,7 +45,18 @@ struct ServiceConfig {
   std::int64_t tick_ms = 100;   // how often the Hub hears the clock
   std::uint32_t delivers_in_flight_max = 8;      // Sink.deliver calls per connection
   std::size_t effects_backlog_max = 1 << 16;     // undelivered effects per connection
-  std::size_t connections_max = 65536;
+  std::size_t connections_max = 65536;  // th-server lowers it to fit RLIMIT_NOFILE
+  // Before the token: how many such connections at once (the oldest is closed to admit a new one),
+  // how long each may take, its largest message (a connect is ~100 bytes), and how many wrong
+  // tokens it may present before it is closed.
+  std::size_t unauthenticated_max = 256;
+  std::int64_t auth_deadline_ms = 10'000;
+  std::uint64_t unauthenticated_message_words_max = 8192;  // 64 KiB
+  std::uint32_t wrong_tokens_per_connection_max = 3;
+  // An authenticated connection with no message and no heartbeat datagram for this long is closed
+  // (a live client heartbeats several times per heartbeat timeout). 0: 10 x the heartbeat timeout,
+  // at least a minute.
+  std::int64_t idle_timeout_ms = 0;
   // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
   std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
   std::uint32_t wakeups_per_poll = net::TurnGate::kWakeupsPerPollDefault;
@@ -78,6 +94,18 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   bool heartbeat_datagrams_heard(const Connection& connection) const;
   void on_connection(kj::Own<kj::AsyncIoStream> stream);
   void on_disconnect(std::uint64_t connection_id);
+  // Closes a connection the server gives up on (its client, if any, is lost to the Hub).
+  void close_connection(std::uint64_t connection_id, const std::string& why);
+  // Closes the oldest connection that has not authenticated; false if there is none.
+  bool shed_oldest_unauthenticated();
+  // Closes connections past their auth deadline or idle timeout (once a second).
+  void sweep_connections();
+  std::int64_t idle_timeout_ms() const;
+  // Checks a presented cluster token; the first right one authenticates the connection, and too
+  // many wrong ones close it.
+  bool check_token(Connection& connection, capnp::Text::Reader token);
+  // A client's claim at connect: binds it to the connection, or refuses with the reason.
+  std::optional<std::string> claim_client(Connection& connection, ClientId client, kj::ArrayPtr<const kj::byte> secret);
   // Decodes and feeds a batch from one connection. Returns an error text for the caller if some
   // message was refused (the rest are still fed).
   std::string on_messages(Connection& connection, capnp::List<wire::ToHub>::Reader messages);
@@ -103,7 +131,23 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   std::uint64_t heartbeat_refusals_unlogged_ = 0;
   TimeMs heartbeat_refusal_logged_ms_ = -1'000'000;
 
+  // Warnings an attacker can provoke at will are counted and logged at most every kSummaryLogMs.
+  struct LogSummary {
+    std::uint64_t unlogged = 0;
+    TimeMs logged_ms = -1'000'000;
+  };
+  static constexpr TimeMs kSummaryLogMs = 10'000;
+  void log_summarised(LogSummary& summary, LogLevel level, const std::string& what, const std::string& last);
+  LogSummary wrong_tokens_log_;
+  LogSummary refused_connections_log_;
+  LogSummary accept_errors_log_;
+  LogSummary foreign_messages_log_;
+  LogSummary claims_refused_log_;
+
   std::uint64_t next_connection_id_ = 1;
+  std::deque<std::uint64_t> unauthenticated_;  // in accept order; closed or authenticated ones linger
+  std::size_t unauthenticated_count_ = 0;
+  TimeMs swept_ms_ = 0;
   // Hashed: a heartbeat datagram looks its connection up, 8,192 times a second for 8,192 clients.
   std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> connections_;
   std::unordered_map<ClientId, std::uint64_t> client_connection_;  // client -> connection id

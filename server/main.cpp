@@ -2,12 +2,37 @@
 #include <CLI/CLI.hpp>
 #include <kj/async-unix.h>
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <csignal>
 #include <iostream>
 
 #include "net/event_loop.h"
 #include "net/token.h"
 #include "server/hub_service.h"
+
+namespace {
+
+// Descriptors th-server keeps for itself beyond its connections (listener, heartbeat socket, epoll,
+// logs, the loader's).
+constexpr std::size_t kFdsReserved = 64;
+
+// Raises the soft descriptor limit to the hard one and returns how many connections fit under it:
+// at the limit, accept() fails and a connection cannot even be refused politely.
+std::size_t connections_that_fit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return SIZE_MAX;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  if (limit.rlim_cur == RLIM_INFINITY) return SIZE_MAX;
+  return limit.rlim_cur > 2 * kFdsReserved ? limit.rlim_cur - kFdsReserved : limit.rlim_cur / 2;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -48,6 +73,24 @@ int main(int argc, char** argv) {
   app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
       ->capture_default_str();
   app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();
+  app.add_option("--connections-max", config.connections_max,
+                 "Connections open at once (lowered to fit the descriptor limit, which th-server raises to "
+                 "its hard limit; see ulimit -Hn)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 24));
+  app.add_option("--unauthenticated-max", config.unauthenticated_max,
+                 "Connections that have not presented the token yet; the oldest is closed to admit a new one")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 24));
+  app.add_option("--auth-deadline-ms", config.auth_deadline_ms,
+                 "A connection that has not presented the token this long after it connected is closed")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{3'600'000}));
+  app.add_option("--idle-timeout-ms", config.idle_timeout_ms,
+                 "An authenticated connection with no message and no heartbeat this long is closed "
+                 "(0: 10 x the heartbeat timeout, at least 60 s)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{86'400'000}));
   unsigned turns_per_poll = th::net::IoLoop::kTurnsPerPollDefault;
   app.add_option("--turns-per-poll", turns_per_poll,
                  "Events handled between two looks at the kernel for new connections and data while busy; "
@@ -76,6 +119,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   config.token = std::move(token).value();
+  if (const std::size_t fit = connections_that_fit(); config.connections_max > fit) {
+    std::cerr << "th-server: --connections-max " << config.connections_max << " lowered to " << fit
+              << " to fit the descriptor limit (raise it with ulimit -n)\n";
+    config.connections_max = fit;
+  }
+  config.unauthenticated_max = std::min(config.unauthenticated_max, config.connections_max);
   if (auto valid = th::server::validate(config); !valid.ok()) {
     std::cerr << "th-server: " << valid.error().detail << "\n";
     return 2;
@@ -102,9 +151,17 @@ int main(int argc, char** argv) {
     }
     std::cout << "th-server listening on " << listen.substr(0, listen.rfind(':')) << ":" << listener->getPort()
               << std::endl;
-    auto serving = service.serve(*listener).eagerlyEvaluate([](kj::Exception&& exception) {
-      std::cerr << "th-server: accepting connections failed: " << exception.getDescription().cStr() << "\n";
-    });
+    // Serving never ends by itself (accept failures are retried); if it ever does, that is a failure.
+    bool serving_failed = false;
+    auto serving = service.serve(*listener).then(
+        [&serving_failed] {
+          std::cerr << "th-server: stopped accepting connections\n";
+          serving_failed = true;
+        },
+        [&serving_failed](kj::Exception&& exception) {
+          std::cerr << "th-server: accepting connections failed: " << exception.getDescription().cStr() << "\n";
+          serving_failed = true;
+        }).eagerlyEvaluate(nullptr);
     auto on_signal = [](siginfo_t info) {
       std::cerr << "th-server: signal " << info.si_signo << ", stopping\n";
     };
@@ -114,6 +171,7 @@ int main(int argc, char** argv) {
         .then(on_signal)
         .exclusiveJoin(kj::mv(serving))
         .wait(loop.wait_scope());
+    if (serving_failed) return 1;
   } catch (const kj::Exception& exception) {
     std::cerr << "th-server: " << exception.getDescription().cStr() << "\n";
     return 1;

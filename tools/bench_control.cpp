@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <functional>
@@ -211,6 +212,11 @@ void Load::flush(Client& client) {
   }
 }
 
+// A client id unique across load processes, from replica and shard (0 names no client).
+ClientId client_id_of(const Client& client) {
+  return ((static_cast<ClientId>(client.replica) << 8) | client.shard) + 1;
+}
+
 void Load::connect(Client& client, kj::NetworkAddress& address) {
   client.stream = address.connect().wait(loop_.wait_scope());
   client.rpc = kj::heap<capnp::TwoPartyClient>(*client.stream);
@@ -218,6 +224,12 @@ void Load::connect(Client& client, kj::NetworkAddress& address) {
   request.setToken(options_.token);
   request.setSink(kj::heap<SinkImpl>(*this, client));
   request.setClientName("bench-" + std::to_string(client.replica) + "/" + std::to_string(client.shard));
+  // A benchmark's clients are not attacked: a secret derived from the id is enough.
+  const ClientId id = client_id_of(client);
+  kj::byte secret[16] = {};
+  std::memcpy(secret, &id, sizeof id);
+  request.setClient(id);
+  request.setClientSecret(kj::arrayPtr(secret, sizeof secret));
   auto connected = request.send();
   client.session = connected.getSession();
   tasks_.add(connected.ignoreResult());
@@ -274,8 +286,7 @@ int Load::run() {
   } else {
     tasks_.add(tick_loop());
     for (auto& client : clients_) {
-      // A client id unique across load processes: replica and shard.
-      const ClientId id = (static_cast<ClientId>(client->replica) << 8) | client->shard;
+      const ClientId id = client_id_of(*client);
       // Heartbeats every 5 s: their cost is the idle-fleet benchmark's subject, not this one's.
       // Retransmissions as libthclient's (TCP loses nothing while the connection lives).
       client->agent = std::make_unique<ShardAgent>(AgentConfig{id, 1, 5000, options_.retry_initial_ms, 60000});

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "fixture.h"
 #include "net/data_plane.h"
 #include "net/heartbeat.h"
 #include "process.h"
@@ -22,80 +23,7 @@
 namespace th::e2e {
 namespace {
 
-constexpr int kStepMs = 15'000;  // generous: CI machines are slow and shared
-const std::string kToken = "e2e-secret";
-
-class EndToEnd : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() /
-           ("th-e2e-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::create_directories(dir_);
-    std::ofstream(dir_ / "token") << kToken << "\n";
-  }
-
-  void TearDown() override {
-    if (HasFailure()) {
-      for (const auto& process : processes_) std::cerr << process->describe() << "\n\n";
-    }
-    processes_.clear();  // kills whatever still runs
-    std::filesystem::remove_all(dir_);
-  }
-
-  // Starts a th-server; returns its "127.0.0.1:PORT".
-  std::string start_server(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file",
-                                     (dir_ / "token").string(), "--log-level", "debug",
-                                     "--heartbeat-timeout-ms", "3000"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    Process& server = spawn(argv, "server");
-    const std::string line = server.wait_for("th-server listening on ", kStepMs);
-    EXPECT_FALSE(line.empty()) << server.describe();
-    servers_.push_back(&server);
-    return line.substr(std::string("th-server listening on ").size());
-  }
-
-  Process& worker(const std::vector<std::string>& servers, const std::string& replica,
-                  std::vector<std::string> flags, const std::vector<std::string>& script,
-                  const std::string& token = kToken) {
-    std::vector<std::string> argv = {TH_WORKER_PATH, "--token", token, "--replica", replica};
-    for (const auto& server : servers) {
-      argv.push_back("--server");
-      argv.push_back(server);
-    }
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    argv.push_back("--");
-    argv.insert(argv.end(), script.begin(), script.end());
-    return spawn(argv, replica);
-  }
-
-  Process& spawn(std::vector<std::string> argv, const std::string& name) {
-    const auto log = dir_ / (name + "-" + std::to_string(processes_.size()) + ".log");
-    processes_.push_back(std::make_unique<Process>(std::move(argv), log.string()));
-    return *processes_.back();
-  }
-
-  // Expects `prefix…` from `process` (within the step timeout) and returns the line.
-  std::string expect(Process& process, const std::string& prefix) {
-    const std::string line = process.wait_for(prefix, kStepMs);
-    EXPECT_FALSE(line.empty()) << "expected '" << prefix << "' from\n" << process.describe();
-    return line;
-  }
-
-  // th-ctl's listing of `server` (waits for it to exit).
-  std::string ctl(const std::string& server) {
-    Process& ctl = spawn({TH_CTL_PATH, "--server", server, "--token-file", (dir_ / "token").string()}, "ctl");
-    std::string listing;
-    for (std::string line; !(line = ctl.wait_for("", kStepMs)).empty();) listing += line + "\n";
-    EXPECT_EQ(ctl.wait_exit(kStepMs), 0) << ctl.describe();
-    return listing;
-  }
-
-  std::filesystem::path dir_;
-  std::vector<std::unique_ptr<Process>> processes_;
-  std::vector<Process*> servers_;
-};
+class EndToEnd : public ProcessTest {};
 
 TEST_F(EndToEnd, ReplicateIsBitExact) {
   const std::string server = start_server();

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <iostream>
+#include <system_error>
 
 #include "core/assert.h"
 
@@ -22,6 +23,9 @@ static_assert(std::endian::native == std::endian::little, "the data plane's fram
 
 constexpr std::uint32_t kMagic = 0x31504454;  // "TDP1"
 
+}  // namespace
+
+// Outside the anonymous namespace: DataServer's private members name it.
 struct ReadRequestFrame {
   std::uint32_t magic = kMagic;
   std::uint32_t epoch = 0;
@@ -32,6 +36,8 @@ struct ReadRequestFrame {
   std::uint64_t length = 0;
 };
 static_assert(sizeof(ReadRequestFrame) == 40);
+
+namespace {
 
 enum class Status : std::uint32_t { kOk = 0, kNoGrant = 1, kOutOfBounds = 2 };
 
@@ -78,6 +84,55 @@ void Progress::wake_all() {
 
 // ---- Server ----------------------------------------------------------------------------------------
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The kernel caps a listen backlog near this anyway (net.core.somaxconn).
+constexpr std::uint32_t kListenBacklogMax = 4096;
+// When accept fails for want of descriptors or memory the listener stays readable: the acceptor
+// pauses this long instead of spinning (and lets finished connections give their descriptors back).
+constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+
+Deadline after_ms(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+// A response of `bytes` must be sent by then: a reader may be slow, but not slower than
+// reader_bytes_per_s_min.
+Deadline response_deadline(const DataServerConfig& config, std::uint64_t bytes) {
+  const std::chrono::duration<double> drain(static_cast<double>(bytes) /
+                                            static_cast<double>(config.reader_bytes_per_s_min));
+  return after_ms(config.response_ms_base) + std::chrono::duration_cast<Clock::duration>(drain);
+}
+
+}  // namespace
+
+class DataServer::Log {
+ public:
+  explicit Log(int interval_ms) : interval_(std::chrono::milliseconds(interval_ms)) {}
+  ~Log() {
+    if (held_back_ > 0) std::cerr << "th data server: " << held_back_ << " more lines were held back\n";
+  }
+  void line(const std::string& text) {
+    std::lock_guard lock(mutex_);
+    const auto now = Clock::now();
+    if (written_ && now - *written_ < interval_) {
+      ++held_back_;
+      return;
+    }
+    std::cerr << "th data server: " << text;
+    if (held_back_ > 0) std::cerr << " (and " << held_back_ << " lines held back since the last one)";
+    std::cerr << "\n";
+    held_back_ = 0;
+    written_ = now;
+  }
+
+ private:
+  const Clock::duration interval_;
+  std::mutex mutex_;
+  std::optional<Clock::time_point> written_;
+  std::uint64_t held_back_ = 0;
+};
+
 struct DataServer::Grant {
   std::vector<ExposedRegion> regions;
   std::vector<std::uint64_t> starts;  // where each region begins in layout order
@@ -86,33 +141,55 @@ struct DataServer::Grant {
   std::atomic<bool> revoked{false};
 };
 
-DataServer::DataServer(DataServerConfig config) : config_(std::move(config)) {
-  TH_REQUIRE(config_.connections_max > 0 && config_.progress_wait_ms_max > 0 &&
-             config_.response_bytes_max > 0);
-  listener_ = listen_tcp(config_.listen, static_cast<int>(std::min<std::uint32_t>(config_.connections_max, 4096)));
+struct DataServer::Connection {
+  Fd socket;           // set before the thread starts; closed when the thread is joined
+  std::thread thread;
+  // Guarded by DataServer::mutex_:
+  bool idle = true;    // awaiting a request: may be dropped to make room
+  Clock::time_point idle_since = Clock::now();
+  const Grant* sending = nullptr;  // sending this grant's bytes: revoke() cuts the connection off
+  bool dropped = false;   // shut down by the server: to make room, or because it stops
+  bool finished = false;  // the thread has nothing left to do but exit: join it
+};
+
+DataServer::DataServer(DataServerConfig config)
+    : config_(std::move(config)), log_(std::make_unique<Log>(config_.log_interval_ms)) {
+  TH_REQUIRE(config_.connections_max > 0);
+  TH_REQUIRE(config_.progress_wait_ms_max > 0);
+  TH_REQUIRE(config_.grant_wait_ms_max >= 0);
+  TH_REQUIRE(config_.first_request_timeout_ms > 0);
+  TH_REQUIRE(config_.idle_timeout_ms > 0);
+  TH_REQUIRE(config_.response_ms_base > 0);
+  TH_REQUIRE(config_.reader_bytes_per_s_min > 0);
+  TH_REQUIRE(config_.response_bytes_max > 0);
+  TH_REQUIRE(config_.log_interval_ms >= 0);
+  listener_ = listen_tcp(config_.listen, static_cast<int>(std::min(config_.connections_max, kListenBacklogMax)));
   endpoint_ = Endpoint{config_.listen.host, local_port(listener_)};
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
 DataServer::~DataServer() {
-  stopping_.store(true);
-  listener_.shutdown();
-  std::vector<std::thread> threads;
   {
     std::lock_guard lock(mutex_);
-    for (int fd : open_connections_) ::shutdown(fd, SHUT_RDWR);
+    stopping_.store(true);
+    for (Connection& connection : connections_) {
+      connection.dropped = true;
+      connection.socket.shutdown();
+    }
     for (auto& [key, grant] : grants_) {
       grant->revoked.store(true);
       grant->progress->wake_all();
     }
   }
+  granted_.notify_all();
+  wakeup_.signal();
   acceptor_.join();
-  {
-    std::lock_guard lock(mutex_);
-    threads.swap(connection_threads_);
-  }
-  for (std::thread& thread : threads) thread.join();
+  // Nobody adds or removes connections now, and every thread is ending: its socket is shut down.
+  for (Connection& connection : connections_) connection.thread.join();
+  connections_.clear();
 }
+
+void DataServer::log(const std::string& line) { log_->line(line); }
 
 void DataServer::grant(GrantKey key, std::vector<ExposedRegion> regions, std::shared_ptr<Progress> progress) {
   TH_REQUIRE(progress != nullptr, "a grant needs a progress counter");
@@ -142,127 +219,283 @@ void DataServer::revoke(GrantKey key) {
   revoked_.push_back(key);
   if (revoked_.size() > kRevokedRemembered) revoked_.pop_front();
   grant->revoked.store(true);
-  grant->progress->wake_all();  // a read waiting for progress gives up now
+  grant->progress->wake_all();  // a read waiting for progress is refused now
+  // A connection sending the grant's bytes is cut off: its send fails at once. Waiting for the
+  // send to end instead would wait on the reader, as long as a slow or stopped one takes; and the
+  // caller (the client's I/O thread) also sends the heartbeats that keep this source alive.
+  for (const Connection& connection : connections_) {
+    if (connection.sending == grant.get()) connection.socket.shutdown();
+  }
+  // No read of the memory starts or goes on once this returns. The wait is short: every thread
+  // that pins the grant is now refusing, failing its send, or about to see `revoked` and refuse.
   drained_.wait(lock, [&] { return grant->reads_in_flight == 0; });
 }
 
 DataServer::Stats DataServer::stats() const {
   std::lock_guard lock(mutex_);
-  return stats_;
+  Stats stats = stats_;
+  stats.connections_open = static_cast<std::uint32_t>(connections_.size());
+  stats.connections_idle = static_cast<std::uint32_t>(
+      std::count_if(connections_.begin(), connections_.end(), [](const Connection& c) { return c.idle; }));
+  return stats;
 }
 
 void DataServer::accept_loop() {
-  while (!stopping_.load()) {
-    Fd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!connection.valid()) {
+  Fd waiting;  // accepted while every slot was taken: waits for the slot of a connection dropped for it
+  for (;;) {
+    const Readable ready = wait_readable(waiting.valid() ? nullptr : &listener_, wakeup_.fd());
+    if (ready.second) wakeup_.clear();
+    {
+      std::lock_guard lock(mutex_);
       if (stopping_.load()) return;
-      continue;  // EINTR, ECONNABORTED, EMFILE: the listener itself is fine
+      // Join the threads that finished, at once: an unjoined thread keeps its stack mapped (3,000
+      // connections once took 25 GB of address space, and 34,000 the process, at vm.max_map_count).
+      // Under the lock, because a finished thread never takes it again: this waits only for exits.
+      for (auto it = connections_.begin(); it != connections_.end();) {
+        if (!it->finished) {
+          ++it;
+          continue;
+        }
+        it->thread.join();
+        it = connections_.erase(it);
+      }
     }
-    std::lock_guard lock(mutex_);
-    if (connections_ >= config_.connections_max) {
-      std::cerr << "th data server: refusing a connection: " << connections_ << " open (limit "
-                << config_.connections_max << ")\n";
-      continue;  // closes it
+    if (ready.first) {
+      try {
+        waiting = accept_tcp(listener_);
+      } catch (const SocketError& error) {
+        log(std::string("cannot accept a connection: ") + error.what());
+        std::this_thread::sleep_for(kAcceptBackoff);
+      }
     }
-    ++connections_;
-    open_connections_.push_back(connection.get());
-    connection_threads_.emplace_back([this, socket = std::move(connection)]() mutable { serve(std::move(socket)); });
+    if (waiting.valid()) admit(waiting);
   }
 }
 
-void DataServer::serve(Fd connection) {
-  set_io_timeout(connection, config_.io_timeout_ms);
-  const int fd = connection.get();
-  std::uint64_t refusals = 0;
+// Gives `waiting` a slot and a thread if one is free. If not, it drops the connection idle the
+// longest (idle ones cost a slot and serve nobody) and keeps `waiting` until that one's thread is
+// joined; it refuses `waiting` only when every connection is busy serving a read.
+void DataServer::admit(Fd& waiting) {
+  std::lock_guard lock(mutex_);
+  TH_ASSERT(connections_.size() <= config_.connections_max, connections_.size(), "connections open");
+  if (connections_.size() < config_.connections_max) {
+    Connection& connection = connections_.emplace_back();
+    connection.socket = std::move(waiting);
+    try {
+      connection.thread = std::thread([this, &connection] { serve(connection); });
+    } catch (const std::system_error& error) {
+      connections_.pop_back();  // closes it: the reader sees its connection fail
+      log(std::string("refused a connection: cannot start its thread: ") + error.what());
+    }
+    return;
+  }
+  Connection* victim = nullptr;
+  for (Connection& connection : connections_) {
+    // One dropped already, or finished and not yet joined: its slot is coming (the thread ends as
+    // soon as it wakes, and wakes this loop when it does).
+    if (connection.dropped || connection.finished) return;
+    if (connection.idle && !connection.finished && (victim == nullptr || connection.idle_since < victim->idle_since)) {
+      victim = &connection;
+    }
+  }
+  if (victim == nullptr) {
+    log("refused a connection: all " + std::to_string(connections_.size()) +
+        " are busy with reads (connections_max)");
+    waiting = Fd();
+    return;
+  }
+  victim->dropped = true;
+  victim->socket.shutdown();
+  ++stats_.connections_dropped;
+  log("dropped the connection idle the longest to make room: " + std::to_string(connections_.size()) +
+      " open (connections_max)");
+}
+
+void DataServer::serve(Connection& self) {
+  int grant_wait_left_ms = config_.grant_wait_ms_max;
+  std::string ended;  // why the server ends the connection, for the log; empty: the reader hung up
   try {
-    ReadRequestFrame request;
-    while (!stopping_.load() && recv_all_or_eof(connection, &request, sizeof request)) {
-      if (request.magic != kMagic) {
-        std::cerr << "th data server: dropping a connection that does not speak the data protocol\n";
+    for (bool first = true;; first = false) {
+      ReadRequestFrame request;
+      // The whole request must come by the deadline: a reader cannot keep a silent connection
+      // alive by sending a byte now and then.
+      const int timeout_ms = first ? config_.first_request_timeout_ms : config_.idle_timeout_ms;
+      try {
+        if (!recv_all_or_eof_by(self.socket, &request, sizeof request, after_ms(timeout_ms))) break;
+      } catch (const SocketTimeout&) {
+        ended = first ? "no request within first_request_timeout_ms" : "idle for idle_timeout_ms";
+        std::lock_guard lock(mutex_);
+        ++stats_.connections_dropped;
         break;
       }
-      const GrantKey key{request.transfer, request.epoch};
-      std::shared_ptr<Grant> grant;
-      Status status = Status::kOk;
       {
-        std::unique_lock lock(mutex_);
-        auto found = grants_.find(key);
-        if (found == grants_.end() && !revoked_recently(key)) {
-          granted_.wait_for(lock, std::chrono::milliseconds(config_.grant_wait_ms_max), [&] {
-            found = grants_.find(key);
-            return found != grants_.end() || stopping_.load() || revoked_recently(key);
-          });
-        }
-        if (found == grants_.end()) {
-          status = Status::kNoGrant;
-        } else if (request.region >= found->second->regions.size() ||
-                   request.length > config_.response_bytes_max ||
-                   request.offset > found->second->regions[request.region].bytes ||
-                   request.length > found->second->regions[request.region].bytes - request.offset) {
-          status = Status::kOutOfBounds;
-        } else {
-          grant = found->second;
-          ++grant->reads_in_flight;
-        }
-        if (status != Status::kOk) ++stats_.reads_refused;
+        std::lock_guard lock(mutex_);
+        if (self.dropped) break;  // to make room, or the server stops: the request goes unanswered
+        self.idle = false;
       }
-      if (status != Status::kOk) {
-        // One line per connection: a pipelined reader's whole burst is refused at once.
-        if (refusals++ == 0) {
-          std::cerr << "th data server: refused a read of transfer " << key.transfer << " epoch "
-                  << key.epoch << " region " << request.region << " [" << request.offset << ", +"
-                  << request.length << "): "
-                  << (status == Status::kNoGrant ? "no grant" : "outside the exposed region")
-                  << " (further refusals on this connection are counted, not logged)\n";
-        }
-        ReadResponseFrame refusal{static_cast<std::uint32_t>(status), 0, 0};
-        send_all(connection, &refusal, sizeof refusal);
-        continue;
+      if (request.magic != kMagic) {
+        ended = "it does not speak the data protocol";
+        break;
       }
-      // From here the grant's memory is pinned by reads_in_flight: revoke() waits for us.
-      struct Release {
-        DataServer* server;
-        Grant* grant;
-        ~Release() {
-          std::lock_guard lock(server->mutex_);
-          --grant->reads_in_flight;
-          server->drained_.notify_all();
-        }
-      } release{this, grant.get()};
-      const std::uint64_t begin = grant->starts[request.region] + request.offset;
-      auto ready_after_begin = [&] {
-        const std::uint64_t ready = grant->progress->ready_bytes();
-        return ready > begin ? std::min(ready - begin, request.length) : 0;
-      };
-      std::uint64_t length = ready_after_begin();
-      if (length == 0 && request.length > 0 && request.wait_for_bytes != 0) {
-        grant->progress->wait_beyond(begin, config_.progress_wait_ms_max,
-                                     [&] { return grant->revoked.load() || stopping_.load(); });
-        length = grant->revoked.load() ? 0 : ready_after_begin();
-      }
-      if (grant->revoked.load()) {
-        ReadResponseFrame refusal{static_cast<std::uint32_t>(Status::kNoGrant), 0, 0};
-        send_all(connection, &refusal, sizeof refusal);
-        continue;
-      }
-      ReadResponseFrame response{static_cast<std::uint32_t>(Status::kOk), 0, length};
-      send_all(connection, &response, sizeof response);
-      send_all(connection, grant->regions[request.region].base + request.offset, length);
+      if (!answer(self, request, grant_wait_left_ms)) break;
       std::lock_guard lock(mutex_);
-      stats_.bytes_served += length;
-      ++stats_.reads_served;
+      self.idle = true;
+      self.idle_since = Clock::now();
     }
   } catch (const SocketError& error) {
-    if (!stopping_.load()) std::cerr << "th data server: reader connection dropped: " << error.what() << "\n";
+    ended = error.what();
   }
+  bool quiet = false;
+  {
+    std::lock_guard lock(mutex_);
+    TH_ASSERT(self.sending == nullptr, "a finished connection sends nothing");
+    quiet = self.dropped;  // the server shut it down: the reader's failure says nothing new
+    self.idle = false;
+    self.finished = true;
+  }
+  if (!ended.empty() && !quiet) log("closed a reader connection: " + ended);
+  wakeup_.signal();  // the acceptor joins this thread
+}
+
+bool DataServer::refuse(Connection& self, std::uint32_t status) {
+  const ReadResponseFrame refusal{status, 0, 0};
+  try {
+    send_all_by(self.socket, &refusal, sizeof refusal, response_deadline(config_, 0));
+    return true;
+  } catch (const SocketError& error) {
+    log(std::string("could not send a refusal: ") + error.what());
+    return false;
+  }
+}
+
+// Answers one request; false: the connection is to end (a send failed or was cut off).
+bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms) {
+  const GrantKey key{request.transfer, request.epoch};
+  std::shared_ptr<Grant> grant;
+  Status status = Status::kOk;
+  {
+    std::unique_lock lock(mutex_);
+    auto found = grants_.find(key);
+    if (found == grants_.end() && !revoked_recently(key) && grant_wait_left_ms > 0) {
+      // The connection is busy meanwhile (it cannot be dropped to make room), so the wait is
+      // bounded per connection, not per request: a burst of requests for a grant that never
+      // comes cannot hold this thread for grant_wait_ms_max each.
+      const auto began = Clock::now();
+      const bool arrived = granted_.wait_for(lock, std::chrono::milliseconds(grant_wait_left_ms), [&] {
+        found = grants_.find(key);
+        return found != grants_.end() || stopping_.load() || revoked_recently(key);
+      });
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
+      grant_wait_left_ms = arrived ? std::max(0, grant_wait_left_ms - static_cast<int>(waited.count())) : 0;
+    }
+    if (found == grants_.end()) {
+      status = Status::kNoGrant;
+    } else if (request.region >= found->second->regions.size() ||
+               request.length > config_.response_bytes_max ||
+               request.offset > found->second->regions[request.region].bytes ||
+               request.length > found->second->regions[request.region].bytes - request.offset) {
+      status = Status::kOutOfBounds;
+    } else {
+      grant = found->second;
+      ++grant->reads_in_flight;
+    }
+    if (status != Status::kOk) ++stats_.reads_refused;
+  }
+  if (status != Status::kOk) {
+    log("refused a read of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
+        " region " + std::to_string(request.region) + " [" + std::to_string(request.offset) + ", +" +
+        std::to_string(request.length) + "): " +
+        (status == Status::kNoGrant ? "no grant" : "outside the exposed region"));
+    return refuse(self, static_cast<std::uint32_t>(status));
+  }
+  // From here the grant's memory is pinned by reads_in_flight: revoke() waits until it is let go.
+  // It is let go before any send that revoke() would not cut off: revoke() never waits on a reader.
+  struct Pin {
+    DataServer* server;
+    Connection* self;
+    Grant* grant;
+    bool held = true;
+    void release() {
+      if (!held) return;
+      held = false;
+      std::lock_guard lock(server->mutex_);
+      TH_ASSERT(grant->reads_in_flight > 0);
+      --grant->reads_in_flight;
+      self->sending = nullptr;
+      server->drained_.notify_all();
+    }
+    ~Pin() { release(); }
+  } pin{this, &self, grant.get()};
+  const std::uint64_t begin = grant->starts[request.region] + request.offset;
+  auto ready_after_begin = [&] {
+    const std::uint64_t ready = grant->progress->ready_bytes();
+    return ready > begin ? std::min(ready - begin, request.length) : 0;
+  };
+  std::uint64_t length = ready_after_begin();
+  if (length == 0 && request.length > 0 && request.wait_for_bytes != 0) {
+    grant->progress->wait_beyond(begin, config_.progress_wait_ms_max,
+                                 [&] { return grant->revoked.load() || stopping_.load(); });
+    length = ready_after_begin();
+  }
+  bool revoked = false;
+  {
+    // Either revoke() has marked the grant (and we refuse), or it will find us sending and cut us
+    // off: it marks the grant and looks for senders under this same lock.
+    std::lock_guard lock(mutex_);
+    revoked = grant->revoked.load();
+    if (!revoked) self.sending = grant.get();
+  }
+  if (revoked) {
+    pin.release();
+    return refuse(self, static_cast<std::uint32_t>(Status::kNoGrant));
+  }
+  TH_ASSERT(length <= request.length);
+  TH_ASSERT(begin + length <= grant->progress->ready_bytes(), "only ready bytes are sent");
+  const ReadResponseFrame response{static_cast<std::uint32_t>(Status::kOk), 0, length};
+  const Deadline deadline = response_deadline(config_, length);  // for the response as a whole
+  try {
+    send_all_by(self.socket, &response, sizeof response, deadline);
+    send_all_by(self.socket, grant->regions[request.region].base + request.offset, length, deadline);
+  } catch (const SocketError& error) {
+    revoked = grant->revoked.load();
+    pin.release();
+    {
+      std::lock_guard lock(mutex_);
+      ++stats_.reads_cut_off;
+    }
+    if (!revoked) {  // a cut by revoke() is business as usual
+      log("cut off a read of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
+          " (" + std::to_string(length) + " bytes): " + error.what());
+    }
+    return false;
+  }
+  pin.release();
   std::lock_guard lock(mutex_);
-  --connections_;
-  std::erase(open_connections_, fd);
+  stats_.bytes_served += length;
+  ++stats_.reads_served;
+  return true;
 }
 
 // ---- Reader ----------------------------------------------------------------------------------------
 
 namespace {
+
+// Whether the source refuses reads under `key` now. A source cuts off the reads in flight when it
+// revokes their grant (revoke() does not wait for readers): such a read was refused, as any read
+// the source will not serve, and must not make the source look unreachable. One empty read tells.
+bool source_refuses(const Endpoint& source, GrantKey key, std::uint32_t region, const PullOptions& options) {
+  try {
+    Fd connection = connect_tcp(source, options.connect_timeout_ms);
+    set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
+    const ReadRequestFrame request{kMagic, key.epoch, key.transfer, region, 0, 0, 0};
+    send_all(connection, &request, sizeof request);
+    ReadResponseFrame response;
+    recv_all(connection, &response, sizeof response);
+    return response.status == static_cast<std::uint32_t>(Status::kNoGrant);
+  } catch (const SocketError&) {
+    return false;  // it does not answer: unreachable after all
+  }
+}
 
 // One connection: targets[i] is the source's region first_region + i.
 PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
@@ -274,9 +507,11 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
                      std::to_string(key.epoch) + " from " + source.to_string() + ": " + std::move(detail);
     return outcome;
   };
+  bool connected = false;
   try {
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
     set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
+    connected = true;
 
     struct Ask {
       std::uint32_t region;
@@ -382,7 +617,14 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
     }
     TH_ASSERT(outcome.bytes >= ready);
     return outcome;
+  } catch (const SocketTimeout& error) {
+    return fail(ReadError::kUnreachable, error.what());
   } catch (const SocketError& error) {
+    // The source closed the connection: it stopped, dropped us, or revoked the grant mid-read.
+    if (connected && source_refuses(source, key, first_region, options)) {
+      return fail(ReadError::kRefused, std::string("the source holds no grant for it (revoked during the read: ") +
+                                           error.what() + ")");
+    }
     return fail(ReadError::kUnreachable, error.what());
   }
 }

@@ -4,7 +4,7 @@
 // The shape is that of one-sided RDMA reads, so that rdma/ can slot in behind the same calls:
 //   source: grant(key, regions, progress)  ~ register memory regions, hand out remote keys
 //   reader: read(region index, offset, length) into a local region  ~ RDMA READ(rkey, offset)
-//   source: revoke(key)                    ~ deregister: returns once no read is in flight
+//   source: revoke(key)                    ~ deregister: cuts off the reads in flight, then returns
 // TCP needs the source's CPU to send; RDMA would not. Either way a read is served only inside a
 // region exposed under a live grant, and never after revoke() returned (integrity, DESIGN.md §5.1).
 //
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,17 +83,44 @@ enum class ReadError : std::uint8_t {
 };
 std::string_view read_error_name(ReadError error);
 
+struct ReadRequestFrame;  // on the wire: defined in data_plane.cpp
+
 struct DataServerConfig {
   Endpoint listen{"127.0.0.1", 0};
-  std::uint32_t connections_max = 256;      // concurrent reader connections
+  // Concurrent reader connections, and so connection threads: a thread serves one connection and
+  // is joined as soon as it ends. When every slot is taken, a new connection takes the slot of the
+  // connection idle the longest (none idle: it is refused).
+  std::uint32_t connections_max = 256;
   int progress_wait_ms_max = 200;           // how long one read of a partial source waits for bytes
   // The hub tells the reader and the source at the same moment; the reader's first request may
-  // arrive before the source heard of the grant. A read of an unknown grant waits this long for it.
+  // arrive before the source heard of the grant. A read of an unknown grant waits this long for it,
+  // at most once per connection: a burst of requests for a grant that never comes is refused at once.
   int grant_wait_ms_max = 2000;
-  int io_timeout_ms = 30'000;               // a reader that stops reading is dropped after this
+  // A reader sends its first request as soon as it connects: a connection silent this long after
+  // it was accepted is closed, so that silent connections cannot hold the slots readers need.
+  int first_request_timeout_ms = 5'000;
+  // A reader pipelines its requests, so a connection idle (no request arriving) this long is closed.
+  int idle_timeout_ms = 30'000;
+  // A response must be sent in full by a deadline: this base, plus its bytes at the slowest rate a
+  // reader may drain them. A reader slower than that (trickling, hung, stopped) is cut off and its
+  // read fails: it cannot hold a connection thread for long, however it paces its reads.
+  int response_ms_base = 5'000;
+  std::uint64_t reader_bytes_per_s_min = 1ull << 20;  // a 64 MiB response gets 5 s + 64 s
   std::uint64_t response_bytes_max = 64ull << 20;  // one response carries at most this much
+  // A server writes at most one line per interval about failing readers and connections (the
+  // lines held back are counted on the next): a flood of bad connections must not flood the log.
+  int log_interval_ms = 10'000;
 };
 
+// A reader connection, served by its own thread:
+//   awaiting first request --request--> busy --response sent--> idle --request--> busy ...
+//   awaiting first request / idle --first_request_timeout_ms / idle_timeout_ms, or dropped to make
+//       room for a new connection, or the reader hangs up--> finished
+//   busy --response deadline passed, revoke() of the grant it is sending, or a send fails--> finished
+//   any --a request that is not of the data protocol, or the server stops--> finished
+//   finished --the acceptor joins the thread--> gone (its slot is free)
+// Only a connection awaiting its first request or idle may be dropped to make room: one that is
+// busy (waiting for its grant or for progress, or sending) ends by its own bounded deadlines.
 class DataServer {
  public:
   // Listens at once; throws SocketError if the address cannot be bound.
@@ -107,28 +135,43 @@ class DataServer {
   // Exposes `regions` (in layout order) to reads under `key`. The regions must stay alive and
   // unchanged (up to progress) until revoke(key) returns. Granting a key twice is a bug.
   void grant(GrantKey key, std::vector<ExposedRegion> regions, std::shared_ptr<Progress> progress);
-  // Withdraws the grant. Reads that arrive later are refused; returns once no read under the grant
-  // is in flight, after which the owner may change or free the memory. Unknown keys are ignored.
+  // Withdraws the grant. Reads that arrive later are refused; a read waiting for progress is
+  // refused now, and a connection sending the grant's bytes is cut off (its read fails). It does not
+  // wait for any reader: it returns as soon as the threads serving those reads have let go of the
+  // memory, after which the owner may change or free it. Unknown keys are ignored.
   void revoke(GrantKey key);
 
   struct Stats {
     std::uint64_t bytes_served = 0;
     std::uint64_t reads_served = 0;
     std::uint64_t reads_refused = 0;
+    std::uint64_t reads_cut_off = 0;        // a response not sent in full: revoked, or a slow reader
+    std::uint64_t connections_dropped = 0;  // closed while idle: to make room, or after a timeout
+    std::uint32_t connections_open = 0;     // connection threads not yet joined
+    std::uint32_t connections_idle = 0;     // of those, awaiting a request
   };
   Stats stats() const;
 
  private:
   struct Grant;
+  struct Connection;
+  class Log;
   void accept_loop();
-  void serve(Fd connection);
+  void admit(Fd& waiting);
+  void serve(Connection& self);
+  bool answer(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms);
+  bool refuse(Connection& self, std::uint32_t status);
+  void log(const std::string& line);
 
   DataServerConfig config_;
   Fd listener_;
   Endpoint endpoint_;
-  std::atomic<bool> stopping_{false};
+  Wakeup wakeup_;  // a connection finished (join it), or the server stops
+  std::unique_ptr<Log> log_;
 
   mutable std::mutex mutex_;
+  // Set under mutex_, so that a wait on one of its condition variables cannot miss it.
+  std::atomic<bool> stopping_{false};
   std::condition_variable drained_;
   std::condition_variable granted_;
   std::map<GrantKey, std::shared_ptr<Grant>> grants_;
@@ -138,11 +181,11 @@ class DataServer {
   bool revoked_recently(GrantKey key) const {
     return std::find(revoked_.begin(), revoked_.end(), key) != revoked_.end();
   }
-  std::vector<int> open_connections_;  // to shut them down on stop (guarded by mutex_)
-  std::uint32_t connections_ = 0;
+  // Every connection whose thread is not yet joined (at most connections_max); only the acceptor
+  // adds and removes entries, and each thread changes its own entry, all under mutex_.
+  std::list<Connection> connections_;
   Stats stats_;
 
-  std::vector<std::thread> connection_threads_;  // guarded by mutex_
   std::thread acceptor_;
 };
 

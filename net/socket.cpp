@@ -6,11 +6,14 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 namespace th::net {
@@ -18,6 +21,26 @@ namespace {
 
 [[noreturn]] void fail(const std::string& what) {
   throw SocketError(what + ": " + std::strerror(errno));
+}
+
+// Milliseconds left until `deadline`, rounded up (poll would spin on a sub-millisecond rest);
+// throws SocketTimeout naming `what` once it has passed.
+int ms_until(Deadline deadline, const char* what) {
+  const auto left = deadline - std::chrono::steady_clock::now();
+  if (left <= std::chrono::steady_clock::duration::zero()) throw SocketTimeout(std::string(what) + ": deadline passed");
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<decltype(ms)>(ms, std::numeric_limits<int>::max()));
+}
+
+// Waits for `events` on the socket until the deadline. A closed or reset socket reports ready:
+// the send or recv that follows says what happened.
+void wait_for(const Fd& socket, short events, Deadline deadline, const char* what) {
+  for (;;) {
+    pollfd waiting{socket.get(), events, 0};
+    const int ready = ::poll(&waiting, 1, ms_until(deadline, what));
+    if (ready > 0) return;
+    if (ready < 0 && errno != EINTR) fail("poll");
+  }
 }
 
 }  // namespace
@@ -82,13 +105,32 @@ Endpoint parse_endpoint(std::string_view text) {
 
 Fd listen_tcp(const Endpoint& endpoint, int backlog) {
   auto info = resolve(endpoint, SOCK_STREAM, true);
-  Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC, info->ai_protocol));
+  Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, info->ai_protocol));
   if (!socket.valid()) fail("socket");
   const int on = 1;
   ::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
   if (::bind(socket.get(), info->ai_addr, info->ai_addrlen) != 0) fail("bind " + endpoint.to_string());
   if (::listen(socket.get(), backlog) != 0) fail("listen " + endpoint.to_string());
   return socket;
+}
+
+Fd accept_tcp(const Fd& listener) {
+  for (;;) {
+    // Accepted sockets do not inherit O_NONBLOCK: they block unless a call says otherwise.
+    Fd connection(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (connection.valid()) return connection;
+    switch (errno) {
+      case EINTR: continue;
+      case EAGAIN:
+#if EWOULDBLOCK != EAGAIN
+      case EWOULDBLOCK:
+#endif
+      case ECONNABORTED:
+      case EPROTO:
+        return Fd();  // nothing waits any more: the listener itself is fine
+      default: fail("accept");
+    }
+  }
 }
 
 std::uint16_t local_port(const Fd& socket) {
@@ -142,6 +184,7 @@ void send_all(const Fd& socket, const void* data, std::size_t bytes) {
     const ssize_t sent = ::send(socket.get(), at, bytes, MSG_NOSIGNAL);
     if (sent < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) throw SocketTimeout("send: timed out");
       fail("send");
     }
     at += sent;
@@ -160,7 +203,7 @@ bool recv_all_or_eof(const Fd& socket, void* data, std::size_t bytes) {
     }
     if (got < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) throw SocketError("recv: timed out");
+      if (errno == EAGAIN || errno == EWOULDBLOCK) throw SocketTimeout("recv: timed out");
       fail("recv");
     }
     at += got;
@@ -171,6 +214,68 @@ bool recv_all_or_eof(const Fd& socket, void* data, std::size_t bytes) {
 
 void recv_all(const Fd& socket, void* data, std::size_t bytes) {
   if (!recv_all_or_eof(socket, data, bytes)) throw SocketError("peer closed the connection");
+}
+
+void send_all_by(const Fd& socket, const void* data, std::size_t bytes, Deadline deadline) {
+  const auto* at = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t sent = ::send(socket.get(), at, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) fail("send");
+      wait_for(socket, POLLOUT, deadline, "send");
+      continue;
+    }
+    at += sent;
+    bytes -= static_cast<std::size_t>(sent);
+  }
+}
+
+bool recv_all_or_eof_by(const Fd& socket, void* data, std::size_t bytes, Deadline deadline) {
+  auto* at = static_cast<char*>(data);
+  const std::size_t wanted = bytes;
+  while (bytes > 0) {
+    const ssize_t got = ::recv(socket.get(), at, bytes, MSG_DONTWAIT);
+    if (got == 0) {
+      if (bytes == wanted) return false;
+      throw SocketError("peer closed the connection mid-message");
+    }
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) fail("recv");
+      wait_for(socket, POLLIN, deadline, "recv");
+      continue;
+    }
+    at += got;
+    bytes -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+Wakeup::Wakeup() : fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (!fd_.valid()) fail("eventfd");
+}
+
+void Wakeup::signal() const {
+  const std::uint64_t one = 1;
+  // Fails only when the counter is about to overflow: then it is signalled already.
+  [[maybe_unused]] const ssize_t written = ::write(fd_.get(), &one, sizeof one);
+}
+
+void Wakeup::clear() const {
+  std::uint64_t count = 0;
+  // EAGAIN: another reader cleared it first; nothing to do.
+  [[maybe_unused]] const ssize_t got = ::read(fd_.get(), &count, sizeof count);
+}
+
+Readable wait_readable(const Fd* first, const Fd& second) {
+  pollfd waiting[2] = {{first != nullptr ? first->get() : -1, POLLIN, 0}, {second.get(), POLLIN, 0}};
+  for (;;) {
+    const int ready = ::poll(waiting, 2, -1);
+    if (ready > 0) break;
+    if (ready < 0 && errno != EINTR) fail("poll");
+  }
+  return Readable{waiting[0].revents != 0, waiting[1].revents != 0};
 }
 
 }  // namespace th::net

@@ -3,6 +3,7 @@
 // SocketError, which the data plane turns into a failed read of that source.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -16,6 +17,11 @@ namespace th::net {
 
 struct SocketError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+// A timeout or deadline passed: the peer is slow, hung or gone without a word. (Any other
+// SocketError means the peer or the network said something: a close, a reset.)
+struct SocketTimeout : SocketError {
+  using SocketError::SocketError;
 };
 
 // Owns one file descriptor; closes it once.
@@ -55,8 +61,12 @@ struct AddrInfoDeleter {
 using AddrInfo = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 AddrInfo resolve(const Endpoint& endpoint, int socket_type, bool passive);
 
-// A listening socket on host:port (port 0: the kernel picks; see local_port).
+// A listening socket on host:port (port 0: the kernel picks; see local_port). It does not block:
+// wait for it with wait_readable, then accept_tcp.
 Fd listen_tcp(const Endpoint& endpoint, int backlog);
+// The next connection waiting on `listener`, or an invalid Fd when there is none after all (it
+// was reset while it waited). Throws SocketError when the process is out of descriptors or memory.
+Fd accept_tcp(const Fd& listener);
 std::uint16_t local_port(const Fd& socket);
 // Connects with a deadline; throws SocketError naming the endpoint on failure.
 Fd connect_tcp(const Endpoint& endpoint, int timeout_ms);
@@ -70,5 +80,33 @@ void recv_all(const Fd& socket, void* data, std::size_t bytes);
 // As recv_all, but a clean close before the first byte returns false (the peer hung up between
 // messages).
 bool recv_all_or_eof(const Fd& socket, void* data, std::size_t bytes);
+
+// As send_all and recv_all_or_eof, but the whole message must go (or come) by `deadline`: a peer
+// that trickles cannot stretch it, as it stretches a timeout that restarts on every partial
+// transfer. Throws SocketTimeout when the deadline passes. The socket's own timeouts do not apply.
+using Deadline = std::chrono::steady_clock::time_point;
+void send_all_by(const Fd& socket, const void* data, std::size_t bytes, Deadline deadline);
+bool recv_all_or_eof_by(const Fd& socket, void* data, std::size_t bytes, Deadline deadline);
+
+// Wakes a thread that waits in wait_readable (an eventfd): signals are not counted, only noticed.
+class Wakeup {
+ public:
+  Wakeup();
+  Wakeup(const Wakeup&) = delete;
+  Wakeup& operator=(const Wakeup&) = delete;
+  void signal() const;
+  void clear() const;  // call when wait_readable reported it
+  const Fd& fd() const { return fd_; }
+
+ private:
+  Fd fd_;
+};
+
+// Waits until `first` (skipped when null) or `second` can be read, or has closed.
+struct Readable {
+  bool first = false;
+  bool second = false;
+};
+Readable wait_readable(const Fd* first, const Fd& second);
 
 }  // namespace th::net

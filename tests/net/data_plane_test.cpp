@@ -1,10 +1,21 @@
 // The TCP data plane on loopback: bit-exact pulls, pipeline reads of a partial source, refusals
 // outside a grant, and revoke() as the integrity barrier (no read is in flight once it returns).
+// Then the server against readers that misbehave: many short connections (every thread joined),
+// readers that stop reading (revoke() does not wait for them), silent connections (they do not
+// starve readers), bursts for an unknown grant (bounded), with a rate-limited log.
 #include "net/data_plane.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -279,6 +290,280 @@ TEST(DataPlane, AReadThatArrivesBeforeItsGrantWaitsForIt) {
   ASSERT_TRUE(outcome.ok()) << outcome.detail;
   EXPECT_EQ(reader.buffers, shard.tensors);
   server.revoke({8, 1});
+}
+
+// ---- Misbehaving readers ----------------------------------------------------------------------------
+// Waits below only turn a hang (the bug) into a failure: none asserts how fast anything is.
+constexpr auto kHangGuard = std::chrono::seconds(20);
+
+// Polls `done` until it holds or the hang guard passes; returns whether it holds.
+template <typename Done>
+bool eventually(Done done) {
+  const auto give_up = std::chrono::steady_clock::now() + kHangGuard;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+std::size_t threads_now() {
+  std::size_t count = 0;
+  for ([[maybe_unused]] const auto& task : std::filesystem::directory_iterator("/proc/self/task")) ++count;
+  return count;
+}
+
+// Memory mappings of the process: each thread that is never joined keeps two (its stack and its
+// guard page), and vm.max_map_count is what aborted the process in production.
+std::size_t mappings_now() {
+  std::ifstream maps("/proc/self/maps");
+  std::size_t count = 0;
+  for (std::string line; std::getline(maps, line);) ++count;
+  return count;
+}
+
+// A reader that speaks raw frames (the layout the data plane's wire uses: see data_plane.cpp).
+constexpr std::uint32_t kRawMagic = 0x31504454;  // "TDP1"
+struct RawRequest {
+  std::uint32_t magic = kRawMagic;
+  std::uint32_t epoch = 0;
+  std::uint64_t transfer = 0;
+  std::uint32_t region = 0;
+  std::uint32_t wait_for_bytes = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+struct RawResponse {
+  std::uint32_t status = 0;
+  std::uint32_t reserved = 0;
+  std::uint64_t length = 0;
+};
+
+Fd raw_connection(const DataServer& server) {
+  Fd connection = connect_tcp(server.endpoint(), 5'000);
+  // A stuck test fails at the hang guard instead of hanging.
+  set_io_timeout(connection, static_cast<int>(std::chrono::milliseconds(kHangGuard).count()));
+  return connection;
+}
+
+void send_request(const Fd& connection, GrantKey key, std::uint64_t offset, std::uint64_t length) {
+  const RawRequest request{kRawMagic, key.epoch, key.transfer, 0, 0, offset, length};
+  send_all(connection, &request, sizeof request);
+}
+
+// Reads what the server sends until it closes (or resets) the connection; counts the bytes. A
+// connection the server still holds open at the hang guard is a failure.
+std::uint64_t read_to_close(const Fd& connection, std::vector<std::byte>* into = nullptr) {
+  std::uint64_t bytes = 0;
+  std::vector<std::byte> buffer(1 << 16);
+  for (;;) {
+    const ssize_t got = ::recv(connection.get(), buffer.data(), buffer.size(), 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) ADD_FAILURE() << "the server keeps it open";
+    if (got <= 0) return bytes;
+    if (into != nullptr) into->insert(into->end(), buffer.begin(), buffer.begin() + got);
+    bytes += static_cast<std::uint64_t>(got);
+  }
+}
+
+// True once the server has closed the connection (it has nothing to send on it).
+bool closed_by_server(const Fd& connection) { return read_to_close(connection) == 0; }
+
+// 2,000 connections, one after another: each one's thread is joined when it ends, so threads and
+// mappings come back to where they were. (Mappings are the measure of the leak: an exited thread
+// leaves /proc/self/task joined or not, but its stack stays mapped until it is joined.) The log
+// says a line, not one per bad connection.
+TEST(DataPlane, EveryConnectionThreadIsJoinedWhenItEnds) {
+  constexpr int kConnections = 2'000;
+  // Above the starting point once every connection has ended: no thread at all; mappings only for
+  // what malloc keeps (an arena per thread that ever ran, at most 8 per core) and glibc's cache of
+  // thread stacks. Not a function of kConnections: the leak added 2 per connection.
+  constexpr std::size_t kThreadsAboveStartMax = 0;
+  constexpr std::size_t kMappingsAboveStartMax = 256;
+  constexpr std::size_t kLogLinesMax = 1;  // the interval below is longer than the test
+  DataServer server(DataServerConfig{.log_interval_ms = 3'600'000});
+  const Shard shard{{pattern(4096, 1)}};
+  server.grant({2, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  const std::size_t threads_at_start = threads_now();
+  const std::size_t mappings_at_start = mappings_now();
+
+  testing::internal::CaptureStderr();
+  int pulls_ok = 0;
+  for (int i = 0; i < kConnections; ++i) {
+    switch (i % 3) {
+      case 0: {  // a reader
+        Reader reader(shard);
+        const auto targets = reader.targets();
+        pulls_ok += pull(server.endpoint(), {2, 1}, targets, small_chunks()).ok() ? 1 : 0;
+        break;
+      }
+      case 1: {  // garbage
+        Fd connection = raw_connection(server);
+        const std::vector<std::byte> garbage = pattern(sizeof(RawRequest), 100 + i);
+        send_all(connection, garbage.data(), garbage.size());
+        break;
+      }
+      default:  // silent, then closed
+        raw_connection(server);
+        break;
+    }
+  }
+  ASSERT_TRUE(eventually([&] { return server.stats().connections_open == 0; }));
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(pulls_ok, (kConnections + 2) / 3);
+  EXPECT_LE(threads_now(), threads_at_start + kThreadsAboveStartMax);
+  EXPECT_LE(mappings_now(), mappings_at_start + kMappingsAboveStartMax);
+  std::size_t log_lines = 0;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) log_lines += line.starts_with("th data server:") ? 1 : 0;
+  EXPECT_GE(log_lines, 1u) << "the garbage is worth a line";
+  EXPECT_LE(log_lines, kLogLinesMax) << log;
+  server.revoke({2, 1});
+}
+
+// revoke() cuts off a reader that asked for a lot and never reads: it does not wait for it (it
+// once waited up to io_timeout_ms per partial send, on the thread that sends the heartbeats).
+// Once it returns the owner scribbles on the memory, and not one scribbled byte reaches the reader.
+TEST(DataPlane, RevokeDoesNotWaitForAReaderThatStopsReading) {
+  DataServer server(DataServerConfig{});
+  constexpr std::uint64_t kAsked = 64ull << 20;  // far more than the socket buffers hold
+  std::vector<std::byte> memory = pattern(kAsked, 21);
+  const std::vector<std::byte> original = memory;
+  server.grant({4, 1}, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
+  Fd reader = raw_connection(server);
+  set_buffer_bytes(reader, 64 << 10);
+  send_request(reader, {4, 1}, 0, kAsked);
+  pollfd response_started{reader.get(), POLLIN, 0};  // the server is sending: it is mid-response
+  ASSERT_EQ(::poll(&response_started, 1, static_cast<int>(std::chrono::milliseconds(kHangGuard).count())), 1);
+
+  auto revoking = std::async(std::launch::async, [&] { server.revoke({4, 1}); });
+  ASSERT_EQ(revoking.wait_for(kHangGuard), std::future_status::ready) << "revoke() waits on the reader";
+  std::fill(memory.begin(), memory.end(), std::byte{0xAB});
+
+  std::vector<std::byte> received;
+  read_to_close(reader, &received);
+  ASSERT_GE(received.size(), sizeof(RawResponse));
+  RawResponse response;
+  std::memcpy(&response, received.data(), sizeof response);
+  EXPECT_EQ(response.status, 0u);
+  EXPECT_EQ(response.length, kAsked);
+  const std::uint64_t payload = received.size() - sizeof response;
+  EXPECT_LT(payload, kAsked) << "the read was cut off";
+  EXPECT_TRUE(std::equal(received.begin() + sizeof response, received.end(), original.begin()))
+      << "a byte written after revoke() reached the reader";
+  EXPECT_TRUE(eventually([&] { return server.stats().reads_cut_off == 1; }));
+  EXPECT_EQ(server.stats().reads_served, 0u);
+}
+
+// A reader that drains its response at a trickle is cut off at the response's deadline, though
+// every one of its partial reads is quick (a timeout that restarted on each let it hold on).
+TEST(DataPlane, AReaderSlowerThanTheResponseDeadlineIsCutOff) {
+  DataServer server(DataServerConfig{.response_ms_base = 1'000, .reader_bytes_per_s_min = 64ull << 20});
+  constexpr std::uint64_t kAsked = 8ull << 20;   // due in 1 s + 125 ms
+  constexpr std::size_t kSipBytes = 4 << 10;     // every 5 ms: 8 MiB would take 10 s
+  const std::vector<std::byte> memory = pattern(kAsked, 22);
+  server.grant({4, 2}, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
+  Fd reader = raw_connection(server);
+  set_buffer_bytes(reader, 64 << 10);
+  send_request(reader, {4, 2}, 0, kAsked);
+  std::uint64_t received = 0;
+  std::vector<std::byte> sip(kSipBytes);
+  const auto give_up = std::chrono::steady_clock::now() + kHangGuard;
+  while (server.stats().reads_cut_off == 0 && std::chrono::steady_clock::now() < give_up) {
+    const ssize_t got = ::recv(reader.get(), sip.data(), sip.size(), 0);
+    if (got <= 0) break;
+    received += static_cast<std::uint64_t>(got);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  received += read_to_close(reader);
+  EXPECT_EQ(server.stats().reads_cut_off, 1u);
+  EXPECT_LT(received, sizeof(RawResponse) + kAsked) << "the trickling reader got its whole response";
+  EXPECT_EQ(server.stats().reads_served, 0u);
+  server.revoke({4, 2});
+}
+
+// connections_max silent connections hold every slot; a reader still gets its read: the silent
+// connection idle the longest makes room. (The first-request deadline is out of reach here.)
+TEST(DataPlane, SilentConnectionsDoNotStarveReaders) {
+  constexpr std::uint32_t kSlots = 8;
+  DataServer server(DataServerConfig{.connections_max = kSlots, .first_request_timeout_ms = 600'000});
+  const Shard shard = source_shard();
+  server.grant({6, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  std::vector<Fd> silent;
+  for (std::uint32_t i = 0; i < kSlots; ++i) {
+    silent.push_back(raw_connection(server));
+    // One at a time, so that the first is the one idle the longest.
+    ASSERT_TRUE(eventually([&] { return server.stats().connections_open == i + 1; }));
+  }
+  expect_bit_exact_pull(server, shard, {6, 1}, 1);
+  EXPECT_TRUE(closed_by_server(silent.front()));
+  EXPECT_GE(server.stats().connections_dropped, 1u);
+  EXPECT_LE(server.stats().connections_open, kSlots);
+  server.revoke({6, 1});
+}
+
+// A connection that says nothing, says half a request, or goes quiet after a read is closed.
+TEST(DataPlane, SilentAndIdleConnectionsAreClosed) {
+  DataServer server(DataServerConfig{.first_request_timeout_ms = 50, .idle_timeout_ms = 50});
+  const Shard shard{{pattern(1000, 5)}};
+  server.grant({6, 2}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  Fd silent = raw_connection(server);
+  Fd half = raw_connection(server);
+  const RawRequest request{kRawMagic, 2, 6, 0, 0, 0, 1000};
+  send_all(half, &request, sizeof request / 2);  // the rest never comes
+  Fd quiet_after_read = raw_connection(server);
+  send_request(quiet_after_read, {6, 2}, 0, 1000);
+  EXPECT_TRUE(closed_by_server(silent));
+  EXPECT_TRUE(closed_by_server(half));
+  EXPECT_EQ(read_to_close(quiet_after_read), sizeof(RawResponse) + 1000);
+  EXPECT_EQ(server.stats().reads_served, 1u);
+  EXPECT_TRUE(eventually([&] { return server.stats().connections_dropped == 3; }));
+  server.revoke({6, 2});
+}
+
+// Requests for a grant the source has not heard of wait for it, but the connection is busy, not
+// idle, while they do: it keeps its slot and thread, no connection beyond connections_max is
+// taken in, and the wait is spent once per connection, not once per pipelined request.
+TEST(DataPlane, WaitingForAnUnknownGrantIsBounded) {
+  constexpr std::uint32_t kSlots = 4;
+  DataServer server(DataServerConfig{.connections_max = kSlots, .grant_wait_ms_max = 600'000});
+  const Shard shard{{pattern(1000, 6)}};
+  const std::size_t threads_at_start = threads_now();
+  std::vector<Fd> early;
+  for (std::uint32_t i = 0; i < kSlots; ++i) {
+    early.push_back(raw_connection(server));
+    send_request(early.back(), {6, 3}, 0, 1000);
+  }
+  ASSERT_TRUE(eventually([&] {
+    const DataServer::Stats stats = server.stats();
+    return stats.connections_open == kSlots && stats.connections_idle == 0;
+  }));
+  Fd one_more = raw_connection(server);
+  EXPECT_TRUE(closed_by_server(one_more)) << "every slot waits for its grant: none is idle";
+  EXPECT_LE(threads_now(), threads_at_start + kSlots);
+  server.grant({6, 3}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  for (const Fd& connection : early) {
+    RawResponse response;
+    recv_all(connection, &response, sizeof response);
+    EXPECT_EQ(response.status, 0u);
+    EXPECT_EQ(response.length, 1000u);
+  }
+  server.revoke({6, 3});
+
+  // A burst for a grant that never comes: the first request spends the connection's wait, the
+  // rest are refused at once (at grant_wait_ms_max each, the burst would outlast the hang guard).
+  constexpr int kBurst = 200;
+  DataServer bounded(DataServerConfig{.grant_wait_ms_max = 500});
+  Fd burst = raw_connection(bounded);
+  for (int i = 0; i < kBurst; ++i) send_request(burst, {6, 4}, 0, 1000);
+  const auto give_up = std::chrono::steady_clock::now() + kHangGuard;
+  int refused = 0;
+  for (; refused < kBurst && std::chrono::steady_clock::now() < give_up; ++refused) {
+    RawResponse response;
+    recv_all(burst, &response, sizeof response);
+    ASSERT_EQ(response.status, 1u);  // no grant
+  }
+  EXPECT_EQ(refused, kBurst);
 }
 
 TEST(DataPlane, ParsesEndpoints) {

@@ -153,7 +153,10 @@ class Hub {
   void try_assign(Transfer& transfer);
   SourceChoice select_source(const Transfer& transfer) const;
   void assign(Transfer& transfer, Copy& source);
+  // Both halves of a shard's grant: ServeRead to the source, StartRead to the reader.
+  void emit_grant(const Transfer& transfer, std::uint32_t shard);
   void emit_start_read(const Transfer& transfer, std::uint32_t shard);
+  GrantSecret grant_secret(const Transfer& transfer) const;
   void resend_instructions(Replica& replica, std::uint32_t shard);
   // `now`: whatever the time of the last repeat.
   void resend_seed_reads(Replica& replica, std::uint32_t shard, bool now);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/hub_internal.h"
+#include "core/siphash.h"
 
 namespace th {
 
@@ -371,9 +372,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   for (std::uint32_t shard = 0; shard < owner.num_shards; ++shard) {
     if (reader.ready.test(shard)) continue;
     transfer.started.set(shard);
-    emit_to(source.owner->shards[shard], ServeRead{transfer.id, transfer.epoch, reader.record->version,
-                                                  source.kind, shard, owner.name});
-    emit_start_read(transfer, shard);
+    emit_grant(transfer, shard);
     if (!transfer.resend_at_ms.empty()) transfer.resend_at_ms[shard] = now_ms_ + kSeedResendMs;
   }
 }
@@ -381,12 +380,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
 void Hub::resend_instructions(Replica& replica, std::uint32_t shard) {
   if (const Copy* copy = replica.primary; copy != nullptr && copy->incoming != nullptr) {
     const Transfer& transfer = *copy->incoming;
-    if (transfer.source != nullptr && transfer.started.test(shard)) {
-      emit_to(transfer.source->owner->shards[shard],
-              ServeRead{transfer.id, transfer.epoch, copy->record->version, transfer.source->kind,
-                        shard, replica.name});
-      emit_start_read(transfer, shard);
-    }
+    if (transfer.source != nullptr && transfer.started.test(shard)) emit_grant(transfer, shard);
   }
   for (const Copy* offload : replica.offloads) {
     if (offload->state == CopyState::kOffloading && !offload->ready.test(shard)) {
@@ -408,13 +402,25 @@ void Hub::resend_seed_reads(Replica& replica, std::uint32_t shard, bool now) {
     TH_ASSERT(transfer.resend_at_ms.size() == replica.num_shards, "a seed's transfer times repeats");
     if (!now && now_ms_ < transfer.resend_at_ms[shard]) continue;
     transfer.resend_at_ms[shard] = now_ms_ + kSeedResendMs;
-    if (transfer.source != nullptr && transfer.started.test(shard)) {
-      emit_to(transfer.source->owner->shards[shard],
-              ServeRead{transfer.id, transfer.epoch, offload->record->version,
-                        transfer.source->kind, shard, replica.name});
-      emit_start_read(transfer, shard);
-    }
+    if (transfer.source != nullptr && transfer.started.test(shard)) emit_grant(transfer, shard);
   }
+}
+
+GrantSecret Hub::grant_secret(const Transfer& transfer) const {
+  // Unique per (transfer, epoch): a reader of an earlier epoch cannot read under the new one.
+  std::array<std::uint8_t, 12> message{};
+  for (int i = 0; i < 8; ++i) message[i] = static_cast<std::uint8_t>(transfer.id >> (8 * i));
+  for (int i = 0; i < 4; ++i) message[8 + i] = static_cast<std::uint8_t>(transfer.epoch >> (8 * i));
+  return siphash128(settings_.grant_secret_key, message);
+}
+
+void Hub::emit_grant(const Transfer& transfer, std::uint32_t shard) {
+  TH_ASSERT(transfer.source != nullptr && transfer.started.test(shard));
+  const Copy& source = *transfer.source;
+  emit_to(source.owner->shards[shard],
+          ServeRead{transfer.id, transfer.epoch, transfer.reader->record->version, source.kind, shard,
+                    transfer.reader->owner->name, grant_secret(transfer)});
+  emit_start_read(transfer, shard);
 }
 
 void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
@@ -427,7 +433,7 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
                   SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
                             source.owner->shards[shard].endpoint, source.kind,
                             source.state != CopyState::kComplete},
-                  record.checksums[shard], 0, nullptr};
+                  record.checksums[shard], 0, nullptr, grant_secret(transfer)};
   if (reader.kind == CopyKind::kOffload) {
     TH_ASSERT(reader.seed, "only a seed copy is read into");
     const LayoutRef& layout = reader.owner->model->layouts[shard];

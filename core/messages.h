@@ -271,6 +271,7 @@ struct StartRead {
   ChecksumsRef checksums;
   std::uint64_t offload_copy = 0;  // 0: into the registered buffers
   LayoutRef layout;                // offload seeding: the layout of the buffer to fill
+  GrantSecret secret{};            // what the source asks of this transfer's reads (see ServeRead)
 };
 // To a source shard: a grant; serve reads of (version, kind) to this transfer and epoch only.
 struct ServeRead {
@@ -280,6 +281,9 @@ struct ServeRead {
   CopyKind kind = CopyKind::kPrimary;
   std::uint32_t shard = 0;
   std::string reader_replica;
+  // The grant's capability: the source serves a read only if it presents this secret, which the
+  // hub tells this source and this transfer's reader alone (unguessable: 128 bits of a keyed PRF).
+  GrantSecret secret{};
 };
 // To a source shard: the grant is withdrawn (finished, reassigned or cancelled).
 struct StopServing {

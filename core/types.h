@@ -1,6 +1,7 @@
 // Value types shared by every layer: identifiers, version selectors, tensor layouts, retention rules.
 #pragma once
 
+#include <array>
 #include <bitset>
 #include <cstdint>
 #include <memory>
@@ -20,6 +21,8 @@ using Version = std::uint64_t;
 using TransferId = std::uint64_t;
 // Milliseconds on the clock of whoever drives the state machine (virtual in the simulator).
 using TimeMs = std::int64_t;
+// A data-plane grant's capability (ServeRead::secret): 128 bits.
+using GrantSecret = std::array<std::uint64_t, 2>;
 
 // One bit per shard of a replica.
 using ShardSet = std::bitset<limits::kShardsMax>;
@@ -120,6 +123,9 @@ struct HubSettings {
   // (drawn at random), so that a client never takes an id of a failed server for one of its
   // successor's (an offload copy is named by id; see Offload).
   std::uint64_t id_base = 0;
+  // Keys the secrets of data-plane grants (GrantSecret). th-server draws it from the OS at start;
+  // the simulator and the tests leave it zero (a key is needed, not its secrecy, to check them).
+  std::array<std::uint64_t, 2> grant_secret_key{};
 };
 
 inline constexpr std::uint64_t kIdBaseMax = 1ULL << 62;

@@ -201,6 +201,7 @@ struct Effect {
       call @24 :UInt64;  # the reader's call this transfer serves
       offloadCopy @26 :UInt64;  # offload seeding: read into this new CPU copy (0: the buffers)
       layout @27 :List(TensorSpec);  # offload seeding: the layout of that copy
+      grantSecret @29 :Data;  # 16 bytes: what the source asks of this transfer's reads
     }
     serveRead :group {
       transfer @11 :UInt64;
@@ -209,6 +210,7 @@ struct Effect {
       kind @14 :UInt8;
       shard @15 :UInt32;
       readerReplica @16 :Text;
+      grantSecret @30 :Data;  # 16 bytes: serve only reads that present it (a capability)
     }
     stopServing :group { transfer @17 :UInt64; epoch @18 :UInt32; }
     offload @19 :UInt64;         # the version

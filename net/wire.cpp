@@ -2,6 +2,7 @@
 
 #include <kj/exception.h>
 
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -246,6 +247,18 @@ ChecksumsRef get_checksums(capnp::List<std::uint64_t>::Reader in) {
   return checksums;
 }
 
+// A grant's secret: 16 bytes as two little-endian words (the data plane sends them as they are).
+GrantSecret get_secret(capnp::Data::Reader in) {
+  if (in.size() != sizeof(GrantSecret)) invalid("a grant secret is " + std::to_string(sizeof(GrantSecret)) + " bytes");
+  GrantSecret secret{};
+  std::memcpy(secret.data(), in.begin(), sizeof secret);
+  return secret;
+}
+
+void put_secret(const GrantSecret& secret, capnp::Data::Builder out) {
+  std::memcpy(out.begin(), secret.data(), sizeof secret);
+}
+
 WaitPredicate get(wire::WaitPredicate::Reader in) {
   WaitPredicate predicate;
   predicate.kind = enum_in_range(in.getKind(), WaitPredicate::Kind::kRoleHolds, "wait predicate");
@@ -462,7 +475,8 @@ Effect get(wire::Effect::Reader in) {
                     text(source.getEndpoint(), limits::kEndpointBytesMax, "source endpoint"),
                     enum_in_range(source.getKind(), CopyKind::kOffload, "copy kind"),
                     source.getPartial()},
-          get_checksums(read.getChecksums()), read.getOffloadCopy(), get_layout(read.getLayout())};
+          get_checksums(read.getChecksums()), read.getOffloadCopy(), get_layout(read.getLayout()),
+          get_secret(read.getGrantSecret())};
       const auto& start = std::get<StartRead>(effect.message);
       if (start.offload_copy != 0 && start.layout == nullptr) invalid("a seed read without a layout");
       break;
@@ -471,7 +485,8 @@ Effect get(wire::Effect::Reader in) {
       auto serve = message.getServeRead();
       effect.message = ServeRead{serve.getTransfer(), serve.getEpoch(), serve.getVersion(),
                                  enum_in_range(serve.getKind(), CopyKind::kOffload, "copy kind"),
-                                 serve.getShard(), name(serve.getReaderReplica(), "reader replica")};
+                                 serve.getShard(), name(serve.getReaderReplica(), "reader replica"),
+                                 get_secret(serve.getGrantSecret())};
       break;
     }
     case wire::Effect::Message::STOP_SERVING:
@@ -617,6 +632,7 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           put_checksums(body.checksums, [&](unsigned n) { return read.initChecksums(n); });
           read.setOffloadCopy(body.offload_copy);
           if (body.layout) put_layout(body.layout, [&](unsigned n) { return read.initLayout(n); });
+          put_secret(body.secret, read.initGrantSecret(sizeof(GrantSecret)));
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           auto serve = message.initServeRead();
           serve.setTransfer(body.transfer);
@@ -625,6 +641,7 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           serve.setKind(static_cast<std::uint8_t>(body.kind));
           serve.setShard(body.shard);
           serve.setReaderReplica(body.reader_replica);
+          put_secret(body.secret, serve.initGrantSecret(sizeof(GrantSecret)));
         } else if constexpr (std::is_same_v<T, StopServing>) {
           auto stop = message.initStopServing();
           stop.setTransfer(body.transfer);

@@ -249,8 +249,22 @@ class HubService::HubImpl final : public wire::Hub::Server {
 
 // ---- The service -------------------------------------------------------------------------------------
 
+namespace {
+
+// What the shell draws for the pure Hub (core/ takes randomness as input): the key of the grants'
+// secrets, and where its transfer and copy ids start, so that a successor server after a failover
+// never hands out ids its predecessor used (a late instruction of the old server would pass for a
+// new one) and ids reveal nothing about how many there were.
+ServiceConfig with_server_secrets(ServiceConfig config) {
+  config.hub.grant_secret_key = {new_secret(), new_secret()};
+  config.hub.id_base = (new_secret() % (kIdBaseMax >> 32)) << 32;  // 2^32 ids before the next base
+  return config;
+}
+
+}  // namespace
+
 HubService::HubService(ServiceConfig config, kj::Timer& timer, LogLevel log_level)
-    : config_(std::move(config)), timer_(timer), log_level_(log_level), hub_(config_.hub),
+    : config_(with_server_secrets(std::move(config))), timer_(timer), log_level_(log_level), hub_(config_.hub),
       turn_gate_(timer, config_.wakeups_per_poll), tasks_(*this) {
   TH_REQUIRE(validate(config_).ok(), "invalid service config");
 }

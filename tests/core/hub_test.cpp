@@ -235,6 +235,51 @@ TEST(HubReplicate, BlocksUntilTheVersionExistsThenCopiesIt) {
   EXPECT_EQ(std::get<ReplicateOk>(*outcome).source_replica, "t");
 }
 
+// Data-plane grants are capabilities: the source and the reader of a transfer get the same secret,
+// every transfer (and epoch) another one, and they depend on the server's key.
+TEST(HubReplicate, EachGrantCarriesASecretOnlyItsSourceAndReaderShare) {
+  auto secrets = [](std::array<std::uint64_t, 2> server_key) {
+    HubSettings settings;
+    settings.grant_secret_key = server_key;
+    Driver driver(settings);
+    const auto t = driver.open_replica(trainer("t"));
+    driver.publish(t, 4);
+    std::vector<ClientId> readers;
+    for (const char* name : {"r1", "r2"}) {
+      const auto r = driver.open_replica(rollout(name));
+      start_replicate(driver, r, Selector::latest());
+      readers.insert(readers.end(), r.begin(), r.end());
+    }
+    std::map<std::pair<TransferId, std::uint32_t>, GrantSecret> granted;
+    std::vector<ClientId> everyone = readers;  // (a reader may source another: pipeline replication)
+    everyone.insert(everyone.end(), t.begin(), t.end());
+    for (ClientId source : everyone) {
+      for (const auto& [transfer_shard, grant] : driver.inbox(source).grants) {
+        granted[{grant.transfer, grant.epoch}] = grant.secret;
+      }
+    }
+    for (ClientId reader : readers) {
+      const auto read = read_of(driver, reader);
+      EXPECT_TRUE(read.has_value());
+      if (!read) continue;
+      const auto grant = granted.find({read->transfer, read->epoch});
+      EXPECT_TRUE(grant != granted.end()) << "a read without its source's grant";
+      if (grant != granted.end()) {
+        EXPECT_EQ(read->secret, grant->second) << "reader and source disagree";
+      }
+    }
+    return granted;
+  };
+  const auto granted = secrets({0x0123456789abcdefULL, 0xfedcba9876543210ULL});
+  ASSERT_EQ(granted.size(), 2u) << "two transfers, one epoch each";
+  EXPECT_NE(granted.begin()->second, std::next(granted.begin())->second);
+  for (const auto& [transfer_epoch, secret] : granted) EXPECT_NE(secret, (GrantSecret{0, 0}));
+  const auto rekeyed = secrets({0x0123456789abcdefULL, 0xfedcba9876543211ULL});
+  ASSERT_EQ(rekeyed.size(), granted.size());
+  EXPECT_EQ(rekeyed.begin()->first, granted.begin()->first) << "the same transfers";
+  EXPECT_NE(rekeyed.begin()->second, granted.begin()->second) << "another server key, another secret";
+}
+
 TEST(HubReplicate, SelectorsResolveAgainstLatest) {
   Driver driver;
   const auto t = driver.open_replica(trainer("t"));

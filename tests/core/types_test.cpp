@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "core/siphash.h"
 #include "core/types.h"
 
 namespace th {
@@ -81,3 +82,21 @@ TEST(Result, HoldsAValueOrAnError) {
 
 }  // namespace
 }  // namespace th
+
+// The reference implementation's first vectors (key 00 01 .. 0f, message 00 01 .. of growing
+// length), as the two little-endian words of its 16 output bytes.
+TEST(SipHash128, MatchesTheReferenceVectors) {
+  const th::SipKey key{0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL};
+  const std::uint8_t message[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto words = [](std::array<std::uint8_t, 16> bytes) {
+    std::array<std::uint64_t, 2> out{};
+    for (int i = 0; i < 16; ++i) out[i / 8] |= static_cast<std::uint64_t>(bytes[i]) << (8 * (i % 8));
+    return out;
+  };
+  EXPECT_EQ(th::siphash128(key, {message, 0}),
+            words({0xa3, 0x81, 0x7f, 0x04, 0xba, 0x25, 0xa8, 0xe6, 0x6d, 0xf6, 0x72, 0x14, 0xc7, 0x55, 0x02, 0x93}));
+  EXPECT_EQ(th::siphash128(key, {message, 1}),
+            words({0xda, 0x87, 0xc1, 0xd8, 0x6b, 0x99, 0xaf, 0x44, 0x34, 0x76, 0x59, 0x11, 0x9b, 0x22, 0xfc, 0x45}));
+  EXPECT_EQ(th::siphash128(key, {message, 2}),
+            words({0x81, 0x77, 0x22, 0x8d, 0xa4, 0xa4, 0x5d, 0xc7, 0xfc, 0xa3, 0x8b, 0xde, 0xf6, 0x0a, 0xff, 0xe4}));
+}

@@ -654,7 +654,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
       return;  // the reader is refused and reports it; the server picks another source
     }
     offload_grants_[key] = found->second;
-    data_server_->grant(key, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
+    data_server_->grant(key, grant.secret, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
     return;
   }
   if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
@@ -662,7 +662,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
     return;
   }
   const Plan& current = plan();  // first: it may rebuild packed_
-  data_server_->grant(key, regions_of(current, packed_.data()), buffers_progress_);
+  data_server_->grant(key, grant.secret, regions_of(current, packed_.data()), buffers_progress_);
 }
 
 void Handle::Impl::start_read(const StartRead& read) {
@@ -776,7 +776,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   net::PullOutcome outcome = [&] {
     try {
       return net::pull(net::parse_endpoint(job.read.source.endpoint), {job.read.transfer, job.read.epoch},
-                       targets, pull_options);
+                       job.read.secret, targets, pull_options);
     } catch (const net::SocketError& bad_endpoint) {
       return net::PullOutcome{0, net::ReadError::kUnreachable, bad_endpoint.what()};
     }

@@ -21,7 +21,7 @@ namespace {
 
 static_assert(std::endian::native == std::endian::little, "the data plane's frames are little-endian");
 
-constexpr std::uint32_t kMagic = 0x31504454;  // "TDP1"
+constexpr std::uint32_t kMagic = 0x32504454;  // "TDP2": requests carry the grant's secret
 
 }  // namespace
 
@@ -34,12 +34,21 @@ struct ReadRequestFrame {
   std::uint32_t wait_for_bytes = 0;  // 1: if nothing is ready yet, wait (bounded) for progress
   std::uint64_t offset = 0;
   std::uint64_t length = 0;
+  GrantSecret secret{};  // the grant's capability, as the hub told it to the reader
 };
-static_assert(sizeof(ReadRequestFrame) == 40);
+static_assert(sizeof(ReadRequestFrame) == 56);
 
 namespace {
 
 enum class Status : std::uint32_t { kOk = 0, kNoGrant = 1, kOutOfBounds = 2 };
+
+// In a time that does not depend on where the secrets differ (a timing oracle would let a guesser
+// find a secret word by word).
+bool same_secret(const GrantSecret& a, const GrantSecret& b) {
+  std::uint64_t differ = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) differ |= a[i] ^ b[i];
+  return differ == 0;
+}
 
 struct ReadResponseFrame {
   std::uint32_t status = 0;
@@ -134,6 +143,7 @@ class DataServer::Log {
 };
 
 struct DataServer::Grant {
+  GrantSecret secret{};
   std::vector<ExposedRegion> regions;
   std::vector<std::uint64_t> starts;  // where each region begins in layout order
   std::shared_ptr<Progress> progress;
@@ -191,9 +201,11 @@ DataServer::~DataServer() {
 
 void DataServer::log(const std::string& line) { log_->line(line); }
 
-void DataServer::grant(GrantKey key, std::vector<ExposedRegion> regions, std::shared_ptr<Progress> progress) {
+void DataServer::grant(GrantKey key, const GrantSecret& secret, std::vector<ExposedRegion> regions,
+                       std::shared_ptr<Progress> progress) {
   TH_REQUIRE(progress != nullptr, "a grant needs a progress counter");
   auto entry = std::make_shared<Grant>();
+  entry->secret = secret;
   std::uint64_t start = 0;
   for (const ExposedRegion& region : regions) {
     TH_REQUIRE(region.base != nullptr || region.bytes == 0, "an exposed region has memory");
@@ -388,7 +400,8 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
       const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
       grant_wait_left_ms = arrived ? std::max(0, grant_wait_left_ms - static_cast<int>(waited.count())) : 0;
     }
-    if (found == grants_.end()) {
+    if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
+      // A wrong secret is answered as no grant: the answer tells a guesser nothing.
       status = Status::kNoGrant;
     } else if (request.region >= found->second->regions.size() ||
                request.length > config_.response_bytes_max ||
@@ -483,11 +496,12 @@ namespace {
 // Whether the source refuses reads under `key` now. A source cuts off the reads in flight when it
 // revokes their grant (revoke() does not wait for readers): such a read was refused, as any read
 // the source will not serve, and must not make the source look unreachable. One empty read tells.
-bool source_refuses(const Endpoint& source, GrantKey key, std::uint32_t region, const PullOptions& options) {
+bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::uint32_t region,
+                    const PullOptions& options) {
   try {
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
     set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
-    const ReadRequestFrame request{kMagic, key.epoch, key.transfer, region, 0, 0, 0};
+    const ReadRequestFrame request{kMagic, key.epoch, key.transfer, region, 0, 0, 0, secret};
     send_all(connection, &request, sizeof request);
     ReadResponseFrame response;
     recv_all(connection, &response, sizeof response);
@@ -498,8 +512,9 @@ bool source_refuses(const Endpoint& source, GrantKey key, std::uint32_t region, 
 }
 
 // One connection: targets[i] is the source's region first_region + i.
-PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
-                        std::uint32_t first_region, const PullOptions& options) {
+PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret& secret,
+                        std::span<const LocalRegion> targets, std::uint32_t first_region,
+                        const PullOptions& options) {
   PullOutcome outcome;
   auto fail = [&](ReadError error, std::string detail) {
     outcome.error = error;
@@ -546,7 +561,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
       while (in_flight.size() < depth && region < targets.size()) {
         const std::uint64_t length = std::min(options.chunk_bytes, targets[region].bytes - offset);
         ReadRequestFrame request{kMagic, key.epoch, key.transfer, first_region + region,
-                                 wait_for_bytes ? 1u : 0u, offset, length};
+                                 wait_for_bytes ? 1u : 0u, offset, length, secret};
         send_all(connection, &request, sizeof request);
         in_flight.push_back(Ask{region, offset, length, region_start + offset + length});
         offset += length;
@@ -621,7 +636,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
     return fail(ReadError::kUnreachable, error.what());
   } catch (const SocketError& error) {
     // The source closed the connection: it stopped, dropped us, or revoked the grant mid-read.
-    if (connected && source_refuses(source, key, first_region, options)) {
+    if (connected && source_refuses(source, key, secret, first_region, options)) {
       return fail(ReadError::kRefused, std::string("the source holds no grant for it (revoked during the read: ") +
                                            error.what() + ")");
     }
@@ -631,13 +646,13 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, std::span<const Lo
 
 }  // namespace
 
-PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
+PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
                  const PullOptions& options) {
   TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
              options.streams <= kPullStreamsMax);
   // A partial source is read in order on one connection: its ready prefix grows in order.
   if (options.streams == 1 || options.partial || targets.size() < 2) {
-    return pull_stream(source, key, targets, 0, options);
+    return pull_stream(source, key, secret, targets, 0, options);
   }
   // Several connections, each taking the next region nobody has claimed yet. The ready prefix
   // (for our own pipeline readers) is the run of finished regions from the first one.
@@ -653,7 +668,7 @@ PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegi
   one.cancelled = [&] { return failed.load() || (options.cancelled && options.cancelled()); };
   auto stream = [&] {
     for (std::size_t region = next_region++; region < targets.size() && !failed.load(); region = next_region++) {
-      PullOutcome part = pull_stream(source, key, targets.subspan(region, 1), static_cast<std::uint32_t>(region), one);
+      PullOutcome part = pull_stream(source, key, secret, targets.subspan(region, 1), static_cast<std::uint32_t>(region), one);
       std::lock_guard lock(mutex);
       total.bytes += part.bytes;
       if (!part.ok()) {

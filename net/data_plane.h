@@ -134,7 +134,10 @@ class DataServer {
 
   // Exposes `regions` (in layout order) to reads under `key`. The regions must stay alive and
   // unchanged (up to progress) until revoke(key) returns. Granting a key twice is a bug.
-  void grant(GrantKey key, std::vector<ExposedRegion> regions, std::shared_ptr<Progress> progress);
+  // A read is served only if it presents `secret` (the hub tells it to this source and to the
+  // transfer's reader alone): knowing (transfer, epoch) is not enough to read a shard's memory.
+  void grant(GrantKey key, const GrantSecret& secret, std::vector<ExposedRegion> regions,
+             std::shared_ptr<Progress> progress);
   // Withdraws the grant. Reads that arrive later are refused; a read waiting for progress is
   // refused now, and a connection sending the grant's bytes is cut off (its read fails). It does not
   // wait for any reader: it returns as soon as the threads serving those reads have let go of the
@@ -223,7 +226,7 @@ struct PullOutcome {
 // Pulls every byte of the regions exposed under `key` at `source` into `targets` (same sizes, same
 // order). Data lands directly in the targets: no staging copy. I/O failures are outcomes, not
 // exceptions: a source that fails is an expected event the agent reports.
-PullOutcome pull(const Endpoint& source, GrantKey key, std::span<const LocalRegion> targets,
+PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
                  const PullOptions& options);
 
 }  // namespace th::net

@@ -215,7 +215,7 @@ TEST_F(EndToEnd, BadInputGetsClearErrorsAndDisturbsNobody) {
   const net::Endpoint data = net::parse_endpoint(opened.substr(std::string("open ok ").size()));
   std::vector<std::byte> stolen(1000);
   const net::LocalRegion target{stolen.data(), stolen.size()};
-  const net::PullOutcome theft = net::pull(data, {1, 1}, {&target, 1}, net::PullOptions{});
+  const net::PullOutcome theft = net::pull(data, {1, 1}, GrantSecret{}, {&target, 1}, net::PullOptions{});
   EXPECT_EQ(theft.error, net::ReadError::kRefused) << theft.detail;
 
   Process& rollout = worker({server}, "rollout", {}, {"replicate:latest", "verify"});

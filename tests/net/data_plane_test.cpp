@@ -22,6 +22,9 @@
 namespace th::net {
 namespace {
 
+// The grants' secret in these tests (the hub draws one per grant).
+constexpr GrantSecret kSecret{0x5ec2e7, 0xca9ab1e};
+
 // Bytes that name their position: a byte in the wrong place cannot pass for the right one.
 std::vector<std::byte> pattern(std::size_t bytes, std::uint64_t seed) {
   std::vector<std::byte> data(bytes);
@@ -85,7 +88,7 @@ void expect_bit_exact_pull(const DataServer& server, const Shard& shard, GrantKe
     last_progress = ready;
   };
   const auto targets = reader.targets();
-  const PullOutcome outcome = pull(server.endpoint(), key, targets, options);
+  const PullOutcome outcome = pull(server.endpoint(), key, kSecret, targets, options);
   ASSERT_TRUE(outcome.ok()) << outcome.detail;
   EXPECT_EQ(outcome.bytes, shard.total());
   EXPECT_EQ(last_progress, shard.total());
@@ -95,7 +98,7 @@ void expect_bit_exact_pull(const DataServer& server, const Shard& shard, GrantKe
 TEST(DataPlane, PullsACompleteSourceBitExact) {
   DataServer server(DataServerConfig{});
   const Shard shard = source_shard();
-  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({7, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   expect_bit_exact_pull(server, shard, {7, 1}, 1);
   EXPECT_EQ(server.stats().bytes_served, shard.total());
   server.revoke({7, 1});
@@ -105,26 +108,45 @@ TEST(DataPlane, PullsACompleteSourceBitExact) {
 TEST(DataPlane, RefusesReadsWithoutAGrant) {
   DataServer server(DataServerConfig{.grant_wait_ms_max = 50});
   const Shard shard = source_shard();
-  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({7, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   Reader reader(shard);
   const auto targets = reader.targets();
   // Another epoch of the same transfer is another grant: the hub moved the reader elsewhere.
-  PullOutcome outcome = pull(server.endpoint(), {7, 2}, targets, small_chunks());
+  PullOutcome outcome = pull(server.endpoint(), {7, 2}, kSecret, targets, small_chunks());
   ASSERT_FALSE(outcome.ok());
   EXPECT_EQ(outcome.error, ReadError::kRefused);
   EXPECT_NE(outcome.detail.find("no grant"), std::string::npos) << outcome.detail;
   // After revoke, the grant is gone for everyone.
   server.revoke({7, 1});
-  outcome = pull(server.endpoint(), {7, 1}, targets, small_chunks());
+  outcome = pull(server.endpoint(), {7, 1}, kSecret, targets, small_chunks());
   EXPECT_EQ(outcome.error, ReadError::kRefused);
   EXPECT_GE(server.stats().reads_refused, 2u);
+}
+
+// A grant is a capability: knowing (transfer, epoch), which an attacker may guess or see, is not
+// enough. A read with another secret is refused, and refused at once (no wait for the grant).
+TEST(DataPlane, RefusesReadsThatPresentAnotherSecret) {
+  DataServer server(DataServerConfig{.grant_wait_ms_max = 60'000});
+  const Shard shard = source_shard();
+  server.grant({7, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  Reader reader(shard);
+  const auto targets = reader.targets();
+  for (const GrantSecret& forged : {GrantSecret{0, 0}, GrantSecret{kSecret[0], kSecret[1] ^ 1},
+                                     GrantSecret{kSecret[0] ^ (1ull << 63), kSecret[1]}}) {
+    const PullOutcome outcome = pull(server.endpoint(), {7, 1}, forged, targets, small_chunks());
+    EXPECT_EQ(outcome.error, ReadError::kRefused) << outcome.detail;
+    EXPECT_EQ(outcome.bytes, 0u);
+  }
+  EXPECT_EQ(server.stats().bytes_served, 0u);
+  expect_bit_exact_pull(server, shard, {7, 1}, 1);  // the rightful reader is served
+  server.revoke({7, 1});
 }
 
 TEST(DataPlane, PullsOverSeveralStreamsBitExact) {
   DataServer server(DataServerConfig{});
   Shard shard = source_shard();
   for (int i = 0; i < 5; ++i) shard.tensors.push_back(pattern((1 << 20) + 17 * i, 10 + i));
-  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({7, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   expect_bit_exact_pull(server, shard, {7, 1}, 3);
   // A refusal on one stream fails the whole pull, typed.
   PullOptions options = small_chunks();
@@ -133,20 +155,20 @@ TEST(DataPlane, PullsOverSeveralStreamsBitExact) {
   bigger.tensors[4].resize(bigger.tensors[4].size() + 1);
   Reader wrong(bigger);
   const auto wrong_targets = wrong.targets();
-  EXPECT_EQ(pull(server.endpoint(), {7, 1}, wrong_targets, options).error, ReadError::kRefused);
+  EXPECT_EQ(pull(server.endpoint(), {7, 1}, kSecret, wrong_targets, options).error, ReadError::kRefused);
   server.revoke({7, 1});
 }
 
 TEST(DataPlane, RefusesReadsOutsideTheExposedRegions) {
   DataServer server(DataServerConfig{});
   const Shard shard = source_shard();
-  server.grant({7, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({7, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   // A reader that believes the last tensor is bigger than the source exposed.
   Shard bigger = shard;
   bigger.tensors.back().resize(bigger.tensors.back().size() + 1);
   Reader reader(bigger);
   const auto targets = reader.targets();
-  PullOutcome outcome = pull(server.endpoint(), {7, 1}, targets, small_chunks());
+  PullOutcome outcome = pull(server.endpoint(), {7, 1}, kSecret, targets, small_chunks());
   EXPECT_EQ(outcome.error, ReadError::kRefused);
   EXPECT_NE(outcome.detail.find("outside"), std::string::npos) << outcome.detail;
   // And one more region than exposed.
@@ -154,7 +176,7 @@ TEST(DataPlane, RefusesReadsOutsideTheExposedRegions) {
   more.tensors.push_back(pattern(10, 9));
   Reader reader_more(more);
   const auto more_targets = reader_more.targets();
-  outcome = pull(server.endpoint(), {7, 1}, more_targets, small_chunks());
+  outcome = pull(server.endpoint(), {7, 1}, kSecret, more_targets, small_chunks());
   EXPECT_EQ(outcome.error, ReadError::kRefused);
   server.revoke({7, 1});
 }
@@ -168,7 +190,7 @@ TEST(DataPlane, UnreachableSourceIsATypedFailure) {
   const Shard shard = source_shard();
   Reader reader(shard);
   const auto targets = reader.targets();
-  const PullOutcome outcome = pull(nowhere, {1, 1}, targets, small_chunks());
+  const PullOutcome outcome = pull(nowhere, {1, 1}, kSecret, targets, small_chunks());
   EXPECT_EQ(outcome.error, ReadError::kUnreachable);
 }
 
@@ -182,7 +204,7 @@ TEST(DataPlane, ReadsAPartialSourceAsItGrows) {
     receiving.tensors[i].assign(original.tensors[i].size(), std::byte{0});
   }
   auto progress = std::make_shared<Progress>(0);
-  server.grant({9, 1}, receiving.exposed(), progress);
+  server.grant({9, 1}, kSecret, receiving.exposed(), progress);
 
   // The "upstream" fills the receiving copy in layout order, 300 KB at a time.
   std::thread upstream([&] {
@@ -206,7 +228,7 @@ TEST(DataPlane, ReadsAPartialSourceAsItGrows) {
   PullOptions options = small_chunks();
   options.partial = true;
   const auto targets = reader.targets();
-  const PullOutcome outcome = pull(server.endpoint(), {9, 1}, targets, options);
+  const PullOutcome outcome = pull(server.endpoint(), {9, 1}, kSecret, targets, options);
   upstream.join();
   ASSERT_TRUE(outcome.ok()) << outcome.detail;
   EXPECT_EQ(reader.buffers, original.tensors);
@@ -216,13 +238,13 @@ TEST(DataPlane, ReadsAPartialSourceAsItGrows) {
 TEST(DataPlane, APartialSourceThatStopsGrowingStalls) {
   DataServer server(DataServerConfig{.progress_wait_ms_max = 20});
   const Shard shard = source_shard();
-  server.grant({9, 1}, shard.exposed(), std::make_shared<Progress>(1000));  // stuck at 1000 bytes
+  server.grant({9, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(1000));  // stuck at 1000 bytes
   Reader reader(shard);
   PullOptions options = small_chunks();
   options.partial = true;
   options.stall_ms_max = 100;
   const auto targets = reader.targets();
-  const PullOutcome outcome = pull(server.endpoint(), {9, 1}, targets, options);
+  const PullOutcome outcome = pull(server.endpoint(), {9, 1}, kSecret, targets, options);
   EXPECT_EQ(outcome.error, ReadError::kStalled);
   EXPECT_EQ(outcome.bytes, 1000u);
   server.revoke({9, 1});
@@ -231,12 +253,12 @@ TEST(DataPlane, APartialSourceThatStopsGrowingStalls) {
 TEST(DataPlane, ACancelledPullStops) {
   DataServer server(DataServerConfig{});
   const Shard shard = source_shard();
-  server.grant({3, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({3, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   Reader reader(shard);
   PullOptions options = small_chunks();
   options.cancelled = [] { return true; };
   const auto targets = reader.targets();
-  EXPECT_EQ(pull(server.endpoint(), {3, 1}, targets, options).error, ReadError::kCancelled);
+  EXPECT_EQ(pull(server.endpoint(), {3, 1}, kSecret, targets, options).error, ReadError::kCancelled);
   server.revoke({3, 1});
 }
 
@@ -247,7 +269,7 @@ TEST(DataPlane, NoReadSeesBytesWrittenAfterRevoke) {
   DataServer server(DataServerConfig{});
   Shard shard = source_shard();
   const Shard original = shard;
-  server.grant({5, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({5, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   std::atomic<int> completed{0};
   std::atomic<int> refused{0};
   std::vector<std::thread> readers;
@@ -258,7 +280,7 @@ TEST(DataPlane, NoReadSeesBytesWrittenAfterRevoke) {
         PullOptions options = small_chunks();
         options.chunk_bytes = 64 << 10;  // many requests: revoke lands between or during them
         const auto targets = reader.targets();
-        const PullOutcome outcome = pull(server.endpoint(), {5, 1}, targets, options);
+        const PullOutcome outcome = pull(server.endpoint(), {5, 1}, kSecret, targets, options);
         if (!outcome.ok()) {
           EXPECT_EQ(outcome.error, ReadError::kRefused) << outcome.detail;
           ++refused;
@@ -283,9 +305,9 @@ TEST(DataPlane, AReadThatArrivesBeforeItsGrantWaitsForIt) {
   Reader reader(shard);
   const auto targets = reader.targets();
   PullOutcome outcome;
-  std::thread early([&] { outcome = pull(server.endpoint(), {8, 1}, targets, small_chunks()); });
+  std::thread early([&] { outcome = pull(server.endpoint(), {8, 1}, kSecret, targets, small_chunks()); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // ordering help, not an assertion
-  server.grant({8, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({8, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   early.join();
   ASSERT_TRUE(outcome.ok()) << outcome.detail;
   EXPECT_EQ(reader.buffers, shard.tensors);
@@ -323,7 +345,7 @@ std::size_t mappings_now() {
 }
 
 // A reader that speaks raw frames (the layout the data plane's wire uses: see data_plane.cpp).
-constexpr std::uint32_t kRawMagic = 0x31504454;  // "TDP1"
+constexpr std::uint32_t kRawMagic = 0x32504454;  // "TDP2"
 struct RawRequest {
   std::uint32_t magic = kRawMagic;
   std::uint32_t epoch = 0;
@@ -332,6 +354,7 @@ struct RawRequest {
   std::uint32_t wait_for_bytes = 0;
   std::uint64_t offset = 0;
   std::uint64_t length = 0;
+  GrantSecret secret = kSecret;
 };
 struct RawResponse {
   std::uint32_t status = 0;
@@ -383,7 +406,7 @@ TEST(DataPlane, EveryConnectionThreadIsJoinedWhenItEnds) {
   constexpr std::size_t kLogLinesMax = 1;  // the interval below is longer than the test
   DataServer server(DataServerConfig{.log_interval_ms = 3'600'000});
   const Shard shard{{pattern(4096, 1)}};
-  server.grant({2, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({2, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   const std::size_t threads_at_start = threads_now();
   const std::size_t mappings_at_start = mappings_now();
 
@@ -394,7 +417,7 @@ TEST(DataPlane, EveryConnectionThreadIsJoinedWhenItEnds) {
       case 0: {  // a reader
         Reader reader(shard);
         const auto targets = reader.targets();
-        pulls_ok += pull(server.endpoint(), {2, 1}, targets, small_chunks()).ok() ? 1 : 0;
+        pulls_ok += pull(server.endpoint(), {2, 1}, kSecret, targets, small_chunks()).ok() ? 1 : 0;
         break;
       }
       case 1: {  // garbage
@@ -429,7 +452,7 @@ TEST(DataPlane, RevokeDoesNotWaitForAReaderThatStopsReading) {
   constexpr std::uint64_t kAsked = 64ull << 20;  // far more than the socket buffers hold
   std::vector<std::byte> memory = pattern(kAsked, 21);
   const std::vector<std::byte> original = memory;
-  server.grant({4, 1}, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
+  server.grant({4, 1}, kSecret, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
   Fd reader = raw_connection(server);
   set_buffer_bytes(reader, 64 << 10);
   send_request(reader, {4, 1}, 0, kAsked);
@@ -462,7 +485,7 @@ TEST(DataPlane, AReaderSlowerThanTheResponseDeadlineIsCutOff) {
   constexpr std::uint64_t kAsked = 8ull << 20;   // due in 1 s + 125 ms
   constexpr std::size_t kSipBytes = 4 << 10;     // every 5 ms: 8 MiB would take 10 s
   const std::vector<std::byte> memory = pattern(kAsked, 22);
-  server.grant({4, 2}, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
+  server.grant({4, 2}, kSecret, {{memory.data(), memory.size()}}, std::make_shared<Progress>(kAsked));
   Fd reader = raw_connection(server);
   set_buffer_bytes(reader, 64 << 10);
   send_request(reader, {4, 2}, 0, kAsked);
@@ -488,7 +511,7 @@ TEST(DataPlane, SilentConnectionsDoNotStarveReaders) {
   constexpr std::uint32_t kSlots = 8;
   DataServer server(DataServerConfig{.connections_max = kSlots, .first_request_timeout_ms = 600'000});
   const Shard shard = source_shard();
-  server.grant({6, 1}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({6, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   std::vector<Fd> silent;
   for (std::uint32_t i = 0; i < kSlots; ++i) {
     silent.push_back(raw_connection(server));
@@ -506,7 +529,7 @@ TEST(DataPlane, SilentConnectionsDoNotStarveReaders) {
 TEST(DataPlane, SilentAndIdleConnectionsAreClosed) {
   DataServer server(DataServerConfig{.first_request_timeout_ms = 50, .idle_timeout_ms = 50});
   const Shard shard{{pattern(1000, 5)}};
-  server.grant({6, 2}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({6, 2}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   Fd silent = raw_connection(server);
   Fd half = raw_connection(server);
   const RawRequest request{kRawMagic, 2, 6, 0, 0, 0, 1000};
@@ -541,7 +564,7 @@ TEST(DataPlane, WaitingForAnUnknownGrantIsBounded) {
   Fd one_more = raw_connection(server);
   EXPECT_TRUE(closed_by_server(one_more)) << "every slot waits for its grant: none is idle";
   EXPECT_LE(threads_now(), threads_at_start + kSlots);
-  server.grant({6, 3}, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  server.grant({6, 3}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
   for (const Fd& connection : early) {
     RawResponse response;
     recv_all(connection, &response, sizeof response);

@@ -96,6 +96,9 @@ Status validate(const ClientOptions& options) {
   if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {
     return make_error(Errc::kInvalidArgument, "data_streams must be in 1.." + std::to_string(net::kPullStreamsMax));
   }
+  if (options.data_timeout_ms < 0 || options.data_timeout_ms > 600'000) {
+    return make_error(Errc::kInvalidArgument, "data_timeout_ms must be in 0..600000 (0: from the server's heartbeat timeout)");
+  }
   // A chunk is one response of the peer's data server.
   const std::uint64_t chunk_bytes_max = net::DataServerConfig{}.response_bytes_max;
   if (options.chunk_bytes == 0 || options.chunk_bytes > chunk_bytes_max) {
@@ -252,6 +255,15 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 
   ClientOptions options_;
   ClientId client_id_;
+  // The server's heartbeat timeout, told at connect (0: not yet): bounds the waits on peers.
+  std::atomic<TimeMs> server_heartbeat_timeout_ms_{0};
+  static constexpr TimeMs kDataTimeoutUnknownMs = 20'000;
+  TimeMs data_timeout_ms() const {
+    if (options_.data_timeout_ms > 0) return options_.data_timeout_ms;
+    const TimeMs told = server_heartbeat_timeout_ms_.load();
+    return told > 0 ? std::min<TimeMs>(2 * told, kDataTimeoutMaxMs) : kDataTimeoutUnknownMs;
+  }
+  static constexpr TimeMs kDataTimeoutMaxMs = 600'000;
   // Proves to a server that a connection of ours speaks for client_id_ (kept for the handle's life,
   // so that a reconnect before the server saw the old connection close is recognised).
   static constexpr std::size_t kClientSecretBytes = 16;
@@ -555,6 +567,9 @@ void Handle::Impl::connect(std::uint32_t server) {
               Link* connected_link = find_link();
               if (connected_link == nullptr) return;
               reconnect_.erase(server);
+              if (response.getHeartbeatTimeoutMs() > 0) {
+                server_heartbeat_timeout_ms_.store(response.getHeartbeatTimeoutMs());
+              }
               const auto channel = response.getHeartbeats();
               if (channel.getPort() == 0 || channel.getSecret() == 0) return;
               try {
@@ -766,6 +781,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   pull_options.partial = job.read.source.partial;
   pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
   pull_options.streams = options_.data_streams;
+  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;

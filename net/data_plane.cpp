@@ -1,5 +1,6 @@
 #include "net/data_plane.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -511,6 +512,39 @@ bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& sec
   }
 }
 
+// Thrown by receive() when the pull is cancelled while it waits for bytes.
+struct PullCancelled {};
+
+// How often a reader waiting for bytes looks at its cancel flag: the hub moves a reader off a hung
+// source by telling it another one, and the reader must let go of the hung one at once (it used to
+// wait out the whole I/O timeout first, and the next version queued behind it).
+constexpr int kCancelPollMs = 50;
+
+// Receives exactly `bytes`. Throws PullCancelled when the pull is cancelled meanwhile, SocketTimeout
+// when nothing arrives for io_timeout_ms, SocketError when the source closes the connection.
+void receive(const Fd& socket, void* data, std::size_t bytes, const PullOptions& options) {
+  auto* at = static_cast<char*>(data);
+  auto quiet_since = std::chrono::steady_clock::now();
+  while (bytes > 0) {
+    const ssize_t got = ::recv(socket.get(), at, bytes, MSG_DONTWAIT);
+    if (got > 0) {
+      at += got;
+      bytes -= static_cast<std::size_t>(got);
+      quiet_since = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (got == 0) throw SocketError("peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) throw SocketError(std::string("recv: ") + std::strerror(errno));
+    if (options.cancelled && options.cancelled()) throw PullCancelled{};
+    if (std::chrono::steady_clock::now() - quiet_since > std::chrono::milliseconds(options.io_timeout_ms)) {
+      throw SocketTimeout("no bytes from the source for " + std::to_string(options.io_timeout_ms) + " ms");
+    }
+    pollfd readable{socket.get(), POLLIN, 0};
+    ::poll(&readable, 1, kCancelPollMs);
+  }
+}
+
 // One connection: targets[i] is the source's region first_region + i.
 PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret& secret,
                         std::span<const LocalRegion> targets, std::uint32_t first_region,
@@ -573,7 +607,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       const Ask ask = in_flight.front();
       in_flight.pop_front();
       ReadResponseFrame response;
-      recv_all(connection, &response, sizeof response);
+      receive(connection, &response, sizeof response, options);
       if (response.status != static_cast<std::uint32_t>(Status::kOk)) {
         return fail(ReadError::kRefused, response.status == static_cast<std::uint32_t>(Status::kNoGrant)
                                              ? "the source holds no grant for it"
@@ -585,7 +619,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       // chain trail its source by 67 ms at 1 Gbit/s.)
       for (std::uint64_t received = 0; received < response.length;) {
         const std::uint64_t step = std::min(options.progress_step_bytes, response.length - received);
-        recv_all(connection, targets[ask.region].base + ask.offset + received, step);
+        receive(connection, targets[ask.region].base + ask.offset + received, step, options);
         received += step;
         if (received < response.length && options.on_progress) {
           options.on_progress(ask.global_end - ask.length + received);
@@ -616,12 +650,12 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       while (!in_flight.empty()) {
         const Ask later = in_flight.front();
         in_flight.pop_front();
-        recv_all(connection, &response, sizeof response);
+        receive(connection, &response, sizeof response, options);
         if (response.status != static_cast<std::uint32_t>(Status::kOk)) {
           return fail(ReadError::kRefused, "the source refused a read it had granted");
         }
         if (response.length > later.length) return fail(ReadError::kUnreachable, "the source sent too much");
-        recv_all(connection, targets[later.region].base + later.offset, response.length);
+        receive(connection, targets[later.region].base + later.offset, response.length, options);
       }
       depth = 1;
       wait_for_bytes = true;
@@ -632,6 +666,8 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
     }
     TH_ASSERT(outcome.bytes >= ready);
     return outcome;
+  } catch (const PullCancelled&) {
+    return fail(ReadError::kCancelled, "cancelled");
   } catch (const SocketTimeout& error) {
     return fail(ReadError::kUnreachable, error.what());
   } catch (const SocketError& error) {

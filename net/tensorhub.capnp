@@ -271,8 +271,11 @@ interface Hub {
   # lifetime) proves a reconnecting handle is the one that holds the id: a connect naming a client
   # bound to another live connection takes it over only with the same secret. client 0: a connection
   # that sends no messages (inspect-only tools).
+  #
+  # heartbeatTimeoutMs: how long the server waits for a client's heartbeat before it evicts it
+  # (the client bounds its own waits on peers by it).
   connect @0 (token :Text, sink :Sink, clientName :Text, client :UInt64, clientSecret :Data)
-      -> (session :Session, heartbeats :HeartbeatChannel);
+      -> (session :Session, heartbeats :HeartbeatChannel, heartbeatTimeoutMs :Int64);
 
   # Every model's listing and the server's counters (th-ctl). Same token as connect.
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);

@@ -203,6 +203,7 @@ class HubService::HubImpl final : public wire::Hub::Server {
     service_.log(LogLevel::kDebug, connection.describe() + " authenticated");
     auto results = context.getResults();
     results.setSession(kj::heap<SessionImpl>(service_, connection_));
+    results.setHeartbeatTimeoutMs(service_.config_.hub.heartbeat_timeout_ms);
     if (service_.heartbeat_receiver_ != nullptr) {
       connection.heartbeat_secret = new_secret();
       auto channel = results.initHeartbeats();

@@ -306,5 +306,53 @@ TEST_F(Security, AnAuthenticatedConnectionThatGoesSilentIsClosed) {
   EXPECT_NE(quiet.heartbeat(11), "") << "a connection silent for 6 s (idle timeout 2 s) is still open";
 }
 
+// Items 3 and 11: a reader that hangs mid-read (SIGSTOP) held its source's revoke(), which runs on
+// the source's I/O thread, the one that sends heartbeats: the healthy trainer was evicted 3 s after
+// the reader, and its list() and unpublish() took a minute.
+TEST_F(Security, AHungReaderDoesNotGetItsSourceEvicted) {
+  const std::string server = start_server({"--heartbeat-timeout-ms", "3000"});
+  const std::vector<std::string> model = {"--tensor-bytes", "10000000", "--tensors", "4"};
+  Process& trainer = worker({server}, "trainer", model, {"publish:1", "wait-line", "list", "unpublish", "list"});
+  expect(trainer, "publish ok 1");
+  std::vector<std::string> slow = model;
+  slow.insert(slow.end(), {"--read-rate", "4000000", "--report-source"});  // 10 s for 40 MB
+  Process& reader = worker({server}, "reader", slow, {"replicate:latest"});
+  expect(reader, "source trainer");
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  ASSERT_EQ(::kill(reader.pid(), SIGSTOP), 0);
+  // The reader is evicted ~3 s later and the trainer told to stop serving it: the revoke must not
+  // wait for the stopped reader.
+  std::this_thread::sleep_for(std::chrono::milliseconds(7000));
+  trainer.send_line("go");
+  EXPECT_EQ(expect(trainer, "list ").substr(0, 13), "list latest=1");
+  EXPECT_EQ(expect(trainer, "unpublish "), "unpublish ok");
+  EXPECT_EQ(expect(trainer, "list ").substr(0, 13), "list latest=1") << "the trainer was evicted";
+  ::kill(reader.pid(), SIGCONT);
+}
+
+// Item 12: a source that hangs (SIGSTOP) held its reader for the whole I/O timeout (~30 s) after
+// the server had evicted it and named another source.
+TEST_F(Security, AReaderLetsGoOfAHungSourceAsSoonAsTheServerReplacesIt) {
+  const std::string server = start_server({"--heartbeat-timeout-ms", "3000"});
+  const std::vector<std::string> model = {"--tensor-bytes", "10000000", "--tensors", "4"};
+  Process& trainer = worker({server}, "trainer", model, {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& holder = worker({server}, "holder", model, {"replicate:latest", "wait-line"});
+  expect(holder, "replicate ok 1");
+  std::vector<std::string> slow = model;
+  slow.insert(slow.end(), {"--read-rate", "8000000", "--report-source"});  // 5 s for 40 MB
+  Process& reader = worker({server}, "reader", slow, {"replicate:latest", "verify"});
+  const std::string source = expect(reader, "source ");
+  Process& hung = source == "source trainer" ? trainer : holder;
+  const std::string other = source == "source trainer" ? "holder" : "trainer";
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(::kill(hung.pid(), SIGSTOP), 0);
+  // Evicted after 3 s, the reader moved to the other holder and reads the 40 MB again (5 s): well
+  // within the step bound, where waiting out a 30 s I/O timeout is not.
+  EXPECT_EQ(expect(reader, "replicate "), "replicate ok 1 from " + other);
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+  ::kill(hung.pid(), SIGCONT);
+}
+
 }  // namespace
 }  // namespace th::e2e

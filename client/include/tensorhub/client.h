@@ -59,6 +59,10 @@ struct ClientOptions {
   std::uint64_t chunk_bytes = 8ull << 20;  // data-plane request size
   std::uint64_t read_rate_bytes_per_s = 0;  // cap on this shard's receive rate (0: none)
   std::uint32_t data_streams = 1;  // connections per read of a complete source (1..16)
+  // A source that sends nothing for this long has failed: the read is reported and the server
+  // picks another source. 0: twice the server's heartbeat timeout (it evicts a silent peer by then
+  // and moves this reader elsewhere, which stops the read at once), or 20 s before it is known.
+  TimeMs data_timeout_ms = 0;
 };
 
 struct ReplicateInfo {

@@ -50,6 +50,10 @@ constexpr TimeMs kTickMs = 50;                  // how often the agent hears the
 constexpr TimeMs kReconnectBackoffInitialMs = 100;
 constexpr TimeMs kReconnectBackoffMaxMs = 2000;
 constexpr TimeMs kCloseOnDestroyMs = 5000;  // ~Handle waits this long for close() to be answered
+// Waits on peers (data_timeout_ms, server_timeout_ms): at most this long, and this long before the
+// server told its heartbeat timeout.
+constexpr TimeMs kDataTimeoutMaxMs = 600'000;
+constexpr TimeMs kDataTimeoutUnknownMs = 20'000;
 
 // Retransmission over TCP is a safety net, not a mechanism: nothing is lost while the connection
 // lives, and a lost connection resends everything on the next one. A short first retry multiplied
@@ -96,8 +100,11 @@ Status validate(const ClientOptions& options) {
   if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {
     return make_error(Errc::kInvalidArgument, "data_streams must be in 1.." + std::to_string(net::kPullStreamsMax));
   }
-  if (options.data_timeout_ms < 0 || options.data_timeout_ms > 600'000) {
+  if (options.data_timeout_ms < 0 || options.data_timeout_ms > kDataTimeoutMaxMs) {
     return make_error(Errc::kInvalidArgument, "data_timeout_ms must be in 0..600000 (0: from the server's heartbeat timeout)");
+  }
+  if (options.server_timeout_ms < 0 || options.server_timeout_ms > kDataTimeoutMaxMs) {
+    return make_error(Errc::kInvalidArgument, "server_timeout_ms must be in 0..600000 (0: from the server's heartbeat timeout)");
   }
   // A chunk is one response of the peer's data server.
   const std::uint64_t chunk_bytes_max = net::DataServerConfig{}.response_bytes_max;
@@ -205,6 +212,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   ~Impl();
 
   Status start();  // threads up, open answered
+  // Set while an application call runs (see OneCallAtATime).
+  std::atomic<bool> user_call_busy_{false};
   Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
@@ -238,6 +247,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void send_to(std::uint32_t server, net::ToHubMessage message);
   void connect(std::uint32_t server);
   void flush(Link& link);
+  // One Session.send of the first `count` queued messages (0: a probe that the server is alive).
+  void send_batch(Link& link, std::size_t count);
   void lose(std::uint32_t server, std::uint64_t generation, const std::string& why);
   void serve(const ServeRead& grant);
   void start_read(const StartRead& read);
@@ -245,6 +256,11 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void join_reported_threads();
   void start_offload(Version version);
   kj::Promise<void> tick_loop();
+  // Gives up on links whose server answers nothing (it hangs) and probes the quiet ones.
+  void check_links();
+  TimeMs server_timeout_ms() const;
+  // Probes per server timeout on a link where nothing else asks the server anything.
+  static constexpr TimeMs kProbesPerTimeout = 4;
   // Other threads: run `work` on the I/O thread (false once it stopped).
   bool on_io(kj::Function<void()> work);
   void reader_main();
@@ -257,13 +273,11 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   ClientId client_id_;
   // The server's heartbeat timeout, told at connect (0: not yet): bounds the waits on peers.
   std::atomic<TimeMs> server_heartbeat_timeout_ms_{0};
-  static constexpr TimeMs kDataTimeoutUnknownMs = 20'000;
   TimeMs data_timeout_ms() const {
     if (options_.data_timeout_ms > 0) return options_.data_timeout_ms;
     const TimeMs told = server_heartbeat_timeout_ms_.load();
     return told > 0 ? std::min<TimeMs>(2 * told, kDataTimeoutMaxMs) : kDataTimeoutUnknownMs;
   }
-  static constexpr TimeMs kDataTimeoutMaxMs = 600'000;
   // Proves to a server that a connection of ours speaks for client_id_ (kept for the handle's life,
   // so that a reconnect before the server saw the old connection close is recognised).
   static constexpr std::size_t kClientSecretBytes = 16;
@@ -346,6 +360,11 @@ struct Handle::Impl::Link {
   std::uint64_t heartbeat_secret = 0;
   // The server's last Session.send reply said it hears them: heartbeats stop going as calls.
   bool heartbeat_datagrams_heard = false;
+  // A server that is alive answers; one that hangs (stopped, swapping, wedged) keeps the TCP
+  // connection open and answers nothing. Since when something of ours has waited for an answer
+  // (the connect, or a send; 0: nothing waits), and when the server last answered.
+  TimeMs waiting_since_ms = 0;
+  TimeMs heard_ms = 0;
 };
 
 class Handle::Impl::SinkImpl final : public wire::Sink::Server {
@@ -448,8 +467,33 @@ bool Handle::Impl::on_io(kj::Function<void()> work) {
 kj::Promise<void> Handle::Impl::tick_loop() {
   return loop_->timer().afterDelay(kTickMs * kj::MILLISECONDS).then([this] {
     step(AgentTick{});
+    check_links();
     return tick_loop();
   });
+}
+
+TimeMs Handle::Impl::server_timeout_ms() const {
+  if (options_.server_timeout_ms > 0) return options_.server_timeout_ms;
+  const TimeMs told = server_heartbeat_timeout_ms_.load();
+  return told > 0 ? std::min<TimeMs>(2 * told, kDataTimeoutMaxMs) : kDataTimeoutUnknownMs;
+}
+
+void Handle::Impl::check_links() {
+  const TimeMs now = steady_now_ms();
+  const TimeMs timeout_ms = server_timeout_ms();
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> hung;
+  for (auto& [server, link] : links_) {
+    if (link->waiting_since_ms != 0) {
+      if (now - link->waiting_since_ms > timeout_ms) hung.emplace_back(server, link->generation);
+    } else if (link->session != nullptr && now - link->heard_ms > timeout_ms / kProbesPerTimeout) {
+      // Nothing of ours waits (heartbeats go as datagrams, which nobody answers): ask something
+      // of the server now and then, so that it is seen to hang while nothing else would tell.
+      send_batch(*link, 0);
+    }
+  }
+  for (const auto& [server, generation] : hung) {
+    lose(server, generation, "the server answered nothing for " + std::to_string(timeout_ms) + " ms (hung?)");
+  }
 }
 
 void Handle::Impl::step(const AgentInput& input) {
@@ -530,9 +574,10 @@ void Handle::Impl::connect(std::uint32_t server) {
   fresh->server = server;
   fresh->generation = next_generation_++;
   const std::uint64_t generation = fresh->generation;
-  links_[server] = std::move(fresh);
   const TimeMs not_before = reconnect_.contains(server) ? reconnect_[server].first : 0;
   const TimeMs delay_ms = std::max<TimeMs>(0, not_before - steady_now_ms());
+  fresh->waiting_since_ms = steady_now_ms() + delay_ms;  // for the TCP connect, then the connect call
+  links_[server] = std::move(fresh);
   const std::string address = options_.servers.at(server);
   auto find_link = [this, server, generation]() -> Link* {
     auto found = links_.find(server);
@@ -567,6 +612,8 @@ void Handle::Impl::connect(std::uint32_t server) {
               Link* connected_link = find_link();
               if (connected_link == nullptr) return;
               reconnect_.erase(server);
+              connected_link->heard_ms = steady_now_ms();
+              connected_link->waiting_since_ms = connected_link->sends_in_flight > 0 ? connected_link->heard_ms : 0;
               if (response.getHeartbeatTimeoutMs() > 0) {
                 server_heartbeat_timeout_ms_.store(response.getHeartbeatTimeoutMs());
               }
@@ -597,39 +644,47 @@ void Handle::Impl::connect(std::uint32_t server) {
 }
 
 void Handle::Impl::flush(Link& link) {
+  if (link.session == nullptr) return;  // connecting: the queue goes once the session is there
+  while (link.sends_in_flight < kSendsInFlightMax && !link.queue.empty()) {
+    send_batch(link, std::min(link.queue.size(), net::kMessagesPerCallMax));
+  }
+}
+
+void Handle::Impl::send_batch(Link& link, std::size_t count) {
+  TH_ASSERT(count <= link.queue.size());
   KJ_IF_MAYBE(session, link.session) {
-    while (link.sends_in_flight < kSendsInFlightMax && !link.queue.empty()) {
-      const std::size_t count = std::min(link.queue.size(), net::kMessagesPerCallMax);
-      auto request = session->sendRequest();
-      auto list = request.initMessages(static_cast<unsigned>(count));
-      for (std::size_t i = 0; i < count; ++i) net::encode(link.queue[i], list[static_cast<unsigned>(i)]);
-      link.queue.erase(link.queue.begin(), link.queue.begin() + static_cast<long>(count));
-      ++link.sends_in_flight;
-      const std::uint32_t server = link.server;
-      const std::uint64_t generation = link.generation;
-      tasks_->add(request.send().then(
-          [this, server, generation](auto response) {
+    auto request = session->sendRequest();
+    auto list = request.initMessages(static_cast<unsigned>(count));
+    for (std::size_t i = 0; i < count; ++i) net::encode(link.queue[i], list[static_cast<unsigned>(i)]);
+    link.queue.erase(link.queue.begin(), link.queue.begin() + static_cast<long>(count));
+    ++link.sends_in_flight;
+    if (link.waiting_since_ms == 0) link.waiting_since_ms = steady_now_ms();
+    const std::uint32_t server = link.server;
+    const std::uint64_t generation = link.generation;
+    auto answered = [this](Link& sent) {
+      --sent.sends_in_flight;
+      sent.heard_ms = steady_now_ms();
+      sent.waiting_since_ms = sent.sends_in_flight > 0 ? sent.heard_ms : 0;
+      flush(sent);
+    };
+    tasks_->add(request.send().then(
+        [this, server, generation, answered](auto response) {
+          auto found = links_.find(server);
+          if (found == links_.end() || found->second->generation != generation) return;
+          Link& sent = *found->second;
+          sent.heartbeat_datagrams_heard = sent.heartbeats != nullptr && response.getHeartbeatDatagramsHeard();
+          answered(sent);
+        },
+        [this, server, generation, answered](kj::Exception&& exception) {
+          if (exception.getType() == kj::Exception::Type::DISCONNECTED) {
+            lose(server, generation, "the connection broke");
+          } else {
+            // Our own message was refused: a bug here or a server of another version.
+            log(std::string("the server refused a message: ") + exception.getDescription().cStr());
             auto found = links_.find(server);
-            if (found == links_.end() || found->second->generation != generation) return;
-            Link& sent = *found->second;
-            --sent.sends_in_flight;
-            sent.heartbeat_datagrams_heard = sent.heartbeats != nullptr && response.getHeartbeatDatagramsHeard();
-            flush(sent);
-          },
-          [this, server, generation](kj::Exception&& exception) {
-            if (exception.getType() == kj::Exception::Type::DISCONNECTED) {
-              lose(server, generation, "the connection broke");
-            } else {
-              // Our own message was refused: a bug here or a server of another version.
-              log(std::string("the server refused a message: ") + exception.getDescription().cStr());
-              auto found = links_.find(server);
-              if (found != links_.end() && found->second->generation == generation) {
-                --found->second->sends_in_flight;
-                flush(*found->second);
-              }
-            }
-          }));
-    }
+            if (found != links_.end() && found->second->generation == generation) answered(*found->second);
+          }
+        }));
   }
 }
 
@@ -1071,6 +1126,29 @@ void Handle::Impl::shutdown() {
 // ==== Handle ========================================================================================
 
 namespace {
+
+// The application calls a handle from one thread at a time. A call made while another one runs is
+// refused with a typed error, never interleaved: a tensor registered while publish() hashes the
+// buffers changed the published layout under its readers (every read of that version failed).
+class OneCallAtATime {
+ public:
+  explicit OneCallAtATime(std::atomic<bool>& busy) : busy_(busy), entered_(!busy.exchange(true)) {}
+  ~OneCallAtATime() {
+    if (entered_) busy_.store(false);
+  }
+  OneCallAtATime(const OneCallAtATime&) = delete;
+  OneCallAtATime& operator=(const OneCallAtATime&) = delete;
+  bool refused() const { return !entered_; }
+  static Error error() {
+    return make_error(Errc::kInvalidArgument,
+                      "another call is in flight on this handle: calls of one handle come from one thread at a time");
+  }
+
+ private:
+  std::atomic<bool>& busy_;
+  bool entered_;
+};
+
 template <typename T>
 Result<T> as_result(Outcome outcome) {
   if (Error* error = std::get_if<Error>(&outcome)) return std::move(*error);
@@ -1097,13 +1175,29 @@ Handle::~Handle() {
 }
 
 Status Handle::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   return impl_->register_tensor(std::move(name), data, bytes, dtype, memory);
 }
-Status Handle::unregister_tensor(std::string_view name) { return impl_->unregister_tensor(name); }
-Result<Version> Handle::publish(Version version) { return impl_->publish(version); }
-Status Handle::unpublish() { return as_status(impl_->call(UnpublishRequest{})); }
+Status Handle::unregister_tensor(std::string_view name) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  return impl_->unregister_tensor(name);
+}
+Result<Version> Handle::publish(Version version) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  return impl_->publish(version);
+}
+Status Handle::unpublish() {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  return as_status(impl_->call(UnpublishRequest{}));
+}
 
 Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   auto parsed = parse_selector(selector);
   if (!parsed.ok()) return parsed.error();
   if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
@@ -1117,6 +1211,8 @@ Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeou
 }
 
 Result<UpdateInfo> Handle::update(std::string_view selector) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   auto parsed = parse_selector(selector);
   if (!parsed.ok()) return parsed.error();
   const Plan plan = impl_->plan_copy();
@@ -1127,19 +1223,27 @@ Result<UpdateInfo> Handle::update(std::string_view selector) {
 }
 
 Result<ListSnapshot> Handle::list() {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   auto answer = as_result<ListOk>(impl_->call(ListRequest{}));
   if (!answer.ok()) return answer.error();
   return *answer.value().snapshot;
 }
 
 Status Handle::wait(const WaitPredicate& predicate, TimeMs timeout_ms) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
     return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
   }
   return as_status(impl_->call(WaitRequest{predicate, timeout_ms}));
 }
 
-Status Handle::close() { return as_status(impl_->call(CloseRequest{})); }
+Status Handle::close() {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  return as_status(impl_->call(CloseRequest{}));
+}
 std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
 std::uint64_t Handle::client_id() const { return impl_->client_id(); }
 HandleStats Handle::stats() const { return impl_->stats(); }

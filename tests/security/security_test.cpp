@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -22,6 +23,7 @@
 #include "net/socket.h"
 #include "net/tensorhub.capnp.h"
 #include "net/wire.h"
+#include "tensorhub/client.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor.
 #pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
@@ -352,6 +354,71 @@ TEST_F(Security, AReaderLetsGoOfAHungSourceAsSoonAsTheServerReplacesIt) {
   EXPECT_EQ(expect(reader, "replicate "), "replicate ok 1 from " + other);
   EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
   ::kill(hung.pid(), SIGCONT);
+}
+
+// Item 13: register_tensor from a second thread while publish() ran was accepted, and the
+// published version became unreadable. Every call made while another runs gets a typed error.
+TEST_F(Security, ACallWhileAnotherRunsOnTheHandleIsRefused) {
+  const std::string server = start_server();
+  ClientOptions options;
+  options.servers = {server};
+  options.token = kToken;
+  options.model = "m";
+  options.replica = "trainer";
+  auto opened = Handle::open(options);
+  ASSERT_TRUE(opened.ok()) << opened.error().detail;
+  std::unique_ptr<Handle> handle = std::move(opened).value();
+  std::vector<std::byte> weights(256u << 20, std::byte{7});  // publish hashes it: a while
+  ASSERT_TRUE(handle->register_tensor("t1", weights.data(), weights.size(), DType::kUInt8).ok());
+  std::atomic<bool> publishing{false};
+  std::atomic<bool> published{false};
+  std::vector<std::byte> extra(64);
+  int calls_during = 0;
+  int accepted = 0;
+  std::thread meddler([&] {
+    while (!publishing.load()) std::this_thread::yield();
+    for (int i = 0; !published.load(); ++i) {
+      const Status status = handle->register_tensor("extra-" + std::to_string(i), extra.data(), extra.size(), DType::kUInt8);
+      ++calls_during;
+      if (status.ok()) ++accepted;
+      else EXPECT_EQ(status.error().code, Errc::kInvalidArgument) << status.error().detail;
+    }
+  });
+  publishing.store(true);
+  const auto version = handle->publish(1);
+  published.store(true);
+  meddler.join();
+  ASSERT_TRUE(version.ok()) << version.error().detail;
+  EXPECT_GT(calls_during, 0);
+  EXPECT_EQ(accepted, 0) << "a tensor was registered while publish ran";
+  // The version is readable with the layout it was published with.
+  Process& rollout = worker({server}, "rollout", {"--model", "m", "--tensor-bytes", std::to_string(weights.size()),
+                                                  "--tensors", "1", "--small-tensors", "0"},
+                            {"replicate:latest"});
+  EXPECT_EQ(expect(rollout, "replicate ").substr(0, 14), "replicate ok 1");
+}
+
+// Item 9: a hung server (SIGSTOP) keeps its TCP connections open, so nothing failed over: a
+// client's list() was still blocked 45 s later. Now a server that answers nothing for twice its
+// heartbeat timeout is dropped and the clients move to the backup, as if it had died.
+TEST_F(Security, AHungServerIsFailedOverWithinItsBound) {
+  const std::string primary = start_server({"--heartbeat-timeout-ms", "2000"});
+  const std::string backup = start_server({"--heartbeat-timeout-ms", "2000"});
+  Process& trainer = worker({primary, backup}, "trainer", {}, {"publish:1", "wait-line", "list", "unpublish", "publish:2", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& rollout = worker({primary, backup}, "rollout", {}, {"replicate:latest", "wait-line", "update:latest", "verify"});
+  expect(rollout, "replicate ok 1");
+  ASSERT_EQ(::kill(servers_[0]->pid(), SIGSTOP), 0);
+  trainer.send_line("go");
+  // Detected after 4 s of silence (twice the heartbeat timeout), then the backup's failover barrier:
+  // within the step bound, where a stopped server used to hold every call for ever.
+  EXPECT_EQ(expect(trainer, "list ").substr(0, 13), "list latest=1");
+  expect(trainer, "unpublish ok");
+  expect(trainer, "publish ok 2");
+  rollout.send_line("go");
+  EXPECT_EQ(expect(rollout, "update "), "update updated 2 from trainer");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 2");
+  ::kill(servers_[0]->pid(), SIGCONT);
 }
 
 }  // namespace

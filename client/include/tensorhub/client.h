@@ -63,6 +63,10 @@ struct ClientOptions {
   // picks another source. 0: twice the server's heartbeat timeout (it evicts a silent peer by then
   // and moves this reader elsewhere, which stops the read at once), or 20 s before it is known.
   TimeMs data_timeout_ms = 0;
+  // A server that answers nothing for this long is taken for hung: the handle drops the connection
+  // and fails over as if it had closed (a stopped server keeps its TCP connections open). 0: twice
+  // the server's heartbeat timeout, or 20 s before it is known.
+  TimeMs server_timeout_ms = 0;
 };
 
 struct ReplicateInfo {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fixture.h"
+#include "net/data_plane.h"
 #include "net/socket.h"
 #include "net/tensorhub.capnp.h"
 #include "net/wire.h"
@@ -145,18 +146,34 @@ class Security : public ProcessTest {
     return "";
   }
 
-  // Waits until the peer closes `socket` (EOF or reset); false if it is still open after the guard.
-  static bool closed_by_peer(const net::Fd& socket, int guard_ms = kHangGuardMs) {
+  // Waits until the peer closes every socket (EOF or reset); returns how many are still open when
+  // the guard passes (one guard for all of them).
+  static std::size_t open_after(const std::vector<net::Fd>& sockets, int guard_ms = kHangGuardMs) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(guard_ms);
-    for (;;) {
+    std::vector<bool> closed(sockets.size(), false);
+    std::size_t open = sockets.size();
+    while (open > 0) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd poller{socket.get(), POLLIN, 0};
-      if (::poll(&poller, 1, static_cast<int>(left.count())) <= 0) continue;
-      char byte[4096];
-      const ssize_t got = ::recv(socket.get(), byte, sizeof byte, MSG_DONTWAIT);
-      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return true;
+      if (left.count() <= 0) break;
+      std::vector<pollfd> pollers;
+      std::vector<std::size_t> index;
+      for (std::size_t i = 0; i < sockets.size(); ++i) {
+        if (closed[i]) continue;
+        pollers.push_back({sockets[i].get(), POLLIN, 0});
+        index.push_back(i);
+      }
+      if (::poll(pollers.data(), pollers.size(), static_cast<int>(std::min<long>(left.count(), 100))) <= 0) continue;
+      for (std::size_t k = 0; k < pollers.size(); ++k) {
+        if (pollers[k].revents == 0) continue;
+        char bytes[4096];
+        const ssize_t got = ::recv(pollers[k].fd, bytes, sizeof bytes, MSG_DONTWAIT);
+        if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+          closed[index[k]] = true;
+          --open;
+        }
+      }
     }
+    return open;
   }
 
   std::optional<kj::AsyncIoContext> io_;
@@ -167,8 +184,7 @@ class Security : public ProcessTest {
 TEST_F(Security, SilentConnectionsPastTheDescriptorLimitNeitherEndNorBlockTheServer) {
   constexpr int kServerFds = 256;
   constexpr int kSilentConnections = 600;  // more than the server has descriptors
-  const std::string server =
-      start_server_with_fds(kServerFds, {"--auth-deadline-ms", "2000", "--unauthenticated-max", "64"});
+  const std::string server = start_server_with_fds(kServerFds, {});  // auth deadline 10 s
   const net::Endpoint endpoint = net::parse_endpoint(server);
   std::vector<net::Fd> silent;
   int refused = 0;
@@ -187,9 +203,7 @@ TEST_F(Security, SilentConnectionsPastTheDescriptorLimitNeitherEndNorBlockTheSer
   expect(trainer, "publish ok 1");
   EXPECT_EQ(expect(trainer, "list ").substr(0, 13), "list latest=1");
   // Every silent connection is closed: shed to admit others, or at its auth deadline.
-  int still_open = 0;
-  for (const net::Fd& socket : silent) still_open += closed_by_peer(socket) ? 0 : 1;
-  EXPECT_EQ(still_open, 0);
+  EXPECT_EQ(open_after(silent), 0u);
   EXPECT_TRUE(running(*servers_[0]));
 }
 
@@ -210,7 +224,7 @@ TEST_F(Security, UnauthenticatedConnectionsCannotMakeTheServerReserveMemory) {
     net::send_all(socket, header, sizeof header);
     attackers.push_back(std::move(socket));
   }
-  for (const net::Fd& socket : attackers) EXPECT_TRUE(closed_by_peer(socket)) << "an oversized message was kept";
+  EXPECT_EQ(open_after(attackers), 0u) << "connections that sent an oversized message are kept";
   const long after_kb = status_field(pid, "VmSize");
   EXPECT_LT(after_kb - before_kb, kGrowthMaxKb) << "VmSize " << before_kb << " kB -> " << after_kb << " kB";
   EXPECT_NE(ctl(server).find("th-server "), std::string::npos);
@@ -368,24 +382,29 @@ TEST_F(Security, ACallWhileAnotherRunsOnTheHandleIsRefused) {
   auto opened = Handle::open(options);
   ASSERT_TRUE(opened.ok()) << opened.error().detail;
   std::unique_ptr<Handle> handle = std::move(opened).value();
-  std::vector<std::byte> weights(256u << 20, std::byte{7});  // publish hashes it: a while
+  std::vector<std::byte> weights(512u << 20, std::byte{7});  // publish hashes it: a while
   ASSERT_TRUE(handle->register_tensor("t1", weights.data(), weights.size(), DType::kUInt8).ok());
-  std::atomic<bool> publishing{false};
+  auto busy = [](const Status& status) {
+    return !status.ok() && status.error().detail.find("another call is in flight") != std::string::npos;
+  };
   std::atomic<bool> published{false};
   std::vector<std::byte> extra(64);
   int calls_during = 0;
   int accepted = 0;
   std::thread meddler([&] {
-    while (!publishing.load()) std::this_thread::yield();
+    // Harmless probes until publish() is seen running (a probe that gets in changes nothing) ...
+    while (!published.load() && !busy(handle->unregister_tensor("no-such-tensor"))) std::this_thread::yield();
+    // ... then what used to corrupt the published version.
     for (int i = 0; !published.load(); ++i) {
       const Status status = handle->register_tensor("extra-" + std::to_string(i), extra.data(), extra.size(), DType::kUInt8);
       ++calls_during;
       if (status.ok()) ++accepted;
-      else EXPECT_EQ(status.error().code, Errc::kInvalidArgument) << status.error().detail;
     }
   });
-  publishing.store(true);
-  const auto version = handle->publish(1);
+  Result<Version> version = make_error(Errc::kInvalidArgument, "");
+  do {
+    version = handle->publish(1);  // (refused while a probe holds the handle: again)
+  } while (!version.ok() && version.error().detail.find("another call is in flight") != std::string::npos);
   published.store(true);
   meddler.join();
   ASSERT_TRUE(version.ok()) << version.error().detail;
@@ -419,6 +438,63 @@ TEST_F(Security, AHungServerIsFailedOverWithinItsBound) {
   EXPECT_EQ(expect(rollout, "update "), "update updated 2 from trainer");
   EXPECT_EQ(expect(rollout, "verify "), "verify ok 2");
   ::kill(servers_[0]->pid(), SIGCONT);
+}
+
+// Item 2: every reader connection left a thread stack mapped until the data server was destroyed
+// (3,000 connections: VmSize 80 MB -> 24.9 GB; 34,000 aborted the trainer).
+TEST_F(Security, ReaderConnectionsLeaveNoThreadsBehindInTheSource) {
+  constexpr int kConnections = 3000;
+  constexpr long kVmGrowthMaxKb = 256 * 1024;  // the leak grew it by ~8 MiB per connection
+  constexpr long kThreadsGrowthMax = 4;
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1", "wait-line"});
+  const net::Endpoint data = net::parse_endpoint(expect(trainer, "open ok ").substr(std::string("open ok ").size()));
+  expect(trainer, "publish ok 1");
+  const long vm_before_kb = status_field(trainer.pid(), "VmSize");
+  const long threads_before = status_field(trainer.pid(), "Threads");
+  const char garbage[64] = "GET / HTTP/1.0\r\n\r\n";
+  for (int i = 0; i < kConnections; ++i) {
+    std::vector<net::Fd> one;
+    one.push_back(net::connect_tcp(data, 5000));
+    net::send_all(one[0], garbage, sizeof garbage);
+    EXPECT_EQ(open_after(one), 0u) << "connection " << i;
+  }
+  Process& rollout = worker({server}, "rollout", {}, {"replicate:latest", "verify"});
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+  const long vm_after_kb = status_field(trainer.pid(), "VmSize");
+  EXPECT_LT(vm_after_kb - vm_before_kb, kVmGrowthMaxKb) << vm_before_kb << " kB -> " << vm_after_kb << " kB";
+  EXPECT_LE(status_field(trainer.pid(), "Threads"), threads_before + kThreadsGrowthMax);
+}
+
+// Items 4 and 8: a grant used to be (transfer, epoch), counted from 1: any host that reached a data
+// port read a live trainer's weights with (5, 1); and 256 silent connections to a data port made
+// legitimate reads fail for 31 s.
+TEST_F(Security, ADataPortServesOnlyGrantHoldersAndOutlastsSilentConnections) {
+  constexpr int kSilent = 300;  // more than the data server's connection slots (256)
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1", "wait-line"});
+  const net::Endpoint data = net::parse_endpoint(expect(trainer, "open ok ").substr(std::string("open ok ").size()));
+  expect(trainer, "publish ok 1");
+  std::vector<net::Fd> silent;
+  for (int i = 0; i < kSilent; ++i) silent.push_back(net::connect_tcp(data, 5000));
+  // A slow rollout keeps a grant alive while the thief guesses keys without its secret.
+  Process& rollout = worker({server}, "rollout", {"--read-rate", "2000000", "--report-source"}, {"replicate:latest", "verify"});
+  expect(rollout, "source trainer");
+  std::vector<std::byte> stolen(1 << 16);
+  const net::LocalRegion target{stolen.data(), stolen.size()};
+  net::PullOptions quick;
+  quick.connect_timeout_ms = 2000;
+  quick.io_timeout_ms = 5000;
+  // (Each guess of a grant the source has not heard of waits 2 s for it: a few guesses.)
+  for (TransferId transfer = 1; transfer <= 2; ++transfer) {
+    for (std::uint32_t epoch = 1; epoch <= 2; ++epoch) {
+      const net::PullOutcome theft = net::pull(data, {transfer, epoch}, GrantSecret{transfer, epoch}, {&target, 1}, quick);
+      EXPECT_FALSE(theft.ok()) << "read (" << transfer << ", " << epoch << ") without the grant's secret";
+      EXPECT_EQ(theft.bytes, 0u);
+    }
+  }
+  EXPECT_EQ(expect(rollout, "replicate ").substr(0, 14), "replicate ok 1");
+  EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
 }
 
 }  // namespace

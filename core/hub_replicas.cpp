@@ -201,8 +201,9 @@ void Hub::unbind(Replica& replica, std::uint32_t shard) {
 void Hub::evict(Replica& replica, Errc reason, const std::string& detail) {
   ++stats_.evictions;
   const Error error = make_error(reason, detail);
-  for (auto& [seq, txn] : replica.txns) {
+  for (auto& [txn_seq, txn] : replica.txns) {
     if (txn.result) continue;
+    const std::uint64_t seq = txn_seq;  // (a lambda may not capture a structured binding before C++20 in clang 14)
     for_each_shard(txn.arrived & ~txn.replied, replica.num_shards,
                    [&](std::uint32_t shard) { send_reply(replica, shard, seq, error); });
   }

@@ -192,6 +192,9 @@ std::string text(capnp::Text::Reader value, std::size_t bytes_max, const char* f
     invalid(std::string(field) + " is " + std::to_string(value.size()) + " bytes, over the limit of " +
             std::to_string(bytes_max));
   }
+  // A NUL inside would be cut off wherever the text is used as a C string (and on the way back out:
+  // fuzzing found a name that decoded, then encoded as another name).
+  if (std::memchr(value.cStr(), '\0', value.size()) != nullptr) invalid(std::string(field) + " contains a NUL byte");
   return std::string(value.cStr(), value.size());
 }
 std::string name(capnp::Text::Reader value, const char* field) {

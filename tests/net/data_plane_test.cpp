@@ -599,5 +599,26 @@ TEST(DataPlane, ParsesEndpoints) {
   EXPECT_THROW(parse_endpoint("h:7x"), SocketError);
 }
 
+// Fuzzing find (tests/fuzz/regressions/fuzz_data_request): a read of a partial source's second
+// region, beyond what is ready, tripped an assertion and took the source down. It gets an empty
+// answer, and the connection goes on.
+TEST(DataPlane, AReadBeyondTheReadyPrefixGetsAnEmptyAnswer) {
+  DataServer server(DataServerConfig{.progress_wait_ms_max = 10});
+  const Shard shard{{pattern(1000, 1), pattern(1000, 2)}};
+  server.grant({8, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(500));  // half of region 0
+  Fd connection = raw_connection(server);
+  const RawRequest beyond{kRawMagic, 1, 8, 1, 1, 0, 100};  // region 1, waiting for bytes
+  send_all(connection, &beyond, sizeof beyond);
+  RawResponse response;
+  recv_all(connection, &response, sizeof response);
+  EXPECT_EQ(response.status, 0u);
+  EXPECT_EQ(response.length, 0u);
+  send_request(connection, {8, 1}, 0, 100);  // region 0, ready: served on the same connection
+  recv_all(connection, &response, sizeof response);
+  EXPECT_EQ(response.status, 0u);
+  EXPECT_EQ(response.length, 100u);
+  server.revoke({8, 1});
+}
+
 }  // namespace
 }  // namespace th::net

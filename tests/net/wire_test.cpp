@@ -336,6 +336,13 @@ TEST(WireRefuses, BadCalls) {
   request.getBody().getPublish().getLayout()[1].setName("embed");
   expect_refused(decode(request.asReader()), "layout");
 
+  // Fuzzing find (tests/fuzz/regressions/fuzz_wire/name-with-nul): a name with a NUL inside
+  // decoded, then encoded as another name.
+  encode(Request{1, 1, PublishRequest{5, sample_layout(), sample_checksums()}, 1}, request);
+  const char nul_inside[] = {'w', '\0', 'x'};
+  request.getBody().getPublish().getLayout()[0].setName(capnp::Text::Reader(nul_inside, sizeof nul_inside));
+  expect_refused(decode(request.asReader()), "NUL");
+
   encode(Request{1, 1, WaitRequest{WaitPredicate{}, -1}, 1}, request);
   expect_refused(decode(request.asReader()), "wait timeout");
 

@@ -80,6 +80,21 @@ std::string Process::wait_for(const std::string& prefix, int timeout_ms) {
   }
 }
 
+void Process::read_available() {
+  for (;;) {
+    pollfd ready{stdout_fd_, POLLIN, 0};
+    if (::poll(&ready, 1, 0) <= 0) break;
+    char chunk[4096];
+    const ssize_t got = ::read(stdout_fd_, chunk, sizeof chunk);
+    if (got <= 0) break;
+    buffer_.append(chunk, static_cast<std::size_t>(got));
+  }
+  for (auto newline = buffer_.find('\n'); newline != std::string::npos; newline = buffer_.find('\n')) {
+    lines_.push_back(buffer_.substr(0, newline));
+    buffer_.erase(0, newline + 1);
+  }
+}
+
 void Process::send_line(const std::string& line) {
   const std::string data = line + "\n";
   if (::write(stdin_fd_, data.data(), data.size()) != static_cast<ssize_t>(data.size())) {

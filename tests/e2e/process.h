@@ -19,6 +19,9 @@ class Process {
   // The next line that starts with `prefix`, skipping others (kept in lines()); "" if none came
   // within the timeout or the process closed its output first.
   std::string wait_for(const std::string& prefix, int timeout_ms);
+  // Takes every complete line the process has written so far, without waiting (into lines()), so
+  // that a long-running process never blocks on a full pipe.
+  void read_available();
   void send_line(const std::string& line);
   void kill9();
   // Waits for the exit; returns the exit status, or -1 on timeout (the process is then killed).

@@ -1,7 +1,7 @@
 #include "net/data_plane.h"
 
-#include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 
 #include <algorithm>
 #include <bit>
@@ -521,13 +521,15 @@ struct PullCancelled {};
 // wait out the whole I/O timeout first, and the next version queued behind it).
 constexpr int kCancelPollMs = 50;
 
-// Receives exactly `bytes`. Throws PullCancelled when the pull is cancelled meanwhile, SocketTimeout
-// when nothing arrives for io_timeout_ms, SocketError when the source closes the connection.
+// Receives exactly `bytes` on a socket whose receive timeout is kCancelPollMs (one blocking recv
+// per wake-up, as fast as a plain blocking read). Throws PullCancelled when the pull is cancelled
+// meanwhile, SocketTimeout when nothing arrives for io_timeout_ms, SocketError when the source
+// closes the connection.
 void receive(const Fd& socket, void* data, std::size_t bytes, const PullOptions& options) {
   auto* at = static_cast<char*>(data);
   auto quiet_since = std::chrono::steady_clock::now();
   while (bytes > 0) {
-    const ssize_t got = ::recv(socket.get(), at, bytes, MSG_DONTWAIT);
+    const ssize_t got = ::recv(socket.get(), at, bytes, 0);
     if (got > 0) {
       at += got;
       bytes -= static_cast<std::size_t>(got);
@@ -541,9 +543,15 @@ void receive(const Fd& socket, void* data, std::size_t bytes, const PullOptions&
     if (std::chrono::steady_clock::now() - quiet_since > std::chrono::milliseconds(options.io_timeout_ms)) {
       throw SocketTimeout("no bytes from the source for " + std::to_string(options.io_timeout_ms) + " ms");
     }
-    pollfd readable{socket.get(), POLLIN, 0};
-    ::poll(&readable, 1, kCancelPollMs);
   }
+}
+
+// The reader's socket: sends time out as a whole I/O timeout; receives wake every kCancelPollMs
+// to look at the cancel flag (receive() keeps the I/O timeout itself).
+void set_reader_timeouts(const Fd& socket, const PullOptions& options) {
+  set_io_timeout(socket, std::max(options.io_timeout_ms, 1));
+  const timeval poll{0, kCancelPollMs * 1000};
+  ::setsockopt(socket.get(), SOL_SOCKET, SO_RCVTIMEO, &poll, sizeof poll);
 }
 
 // One connection: targets[i] is the source's region first_region + i.
@@ -560,7 +568,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
   bool connected = false;
   try {
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
-    set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
+    set_reader_timeouts(connection, options);
     connected = true;
 
     struct Ask {

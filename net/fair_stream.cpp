@@ -71,11 +71,10 @@ kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read(
     kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options, kj::ArrayPtr<capnp::word> scratch_space) {
   // The limit in force when the read starts: Cap'n Proto refuses a larger segment table at once.
   options.traversalLimitInWords = std::min<std::uint64_t>(options.traversalLimitInWords, message_words_max_);
-  return inner_.tryReadMessage(fd_space, options, scratch_space)
-      .then([this](kj::Maybe<capnp::MessageReaderAndFds>&& message) {
-        if (message != nullptr) ++messages_read_;
-        return kj::mv(message);
-      });
+  // Counted as the read starts (the RPC system starts the next read once a message arrived), so
+  // that no promise is added per message: a silent peer's count stands still all the same.
+  ++messages_read_;
+  return inner_.tryReadMessage(fd_space, options, scratch_space);
 }
 
 kj::Promise<void> FairMessageStream::writeMessage(kj::ArrayPtr<const int> fds,

@@ -78,7 +78,8 @@ class FairMessageStream final : public capnp::MessageStream {
   kj::Maybe<int> getSendBufferSize() override;
   kj::Promise<void> end() override;
 
-  // Messages read so far (the owner's evidence that the peer is alive).
+  // Reads started so far: one more than the messages that arrived (the owner's evidence that the
+  // peer is alive: it stands still while the peer is silent).
   std::uint64_t messages_read() const { return messages_read_; }
   // Caps the size of every message read from now on (Cap'n Proto allocates a message's declared
   // size as soon as it has read its segment table, before the bytes arrive).

@@ -256,7 +256,16 @@ DataServer::Stats DataServer::stats() const {
 void DataServer::accept_loop() {
   Fd waiting;  // accepted while every slot was taken: waits for the slot of a connection dropped for it
   for (;;) {
-    const Readable ready = wait_readable(waiting.valid() ? nullptr : &listener_, wakeup_.fd());
+    Readable ready;
+    try {
+      ready = wait_readable(waiting.valid() ? nullptr : &listener_, wakeup_.fd());
+    } catch (const SocketError& error) {
+      // poll() itself failed (out of memory): nothing to do but wait and look again. An exception
+      // out of this thread would end the whole process (a trainer, with its job).
+      log(std::string("waiting for connections: ") + error.what());
+      std::this_thread::sleep_for(kAcceptBackoff);
+      continue;
+    }
     if (ready.second) wakeup_.clear();
     {
       std::lock_guard lock(mutex_);
@@ -290,6 +299,10 @@ void DataServer::accept_loop() {
 // joined; it refuses `waiting` only when every connection is busy serving a read.
 void DataServer::admit(Fd& waiting) {
   std::lock_guard lock(mutex_);
+  if (stopping_.load()) {
+    waiting = Fd();
+    return;
+  }
   TH_ASSERT(connections_.size() <= config_.connections_max, connections_.size(), "connections open");
   if (connections_.size() < config_.connections_max) {
     Connection& connection = connections_.emplace_back();
@@ -389,7 +402,9 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   {
     std::unique_lock lock(mutex_);
     auto found = grants_.find(key);
-    if (found == grants_.end() && !revoked_recently(key) && grant_wait_left_ms > 0) {
+    if (found == grants_.end() && !revoked_recently(key) && grant_wait_left_ms > 0 &&
+        grant_waiters_ < config_.grant_waiters_max) {
+      ++grant_waiters_;
       // The connection is busy meanwhile (it cannot be dropped to make room), so the wait is
       // bounded per connection, not per request: a burst of requests for a grant that never
       // comes cannot hold this thread for grant_wait_ms_max each.
@@ -400,6 +415,7 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
       });
       const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
       grant_wait_left_ms = arrived ? std::max(0, grant_wait_left_ms - static_cast<int>(waited.count())) : 0;
+      --grant_waiters_;
     }
     if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
       // A wrong secret is answered as no grant: the answer tells a guesser nothing.
@@ -529,6 +545,9 @@ void receive(const Fd& socket, void* data, std::size_t bytes, const PullOptions&
   auto* at = static_cast<char*>(data);
   auto quiet_since = std::chrono::steady_clock::now();
   while (bytes > 0) {
+    // Also while bytes flow: a source that dribbles must not keep a cancelled reader until its
+    // chunk is done.
+    if (options.cancelled && options.cancelled()) throw PullCancelled{};
     const ssize_t got = ::recv(socket.get(), at, bytes, 0);
     if (got > 0) {
       at += got;
@@ -734,7 +753,13 @@ PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret
   };
   std::vector<std::thread> helpers;
   const std::size_t helper_count = std::min<std::size_t>(options.streams, targets.size()) - 1;
-  for (std::size_t i = 0; i < helper_count; ++i) helpers.emplace_back(stream);
+  for (std::size_t i = 0; i < helper_count; ++i) {
+    try {
+      helpers.emplace_back(stream);
+    } catch (const std::system_error&) {
+      break;  // no thread to be had: fewer streams (this one takes the regions nobody claims)
+    }
+  }
   stream();
   for (std::thread& helper : helpers) helper.join();
   return total;

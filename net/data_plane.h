@@ -96,6 +96,10 @@ struct DataServerConfig {
   // arrive before the source heard of the grant. A read of an unknown grant waits this long for it,
   // at most once per connection: a burst of requests for a grant that never comes is refused at once.
   int grant_wait_ms_max = 2000;
+  // Connections waiting for a grant at once; beyond, a read of an unknown grant is refused at once.
+  // (A waiting connection is busy, so it cannot be dropped to make room: without this cap, anyone
+  // who reaches the port could keep every slot waiting by asking for grants that do not exist.)
+  std::uint32_t grant_waiters_max = 16;
   // A reader sends its first request as soon as it connects: a connection silent this long after
   // it was accepted is closed, so that silent connections cannot hold the slots readers need.
   int first_request_timeout_ms = 5'000;
@@ -181,6 +185,7 @@ class DataServer {
   // Grants revoked lately: a read of one is refused at once, not after grant_wait_ms_max.
   static constexpr std::size_t kRevokedRemembered = 1024;
   std::deque<GrantKey> revoked_;
+  std::uint32_t grant_waiters_ = 0;  // guarded by mutex_
   bool revoked_recently(GrantKey key) const {
     return std::find(revoked_.begin(), revoked_.end(), key) != revoked_.end();
   }

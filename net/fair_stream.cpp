@@ -73,7 +73,9 @@ kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read(
   options.traversalLimitInWords = std::min<std::uint64_t>(options.traversalLimitInWords, message_words_max_);
   // Counted as the read starts (the RPC system starts the next read once a message arrived), so
   // that no promise is added per message: a silent peer's count stands still all the same.
-  ++messages_read_;
+  if (++messages_read_ > messages_max_) {
+    return KJ_EXCEPTION(FAILED, "too many messages before authentication");
+  }
   return inner_.tryReadMessage(fd_space, options, scratch_space);
 }
 

@@ -84,6 +84,9 @@ class FairMessageStream final : public capnp::MessageStream {
   // Caps the size of every message read from now on (Cap'n Proto allocates a message's declared
   // size as soon as it has read its segment table, before the bytes arrive).
   void set_message_words_max(std::uint64_t words_max) { message_words_max_ = words_max; }
+  // Caps the number of messages read in all (a peer that has not authenticated may send a few;
+  // each message can leave an answer and a reply queued). Beyond it the stream fails.
+  void set_messages_max(std::uint64_t messages_max) { messages_max_ = messages_max; }
 
  private:
   kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> read(kj::ArrayPtr<kj::AutoCloseFd> fd_space,
@@ -96,6 +99,7 @@ class FairMessageStream final : public capnp::MessageStream {
   std::uint32_t messages_allowed_ = kMessagesFirstTurn;  // left in this turn
   std::uint64_t messages_read_ = 0;
   std::uint64_t message_words_max_ = UINT64_MAX;
+  std::uint64_t messages_max_ = UINT64_MAX;
 };
 #pragma GCC diagnostic pop
 

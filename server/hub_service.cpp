@@ -3,6 +3,7 @@
 #include <capnp/rpc.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <random>
@@ -30,7 +31,8 @@ Status validate(const ServiceConfig& config) {
     return make_error(Errc::kInvalidArgument, "flow-control limits must be positive");
   }
   if (config.unauthenticated_max == 0 || config.auth_deadline_ms <= 0 ||
-      config.unauthenticated_message_words_max == 0 || config.wrong_tokens_per_connection_max == 0 ||
+      config.unauthenticated_message_words_max == 0 || config.unauthenticated_messages_max == 0 ||
+      config.wrong_tokens_per_connection_max == 0 ||
       config.idle_timeout_ms < 0) {
     return make_error(Errc::kInvalidArgument, "connection limits must be positive");
   }
@@ -173,6 +175,9 @@ class HubService::SessionImpl final : public wire::Session::Server {
     }
     const std::string refused = service_.on_messages(*found->second, messages);
     if (!refused.empty()) return KJ_EXCEPTION(FAILED, "invalid-argument", refused);
+    // (Looked up again: feeding the hub may have closed connections.)
+    found = service_.connections_.find(connection_);
+    if (found == service_.connections_.end()) return KJ_EXCEPTION(DISCONNECTED, "the connection is closing");
     context.getResults().setHeartbeatDatagramsHeard(service_.heartbeat_datagrams_heard(*found->second));
     return kj::READY_NOW;
   }
@@ -272,12 +277,20 @@ HubService::HubService(ServiceConfig config, kj::Timer& timer, LogLevel log_leve
 
 HubService::~HubService() = default;
 
+void HubService::stop_on_bug(const char* loop, const kj::Exception& exception) {
+  // Without these loops no heartbeat expires and no deadline passes while clients stay connected:
+  // a server in that state is worse than none. Stop, so that clients fail over to the backup.
+  log(LogLevel::kError, std::string(loop) + " stopped (a bug): " + exception.getDescription().cStr() +
+                            "; th-server stops so that clients fail over");
+  std::abort();
+}
+
 void HubService::taskFailed(kj::Exception&& exception) {
   log(LogLevel::kError, std::string("internal task failed: ") + exception.getDescription().cStr());
 }
 
 kj::Promise<void> HubService::serve(kj::ConnectionReceiver& listener) {
-  tasks_.add(clock_loop());
+  tasks_.add(clock_loop().catch_([this](kj::Exception&& exception) { stop_on_bug("the clock", exception); }));
   return accept_loop(listener);
 }
 
@@ -286,7 +299,7 @@ void HubService::serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::
   heartbeat_receiver_ = std::move(receiver);
   heartbeat_observer_ = kj::heap<kj::UnixEventPort::FdObserver>(port, heartbeat_receiver_->fd(),
                                                                  kj::UnixEventPort::FdObserver::OBSERVE_READ);
-  tasks_.add(heartbeat_loop());
+  tasks_.add(heartbeat_loop().catch_([this](kj::Exception&& exception) { stop_on_bug("heartbeat datagrams", exception); }));
 }
 
 kj::Promise<void> HubService::heartbeat_loop() {
@@ -389,6 +402,7 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   connection->messages = kj::heap<net::FairMessageStream>(*connection->stream, turn_gate_,
                                                           config_.messages_per_turn);
   connection->messages->set_message_words_max(config_.unauthenticated_message_words_max);
+  connection->messages->set_messages_max(config_.unauthenticated_messages_max);
   connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->messages, capnp::rpc::twoparty::Side::SERVER);
   connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network,
                                                   kj::heap<HubImpl>(*this, connection->id)));
@@ -412,8 +426,10 @@ void HubService::on_disconnect(std::uint64_t connection_id) {
   log(client_lost ? LogLevel::kInfo : LogLevel::kDebug,
       connection->describe() + " closed" + (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""));
   if (client_lost) {
-    client_connection_.erase(connection->client);
-    feed(ConnectionLost{connection->client});
+    const ClientId client = std::exchange(connection->client, 0);  // it speaks for nobody now
+    client_connection_.erase(client);
+    remember_claim(client, std::move(connection->client_secret));
+    feed(ConnectionLost{client});
   }
   // The RPC system may still be unwinding the call stack that brought us here: free it later.
   tasks_.add(kj::evalLater([connection = std::move(connection)] {}));
@@ -461,6 +477,7 @@ void HubService::sweep_connections() {
     }
   }
   for (const auto& [id, why] : expired) close_connection(id, why);
+  std::erase_if(remembered_claims_, [&](const auto& entry) { return entry.second.until_ms < now; });
   // Forget the closed and the authenticated (the queue holds at most one entry per connection made
   // since it was last empty; keep it proportional to the connections that are open).
   if (unauthenticated_.size() > 2 * connections_.size() + 64) {
@@ -471,6 +488,12 @@ void HubService::sweep_connections() {
   }
 }
 
+void HubService::remember_claim(ClientId client, std::string secret) {
+  if (remembered_claims_.size() >= config_.connections_max) return;  // bounded; the sweep frees room
+  // Twice the heartbeat timeout: a handle reconnects well within it (its backoff is at most 2 s).
+  remembered_claims_[client] = RememberedClaim{std::move(secret), now_ms() + 2 * config_.hub.heartbeat_timeout_ms};
+}
+
 bool HubService::check_token(Connection& connection, capnp::Text::Reader token) {
   if (same_token(token.cStr(), config_.token)) {
     if (!connection.authenticated) {
@@ -478,6 +501,7 @@ bool HubService::check_token(Connection& connection, capnp::Text::Reader token) 
       TH_ASSERT(unauthenticated_count_ > 0);
       --unauthenticated_count_;
       connection.messages->set_message_words_max(UINT64_MAX);  // Cap'n Proto's own limit (64 MiB)
+      connection.messages->set_messages_max(UINT64_MAX);
     }
     return true;
   }
@@ -500,6 +524,18 @@ std::optional<std::string> HubService::claim_client(Connection& connection, Clie
   if (secret.size() < kClientSecretBytesMin || secret.size() > kClientSecretBytesMax) {
     return "invalid-argument: a client's secret is " + std::to_string(kClientSecretBytesMin) + ".." +
            std::to_string(kClientSecretBytesMax) + " bytes";
+  }
+  if (auto remembered = remembered_claims_.find(client); remembered != remembered_claims_.end()) {
+    const bool same = same_secret(secret, remembered->second.secret);
+    const bool current = now_ms() <= remembered->second.until_ms;
+    remembered_claims_.erase(remembered);
+    if (current && !same) {
+      log_summarised(claims_refused_log_, LogLevel::kWarn,
+                     "connect(s) naming a client held by another connection, with another secret, refused",
+                     "client " + std::to_string(client) + " claimed by " + connection.describe() +
+                         " while reserved for its handle's reconnect");
+      return "permission denied: client " + std::to_string(client) + " belongs to another connection";
+    }
   }
   if (auto bound = client_connection_.find(client); bound != client_connection_.end()) {
     Connection& holder = *connections_.at(bound->second);
@@ -576,21 +612,19 @@ void HubService::route(const Effects& effects) {
     Connection& connection = *connections_.at(bound->second);
     connection.backlog.push_back(effect);
     if (connection.backlog.size() == 1) touched.push_back(connection.id);
-  }
-  std::vector<std::uint64_t> overloaded;
-  for (std::uint64_t id : touched) {
-    Connection& connection = *connections_.at(id);
-    if (connection.backlog.size() > config_.effects_backlog_max) {
-      overloaded.push_back(id);
-    } else {
-      flush(connection);
+    // Checked at every effect: a peer that takes no deliveries must not grow its backlog for ever.
+    if (connection.backlog.size() == config_.effects_backlog_max + 1) {
+      const std::uint64_t id = connection.id;
+      log(LogLevel::kWarn, connection.describe() + " fell more than " + std::to_string(config_.effects_backlog_max) +
+                               " effects behind: disconnecting it");
+      // Later: the call that fed the hub may be this connection's own, still on the stack, and the
+      // hub must not be re-entered while its effects are handed out.
+      tasks_.add(kj::evalLater([this, id] { close_connection(id, "too far behind"); }));
     }
   }
-  // After routing, so that the Hub is not re-entered while its effects are being handed out.
-  for (std::uint64_t id : overloaded) {
-    log(LogLevel::kWarn, connections_.at(id)->describe() + " fell more than " +
-                             std::to_string(config_.effects_backlog_max) + " effects behind: disconnecting it");
-    on_disconnect(id);
+  for (std::uint64_t id : touched) {
+    Connection& connection = *connections_.at(id);
+    if (connection.backlog.size() <= config_.effects_backlog_max) flush(connection);
   }
 }
 

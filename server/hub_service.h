@@ -52,6 +52,7 @@ struct ServiceConfig {
   std::size_t unauthenticated_max = 256;
   std::int64_t auth_deadline_ms = 10'000;
   std::uint64_t unauthenticated_message_words_max = 8192;  // 64 KiB
+  std::uint64_t unauthenticated_messages_max = 64;         // a handshake takes 2, then the calls behind it
   std::uint32_t wrong_tokens_per_connection_max = 3;
   // An authenticated connection with no message and no heartbeat datagram for this long is closed
   // (a live client heartbeats several times per heartbeat timeout). 0: 10 x the heartbeat timeout,
@@ -86,6 +87,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   class SessionImpl;
 
   void taskFailed(kj::Exception&& exception) override;
+  [[noreturn]] void stop_on_bug(const char* loop, const kj::Exception& exception);
   kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener);
   kj::Promise<void> clock_loop();
   kj::Promise<void> heartbeat_loop();
@@ -151,6 +153,15 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Hashed: a heartbeat datagram looks its connection up, 8,192 times a second for 8,192 clients.
   std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> connections_;
   std::unordered_map<ClientId, std::uint64_t> client_connection_;  // client -> connection id
+  // After its connection closed, a client's id stays reserved to its secret for a while, so that
+  // nobody who saw the id (heartbeat datagrams carry it in clear) claims it before the handle
+  // reconnects. At most connections_max entries; expired ones go at the sweep.
+  struct RememberedClaim {
+    std::string secret;
+    TimeMs until_ms = 0;
+  };
+  std::unordered_map<ClientId, RememberedClaim> remembered_claims_;
+  void remember_claim(ClientId client, std::string secret);
   kj::TaskSet tasks_;
 };
 

@@ -620,5 +620,26 @@ TEST(DataPlane, AReadBeyondTheReadyPrefixGetsAnEmptyAnswer) {
   server.revoke({8, 1});
 }
 
+// Review find: a connection waiting for an unknown grant is busy (it cannot be dropped to make
+// room), so anyone who reaches the port could keep every slot waiting. At most grant_waiters_max
+// wait at once; beyond, a read of an unknown grant is refused at once.
+TEST(DataPlane, FewConnectionsWaitForUnknownGrantsAtOnce) {
+  DataServer server(DataServerConfig{.grant_wait_ms_max = 600'000, .grant_waiters_max = 2});
+  std::vector<Fd> waiting;
+  for (int i = 0; i < 2; ++i) {
+    waiting.push_back(raw_connection(server));
+    send_request(waiting.back(), {9, 9}, 0, 100);
+  }
+  ASSERT_TRUE(eventually([&] {
+    const DataServer::Stats stats = server.stats();
+    return stats.connections_open == 2 && stats.connections_idle == 0;
+  }));
+  Fd third = raw_connection(server);
+  send_request(third, {9, 9}, 0, 100);
+  RawResponse response;
+  recv_all(third, &response, sizeof response);  // (a wait would outlast the hang guard)
+  EXPECT_EQ(response.status, 1u) << "no grant";
+}
+
 }  // namespace
 }  // namespace th::net

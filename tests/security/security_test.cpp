@@ -100,19 +100,6 @@ class RpcClient {
 
 class Security : public ProcessTest {
  protected:
-  // A th-server whose process may hold at most `fds` descriptors (soft and hard).
-  std::string start_server_with_fds(int fds, std::vector<std::string> extra) {
-    std::vector<std::string> argv = {"/bin/sh", "-c", "ulimit -n " + std::to_string(fds) + " && exec \"$0\" \"$@\"",
-                                     TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file",
-                                     (dir_ / "token").string()};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    Process& server = spawn(argv, "server");
-    const std::string line = server.wait_for("th-server listening on ", kStepMs);
-    EXPECT_FALSE(line.empty()) << server.describe();
-    servers_.push_back(&server);
-    return line.substr(std::string("th-server listening on ").size());
-  }
-
   kj::AsyncIoContext& io() {
     if (!io_) io_.emplace(kj::setupAsyncIo());
     return *io_;
@@ -188,7 +175,7 @@ class Security : public ProcessTest {
 TEST_F(Security, SilentConnectionsPastTheDescriptorLimitNeitherEndNorBlockTheServer) {
   constexpr int kServerFds = 256;
   constexpr int kSilentConnections = 600;  // more than the server has descriptors
-  const std::string server = start_server_with_fds(kServerFds, {});  // auth deadline 10 s
+  const std::string server = start_server({}, kServerFds);  // auth deadline 10 s
   const net::Endpoint endpoint = net::parse_endpoint(server);
   std::vector<net::Fd> silent;
   int refused = 0;

@@ -59,6 +59,14 @@ class ProcessTest : public ::testing::Test {
     return line.substr(std::string("th-server listening on ").size());
   }
 
+  // Whether the process runs (not exited, not a zombie).
+  static bool running(const Process& process) {
+    std::ifstream stat("/proc/" + std::to_string(process.pid()) + "/stat");
+    std::string pid, name, state;
+    stat >> pid >> name >> state;
+    return stat.good() && state != "Z" && state != "X";
+  }
+
   Process& worker(const std::vector<std::string>& servers, const std::string& replica,
                   std::vector<std::string> flags, const std::vector<std::string>& script,
                   const std::string& token = kToken) {

@@ -105,13 +105,6 @@ class Security : public ProcessTest {
     return *io_;
   }
 
-  // Whether the process runs (not exited, not a zombie).
-  static bool running(const Process& process) {
-    std::ifstream stat("/proc/" + std::to_string(process.pid()) + "/stat");
-    std::string pid, name, state;
-    stat >> pid >> name >> state;
-    return stat.good() && state != "Z" && state != "X";
-  }
 
   // A field of /proc/PID/status in kB (VmSize, VmRSS) or as a count (Threads).
   static long status_field(int pid, const std::string& field) {

@@ -76,6 +76,7 @@ std::string machine() {
 
 class Soak : public ProcessTest {
  protected:
+
   // A worker's lines so far (read without waiting, so that no pipe fills up during an hour).
   static void drain(Process& process) { process.read_available(); }
 
@@ -112,9 +113,11 @@ TEST_F(Soak, AnHourOfChurnLeavesNothingBehind) {
     }
     return script;
   };
+  // Longer than the soak (each step sleeps at least 500 ms): a script that ran out would leave a
+  // process that no longer does anything, and its flat figures would prove nothing.
   auto rollout_script = [&] {
     std::vector<std::string> script;
-    for (int i = 0; i < seconds; ++i) script.insert(script.end(), {"update:latest", "verify", "sleep:500"});
+    for (int i = 0; i < 2 * seconds; ++i) script.insert(script.end(), {"update:latest", "verify", "sleep:500"});
     return script;
   };
   std::uint64_t trainer_incarnation = 1;
@@ -233,6 +236,9 @@ TEST_F(Soak, AnHourOfChurnLeavesNothingBehind) {
   std::ofstream(report_path) << report.str();
   std::cout << report.str().substr(0, 600) << "\n";
 
+  for (const auto& [who, process] : {std::pair{"trainer", trainer}, {"steady", steady}}) {
+    EXPECT_TRUE(running(*process)) << who << " is no longer running at the end: its figures prove nothing";
+  }
   EXPECT_EQ(verify_failures, 0);
   EXPECT_GE(last_published, static_cast<std::uint64_t>(seconds / 10)) << "versions stopped coming";
   EXPECT_GE(updated, seconds / 10) << "transfers stopped succeeding";

@@ -33,6 +33,7 @@
 #include "net/data_plane.h"
 #include "net/event_loop.h"
 #include "net/heartbeat.h"
+#include "net/tls.h"
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -105,6 +106,9 @@ Status validate(const ClientOptions& options) {
   }
   if (options.server_timeout_ms < 0 || options.server_timeout_ms > kDataTimeoutMaxMs) {
     return make_error(Errc::kInvalidArgument, "server_timeout_ms must be in 0..600000 (0: from the server's heartbeat timeout)");
+  }
+  if (options.tls_ca_file.empty() && !options.tls_server_name.empty()) {
+    return make_error(Errc::kInvalidArgument, "tls_server_name needs tls_ca_file (TLS is off without a CA file)");
   }
   // A chunk is one response of the peer's data server.
   const std::uint64_t chunk_bytes_max = net::DataServerConfig{}.response_bytes_max;
@@ -292,6 +296,9 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   const kj::Executor* executor_ = nullptr;
   kj::Own<kj::PromiseFulfiller<void>> stop_;
   kj::TaskSet* tasks_ = nullptr;
+  // Set when options_.tls_ca_file is: every control connection is wrapped in TLS. Declared before
+  // links_ so that it outlives their streams.
+  std::unique_ptr<kj::TlsContext> tls_;
   std::map<std::uint32_t, std::unique_ptr<Link>> links_;
   std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
   std::uint64_t next_generation_ = 1;
@@ -351,6 +358,9 @@ struct Handle::Impl::Link {
   std::uint32_t server = 0;
   std::uint64_t generation = 0;
   kj::Own<kj::AsyncIoStream> stream;
+  // The server's address as the socket reached it (heartbeat datagrams go there): read before TLS
+  // wraps the socket, since a TLS stream has no address.
+  std::optional<sockaddr_storage> peer;
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<wire::Session::Client> session;
   std::vector<net::ToHubMessage> queue;
@@ -418,6 +428,11 @@ void Handle::Impl::log(const std::string& line) const {
 }
 
 Status Handle::Impl::start() {
+  if (!options_.tls_ca_file.empty()) {
+    auto tls = net::make_client_tls(options_.tls_ca_file);
+    if (!tls.ok()) return tls.error();
+    tls_ = std::move(tls).value();
+  }
   try {
     net::DataServerConfig data;
     data.listen = net::parse_endpoint(options_.data_listen);
@@ -588,6 +603,20 @@ void Handle::Impl::connect(std::uint32_t server) {
           .afterDelay(delay_ms * kj::MILLISECONDS)
           .then([this, address] { return loop_->io().getNetwork().parseAddress(address); })
           .then([](kj::Own<kj::NetworkAddress> resolved) { return resolved->connect().attach(kj::mv(resolved)); })
+          .then([this, address, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<kj::Own<kj::AsyncIoStream>> {
+            if (Link* link = find_link(); link != nullptr) {
+              sockaddr_storage peer{};
+              kj::uint length = sizeof peer;
+              try {
+                stream->getpeername(reinterpret_cast<sockaddr*>(&peer), &length);
+                link->peer = peer;
+              } catch (const kj::Exception&) {
+                // No address (not a socket): heartbeats go as calls.
+              }
+            }
+            if (tls_ == nullptr) return kj::mv(stream);
+            return tls_->wrapClient(kj::mv(stream), net::tls_server_name(address, options_.tls_server_name));
+          })
           .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
             Link* link = find_link();
             if (link == nullptr) return kj::READY_NOW;
@@ -618,17 +647,12 @@ void Handle::Impl::connect(std::uint32_t server) {
                 server_heartbeat_timeout_ms_.store(response.getHeartbeatTimeoutMs());
               }
               const auto channel = response.getHeartbeats();
-              if (channel.getPort() == 0 || channel.getSecret() == 0) return;
+              if (channel.getPort() == 0 || channel.getSecret() == 0 || !connected_link->peer) return;
               try {
-                sockaddr_storage peer{};
-                kj::uint length = sizeof peer;
-                connected_link->stream->getpeername(reinterpret_cast<sockaddr*>(&peer), &length);
-                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(peer, channel.getPort());
+                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(*connected_link->peer, channel.getPort());
                 connected_link->heartbeat_secret = channel.getSecret();
               } catch (const net::SocketError& error) {
                 log(std::string("heartbeats go as calls: ") + error.what());
-              } catch (const kj::Exception& error) {
-                log(std::string("heartbeats go as calls: ") + error.getDescription().cStr());
               }
             });
           })
@@ -636,6 +660,9 @@ void Handle::Impl::connect(std::uint32_t server) {
             const std::string why = exception.getDescription().cStr();
             if (why.find("wrong cluster token") != std::string::npos) {
               fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
+            } else if (tls_ != nullptr && net::is_certificate_refusal(why)) {
+              // A wrong CA file or server name, or an impostor: retrying cannot help.
+              fail_everything(make_error(Errc::kPermissionDenied, "server " + address + ": TLS: " + why));
             }
             // (Refused because another connection holds our id with another secret: someone else
             // uses it. Retried with backoff like any lost server; it succeeds once that one is gone.)

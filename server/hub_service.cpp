@@ -140,7 +140,8 @@ struct HubService::Connection {
   std::uint64_t id = 0;
   std::string peer = "?";  // the address it connects from
   std::string name = "?";  // what the client calls itself (logs only; sanitised, once authenticated)
-  kj::Own<kj::AsyncIoStream> stream;
+  kj::Own<kj::AsyncIoStream> stream;  // null while the TLS handshake runs
+  kj::Maybe<kj::Promise<void>> handshake;  // the TLS handshake (cancelled if the connection goes first)
   kj::Own<net::FairMessageStream> messages;
   kj::Own<capnp::TwoPartyVatNetwork> network;
   kj::Own<capnp::RpcSystem<capnp::rpc::twoparty::VatId>> rpc;
@@ -396,21 +397,44 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   if (unauthenticated_count_ >= config_.unauthenticated_max) shed_oldest_unauthenticated();
   auto connection = std::make_unique<Connection>();
   connection->id = next_connection_id_++;
-  connection->peer = peer_of(*stream);
+  connection->peer = peer_of(*stream);  // before TLS wraps the socket: a TLS stream has no address
   connection->accepted_ms = connection->active_ms = now_ms();
-  connection->stream = kj::mv(stream);
-  connection->messages = kj::heap<net::FairMessageStream>(*connection->stream, turn_gate_,
-                                                          config_.messages_per_turn);
-  connection->messages->set_message_words_max(config_.unauthenticated_message_words_max);
-  connection->messages->set_messages_max(config_.unauthenticated_messages_max);
-  connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->messages, capnp::rpc::twoparty::Side::SERVER);
-  connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network,
-                                                  kj::heap<HubImpl>(*this, connection->id)));
   const std::uint64_t id = connection->id;
-  tasks_.add(connection->network->onDisconnect().then([this, id] { on_disconnect(id); }));
-  connections_.emplace(id, std::move(connection));
+  Connection& added = *connections_.emplace(id, std::move(connection)).first->second;
   unauthenticated_.push_back(id);
   ++unauthenticated_count_;
+  if (tls_ == nullptr) {
+    start_rpc(added, kj::mv(stream));
+    return;
+  }
+  added.handshake = tls_->wrapServer(kj::mv(stream))
+                        .then(
+                            [this, id](kj::Own<kj::AsyncIoStream> secure) {
+                              auto found = connections_.find(id);
+                              if (found != connections_.end()) start_rpc(*found->second, kj::mv(secure));
+                            },
+                            [this, id](kj::Exception&& exception) {
+                              // Scanners, clear-text clients and wrong certificates: an attacker's to
+                              // provoke at will, so summarised.
+                              auto found = connections_.find(id);
+                              const std::string from = found != connections_.end() ? found->second->peer : "?";
+                              log_summarised(tls_failures_log_, LogLevel::kWarn, "TLS handshake(s) failed",
+                                             "from " + from + ": " + sanitised(exception.getDescription().cStr()));
+                              close_connection(id, "TLS handshake failed");
+                            })
+                        .eagerlyEvaluate(nullptr);
+}
+
+void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream) {
+  TH_ASSERT(connection.stream.get() == nullptr && connection.rpc.get() == nullptr);
+  connection.stream = kj::mv(stream);
+  connection.messages = kj::heap<net::FairMessageStream>(*connection.stream, turn_gate_, config_.messages_per_turn);
+  connection.messages->set_message_words_max(config_.unauthenticated_message_words_max);
+  connection.messages->set_messages_max(config_.unauthenticated_messages_max);
+  connection.network = kj::heap<capnp::TwoPartyVatNetwork>(*connection.messages, capnp::rpc::twoparty::Side::SERVER);
+  connection.rpc = kj::heap(capnp::makeRpcServer(*connection.network, kj::heap<HubImpl>(*this, connection.id)));
+  const std::uint64_t id = connection.id;
+  tasks_.add(connection.network->onDisconnect().then([this, id] { on_disconnect(id); }));
 }
 
 void HubService::on_disconnect(std::uint64_t connection_id) {
@@ -465,7 +489,7 @@ void HubService::sweep_connections() {
   swept_ms_ = now;
   std::vector<std::pair<std::uint64_t, std::string>> expired;
   for (auto& [id, connection] : connections_) {
-    if (connection->messages->messages_read() != connection->messages_seen) {
+    if (connection->messages.get() != nullptr && connection->messages->messages_read() != connection->messages_seen) {
       connection->messages_seen = connection->messages->messages_read();
       connection->active_ms = now;
     }

@@ -20,6 +20,7 @@
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
 #include <kj/async-unix.h>
+#include <kj/compat/tls.h>
 
 #include <chrono>
 #include <cstdint>
@@ -79,6 +80,10 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Takes heartbeats as datagrams from `receiver` too, and offers its port to every connection.
   // Call before serve(); without it, clients send heartbeats as calls.
   void serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::HeartbeatReceiver> receiver);
+  // Wraps every accepted connection in TLS with `tls` (which must outlive the service); the
+  // handshake counts as part of authentication (the auth deadline and the unauthenticated limit
+  // bound it). Call before serve().
+  void use_tls(kj::TlsContext& tls) { tls_ = &tls; }
 
 
  private:
@@ -95,6 +100,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Whether the connection's clients may stop sending heartbeats as calls (Session.send's reply).
   bool heartbeat_datagrams_heard(const Connection& connection) const;
   void on_connection(kj::Own<kj::AsyncIoStream> stream);
+  // Starts the RPC system of a connection on its (clear or TLS) stream.
+  void start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream);
   void on_disconnect(std::uint64_t connection_id);
   // Closes a connection the server gives up on (its client, if any, is lost to the Hub).
   void close_connection(std::uint64_t connection_id, const std::string& why);
@@ -145,6 +152,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogSummary accept_errors_log_;
   LogSummary foreign_messages_log_;
   LogSummary claims_refused_log_;
+  LogSummary tls_failures_log_;
+  kj::TlsContext* tls_ = nullptr;  // owned by whoever called use_tls
 
   std::uint64_t next_connection_id_ = 1;
   std::deque<std::uint64_t> unauthenticated_;  // in accept order; closed or authenticated ones linger

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "net/event_loop.h"
+#include "net/tls.h"
 #include "net/token.h"
 #include "server/hub_service.h"
 
@@ -52,6 +53,18 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", token_file, "File holding the cluster token clients must present")
       ->required()
       ->check(CLI::ExistingFile);
+  std::string tls_certificate_file;
+  std::string tls_key_file;
+  auto* tls_certificate_option =
+      app.add_option("--tls-cert", tls_certificate_file,
+                     "TLS on every control connection: this PEM certificate (chain), presented to clients "
+                     "(who check it against their CA file); needs --tls-key. Without it, control "
+                     "connections are clear text (see the README's trust model)")
+          ->check(CLI::ExistingFile);
+  auto* tls_key_option = app.add_option("--tls-key", tls_key_file, "The PEM private key of --tls-cert (unencrypted)")
+                             ->check(CLI::ExistingFile);
+  tls_certificate_option->needs(tls_key_option);
+  tls_key_option->needs(tls_certificate_option);
   app.add_option("--heartbeat-timeout-ms", config.hub.heartbeat_timeout_ms,
                  "Evict a client not heard from for this long")
       ->capture_default_str();
@@ -130,10 +143,22 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  std::unique_ptr<kj::TlsContext> tls;
+  if (!tls_certificate_file.empty()) {
+    auto made = th::net::make_server_tls(tls_certificate_file, tls_key_file);
+    if (!made.ok()) {
+      std::cerr << "th-server: " << made.error().detail << "\n";
+      return 2;
+    }
+    tls = std::move(made).value();
+    std::cerr << "th-server: control connections use TLS with the certificate " << tls_certificate_file << "\n";
+  }
+
   kj::UnixEventPort::captureSignal(SIGINT);
   kj::UnixEventPort::captureSignal(SIGTERM);
   th::net::IoLoop loop(turns_per_poll);
   th::server::HubService service(config, loop.timer(), *log_level);
+  if (tls != nullptr) service.use_tls(*tls);
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());
     auto listener = address->listen();

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "net/tensorhub.capnp.h"
+#include "net/tls.h"
 #include "net/token.h"
 #include "net/wire.h"
 
@@ -61,7 +62,25 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_filter, "only this model");
   app.add_flag("--watch", watch, "refresh until interrupted");
   app.add_option("--interval-ms", interval_ms, "refresh interval for --watch")->capture_default_str()->check(CLI::Range(100, 3'600'000));
+  std::string tls_ca_file;
+  std::string tls_server_name;
+  auto* tls_ca_option = app.add_option("--tls-ca", tls_ca_file,
+                                       "Speak TLS to a th-server run with --tls-cert: its certificate must chain "
+                                       "to a CA in this PEM file")
+                            ->check(CLI::ExistingFile);
+  app.add_option("--tls-server-name", tls_server_name,
+                 "The name the server's certificate must carry (default: the host of --server)")
+      ->needs(tls_ca_option);
   CLI11_PARSE(app, argc, argv);
+  std::unique_ptr<kj::TlsContext> tls;
+  if (!tls_ca_file.empty()) {
+    auto made = th::net::make_client_tls(tls_ca_file);
+    if (!made.ok()) {
+      std::cerr << "th-ctl: " << made.error().detail << "\n";
+      return 2;
+    }
+    tls = std::move(made).value();
+  }
   const auto token_read = th::net::read_token_file(token_file);
   if (!token_read.ok()) {
     std::cerr << "th-ctl: " << token_read.error().detail << "\n";
@@ -72,6 +91,9 @@ int main(int argc, char** argv) {
   try {
     auto io = kj::setupAsyncIo();
     auto stream = io.provider->getNetwork().parseAddress(server).wait(io.waitScope)->connect().wait(io.waitScope);
+    if (tls != nullptr) {
+      stream = tls->wrapClient(kj::mv(stream), th::net::tls_server_name(server, tls_server_name)).wait(io.waitScope);
+    }
     capnp::TwoPartyClient rpc(*stream);
     auto hub = rpc.bootstrap().castAs<th::wire::Hub>();
     for (;;) {

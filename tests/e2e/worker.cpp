@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
   app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
+  app.add_option("--tls-ca", options.tls_ca_file, "TLS to the server: trust this CA file");
+  app.add_option("--tls-server-name", options.tls_server_name, "TLS: the name the server's certificate carries");
   app.add_option("script", script, "commands")->required();
   options.model = "e2e";
   CLI11_PARSE(app, argc, argv);

@@ -67,6 +67,12 @@ struct ClientOptions {
   // and fails over as if it had closed (a stopped server keeps its TCP connections open). 0: twice
   // the server's heartbeat timeout, or 20 s before it is known.
   TimeMs server_timeout_ms = 0;
+  // TLS on the control connection (th-server --tls-cert/--tls-key): the server's certificate must
+  // chain to a CA of this PEM file and carry `tls_server_name` (default: the host of the server's
+  // address; a server reached by IP address needs the certificate's DNS name here). Empty: clear
+  // text. A certificate that fails the check fails open() with kPermissionDenied, like a wrong token.
+  std::string tls_ca_file;
+  std::string tls_server_name;
 };
 
 struct ReplicateInfo {

@@ -367,7 +367,8 @@ struct Handle::Impl::Link {
   std::uint32_t sends_in_flight = 0;
   // Heartbeats as datagrams (net/heartbeat.h), once the server offered a channel at connect.
   std::unique_ptr<net::HeartbeatSender> heartbeats;
-  std::uint64_t heartbeat_secret = 0;
+  net::HeartbeatKey heartbeat_key{};
+  std::uint64_t heartbeat_count = 0;  // of the last datagram sent (the server refuses counts it saw)
   // The server's last Session.send reply said it hears them: heartbeats stop going as calls.
   bool heartbeat_datagrams_heard = false;
   // A server that is alive answers; one that hangs (stopped, swapping, wedged) keeps the TCP
@@ -577,7 +578,7 @@ void Handle::Impl::send_to(std::uint32_t server, net::ToHubMessage message) {
   if (const auto* report = std::get_if<Report>(&message);
       report != nullptr && std::holds_alternative<Heartbeat>(report->body) && link.heartbeats != nullptr) {
     // Also as a call until the server says it hears the datagrams (they may be filtered on the way).
-    link.heartbeats->send({report->client, report->session, link.heartbeat_secret});
+    link.heartbeats->send(net::seal(report->client, report->session, ++link.heartbeat_count, link.heartbeat_key));
     if (link.heartbeat_datagrams_heard) return;
   }
   link.queue.push_back(std::move(message));
@@ -647,10 +648,11 @@ void Handle::Impl::connect(std::uint32_t server) {
                 server_heartbeat_timeout_ms_.store(response.getHeartbeatTimeoutMs());
               }
               const auto channel = response.getHeartbeats();
-              if (channel.getPort() == 0 || channel.getSecret() == 0 || !connected_link->peer) return;
+              const auto key = net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
+              if (channel.getPort() == 0 || !key || !connected_link->peer) return;
               try {
                 connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(*connected_link->peer, channel.getPort());
-                connected_link->heartbeat_secret = channel.getSecret();
+                connected_link->heartbeat_key = *key;
               } catch (const net::SocketError& error) {
                 log(std::string("heartbeats go as calls: ") + error.what());
               }

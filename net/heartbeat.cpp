@@ -12,7 +12,7 @@ namespace th::net {
 namespace {
 
 constexpr std::array<std::byte, 4> kMagic{std::byte{'T'}, std::byte{'H'}, std::byte{'H'}, std::byte{'B'}};
-constexpr std::uint32_t kFormatVersion = 1;
+constexpr std::uint32_t kFormatVersion = 2;  // 1 carried the key itself
 
 void put(std::byte* at, std::uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) at[i] = static_cast<std::byte>((value >> (8 * i)) & 0xff);
@@ -30,7 +30,39 @@ Fd udp_socket(const addrinfo& info) {
   return socket;
 }
 
+std::array<std::uint64_t, 2> mac_of(ClientId client, std::uint64_t session, std::uint64_t count, const HeartbeatKey& key) {
+  std::array<std::byte, 24> message;
+  put(message.data(), client, 8);
+  put(message.data() + 8, session, 8);
+  put(message.data() + 16, count, 8);
+  return siphash128(key, {reinterpret_cast<const std::uint8_t*>(message.data()), message.size()});
+}
+
 }  // namespace
+
+HeartbeatDatagram seal(ClientId client, std::uint64_t session, std::uint64_t count, const HeartbeatKey& key) {
+  return HeartbeatDatagram{client, session, count, mac_of(client, session, count, key)};
+}
+
+bool authentic(const HeartbeatDatagram& datagram, const HeartbeatKey& key) {
+  const auto expected = mac_of(datagram.client, datagram.session, datagram.count, key);
+  // Constant time: how much of a forged MAC matched must not show in the time the check takes.
+  const std::uint64_t difference = (expected[0] ^ datagram.mac[0]) | (expected[1] ^ datagram.mac[1]);
+  return difference == 0;
+}
+
+std::array<std::uint8_t, 16> key_bytes(const HeartbeatKey& key) {
+  std::array<std::uint8_t, 16> bytes;
+  put(reinterpret_cast<std::byte*>(bytes.data()), key[0], 8);
+  put(reinterpret_cast<std::byte*>(bytes.data()) + 8, key[1], 8);
+  return bytes;
+}
+
+std::optional<HeartbeatKey> key_from_bytes(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() != 16) return std::nullopt;
+  const auto* at = reinterpret_cast<const std::byte*>(bytes.data());
+  return HeartbeatKey{get(at, 8), get(at + 8, 8)};
+}
 
 HeartbeatBytes encode(const HeartbeatDatagram& datagram) {
   HeartbeatBytes bytes{};
@@ -38,7 +70,9 @@ HeartbeatBytes encode(const HeartbeatDatagram& datagram) {
   put(bytes.data() + 4, kFormatVersion, 4);
   put(bytes.data() + 8, datagram.client, 8);
   put(bytes.data() + 16, datagram.session, 8);
-  put(bytes.data() + 24, datagram.secret, 8);
+  put(bytes.data() + 24, datagram.count, 8);
+  put(bytes.data() + 32, datagram.mac[0], 8);
+  put(bytes.data() + 40, datagram.mac[1], 8);
   return bytes;
 }
 
@@ -49,8 +83,9 @@ std::optional<HeartbeatDatagram> decode_heartbeat(std::span<const std::byte> byt
   HeartbeatDatagram datagram;
   datagram.client = get(bytes.data() + 8, 8);
   datagram.session = get(bytes.data() + 16, 8);
-  datagram.secret = get(bytes.data() + 24, 8);
-  if (datagram.secret == 0) return std::nullopt;  // 0 is "no channel": never a real secret
+  datagram.count = get(bytes.data() + 24, 8);
+  datagram.mac = {get(bytes.data() + 32, 8), get(bytes.data() + 40, 8)};
+  if (datagram.count == 0) return std::nullopt;  // counts start at 1
   return datagram;
 }
 

@@ -5,9 +5,11 @@
 // beating once a second took 58% of a core (bench/results/heartbeats-*.md). As datagrams, read in
 // batches with recvmmsg, they cost about a microsecond each.
 //
-// A datagram carries the client id, its session, and the secret the server gave the client's
-// connection at connect (after the cluster token was checked): the server accepts it only from a
-// client bound to the connection that holds that secret. Datagrams can be lost; a client keeps
+// A datagram names its client and session, carries a count that only goes up, and is sealed with
+// a MAC (SipHash-2-4) under a 128-bit key the server gave the client's connection at connect, after
+// the cluster token was checked, over the control connection (TLS when th-server has a
+// certificate). The key never crosses the network in clear: a forged datagram fails the MAC, and a
+// replayed one carries a count the server has seen already. Datagrams can be lost; a client keeps
 // sending heartbeats as calls until the server says it hears the datagrams (Session.send's reply),
 // and goes back to calls when it stops saying so (see client/handle.cpp).
 #pragma once
@@ -21,24 +23,37 @@
 
 #include <sys/socket.h>
 
+#include "core/siphash.h"
 #include "core/types.h"
 #include "net/socket.h"
 
 namespace th::net {
 
+using HeartbeatKey = SipKey;
+
 struct HeartbeatDatagram {
   ClientId client = 0;
   std::uint64_t session = 0;
-  std::uint64_t secret = 0;
+  std::uint64_t count = 0;                // > every count the server has accepted from the connection
+  std::array<std::uint64_t, 2> mac{};     // SipHash-2-4-128 of (client, session, count) under the key
   bool operator==(const HeartbeatDatagram&) const = default;
 };
 
-// "THHB", format version, client, session, secret; integers little-endian.
-inline constexpr std::size_t kHeartbeatDatagramBytes = 32;
+// "THHB", format version 2, client, session, count, MAC; integers little-endian.
+inline constexpr std::size_t kHeartbeatDatagramBytes = 48;
 using HeartbeatBytes = std::array<std::byte, kHeartbeatDatagramBytes>;
 
+// The datagram of (client, session, count), sealed under `key`.
+HeartbeatDatagram seal(ClientId client, std::uint64_t session, std::uint64_t count, const HeartbeatKey& key);
+// Whether the MAC is the one `key` gives (compared in constant time).
+bool authentic(const HeartbeatDatagram& datagram, const HeartbeatKey& key);
+// The key as the 16 bytes the control connection carries (little-endian words), and back (nothing
+// unless exactly 16 bytes).
+std::array<std::uint8_t, 16> key_bytes(const HeartbeatKey& key);
+std::optional<HeartbeatKey> key_from_bytes(std::span<const std::uint8_t> bytes);
 HeartbeatBytes encode(const HeartbeatDatagram& datagram);
-// Nothing for anything that is not exactly one well-formed datagram of this format.
+// Nothing for anything that is not exactly one well-formed datagram of this format (the MAC is
+// checked by whoever knows the key: authentic()).
 std::optional<HeartbeatDatagram> decode_heartbeat(std::span<const std::byte> bytes);
 
 // th-server's end: a UDP socket bound to the control port's address, read without blocking.

@@ -241,7 +241,8 @@ interface Session {
 # call costs the server ~60 us of CPU, a datagram ~1 us. port 0: the server takes calls only.
 struct HeartbeatChannel {
   port @0 :UInt16;     # UDP, on the host the client connected to
-  secret @1 :UInt64;   # proves a datagram comes from this connection's clients
+  secret @1 :UInt64;   # unused since key (format 1 sent it in clear in every datagram)
+  key @2 :Data;        # 16 bytes: the SipHash key that seals this connection's datagrams
 }
 
 # What th-ctl shows: counters of the server since it started.

@@ -120,13 +120,14 @@ std::string peer_of(kj::AsyncIoStream& stream) {
   return std::string(host) + ":" + std::to_string(port);
 }
 
-// A connection's heartbeat secret: unpredictable to other peers, never 0 (0 means "no channel").
-std::uint64_t new_secret() {
-  static std::random_device device;  // the kernel's getrandom
-  std::uint64_t secret = 0;
-  while (secret == 0) secret = (static_cast<std::uint64_t>(device()) << 32) | device();
-  return secret;
+// 64 bits from the kernel's getrandom: keys and id bases, unpredictable to peers.
+std::uint64_t random_word() {
+  static std::random_device device;
+  return (static_cast<std::uint64_t>(device()) << 32) | device();
 }
+
+// A connection's heartbeat key.
+net::HeartbeatKey new_heartbeat_key() { return {random_word(), random_word()}; }
 
 ClientId client_of(const net::ToHubMessage& message) {
   return std::visit([](const auto& m) { return m.client; }, message);
@@ -155,7 +156,8 @@ struct HubService::Connection {
   std::string client_secret;           // what the client proved it with
   std::vector<Effect> backlog;         // effects not yet handed to deliver()
   std::uint32_t delivers_in_flight = 0;
-  std::uint64_t heartbeat_secret = 0;        // 0: no datagram channel
+  std::optional<net::HeartbeatKey> heartbeat_key;  // none: no datagram channel
+  std::uint64_t heartbeat_count = 0;               // the highest count accepted (replays are refused)
   std::optional<TimeMs> heartbeat_datagram_ms;  // when the last datagram of its clients came
 
   std::string describe() const { return "connection " + std::to_string(id) + " (" + name + " from " + peer + ")"; }
@@ -211,10 +213,12 @@ class HubService::HubImpl final : public wire::Hub::Server {
     results.setSession(kj::heap<SessionImpl>(service_, connection_));
     results.setHeartbeatTimeoutMs(service_.config_.hub.heartbeat_timeout_ms);
     if (service_.heartbeat_receiver_ != nullptr) {
-      connection.heartbeat_secret = new_secret();
+      connection.heartbeat_key = new_heartbeat_key();
+      connection.heartbeat_count = 0;
       auto channel = results.initHeartbeats();
       channel.setPort(service_.heartbeat_receiver_->port());
-      channel.setSecret(connection.heartbeat_secret);
+      const auto key = net::key_bytes(*connection.heartbeat_key);
+      channel.setKey(kj::arrayPtr(key.data(), key.size()));
     }
     return kj::READY_NOW;
   }
@@ -263,8 +267,8 @@ namespace {
 // never hands out ids its predecessor used (a late instruction of the old server would pass for a
 // new one) and ids reveal nothing about how many there were.
 ServiceConfig with_server_secrets(ServiceConfig config) {
-  config.hub.grant_secret_key = {new_secret(), new_secret()};
-  config.hub.id_base = (new_secret() % (kIdBaseMax >> 32)) << 32;  // 2^32 ids before the next base
+  config.hub.grant_secret_key = {random_word(), random_word()};
+  config.hub.id_base = (random_word() % (kIdBaseMax >> 32)) << 32;  // 2^32 ids before the next base
   return config;
 }
 
@@ -334,7 +338,8 @@ kj::Promise<void> HubService::heartbeat_loop() {
 void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
   auto bound = client_connection_.find(datagram.client);
   Connection* connection = bound != client_connection_.end() ? connections_.at(bound->second).get() : nullptr;
-  if (connection == nullptr || connection->heartbeat_secret != datagram.secret) {
+  if (connection == nullptr || !connection->heartbeat_key || datagram.count <= connection->heartbeat_count ||
+      !net::authentic(datagram, *connection->heartbeat_key)) {
     // Not proof of an attack (a datagram can outlive its connection); logged in summary, since
     // a flood of them must not flood the log.
     ++heartbeat_datagrams_refused_;
@@ -342,7 +347,7 @@ void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
     const TimeMs now = now_ms();
     if (now - heartbeat_refusal_logged_ms_ >= 10'000) {
       log(LogLevel::kWarn, "refused " + std::to_string(heartbeat_refusals_unlogged_) +
-                               " heartbeat datagram(s) (unknown client or wrong secret), the last for client " +
+                               " heartbeat datagram(s) (unknown client, wrong MAC or a count seen before), the last for client " +
                                std::to_string(datagram.client));
       heartbeat_refusals_unlogged_ = 0;
       heartbeat_refusal_logged_ms_ = now;
@@ -350,6 +355,7 @@ void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
     return;
   }
   ++heartbeat_datagrams_;
+  connection->heartbeat_count = datagram.count;
   connection->heartbeat_datagram_ms = now_ms();
   feed(Report{datagram.client, Heartbeat{}, datagram.session});
 }

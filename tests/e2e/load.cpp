@@ -15,6 +15,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "net/heartbeat.h"
@@ -34,7 +35,8 @@ struct Client {
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<th::wire::Session::Client> session;
   std::uint64_t id = 0;
-  std::uint64_t heartbeat_secret = 0;  // 0: the server offered no datagram channel
+  std::optional<th::net::HeartbeatKey> heartbeat_key;  // none: the server offered no datagram channel
+  std::uint64_t heartbeat_count = 0;
   bool heartbeat_datagrams_heard = false;
 };
 
@@ -95,8 +97,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<th::net::HeartbeatSender> datagrams;
   std::function<kj::Promise<void>(Client&, unsigned)> heartbeats = [&](Client& client, unsigned delay_ms) {
     return io.provider->getTimer().afterDelay(delay_ms * kj::MILLISECONDS).then([&]() -> kj::Promise<void> {
-      if (datagrams != nullptr && client.heartbeat_secret != 0) {
-        if (datagrams->send({client.id, 1, client.heartbeat_secret})) ++calls;
+      if (datagrams != nullptr && client.heartbeat_key) {
+        if (datagrams->send(th::net::seal(client.id, 1, ++client.heartbeat_count, *client.heartbeat_key))) ++calls;
       }
       KJ_IF_MAYBE(session, client.session) {
         if (!client.heartbeat_datagrams_heard) {
@@ -134,7 +136,7 @@ int main(int argc, char** argv) {
       ref.session = response.getSession();
       const auto channel = response.getHeartbeats();
       if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
-        ref.heartbeat_secret = channel.getSecret();
+        ref.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
         if (datagrams == nullptr) {
           datagrams = std::make_unique<th::net::HeartbeatSender>(
               th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});

@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
                                   th::Effect{7, th::ServeRead{9, 1, 3, th::CopyKind::kOffload, 0, "r", {3, 4}}, 1});
   write_message<th::wire::Effect>(wire / "reply", th::Effect{7, th::Reply{2, th::UpdateOk{th::UpdateStatus::kUpdated, 3, "t"}}, 1});
 
-  const auto beat = th::net::encode(th::net::HeartbeatDatagram{7, 1, 0xfeed});
+  const auto beat = th::net::encode(th::net::seal(7, 1, 1, th::net::HeartbeatKey{1, 2}));  // fuzz_heartbeat's key
   write(root / "fuzz_heartbeat" / "beat", beat.data(), beat.size());
 
   // Data-plane request frames (net/data_plane.cpp): magic "TDP2", epoch, transfer, region, wait,

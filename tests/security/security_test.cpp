@@ -22,6 +22,7 @@
 
 #include "security_fixture.h"
 #include "net/data_plane.h"
+#include "net/heartbeat.h"
 #include "net/socket.h"
 #include "net/tensorhub.capnp.h"
 #include "net/wire.h"
@@ -62,6 +63,9 @@ class RpcClient {
     try {
       auto response = request.send().wait(io_.waitScope);
       session_ = response.getSession();
+      const auto channel = response.getHeartbeats();
+      heartbeat_port_ = channel.getPort();
+      heartbeat_key_ = net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
       return "";
     } catch (const kj::Exception& exception) {
       return exception.getDescription().cStr();
@@ -70,6 +74,10 @@ class RpcClient {
 
   // Asks for the server's bootstrap capability and drops it (one message each way).
   void bootstrap_only() { (void)rpc_->bootstrap(); }
+
+  // The datagram channel the server offered at connect (port 0: none).
+  std::uint16_t heartbeat_port() const { return heartbeat_port_; }
+  std::optional<net::HeartbeatKey> heartbeat_key() const { return heartbeat_key_; }
 
   // Sends one heartbeat report naming `client` on the session; "" when the server took it.
   std::string heartbeat(ClientId client) {
@@ -92,6 +100,8 @@ class RpcClient {
   kj::Own<kj::AsyncIoStream> stream_;
   kj::Own<capnp::TwoPartyClient> rpc_;
   kj::Maybe<wire::Session::Client> session_;
+  std::uint16_t heartbeat_port_ = 0;
+  std::optional<net::HeartbeatKey> heartbeat_key_;
 };
 
 
@@ -452,6 +462,37 @@ TEST_F(Security, AResumeWithALargeLayoutPassesThePreAuthenticationLimit) {
   Process& rollout = worker({backup}, "rollout", model, {"replicate:latest", "verify"});
   EXPECT_EQ(expect(rollout, "replicate "), "replicate ok 1 from trainer");
   EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
+}
+
+// Item 7's other half: heartbeat datagrams used to carry the connection's secret in clear text, so
+// whoever saw one could beat for that client for ever (TLS on the control connection could not
+// help). Now they are sealed with a key that travels only on the control connection, and each
+// count is taken once.
+TEST_F(Security, HeartbeatDatagramsCannotBeForgedOrReplayed) {
+  const std::string server = start_server();
+  RpcClient client(io(), server);
+  ASSERT_EQ(client.connect(kToken, 77, secret_of('a')), "");
+  ASSERT_NE(client.heartbeat_port(), 0);
+  ASSERT_TRUE(client.heartbeat_key().has_value());
+  const net::HeartbeatKey key = *client.heartbeat_key();
+  net::HeartbeatSender sender(net::Endpoint{"127.0.0.1", client.heartbeat_port()});
+  const net::HeartbeatDatagram beat = net::seal(77, 0, 1, key);
+  ASSERT_TRUE(sender.send(beat));                                                  // taken
+  ASSERT_TRUE(sender.send(beat));                                                  // a replay
+  ASSERT_TRUE(sender.send(net::seal(77, 0, 2, net::HeartbeatKey{key[0], key[1] ^ 1})));  // a guessed key
+  net::HeartbeatDatagram moved = net::seal(77, 0, 3, key);
+  moved.client = 78;                                                               // for another client
+  ASSERT_TRUE(sender.send(moved));
+  ASSERT_TRUE(sender.send(net::seal(77, 0, 4, key)));                              // taken
+  // th-ctl shows the server's counts; datagrams on loopback arrive, but not at once.
+  std::string counts;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    const std::string listing = ctl(server);
+    counts = listing.substr(listing.find("heartbeats: "), listing.find(" as calls") - listing.find("heartbeats: "));
+    if (counts.find("heartbeats: 2 as datagrams (3 refused)") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(counts.rfind("heartbeats: 2 as datagrams (3 refused)", 0), 0u) << counts;
 }
 
 }  // namespace

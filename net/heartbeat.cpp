@@ -103,7 +103,8 @@ HeartbeatReceiver::HeartbeatReceiver(const Endpoint& bind) {
   port_ = local_port(socket_);
 }
 
-std::size_t HeartbeatReceiver::receive(std::vector<HeartbeatDatagram>& out) {
+std::size_t HeartbeatReceiver::receive(std::vector<HeartbeatDatagram>& out, std::size_t max) {
+  TH_ASSERT(max >= 1 && max <= kBatch);
   // One byte more than a datagram, so that a longer one shows as longer rather than truncated.
   std::array<std::array<std::byte, kHeartbeatDatagramBytes + 1>, kBatch> buffers;
   std::array<iovec, kBatch> vectors;
@@ -113,7 +114,7 @@ std::size_t HeartbeatReceiver::receive(std::vector<HeartbeatDatagram>& out) {
     headers[i].msg_hdr.msg_iov = &vectors[i];
     headers[i].msg_hdr.msg_iovlen = 1;
   }
-  const int received = ::recvmmsg(socket_.get(), headers.data(), kBatch, MSG_DONTWAIT, nullptr);
+  const int received = ::recvmmsg(socket_.get(), headers.data(), static_cast<unsigned>(max), MSG_DONTWAIT, nullptr);
   if (received < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
     throw SocketError(std::string("recvmmsg: ") + std::strerror(errno));

@@ -66,9 +66,9 @@ class HeartbeatReceiver {
 
   int fd() const { return socket_.get(); }
   std::uint16_t port() const { return port_; }
-  // Appends up to kBatch well-formed datagrams that have arrived; never blocks. Returns how many
-  // datagrams were read (well-formed or not): 0 means the socket is drained.
-  std::size_t receive(std::vector<HeartbeatDatagram>& out);
+  // Appends up to `max` (at most kBatch) well-formed datagrams that have arrived; never blocks.
+  // Returns how many datagrams were read (well-formed or not): 0 means the socket is drained.
+  std::size_t receive(std::vector<HeartbeatDatagram>& out, std::size_t max = kBatch);
   std::uint64_t malformed() const { return malformed_; }
 
  private:

@@ -156,6 +156,9 @@ struct HubService::Connection {
   std::string client_secret;           // what the client proved it with
   std::vector<Effect> backlog;         // effects not yet handed to deliver()
   std::uint32_t delivers_in_flight = 0;
+  // The session of the client's last message: an empty Session.send (a quiet client's probe) counts
+  // as a heartbeat of that session, so that a client whose datagrams are lost is not evicted.
+  std::optional<std::uint64_t> client_session;
   std::optional<net::HeartbeatKey> heartbeat_key;  // none: no datagram channel
   std::uint64_t heartbeat_count = 0;               // the highest count accepted (replays are refused)
   std::optional<TimeMs> heartbeat_datagram_ms;  // when the last datagram of its clients came
@@ -176,6 +179,7 @@ class HubService::SessionImpl final : public wire::Session::Server {
     if (messages.size() > net::kMessagesPerCallMax) {
       return KJ_EXCEPTION(FAILED, "invalid-argument: more than kMessagesPerCallMax messages in one call");
     }
+    if (messages.size() == 0) service_.on_probe(*found->second);
     const std::string refused = service_.on_messages(*found->second, messages);
     if (!refused.empty()) return KJ_EXCEPTION(FAILED, "invalid-argument", refused);
     // (Looked up again: feeding the hub may have closed connections.)
@@ -307,19 +311,45 @@ void HubService::serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::
   tasks_.add(heartbeat_loop().catch_([this](kj::Exception&& exception) { stop_on_bug("heartbeat datagrams", exception); }));
 }
 
+std::uint64_t HubService::heartbeat_datagrams_per_s() const {
+  if (config_.heartbeat_datagrams_per_s_max != 0) return config_.heartbeat_datagrams_per_s_max;
+  return std::max<std::uint64_t>(ServiceConfig::kHeartbeatDatagramsPerSecondFloor,
+                                 ServiceConfig::kHeartbeatDatagramsPerConnectionPerSecond * connections_.size());
+}
+
+void HubService::refill_heartbeat_budget() {
+  const TimeMs now = now_ms();
+  const auto per_s = static_cast<double>(heartbeat_datagrams_per_s());
+  heartbeat_budget_ = std::min(per_s, heartbeat_budget_ + per_s * static_cast<double>(now - heartbeat_budget_ms_) / 1000.0);
+  heartbeat_budget_ms_ = now;
+}
+
 kj::Promise<void> HubService::heartbeat_loop() {
   // A few batches, then the other connections' turn (a flood of datagrams must not starve them).
   constexpr int kBatchesPerTurnMax = 4;
+  refill_heartbeat_budget();
   std::size_t read_total = 0;
   for (int batch = 0; batch < kBatchesPerTurnMax; ++batch) {
+    if (heartbeat_budget_ < 1) {
+      // More datagrams than the fleet sends: a flood (or a budget set too low). Leave them to the
+      // kernel for a while; its buffer drops what does not fit.
+      log_summarised(heartbeat_budget_log_, LogLevel::kWarn,
+                     "time(s) heartbeat datagrams came faster than the read budget; the excess was left unread "
+                     "(a flood? see --heartbeat-datagrams-per-s-max)",
+                     std::to_string(heartbeat_datagrams_per_s()) + " a second for " +
+                         std::to_string(connections_.size()) + " connections");
+      return timer_.afterDelay(kHeartbeatGatherMs * kj::MILLISECONDS).then([this] { return heartbeat_loop(); });
+    }
     heartbeat_batch_.clear();
     std::size_t read = 0;
     try {
-      read = heartbeat_receiver_->receive(heartbeat_batch_);
+      read = heartbeat_receiver_->receive(
+          heartbeat_batch_, std::min<std::size_t>(net::HeartbeatReceiver::kBatch, static_cast<std::size_t>(heartbeat_budget_)));
     } catch (const net::SocketError& error) {
       log(LogLevel::kError, std::string("reading heartbeat datagrams: ") + error.what());
       break;
     }
+    heartbeat_budget_ -= static_cast<double>(read);
     read_total += read;
     for (const net::HeartbeatDatagram& datagram : heartbeat_batch_) on_heartbeat_datagram(datagram);
     if (read == 0) {
@@ -356,6 +386,7 @@ void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
   }
   ++heartbeat_datagrams_;
   connection->heartbeat_count = datagram.count;
+  connection->client_session = datagram.session;
   connection->heartbeat_datagram_ms = now_ms();
   feed(Report{datagram.client, Heartbeat{}, datagram.session});
 }
@@ -607,9 +638,11 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
       if (refused.empty()) refused = "a message names client " + std::to_string(client) + ": " + why;
       continue;
     }
-    if (const auto* report = std::get_if<Report>(&decoded.value());
-        report != nullptr && std::holds_alternative<Heartbeat>(report->body)) {
-      ++heartbeat_calls_;
+    if (const auto* report = std::get_if<Report>(&decoded.value())) {
+      if (std::holds_alternative<Heartbeat>(report->body)) ++heartbeat_calls_;
+      connection.client_session = report->session;
+    } else if (const auto* request = std::get_if<Request>(&decoded.value())) {
+      connection.client_session = request->session;
     }
     if (log_level_ >= LogLevel::kDebug) {
       if (const auto* request = std::get_if<Request>(&decoded.value())) {
@@ -622,6 +655,14 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
     std::visit([this](const auto& input) { feed(input); }, std::move(decoded).value());
   }
   return refused;
+}
+
+void HubService::on_probe(Connection& connection) {
+  // The client's I/O thread is alive, which is what a heartbeat says. Its datagrams may be lost on
+  // the way (filtered, or left unread under a flood): this keeps it from being evicted until it
+  // hears so in the reply and beats by calls again.
+  if (connection.client == 0 || !connection.client_session) return;  // nothing opened yet: nothing to keep
+  feed(Report{connection.client, Heartbeat{}, *connection.client_session});
 }
 
 void HubService::feed(const Input& input) {

@@ -59,6 +59,14 @@ struct ServiceConfig {
   // (a live client heartbeats several times per heartbeat timeout). 0: 10 x the heartbeat timeout,
   // at least a minute.
   std::int64_t idle_timeout_ms = 0;
+  // Heartbeat datagrams read per second at most (a burst of one second's worth is allowed): a flood
+  // of UDP datagrams must not take the server's CPU. Past it the socket is left unread (the kernel
+  // drops what does not fit its buffer); clients whose beats are lost stay alive by their calls (a
+  // quiet client probes the server, which counts as a heartbeat) and go back to heartbeat calls.
+  // 0: kHeartbeatDatagramsPerConnectionPerSecond per connection, at least kHeartbeatDatagramsPerSecondFloor.
+  std::uint64_t heartbeat_datagrams_per_s_max = 0;
+  static constexpr std::uint64_t kHeartbeatDatagramsPerConnectionPerSecond = 8;  // libthclient beats once a second
+  static constexpr std::uint64_t kHeartbeatDatagramsPerSecondFloor = 8192;
   // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
   std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
   std::uint32_t wakeups_per_poll = net::TurnGate::kWakeupsPerPollDefault;
@@ -118,6 +126,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Decodes and feeds a batch from one connection. Returns an error text for the caller if some
   // message was refused (the rest are still fed).
   std::string on_messages(Connection& connection, capnp::List<wire::ToHub>::Reader messages);
+  // An empty Session.send: a quiet client asking whether the server is alive.
+  void on_probe(Connection& connection);
   void feed(const Input& input);
   void route(const Effects& effects);
   void flush(Connection& connection);
@@ -138,6 +148,11 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   std::uint64_t heartbeat_calls_ = 0;
   std::uint64_t heartbeat_datagrams_refused_ = 0;  // unknown client or wrong secret
   std::uint64_t heartbeat_refusals_unlogged_ = 0;
+  // The read budget (ServiceConfig::heartbeat_datagrams_per_s_max): datagrams that may be read now.
+  double heartbeat_budget_ = 0;
+  TimeMs heartbeat_budget_ms_ = 0;  // when it was last refilled
+  std::uint64_t heartbeat_datagrams_per_s() const;
+  void refill_heartbeat_budget();
   TimeMs heartbeat_refusal_logged_ms_ = -1'000'000;
 
   // Warnings an attacker can provoke at will are counted and logged at most every kSummaryLogMs.
@@ -153,6 +168,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogSummary foreign_messages_log_;
   LogSummary claims_refused_log_;
   LogSummary tls_failures_log_;
+  LogSummary heartbeat_budget_log_;
   kj::TlsContext* tls_ = nullptr;  // owned by whoever called use_tls
 
   std::uint64_t next_connection_id_ = 1;

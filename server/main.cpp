@@ -83,6 +83,11 @@ int main(int argc, char** argv) {
   app.add_flag("--no-heartbeat-datagrams", no_heartbeat_datagrams,
                "Take heartbeats as calls only (by default also as UDP datagrams on the listen port's number, "
                "which costs the server ~60x less CPU per heartbeat)");
+  app.add_option("--heartbeat-datagrams-per-s-max", config.heartbeat_datagrams_per_s_max,
+                 "Heartbeat datagrams read per second at most, so that a UDP flood cannot take the server's CPU "
+                 "(the excess is left to the kernel; clients whose beats are lost go back to calls). "
+                 "0: 8 per connection, at least 8192")
+      ->capture_default_str();
   app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
       ->capture_default_str();
   app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();

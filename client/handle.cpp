@@ -497,11 +497,11 @@ TimeMs Handle::Impl::server_timeout_ms() const {
 void Handle::Impl::check_links() {
   const TimeMs now = steady_now_ms();
   const TimeMs timeout_ms = server_timeout_ms();
-  // Also well within the server's heartbeat timeout: the server counts a probe as a heartbeat, which
-  // keeps this client alive while its datagrams are lost (until the reply says so and it beats by
-  // calls again).
+  // Also at most half the server's heartbeat timeout (the default timeouts give that anyway): the
+  // server counts a probe as a heartbeat, which keeps this client alive while its datagrams are
+  // lost, until a reply says so and it beats by calls again.
   const TimeMs told_ms = server_heartbeat_timeout_ms_.load();
-  const TimeMs probe_ms = told_ms > 0 ? std::min(timeout_ms / kProbesPerTimeout, told_ms / 3) : timeout_ms / kProbesPerTimeout;
+  const TimeMs probe_ms = told_ms > 0 ? std::min(timeout_ms / kProbesPerTimeout, told_ms / 2) : timeout_ms / kProbesPerTimeout;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> hung;
   for (auto& [server, link] : links_) {
     if (link->waiting_since_ms != 0) {

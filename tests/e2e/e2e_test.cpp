@@ -266,12 +266,12 @@ TEST_F(EndToEnd, HeartbeatsGoAsDatagramsThatOnlyTheirConnectionCanSend) {
   EXPECT_EQ(after.calls, before.calls) << "an idle client heard by datagram sends no heartbeat calls\n" << listing;
   EXPECT_NE(listing.find("idle"), std::string::npos) << "alive on datagrams alone\n" << listing;
 
-  // Stop the worker and beat in its name without the secret, for longer than the timeout.
+  // Stop the worker and beat in its name without the key, for longer than the timeout.
   ASSERT_EQ(::kill(idle.pid(), SIGSTOP), 0);
   const net::Endpoint endpoint = net::parse_endpoint(server);
   net::HeartbeatSender forger(endpoint);  // the datagram port has the control port's number
-  for (int beat = 0; beat < 45; ++beat) {
-    EXPECT_TRUE(forger.send({client, 1, 0x5EC2E7}));
+  for (std::uint64_t beat = 0; beat < 45; ++beat) {
+    EXPECT_TRUE(forger.send(net::seal(client, 1, 1'000'000 + beat, net::HeartbeatKey{0x5EC2E7, beat})));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   const std::string forged = ctl(server);

@@ -1,0 +1,269 @@
+// libthclient's data path: the DataServer serves grants from the registered tensors (or from an
+// offload copy); one reader thread pulls versions into them and verifies their checksums; offloads
+// copy the tensors to CPU memory on threads of their own; seed reads fill a CPU copy.
+#include "client/handle_impl.h"
+
+namespace th {
+namespace {
+
+// Offload seeding: fills `copy` (empty) with a CPU buffer laid out like the buffers of `layout`
+// would be on the data plane (the packed small tensors, then each big one), and returns the plan
+// that reads into it in place. Allocates gigabytes: called on the seed's own thread.
+Plan seed_copy_of(const LayoutRef& layout, OffloadCopy& copy) {
+  Plan plan;
+  plan.layout = layout;
+  std::uint64_t big_bytes = 0;
+  for (const TensorSpec& tensor : layout->tensors()) {
+    if (tensor.bytes < kPackedTensorBytesMax) {
+      plan.packed_offset.push_back(plan.packed_bytes);
+      plan.packed_bytes += tensor.bytes;
+    } else {
+      plan.packed_offset.push_back(Plan::kNotPacked);
+      plan.big.push_back(plan.packed_offset.size() - 1);
+      big_bytes += tensor.bytes;
+    }
+  }
+  TH_ASSERT(copy.bytes.empty() && copy.regions.empty(), "a seed copy is filled once");
+  copy.bytes.resize(plan.packed_bytes + big_bytes);
+  if (plan.packed_bytes > 0) copy.regions.push_back({copy.bytes.data(), plan.packed_bytes});
+  std::byte* at = copy.bytes.data() + plan.packed_bytes;
+  const auto& tensors = layout->tensors();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (plan.packed_offset[i] != Plan::kNotPacked) {
+      plan.tensor_data.push_back(copy.bytes.data() + plan.packed_offset[i]);  // read in place
+    } else {
+      plan.tensor_data.push_back(at);
+      copy.regions.push_back({at, tensors[i].bytes});
+      at += tensors[i].bytes;
+    }
+  }
+  TH_ASSERT(at == copy.bytes.data() + copy.bytes.size(), "a seed copy has the layout's size");
+  return plan;
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<net::ExposedRegion> regions_of(const Plan& plan, const std::byte* packed) {
+  std::vector<net::ExposedRegion> regions;
+  if (plan.packed_bytes > 0) regions.push_back({packed, plan.packed_bytes});
+  for (std::size_t index : plan.big) regions.push_back({plan.tensor_data[index], plan.layout->tensors()[index].bytes});
+  return regions;
+}
+
+}  // namespace
+
+void Handle::Impl::serve(const ServeRead& grant) {
+  const net::GrantKey key{grant.transfer, grant.epoch};
+  if (grant.kind == CopyKind::kOffload) {
+    auto found = offloads_.find(grant.version);
+    if (found == offloads_.end()) {
+      log("asked to serve offload copy of version " + std::to_string(grant.version) + ", which is not here");
+      return;  // the reader is refused and reports it; the server picks another source
+    }
+    offload_grants_[key] = found->second;
+    data_server_->grant(key, grant.secret, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
+    return;
+  }
+  if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
+    log("asked to serve version " + std::to_string(grant.version) + ", which the buffers do not hold");
+    return;
+  }
+  const Plan& current = plan();  // first: it may rebuild packed_
+  data_server_->grant(key, grant.secret, regions_of(current, packed_.data()), buffers_progress_);
+}
+
+void Handle::Impl::start_read(const StartRead& read) {
+  // Another read of the same version (another source, after a failure) rewrites the same bytes:
+  // what is already ready stays ready for our own readers. A new version starts from nothing.
+  if (!buffers_version_ || *buffers_version_ != read.version || buffers_progress_ == nullptr) {
+    buffers_version_ = read.version;
+    buffers_progress_ = std::make_shared<net::Progress>(0);
+  }
+  ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data(),
+              nullptr};
+  std::lock_guard lock(reader_mutex_);
+  // One read at a time into these buffers: a newer one replaces whatever is queued or running.
+  for (ReadJob& queued : read_jobs_) queued.cancelled->store(true);
+  if (running_read_) running_read_->cancelled->store(true);
+  read_jobs_.push_back(std::move(job));
+  reader_wakeup_.notify_one();
+}
+
+void Handle::Impl::start_seed_read(const StartRead& read) {
+  TH_ASSERT(read.layout != nullptr, "a seed read names its layout");
+  if (auto previous = seed_reads_.find(read.transfer); previous != seed_reads_.end()) {
+    previous->second.cancelled->store(true);  // from the source this read replaces
+  }
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  seed_reads_[read.transfer] = SeedRead{read.version, cancelled};
+  // A fresh buffer each time (a replaced read may still be writing into the old one). The agent
+  // grants reads of it only once it is whole, after this thread has said so through the loop.
+  auto copy = std::make_shared<OffloadCopy>();
+  offloads_[read.version] = copy;
+  auto fail = [this, read](const std::string& why) {
+    log("seed of version " + std::to_string(read.version) + ": " + why);
+    post(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+  };
+  if (threads_closed_) return;  // closing: nobody waits for it
+  join_reported_threads();
+  const std::uint64_t id = next_offload_id_++;
+  try {
+    offload_threads_[id] = std::thread([this, id, read, copy, cancelled] {
+      try {
+        Plan plan = seed_copy_of(read.layout, *copy);
+        std::byte* packed = copy->bytes.data();
+        ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy};
+        run_read(job);
+      } catch (const std::bad_alloc&) {
+        on_io([this, read] {
+          log("seed of version " + std::to_string(read.version) + ": no memory for the CPU copy");
+          step(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
+        });
+      }
+      on_io([this, id, transfer = read.transfer, cancelled] {
+        if (auto entry = seed_reads_.find(transfer);
+            entry != seed_reads_.end() && entry->second.cancelled == cancelled) {
+          seed_reads_.erase(entry);
+        }
+        offloads_reported_.push_back(id);
+      });
+    });
+  } catch (const std::system_error& error) {
+    offload_threads_.erase(id);
+    fail(std::string("no thread to read it: ") + error.what());
+  }
+}
+
+void Handle::Impl::join_reported_threads() {
+  for (std::uint64_t done : offloads_reported_) {
+    // (Shutdown may have taken the thread to join it itself.)
+    if (auto thread = offload_threads_.find(done); thread != offload_threads_.end()) {
+      thread->second.join();
+      offload_threads_.erase(thread);
+    }
+  }
+  offloads_reported_.clear();
+}
+
+void Handle::Impl::reader_main() {
+  for (;;) {
+    ReadJob job;
+    {
+      std::unique_lock lock(reader_mutex_);
+      reader_wakeup_.wait(lock, [&] { return reader_stopping_ || !read_jobs_.empty(); });
+      if (reader_stopping_) return;
+      job = std::move(read_jobs_.front());
+      read_jobs_.pop_front();
+      running_read_ = RunningRead{job.read.transfer, job.cancelled};
+    }
+    if (!job.cancelled->load()) run_read(job);
+    std::lock_guard lock(reader_mutex_);
+    running_read_.reset();
+  }
+}
+
+void Handle::Impl::run_read(ReadJob& job) {
+  const Plan& plan = job.plan;
+  std::vector<net::LocalRegion> targets;
+  for (const net::ExposedRegion& region : regions_of(plan, job.packed)) {
+    targets.push_back({const_cast<std::byte*>(region.base), region.bytes});
+  }
+  net::PullOptions pull_options;
+  pull_options.chunk_bytes = options_.chunk_bytes;
+  pull_options.partial = job.read.source.partial;
+  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  pull_options.streams = options_.data_streams;
+  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from = job.read.source.replica;
+  }
+  pull_options.cancelled = [&] { return job.cancelled->load(); };
+  pull_options.on_progress = [&](std::uint64_t ready) { job.progress->advance_to(ready); };
+  const auto started = std::chrono::steady_clock::now();
+  net::PullOutcome outcome = [&] {
+    try {
+      return net::pull(net::parse_endpoint(job.read.source.endpoint), {job.read.transfer, job.read.epoch},
+                       job.read.secret, targets, pull_options);
+    } catch (const net::SocketError& bad_endpoint) {
+      return net::PullOutcome{0, net::ReadError::kUnreachable, bad_endpoint.what()};
+    }
+  }();
+  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return;
+  std::optional<ReadFailure> failure;
+  if (!outcome.ok()) {
+    log(outcome.detail);
+    failure = outcome.error == net::ReadError::kRefused ? ReadFailure::kSourceRefused
+                                                         : ReadFailure::kSourceUnreachable;
+  } else {
+    // Scatter the packed tensors, then check every tensor against the checksum of its publisher.
+    const auto& tensors = plan.layout->tensors();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      // (A seed copy keeps its packed tensors where they arrived.)
+      if (plan.packed_offset[i] != Plan::kNotPacked && job.seed == nullptr) {
+        std::memcpy(plan.tensor_data[i], job.packed + plan.packed_offset[i], tensors[i].bytes);
+      }
+    }
+    const Checksums* expected = job.read.checksums.get();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (expected == nullptr || expected->size() != tensors.size() ||
+          checksum(plan.tensor_data[i], tensors[i].bytes) != (*expected)[i]) {
+        log("tensor '" + tensors[i].name + "' of version " + std::to_string(job.read.version) + " from " +
+            job.read.source.replica + " does not match its checksum");
+        failure = ReadFailure::kChecksumMismatch;
+        break;
+      }
+    }
+  }
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.bytes_received += outcome.bytes;
+    stats_.reading_from.clear();
+    if (failure) {
+      ++stats_.reads_failed;
+      if (*failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
+    } else {
+      stats_.last_read_bytes = outcome.bytes;
+      stats_.last_read_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    }
+  }
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure}] { step(finished); });
+}
+
+void Handle::Impl::start_offload(Version version) {
+  if (!buffers_version_ || *buffers_version_ != version) {
+    log("asked to offload version " + std::to_string(version) + ", which the buffers do not hold");
+    return;  // the server times the offload out and carries on
+  }
+  // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change
+  // meanwhile: the application's unpublish() is still blocked.
+  if (threads_closed_) return;
+  join_reported_threads();
+  const Plan& current = plan();  // first: it may rebuild packed_
+  auto regions = regions_of(current, packed_.data());
+  const std::uint64_t id = next_offload_id_++;
+  offload_threads_[id] = std::thread([this, id, version, regions = std::move(regions)] {
+    auto copy = std::make_shared<OffloadCopy>();
+    std::uint64_t total = 0;
+    for (const auto& region : regions) total += region.bytes;
+    copy->bytes.resize(total);
+    std::uint64_t at = 0;
+    for (const auto& region : regions) {
+      std::memcpy(copy->bytes.data() + at, region.base, region.bytes);
+      copy->regions.push_back({copy->bytes.data() + at, region.bytes});
+      at += region.bytes;
+    }
+    on_io([this, id, version, copy] {
+      offloads_reported_.push_back(id);
+      // A seed of this version started meanwhile (after a re-open): its buffer stays.
+      const bool seeding = std::any_of(seed_reads_.begin(), seed_reads_.end(),
+                                       [&](const auto& seed) { return seed.second.version == version; });
+      if (!seeding) offloads_[version] = copy;
+      step(OffloadFinished{version});
+    });
+  });
+}
+
+}  // namespace th

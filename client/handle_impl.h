@@ -1,0 +1,265 @@
+// libthclient's insides, shared by its three files (not installed):
+//   handle.cpp      the Handle API, the application's calls, the I/O thread and the agent's effects;
+//   server_links.cpp  the connections to th-server (connect, TLS, send, heartbeats, probes, failover);
+//   data_path.cpp   serving grants, the reader thread, offload copies and seed reads.
+#pragma once
+
+#include "tensorhub/client.h"
+
+#include <capnp/rpc-twoparty.h>
+#include <xxhash.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "core/agent.h"
+#include "net/data_plane.h"
+#include "net/event_loop.h"
+#include "net/heartbeat.h"
+#include "net/tls.h"
+#include "net/wire.h"
+
+// Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
+// them through kj::Own, which deletes the most-derived type, so the warning does not apply.
+#pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
+
+namespace th {
+namespace client_impl {
+
+// Tensors below this size travel packed into one buffer per shard (paper §4.3.2): one request
+// instead of hundreds of tiny ones.
+constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
+constexpr std::uint32_t kSendsInFlightMax = 4;  // Session.send calls per server connection
+constexpr TimeMs kTickMs = 50;                  // how often the agent hears the clock
+constexpr TimeMs kReconnectBackoffInitialMs = 100;
+constexpr TimeMs kReconnectBackoffMaxMs = 2000;
+constexpr TimeMs kCloseOnDestroyMs = 5000;  // ~Handle waits this long for close() to be answered
+// Waits on peers (data_timeout_ms, server_timeout_ms): at most this long, and this long before the
+// server told its heartbeat timeout.
+constexpr TimeMs kDataTimeoutMaxMs = 600'000;
+constexpr TimeMs kDataTimeoutUnknownMs = 20'000;
+
+// Retransmission over TCP is a safety net, not a mechanism: nothing is lost while the connection
+// lives, and a lost connection resends everything on the next one. A short first retry multiplied
+// a loaded server's work: with 8,192 clients whose calls took seconds, duplicates went out and
+// were answered again; the server did 1.5 K ops/s with a 250 ms first retry, 3.5 K with 2 s, 6.5 K
+// with 10 s (bench/results/control-plane-*). (An open still goes again every heartbeat interval:
+// while a shard opens, that is what keeps it alive; see ShardAgent::on_tick.)
+constexpr TimeMs kRetryInitialMs = 10'000;
+constexpr TimeMs kRetryMaxMs = 60'000;
+
+inline TimeMs steady_now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline std::uint64_t checksum(const std::byte* data, std::uint64_t bytes) { return XXH3_64bits(data, bytes); }
+
+struct Registered {
+  std::byte* data = nullptr;
+  std::uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// How the shard's tensors appear on the data plane: region 0 is the packed buffer of the small
+// tensors (if any), then the big tensors, each its own region, in layout (name) order.
+struct Plan {
+  LayoutRef layout;
+  std::vector<std::byte*> tensor_data;  // in layout order
+  std::vector<std::uint64_t> packed_offset;  // per tensor: its place in the packed buffer, or none
+  std::uint64_t packed_bytes = 0;
+  std::vector<std::size_t> big;  // layout indices of the tensors with a region of their own
+
+  static constexpr std::uint64_t kNotPacked = ~0ull;
+};
+
+// The plan of the registered tensors (data_path.cpp's seed_copy_of makes one for a seed copy).
+Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry);
+
+// A CPU copy of the shard's regions (an offload replica), in the same region order.
+struct OffloadCopy {
+  std::vector<std::byte> bytes;
+  std::vector<net::ExposedRegion> regions;
+};
+
+}  // namespace client_impl
+using namespace client_impl;  // this header is libthclient's own: its three files only
+
+class Handle::Impl : private kj::TaskSet::ErrorHandler {
+ public:
+  explicit Impl(ClientOptions options);
+  ~Impl();
+
+  Status start();  // threads up, open answered
+  // Set while an application call runs (see OneCallAtATime).
+  std::atomic<bool> user_call_busy_{false};
+  Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
+  Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
+  Status unregister_tensor(std::string_view name);
+  Result<Version> publish(Version version);
+  Plan plan_copy();
+  bool is_open();
+  void shutdown();
+
+  std::uint64_t client_id() const { return client_id_; }
+  std::string data_endpoint() const { return advertised_; }
+  HandleStats stats() const;
+
+ private:
+  struct Link;
+  class SinkImpl;
+  struct ReadJob {
+    StartRead read;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+    std::shared_ptr<net::Progress> progress;
+    Plan plan;
+    std::byte* packed = nullptr;
+    std::shared_ptr<OffloadCopy> seed;  // offload seeding: the CPU copy read into (kept alive)
+  };
+
+  void taskFailed(kj::Exception&& exception) override;
+  void io_main(std::promise<void>& ready);
+  // On the I/O thread.
+  void step(const AgentInput& input);
+  void apply(const AgentEffect& effect);
+  void post(AgentInput input);  // step later (never re-enter the agent from its own effects)
+  void send_to(std::uint32_t server, net::ToHubMessage message);
+  void connect(std::uint32_t server);
+  void flush(Link& link);
+  // One Session.send of the first `count` queued messages (0: a probe that the server is alive).
+  void send_batch(Link& link, std::size_t count);
+  void lose(std::uint32_t server, std::uint64_t generation, const std::string& why);
+  void serve(const ServeRead& grant);
+  void start_read(const StartRead& read);
+  void start_seed_read(const StartRead& read);
+  void join_reported_threads();
+  void start_offload(Version version);
+  kj::Promise<void> tick_loop();
+  // Gives up on links whose server answers nothing (it hangs) and probes the quiet ones.
+  void check_links();
+  TimeMs server_timeout_ms() const;
+  // Probes per server timeout on a link where nothing else asks the server anything.
+  static constexpr TimeMs kProbesPerTimeout = 4;
+  // Other threads: run `work` on the I/O thread (false once it stopped).
+  bool on_io(kj::Function<void()> work);
+  void reader_main();
+  void run_read(ReadJob& job);
+  void complete_call(std::uint64_t call_id, Outcome outcome);
+  void fail_everything(Error error);
+  void log(const std::string& line) const;
+
+  ClientOptions options_;
+  ClientId client_id_;
+  // The server's heartbeat timeout, told at connect (0: not yet): bounds the waits on peers.
+  std::atomic<TimeMs> server_heartbeat_timeout_ms_{0};
+  TimeMs data_timeout_ms() const {
+    if (options_.data_timeout_ms > 0) return options_.data_timeout_ms;
+    const TimeMs told = server_heartbeat_timeout_ms_.load();
+    return told > 0 ? std::min<TimeMs>(2 * told, kDataTimeoutMaxMs) : kDataTimeoutUnknownMs;
+  }
+  // Proves to a server that a connection of ours speaks for client_id_ (kept for the handle's life,
+  // so that a reconnect before the server saw the old connection close is recognised).
+  static constexpr std::size_t kClientSecretBytes = 16;
+  std::array<kj::byte, kClientSecretBytes> client_secret_;
+  ShardAgent agent_;
+  std::unique_ptr<net::DataServer> data_server_;
+  std::string advertised_;
+
+  // I/O thread state.
+  std::thread io_thread_;
+  net::IoLoop* loop_ = nullptr;
+  const kj::Executor* executor_ = nullptr;
+  kj::Own<kj::PromiseFulfiller<void>> stop_;
+  kj::TaskSet* tasks_ = nullptr;
+  // Set when options_.tls_ca_file is: every control connection is wrapped in TLS. Declared before
+  // links_ so that it outlives their streams.
+  std::unique_ptr<kj::TlsContext> tls_;
+  std::map<std::uint32_t, std::unique_ptr<Link>> links_;
+  std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
+  std::uint64_t next_generation_ = 1;
+  std::map<std::string, Registered, std::less<>> registry_;
+  // Rebuilt when first needed after the registry changed (registering N tensors stays linear).
+  Plan plan_;
+  bool plan_stale_ = false;
+  const Plan& plan();
+  std::vector<std::byte> packed_;  // the packed small tensors (region 0)
+  // What the registered buffers hold now: a version and how much of it is ready (pipeline).
+  std::optional<Version> buffers_version_;
+  std::shared_ptr<net::Progress> buffers_progress_;
+  std::map<Version, std::shared_ptr<OffloadCopy>> offloads_;
+  std::map<net::GrantKey, std::shared_ptr<OffloadCopy>> offload_grants_;  // keeps copies alive
+  // One thread per offload copy, joined once its copy was reported (a finished thread that is never
+  // joined keeps its stack: a trainer offloads every step).
+  std::map<std::uint64_t, std::thread> offload_threads_;
+  std::vector<std::uint64_t> offloads_reported_;  // their threads are returning
+  // Offload seeding: a thread per seed read (the hub has one read at a time per replica, plus
+  // reads replaced by a newer epoch that are winding down), beside the reader thread, so that a
+  // slow cross-datacenter read never delays the buffers'.
+  struct SeedRead {
+    Version version = 0;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+  };
+  std::map<TransferId, SeedRead> seed_reads_;
+  bool threads_closed_ = false;  // shutdown: no new offload or seed thread
+  std::uint64_t next_offload_id_ = 1;
+  std::atomic<bool> io_stopped_{false};
+
+  // Calls of the application.
+  mutable std::mutex calls_mutex_;
+  std::condition_variable call_done_;
+  std::map<std::uint64_t, std::optional<Outcome>> calls_;
+  std::optional<Error> fatal_;  // the token was refused: every call fails with it
+  std::uint64_t next_call_id_ = 1;
+
+  // The reader thread.
+  std::thread reader_thread_;
+  std::mutex reader_mutex_;
+  std::condition_variable reader_wakeup_;
+  std::deque<ReadJob> read_jobs_;
+  struct RunningRead {
+    TransferId transfer = 0;
+    std::shared_ptr<std::atomic<bool>> cancelled;
+  };
+  std::optional<RunningRead> running_read_;  // the job the reader thread is on
+  bool reader_stopping_ = false;
+
+  mutable std::mutex stats_mutex_;
+  HandleStats stats_;
+};
+
+struct Handle::Impl::Link {
+  std::uint32_t server = 0;
+  std::uint64_t generation = 0;
+  kj::Own<kj::AsyncIoStream> stream;
+  // The server's address as the socket reached it (heartbeat datagrams go there): read before TLS
+  // wraps the socket, since a TLS stream has no address.
+  std::optional<sockaddr_storage> peer;
+  kj::Own<capnp::TwoPartyClient> rpc;
+  kj::Maybe<wire::Session::Client> session;
+  std::vector<net::ToHubMessage> queue;
+  std::uint32_t sends_in_flight = 0;
+  // Heartbeats as datagrams (net/heartbeat.h), once the server offered a channel at connect.
+  std::unique_ptr<net::HeartbeatSender> heartbeats;
+  net::HeartbeatKey heartbeat_key{};
+  std::uint64_t heartbeat_count = 0;  // of the last datagram sent (the server refuses counts it saw)
+  // The server's last Session.send reply said it hears them: heartbeats stop going as calls.
+  bool heartbeat_datagrams_heard = false;
+  // A server that is alive answers; one that hangs (stopped, swapping, wedged) keeps the TCP
+  // connection open and answers nothing. Since when something of ours has waited for an answer
+  // (the connect, or a send; 0: nothing waits), and when the server last answered.
+  TimeMs waiting_since_ms = 0;
+  TimeMs heard_ms = 0;
+};
+
+}  // namespace th

@@ -258,7 +258,7 @@ struct ServerStats {
   connections @8 :UInt64;
   uptimeMs @9 :Int64;
   heartbeatDatagrams @10 :UInt64;         # accepted
-  heartbeatDatagramsRefused @11 :UInt64;  # malformed, unknown client or wrong secret
+  heartbeatDatagramsRefused @11 :UInt64;  # malformed, unknown client, wrong MAC or replayed
   heartbeatCalls @12 :UInt64;             # heartbeats that came as Session.send messages
 }
 

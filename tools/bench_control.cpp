@@ -16,6 +16,7 @@
 
 #include "core/agent.h"
 #include "net/event_loop.h"
+#include "net/tls.h"
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -105,6 +106,7 @@ class Load : private kj::TaskSet::ErrorHandler {
   const ControlLoadOptions& options_;
   net::IoLoop& loop_;
   Shape shape_;
+  std::unique_ptr<kj::TlsContext> tls_;  // before clients_: outlives their streams
   std::vector<std::unique_ptr<Client>> clients_;
   std::uint32_t ready_ = 0;
   bool measuring_ = false;
@@ -219,6 +221,10 @@ ClientId client_id_of(const Client& client) {
 
 void Load::connect(Client& client, kj::NetworkAddress& address) {
   client.stream = address.connect().wait(loop_.wait_scope());
+  if (tls_ != nullptr) {
+    client.stream = tls_->wrapClient(kj::mv(client.stream), net::tls_server_name(options_.server, options_.tls_server_name))
+                        .wait(loop_.wait_scope());
+  }
   client.rpc = kj::heap<capnp::TwoPartyClient>(*client.stream);
   auto request = client.rpc->bootstrap().castAs<wire::Hub>().connectRequest();
   request.setToken(options_.token);
@@ -272,6 +278,14 @@ int Load::run() {
   if (options_.shards == 0 || options_.clients % options_.shards != 0) {
     std::cerr << "th-bench control-load: --clients must be a multiple of --shards\n";
     return 2;
+  }
+  if (!options_.tls_ca_file.empty()) {
+    auto tls = net::make_client_tls(options_.tls_ca_file);
+    if (!tls.ok()) {
+      std::cerr << "th-bench control-load: " << tls.error().detail << "\n";
+      return 2;
+    }
+    tls_ = std::move(tls).value();
   }
   auto address = loop_.io().getNetwork().parseAddress(options_.server).wait(loop_.wait_scope());
   for (std::uint32_t i = 0; i < options_.clients; ++i) {

@@ -21,6 +21,8 @@ struct ControlLoadOptions {
   std::string start_file;        // measure once this file exists ("" : at once)
   bool echo = false;             // round trips of one message against an echo server, no agents
   TimeMs retry_initial_ms = 10000;  // the agents' first retransmission (libthclient's)
+  std::string tls_ca_file;       // TLS to a th-server run with --tls-cert ("": clear text)
+  std::string tls_server_name;   // the name its certificate carries (default: the host of server)
 };
 
 // Prints "control ready N" once every client opened (echo: connected), then measures and prints

@@ -181,6 +181,8 @@ int main(int argc, char** argv) {
   control->add_option("--seconds", load.seconds, "measurement window")->capture_default_str()->check(CLI::Range(0.1, 3600.0));
   control->add_option("--start-file", load.start_file, "start measuring once this file exists");
   control->add_flag("--echo", load.echo, "round trips against echo-server instead of hub calls");
+  control->add_option("--tls-ca", load.tls_ca_file, "TLS to a th-server run with --tls-cert: trust this CA file");
+  control->add_option("--tls-server-name", load.tls_server_name, "TLS: the name the server's certificate carries");
   control->add_option("--retry-initial-ms", load.retry_initial_ms, "the agents' first retransmission")
       ->capture_default_str()
       ->check(CLI::Range(10, 60000));

@@ -185,6 +185,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // Set when options_.tls_ca_file is: every control connection is wrapped in TLS. Declared before
   // links_ so that it outlives their streams.
   std::unique_ptr<kj::TlsContext> tls_;
+  bool ever_connected_ = false;  // a server answered a connect call (I/O thread)
   std::map<std::uint32_t, std::unique_ptr<Link>> links_;
   std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
   std::uint64_t next_generation_ = 1;
@@ -220,6 +221,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::condition_variable call_done_;
   std::map<std::uint64_t, std::optional<Outcome>> calls_;
   std::optional<Error> fatal_;  // the token was refused: every call fails with it
+  std::string last_server_error_;  // why the last server link was lost (for open()'s timeout)
   std::uint64_t next_call_id_ = 1;
 
   // The reader thread.
@@ -241,6 +243,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 struct Handle::Impl::Link {
   std::uint32_t server = 0;
   std::uint64_t generation = 0;
+  kj::Maybe<kj::Promise<void>> connecting;  // TCP connect, TLS handshake, the connect call
+  bool connected = false;                    // the server answered the connect call
   kj::Own<kj::AsyncIoStream> stream;
   // The server's address as the socket reached it (heartbeat datagrams go there): read before TLS
   // wraps the socket, since a TLS stream has no address.

@@ -4,7 +4,31 @@
 // silence and a lost one failed over (see handle_impl.h for how the files divide the work).
 #include "client/handle_impl.h"
 
+#include <arpa/inet.h>
+
 namespace th {
+namespace {
+
+bool is_ip_address(const std::string& host) {
+  in6_addr any{};
+  return ::inet_pton(AF_INET, host.c_str(), &any) == 1 || ::inet_pton(AF_INET6, host.c_str(), &any) == 1;
+}
+
+// What a user can do about a failed connection, when the reason names a likely mistake.
+std::string hint_for(const std::string& why, bool tls, const std::string& address, const std::string& server_name) {
+  if (tls && why.find("ostname mismatch") != std::string::npos && server_name.empty() &&
+      is_ip_address(net::tls_server_name(address, ""))) {
+    return " (the server was dialled by IP address: give the DNS name its certificate carries in tls_server_name)";
+  }
+  if (tls && (why.find("wrong version number") != std::string::npos ||
+              why.find("packet length too long") != std::string::npos ||
+              why.find("unexpected eof") != std::string::npos)) {
+    return " (TLS at this end only? the server needs --tls-cert and --tls-key)";
+  }
+  return "";
+}
+
+}  // namespace
 
 class Handle::Impl::SinkImpl final : public wire::Sink::Server {
  public:
@@ -81,13 +105,14 @@ void Handle::Impl::connect(std::uint32_t server) {
   const TimeMs not_before = reconnect_.contains(server) ? reconnect_[server].first : 0;
   const TimeMs delay_ms = std::max<TimeMs>(0, not_before - steady_now_ms());
   fresh->waiting_since_ms = steady_now_ms() + delay_ms;  // for the TCP connect, then the connect call
-  links_[server] = std::move(fresh);
+  Link& added = *(links_[server] = std::move(fresh));
   const std::string address = options_.servers.at(server);
   auto find_link = [this, server, generation]() -> Link* {
     auto found = links_.find(server);
     return found != links_.end() && found->second->generation == generation ? found->second.get() : nullptr;
   };
-  tasks_->add(
+  // Owned by the link: losing it (a server that hangs mid-handshake, say) cancels the connect.
+  added.connecting =
       loop_->timer()
           .afterDelay(delay_ms * kj::MILLISECONDS)
           .then([this, address] { return loop_->io().getNetwork().parseAddress(address); })
@@ -111,8 +136,15 @@ void Handle::Impl::connect(std::uint32_t server) {
             if (link == nullptr) return kj::READY_NOW;
             link->stream = kj::mv(stream);
             link->rpc = kj::heap<capnp::TwoPartyClient>(*link->stream);
-            tasks_->add(link->rpc->onDisconnect().then(
-                [this, server, generation] { lose(server, generation, "the server closed the connection"); }));
+            tasks_->add(link->rpc->onDisconnect().then([this, server, generation, find_link] {
+              const Link* closed = find_link();
+              const bool unanswered = closed != nullptr && !closed->connected;
+              lose(server, generation,
+                   std::string("the server closed the connection") +
+                       (unanswered && tls_ == nullptr
+                            ? " before answering connect (if it runs with --tls-cert, give tls_ca_file)"
+                            : ""));
+            }));
             auto request = link->rpc->bootstrap().castAs<wire::Hub>().connectRequest();
             request.setToken(options_.token);
             request.setSink(kj::heap<SinkImpl>(*this, server));
@@ -129,6 +161,8 @@ void Handle::Impl::connect(std::uint32_t server) {
             return connected.then([this, server, find_link](auto response) {
               Link* connected_link = find_link();
               if (connected_link == nullptr) return;
+              connected_link->connected = true;
+              ever_connected_ = true;
               reconnect_.erase(server);
               connected_link->heard_ms = steady_now_ms();
               connected_link->waiting_since_ms = connected_link->sends_in_flight > 0 ? connected_link->heard_ms : 0;
@@ -148,16 +182,21 @@ void Handle::Impl::connect(std::uint32_t server) {
           })
           .catch_([this, server, generation, address](kj::Exception&& exception) {
             const std::string why = exception.getDescription().cStr();
+            const std::string hint = hint_for(why, tls_ != nullptr, address, options_.tls_server_name);
             if (why.find("wrong cluster token") != std::string::npos) {
               fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
-            } else if (tls_ != nullptr && net::is_certificate_refusal(why)) {
-              // A wrong CA file or server name, or an impostor: retrying cannot help.
-              fail_everything(make_error(Errc::kPermissionDenied, "server " + address + ": TLS: " + why));
+            } else if (tls_ != nullptr && net::is_certificate_refusal(why) && !ever_connected_) {
+              // A wrong CA file or server name, or an impostor, before any server took us: a
+              // configuration error that retrying cannot mend, so open() says so at once. Later
+              // (a certificate expired, a backup with another name, someone in the path) it is a
+              // lost server like any other: retried, and logged, while the others serve.
+              fail_everything(make_error(Errc::kPermissionDenied, "server " + address + ": TLS: " + why + hint));
             }
             // (Refused because another connection holds our id with another secret: someone else
             // uses it. Retried with backoff like any lost server; it succeeds once that one is gone.)
-            lose(server, generation, "cannot reach server " + address + ": " + why);
-          }));
+            lose(server, generation, "cannot reach server " + address + ": " + why + hint);
+          })
+          .eagerlyEvaluate(nullptr);
 }
 
 void Handle::Impl::flush(Link& link) {
@@ -209,6 +248,10 @@ void Handle::Impl::lose(std::uint32_t server, std::uint64_t generation, const st
   auto found = links_.find(server);
   if (found == links_.end() || found->second->generation != generation) return;
   log("lost server " + options_.servers.at(server) + ": " + why);
+  {
+    std::lock_guard lock(calls_mutex_);
+    last_server_error_ = options_.servers.at(server) + ": " + why;
+  }
   std::unique_ptr<Link> link = std::move(found->second);
   links_.erase(found);
   auto& [not_before, backoff] = reconnect_[server];

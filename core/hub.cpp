@@ -164,6 +164,11 @@ void Hub::emit_to_replica(const Replica& replica, const Message& message) {
   }
 }
 
+bool Hub::has_session(ClientId client, std::uint64_t session) const {
+  const Binding* found = clients_.find(client);
+  return found != nullptr && found->replica->shards[found->shard].session == session;
+}
+
 std::optional<Version> Hub::latest(std::string_view model) const {
   auto found = models_.find(model);
   if (found == models_.end()) return std::nullopt;

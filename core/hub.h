@@ -97,6 +97,8 @@ class Hub {
   HubActivity activity() const;
   std::size_t client_count() const { return clients_.size(); }
   bool has_client(ClientId client) const { return clients_.find(client) != nullptr; }
+  // Whether `client` is open in `session` (its reports of that session count).
+  bool has_session(ClientId client, std::uint64_t session) const;
 
   // Verifies every structural invariant; throws AssertionFailure naming the first that fails.
   void check_invariants() const;

@@ -3,6 +3,7 @@
 #include <capnp/rpc.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <ctime>
 #include <iostream>
@@ -32,7 +33,7 @@ Status validate(const ServiceConfig& config) {
   }
   if (config.unauthenticated_max == 0 || config.auth_deadline_ms <= 0 ||
       config.unauthenticated_message_words_max == 0 || config.unauthenticated_messages_max == 0 ||
-      config.wrong_tokens_per_connection_max == 0 ||
+      config.wrong_tokens_per_connection_max == 0 || config.tls_handshakes_per_s_max == 0 ||
       config.idle_timeout_ms < 0) {
     return make_error(Errc::kInvalidArgument, "connection limits must be positive");
   }
@@ -300,12 +301,14 @@ void HubService::taskFailed(kj::Exception&& exception) {
 
 kj::Promise<void> HubService::serve(kj::ConnectionReceiver& listener) {
   tasks_.add(clock_loop().catch_([this](kj::Exception&& exception) { stop_on_bug("the clock", exception); }));
+  handshake_budget_.fill(now_ms(), static_cast<double>(config_.tls_handshakes_per_s_max));
   return accept_loop(listener);
 }
 
 void HubService::serve_heartbeats(kj::UnixEventPort& port, std::unique_ptr<net::HeartbeatReceiver> receiver) {
   TH_REQUIRE(heartbeat_receiver_ == nullptr, "serve_heartbeats is called once");
   heartbeat_receiver_ = std::move(receiver);
+  heartbeat_budget_.fill(now_ms(), static_cast<double>(heartbeat_datagrams_per_s()));  // a start is no flood
   heartbeat_observer_ = kj::heap<kj::UnixEventPort::FdObserver>(port, heartbeat_receiver_->fd(),
                                                                  kj::UnixEventPort::FdObserver::OBSERVE_READ);
   tasks_.add(heartbeat_loop().catch_([this](kj::Exception&& exception) { stop_on_bug("heartbeat datagrams", exception); }));
@@ -317,20 +320,13 @@ std::uint64_t HubService::heartbeat_datagrams_per_s() const {
                                  ServiceConfig::kHeartbeatDatagramsPerConnectionPerSecond * connections_.size());
 }
 
-void HubService::refill_heartbeat_budget() {
-  const TimeMs now = now_ms();
-  const auto per_s = static_cast<double>(heartbeat_datagrams_per_s());
-  heartbeat_budget_ = std::min(per_s, heartbeat_budget_ + per_s * static_cast<double>(now - heartbeat_budget_ms_) / 1000.0);
-  heartbeat_budget_ms_ = now;
-}
-
 kj::Promise<void> HubService::heartbeat_loop() {
   // A few batches, then the other connections' turn (a flood of datagrams must not starve them).
   constexpr int kBatchesPerTurnMax = 4;
-  refill_heartbeat_budget();
+  heartbeat_budget_.refill(now_ms(), static_cast<double>(heartbeat_datagrams_per_s()));
   std::size_t read_total = 0;
   for (int batch = 0; batch < kBatchesPerTurnMax; ++batch) {
-    if (heartbeat_budget_ < 1) {
+    if (heartbeat_budget_.available < 1) {
       // More datagrams than the fleet sends: a flood (or a budget set too low). Leave them to the
       // kernel for a while; its buffer drops what does not fit.
       log_summarised(heartbeat_budget_log_, LogLevel::kWarn,
@@ -344,12 +340,12 @@ kj::Promise<void> HubService::heartbeat_loop() {
     std::size_t read = 0;
     try {
       read = heartbeat_receiver_->receive(
-          heartbeat_batch_, std::min<std::size_t>(net::HeartbeatReceiver::kBatch, static_cast<std::size_t>(heartbeat_budget_)));
+          heartbeat_batch_, std::min<std::size_t>(net::HeartbeatReceiver::kBatch, static_cast<std::size_t>(heartbeat_budget_.available)));
     } catch (const net::SocketError& error) {
       log(LogLevel::kError, std::string("reading heartbeat datagrams: ") + error.what());
       break;
     }
-    heartbeat_budget_ -= static_cast<double>(read);
+    heartbeat_budget_.available -= static_cast<double>(read);
     read_total += read;
     for (const net::HeartbeatDatagram& datagram : heartbeat_batch_) on_heartbeat_datagram(datagram);
     if (read == 0) {
@@ -386,7 +382,7 @@ void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
   }
   ++heartbeat_datagrams_;
   connection->heartbeat_count = datagram.count;
-  connection->client_session = datagram.session;
+  note_session(*connection, datagram.session);
   connection->heartbeat_datagram_ms = now_ms();
   feed(Report{datagram.client, Heartbeat{}, datagram.session});
 }
@@ -398,8 +394,24 @@ bool HubService::heartbeat_datagrams_heard(const Connection& connection) const {
 }
 
 kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
+  if (tls_ != nullptr) {
+    const auto per_s = static_cast<double>(config_.tls_handshakes_per_s_max);
+    handshake_budget_.refill(now_ms(), per_s);
+    if (handshake_budget_.available < 1) {
+      // Connections come faster than handshakes may start: a flood, or a whole fleet reconnecting.
+      // Let them wait in the listen backlog; the loop keeps its time for the hub.
+      log_summarised(handshake_budget_log_, LogLevel::kWarn,
+                     "pause(s) in accepting: TLS handshakes came faster than --tls-handshakes-per-s-max",
+                     std::to_string(config_.tls_handshakes_per_s_max) + " a second");
+      const auto wait_ms = static_cast<std::int64_t>(std::ceil((1 - handshake_budget_.available) * 1000 / per_s));
+      return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this, &listener] {
+        return accept_loop(listener);
+      });
+    }
+  }
   return listener.accept().then(
       [this, &listener](kj::Own<kj::AsyncIoStream> stream) {
+        if (tls_ != nullptr) handshake_budget_.available -= 1;
         on_connection(kj::mv(stream));
         return accept_loop(listener);
       },
@@ -640,9 +652,9 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
     }
     if (const auto* report = std::get_if<Report>(&decoded.value())) {
       if (std::holds_alternative<Heartbeat>(report->body)) ++heartbeat_calls_;
-      connection.client_session = report->session;
+      note_session(connection, report->session);
     } else if (const auto* request = std::get_if<Request>(&decoded.value())) {
-      connection.client_session = request->session;
+      note_session(connection, request->session);
     }
     if (log_level_ >= LogLevel::kDebug) {
       if (const auto* request = std::get_if<Request>(&decoded.value())) {
@@ -657,11 +669,22 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
   return refused;
 }
 
+void HubService::note_session(Connection& connection, std::uint64_t session) {
+  // Sessions of a client only grow (one per open); a late datagram of the last one must not take
+  // the probes back to it.
+  connection.client_session = std::max(connection.client_session.value_or(0), session);
+}
+
 void HubService::on_probe(Connection& connection) {
   // The client's I/O thread is alive, which is what a heartbeat says. Its datagrams may be lost on
   // the way (filtered, or left unread under a flood): this keeps it from being evicted until it
   // hears so in the reply and beats by calls again.
-  if (connection.client == 0 || !connection.client_session) return;  // nothing opened yet: nothing to keep
+  // Only for a client open in that session: a closed or evicted one would be told again that the
+  // hub does not know it, once a probe.
+  if (connection.client == 0 || !connection.client_session ||
+      !hub_.has_session(connection.client, *connection.client_session)) {
+    return;
+  }
   feed(Report{connection.client, Heartbeat{}, *connection.client_session});
 }
 

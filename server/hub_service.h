@@ -67,6 +67,9 @@ struct ServiceConfig {
   std::uint64_t heartbeat_datagrams_per_s_max = 0;
   static constexpr std::uint64_t kHeartbeatDatagramsPerConnectionPerSecond = 8;  // libthclient beats once a second
   static constexpr std::uint64_t kHeartbeatDatagramsPerSecondFloor = 8192;
+  // TLS handshakes begun per second at most (each costs the loop a key exchange and a signature);
+  // past it, new connections wait in the listen backlog. 8,192 clients reconnect in ~4 s.
+  std::uint64_t tls_handshakes_per_s_max = 2000;
   // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
   std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
   std::uint32_t wakeups_per_poll = net::TurnGate::kWakeupsPerPollDefault;
@@ -128,6 +131,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   std::string on_messages(Connection& connection, capnp::List<wire::ToHub>::Reader messages);
   // An empty Session.send: a quiet client asking whether the server is alive.
   void on_probe(Connection& connection);
+  // The client's session as its messages show it (for on_probe).
+  void note_session(Connection& connection, std::uint64_t session);
   void feed(const Input& input);
   void route(const Effects& effects);
   void flush(Connection& connection);
@@ -148,11 +153,24 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   std::uint64_t heartbeat_calls_ = 0;
   std::uint64_t heartbeat_datagrams_refused_ = 0;  // unknown client or wrong secret
   std::uint64_t heartbeat_refusals_unlogged_ = 0;
-  // The read budget (ServiceConfig::heartbeat_datagrams_per_s_max): datagrams that may be read now.
-  double heartbeat_budget_ = 0;
-  TimeMs heartbeat_budget_ms_ = 0;  // when it was last refilled
+  // A rate limit: `per_s` a second, in bursts of at most one second's worth.
+  struct RateBudget {
+    double available = 0;
+    TimeMs refilled_ms = 0;
+    void fill(TimeMs now, double per_s) {
+      available = per_s;
+      refilled_ms = now;
+    }
+    void refill(TimeMs now, double per_s) {
+      available = std::min(per_s, available + per_s * static_cast<double>(now - refilled_ms) / 1000.0);
+      refilled_ms = now;
+    }
+  };
+  // Datagrams that may be read now (ServiceConfig::heartbeat_datagrams_per_s_max).
+  RateBudget heartbeat_budget_;
   std::uint64_t heartbeat_datagrams_per_s() const;
-  void refill_heartbeat_budget();
+  // TLS handshakes that may start now (ServiceConfig::tls_handshakes_per_s_max).
+  RateBudget handshake_budget_;
   TimeMs heartbeat_refusal_logged_ms_ = -1'000'000;
 
   // Warnings an attacker can provoke at will are counted and logged at most every kSummaryLogMs.
@@ -169,6 +187,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogSummary claims_refused_log_;
   LogSummary tls_failures_log_;
   LogSummary heartbeat_budget_log_;
+  LogSummary handshake_budget_log_;
   kj::TlsContext* tls_ = nullptr;  // owned by whoever called use_tls
 
   std::uint64_t next_connection_id_ = 1;

@@ -15,6 +15,8 @@
 
 namespace {
 
+constexpr long kTlsHandshakeTimeoutMs = 10'000;
+
 std::string joined(const std::vector<th::Version>& versions) {
   std::string text;
   for (th::Version version : versions) text += (text.empty() ? "" : ",") + std::to_string(version);
@@ -92,7 +94,11 @@ int main(int argc, char** argv) {
     auto io = kj::setupAsyncIo();
     auto stream = io.provider->getNetwork().parseAddress(server).wait(io.waitScope)->connect().wait(io.waitScope);
     if (tls != nullptr) {
-      stream = tls->wrapClient(kj::mv(stream), th::net::tls_server_name(server, tls_server_name)).wait(io.waitScope);
+      // Bounded: a server that accepted the TCP connection but hangs must not hang th-ctl.
+      stream = io.provider->getTimer()
+                   .timeoutAfter(kTlsHandshakeTimeoutMs * kj::MILLISECONDS,
+                                 tls->wrapClient(kj::mv(stream), th::net::tls_server_name(server, tls_server_name)))
+                   .wait(io.waitScope);
     }
     capnp::TwoPartyClient rpc(*stream);
     auto hub = rpc.bootstrap().castAs<th::wire::Hub>();

@@ -483,8 +483,10 @@ TEST_F(Security, HeartbeatDatagramsCannotBeForgedOrReplayed) {
   ASSERT_TRUE(sender.send(beat));                                                  // taken
   ASSERT_TRUE(sender.send(beat));                                                  // a replay
   ASSERT_TRUE(sender.send(net::seal(77, 0, 2, net::HeartbeatKey{key[0], key[1] ^ 1})));  // a guessed key
+  RpcClient other(io(), server);  // a second client, with a key of its own
+  ASSERT_EQ(other.connect(kToken, 78, secret_of('b')), "");
   net::HeartbeatDatagram moved = net::seal(77, 0, 3, key);
-  moved.client = 78;                                                               // for another client
+  moved.client = 78;                                                               // for the other client
   ASSERT_TRUE(sender.send(moved));
   ASSERT_TRUE(sender.send(net::seal(77, 0, 4, key)));                              // taken
   // th-ctl shows the server's counts; datagrams on loopback arrive, but not at once.

@@ -1,11 +1,13 @@
 // Item 7 of the security suite: TLS on the control connection (th-server --tls-cert/--tls-key,
 // libthclient's tls_ca_file, th-ctl --tls-ca). Without it the cluster token, the heartbeat secret and
 // the grant secrets crossed the network in clear text. The certificates are in tls/ (make-certs).
+#include <kj/vector.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "net/socket.h"
+#include "net/tls.h"
 #include "security_fixture.h"
 
 namespace th::e2e {
@@ -61,8 +64,12 @@ class RecordingRelay {
       }
       if (::poll(pollers.data(), pollers.size(), 50) <= 0) continue;
       if (pollers[0].revents != 0) {
-        net::Fd client = net::accept_tcp(listener_);
-        pairs.emplace_back(std::move(client), net::connect_tcp(target_, 2000));
+        try {
+          net::Fd client = net::accept_tcp(listener_);
+          if (client.valid()) pairs.emplace_back(std::move(client), net::connect_tcp(target_, 2000));
+        } catch (const net::SocketError&) {
+          // The server is gone: the client's connection is dropped, as a broken path would.
+        }
       }
       std::vector<bool> ended(pairs.size(), false);
       for (std::size_t i = 0; i < pairs.size() && 1 + 2 * i + 1 < pollers.size(); ++i) {
@@ -137,7 +144,11 @@ TEST_F(Security, AClientRefusesAServerItsCaDidNotSignOrThatCarriesAnotherName) {
   // The certificate names th-server and localhost; a client that checks another name refuses it.
   Process& misnamed = worker({genuine}, "trainer", {"--tls-ca", kTlsDir + "/ca.pem", "--tls-server-name", "elsewhere"},
                              {"list"});
-  EXPECT_NE(expect(misnamed, "open error permission-denied").find("hostname mismatch"), std::string::npos);
+  // ("ostname": OpenSSL 3 says "hostname mismatch", 1.1 "Hostname mismatch".)
+  EXPECT_NE(expect(misnamed, "open error permission-denied").find("ostname mismatch"), std::string::npos);
+  // Dialled by IP address without the name: refused, with what to do about it.
+  Process& by_ip = worker({genuine}, "trainer", {"--tls-ca", kTlsDir + "/ca.pem"}, {"list"});
+  EXPECT_NE(expect(by_ip, "open error permission-denied").find("give the DNS name"), std::string::npos);
 
   Process& ctl = spawn({TH_CTL_PATH, "--server", genuine, "--token-file", (dir_ / "token").string(), "--tls-ca",
                         kTlsDir + "/impostor-ca.pem", "--tls-server-name", "th-server"},
@@ -183,6 +194,61 @@ TEST_F(Security, PeersThatDoNotFinishTheTlsHandshakeAreClosedWhileOthersAreServe
   for (std::size_t at = 0; (at = log.find("TLS handshake(s) failed", at)) != std::string::npos; ++at) ++lines;
   EXPECT_GE(lines, 1u);
   EXPECT_LE(lines, 5u);
+}
+
+// Past open(), a refused certificate is a lost server like any other: a backup with another name or
+// an expired certificate, or someone in the path, must not end the job when the primary fails.
+TEST_F(Security, ACertificateRefusedAfterOpenIsALostServerNotTheEndOfTheHandle) {
+  const std::string primary = start_server(tls_server_flags());
+  const std::string impostor = start_server(tls_server_flags("impostor"));
+  const std::string backup = start_server(tls_server_flags());
+  Process& trainer = worker({primary, impostor, backup}, "trainer", tls_client_flags(), {"publish:1", "wait-line", "list"});
+  expect(trainer, "publish ok 1");
+  servers_[0]->kill9();
+  trainer.send_line("");
+  // Fails over past the impostor (refused, logged) to the genuine backup.
+  EXPECT_EQ(expect(trainer, "list ").substr(0, 13), "list latest=1") << trainer.describe();
+}
+
+// Handshakes cost the server a key exchange and a signature each, before any token: at most
+// --tls-handshakes-per-s-max begin a second, and a client still gets in during a flood of them.
+TEST_F(Security, AFloodOfTlsHandshakesIsPacedAndAClientStillGetsIn) {
+  constexpr int kHandshakesPerS = 50;
+  constexpr int kFloodSeconds = 4;
+  constexpr int kConcurrent = 8;
+  std::vector<std::string> flags = tls_server_flags();
+  flags.insert(flags.end(), {"--tls-handshakes-per-s-max", std::to_string(kHandshakesPerS)});
+  const std::string server = start_server(flags);
+  auto tls = net::make_client_tls(kTlsDir + "/ca.pem");
+  ASSERT_TRUE(tls.ok());
+  std::atomic<int> completed{0};
+  std::atomic<bool> stop{false};
+  std::thread flood([&] {
+    auto flood_io = kj::setupAsyncIo();
+    auto address = flood_io.provider->getNetwork().parseAddress(server).wait(flood_io.waitScope);
+    std::function<kj::Promise<void>()> one = [&]() -> kj::Promise<void> {
+      if (stop) return kj::READY_NOW;
+      return address->connect()
+          .then([&](kj::Own<kj::AsyncIoStream> stream) { return tls.value()->wrapClient(kj::mv(stream), "th-server"); })
+          .then([&](kj::Own<kj::AsyncIoStream>) { ++completed; },  // dropped at once: the next one
+                [](kj::Exception&&) {})
+          .then([&] { return one(); });
+    };
+    kj::Vector<kj::Promise<void>> chains;
+    for (int i = 0; i < kConcurrent; ++i) chains.add(one());
+    flood_io.provider->getTimer().afterDelay(kFloodSeconds * kj::SECONDS).wait(flood_io.waitScope);
+    stop = true;
+    kj::joinPromises(chains.releaseAsArray()).wait(flood_io.waitScope);
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  Process& trainer = worker({server}, "trainer", tls_client_flags(), {"publish:1"});
+  expect(trainer, "publish ok 1");
+  flood.join();
+  // The first second's burst, then the rate (the flood ran kFloodSeconds and then finished the
+  // handshakes it had begun).
+  EXPECT_LE(completed.load(), kHandshakesPerS * (kFloodSeconds + 2)) << completed.load() << " handshakes";
+  EXPECT_GE(completed.load(), kHandshakesPerS) << "the flood did not reach the limit: this test proves nothing";
+  ASSERT_TRUE(running(*servers_[0]));
 }
 
 // A key that is not the certificate's used to be accepted by OpenSSL and fail every handshake later;

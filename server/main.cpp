@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
                  "A connection that has not presented the token this long after it connected is closed")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{3'600'000}));
+  app.add_option("--effects-backlog-max", config.effects_backlog_max,
+                 "Messages for one connection that may wait while it takes no deliveries; past it, the "
+                 "connection is closed (its client is lost and re-opens)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 24));
   app.add_option("--idle-timeout-ms", config.idle_timeout_ms,
                  "An authenticated connection with no message and no heartbeat this long is closed "
                  "(0: 10 x the heartbeat timeout, at least 60 s)")

@@ -39,6 +39,12 @@ class NullSink final : public wire::Sink::Server {
   kj::Promise<void> deliver(DeliverContext) override { return kj::READY_NOW; }
 };
 
+// A peer that takes the server's deliveries and never answers them.
+class HangingSink final : public wire::Sink::Server {
+ protected:
+  kj::Promise<void> deliver(DeliverContext) override { return kj::NEVER_DONE; }
+};
+
 // A fixed 16-byte secret per test client (tests choose them; libthclient draws them from the OS).
 std::string secret_of(char fill) { return std::string(16, fill); }
 
@@ -53,10 +59,14 @@ class RpcClient {
 
   // Calls Hub.connect; returns "" when it succeeds, else the server's reason.
   std::string connect(const std::string& token, ClientId client, const std::string& secret,
-                      const std::string& name = "test") {
+                      const std::string& name = "test", bool answers_deliveries = true) {
     auto request = rpc_->bootstrap().castAs<wire::Hub>().connectRequest();
     request.setToken(token);
-    request.setSink(kj::heap<NullSink>());
+    if (answers_deliveries) {
+      request.setSink(kj::heap<NullSink>());
+    } else {
+      request.setSink(kj::heap<HangingSink>());
+    }
     request.setClientName(name);
     request.setClient(client);
     request.setClientSecret(kj::arrayPtr(reinterpret_cast<const kj::byte*>(secret.data()), secret.size()));
@@ -613,6 +623,28 @@ TEST_F(Security, AQuietClientsProbesKeepItAliveWhenItsDatagramsAreLost) {
   std::this_thread::sleep_for(std::chrono::seconds(5));
   listing = ctl(server);
   EXPECT_NE(listing.find(" 1 evictions"), std::string::npos) << listing;
+}
+
+// The effects backlog: a peer that never answers Sink.deliver made the server keep every effect
+// for it, without bound. Past --effects-backlog-max undelivered effects it is disconnected, and
+// everyone else is served on.
+TEST_F(Security, AConnectionThatTakesNoDeliveriesIsClosedWhenItFallsTooFarBehind) {
+  constexpr int kBacklogMax = 100;
+  const std::string server = start_server({"--effects-backlog-max", std::to_string(kBacklogMax)});
+  RpcClient stuck(io(), server);
+  ASSERT_EQ(stuck.connect(kToken, 93, secret_of('s'), "stuck", /*answers_deliveries=*/false), "");
+  // A client that never opened: every report it sends is answered "unknown client, re-open" (an
+  // effect). 8 deliveries go out and hang; the rest wait in the backlog.
+  const std::vector<net::ToHubMessage> reports(64, net::ToHubMessage{Report{93, Heartbeat{}, 0}});
+  std::string refused;
+  int sends = 0;
+  for (; sends < 100 && refused.empty(); ++sends) refused = stuck.send(reports);
+  EXPECT_FALSE(refused.empty()) << "100 sends of 64 effects each were all taken: the backlog is not bounded";
+  EXPECT_LE(sends, (8 * 64 + kBacklogMax) / 64 + 3) << "disconnected later than the cap allows";
+  EXPECT_NE(server_log(*servers_[0]).find("effects behind: disconnecting it"), std::string::npos);
+  ASSERT_TRUE(running(*servers_[0]));
+  Process& trainer = worker({server}, "trainer", {}, {"publish:1"});
+  expect(trainer, "publish ok 1");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-// libthclient's data path: the DataServer serves grants from the registered tensors (or from an
-// offload copy); one reader thread pulls versions into them and verifies their checksums; offloads
-// copy the tensors to CPU memory on threads of their own; seed reads fill a CPU copy.
+// libthclient's data path: the transport (net/transport.h; TCP today) serves grants from the
+// registered tensors (or from an offload copy); one reader thread pulls versions into them and
+// verifies their checksums; offloads copy the tensors to CPU memory on threads of their own; seed
+// reads fill a CPU copy.
 #include "client/handle_impl.h"
 
 namespace th {
@@ -63,7 +64,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
       return;  // the reader is refused and reports it; the server picks another source
     }
     offload_grants_[key] = found->second;
-    data_server_->grant(key, grant.secret, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
+    transport_->grant(key, grant.secret, found->second->regions, std::make_shared<net::Progress>(found->second->bytes.size()));
     return;
   }
   if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
@@ -71,7 +72,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
     return;
   }
   const Plan& current = plan();  // first: it may rebuild packed_
-  data_server_->grant(key, grant.secret, regions_of(current, packed_.data()), buffers_progress_);
+  transport_->grant(key, grant.secret, regions_of(current, packed_.data()), buffers_progress_);
 }
 
 void Handle::Impl::start_read(const StartRead& read) {
@@ -185,8 +186,8 @@ void Handle::Impl::run_read(ReadJob& job) {
   const auto started = std::chrono::steady_clock::now();
   net::PullOutcome outcome = [&] {
     try {
-      return net::pull(net::parse_endpoint(job.read.source.endpoint), {job.read.transfer, job.read.epoch},
-                       job.read.secret, targets, pull_options);
+      return transport_->pull(net::parse_endpoint(job.read.source.endpoint), {job.read.transfer, job.read.epoch},
+                              job.read.secret, targets, pull_options);
     } catch (const net::SocketError& bad_endpoint) {
       return net::PullOutcome{0, net::ReadError::kUnreachable, bad_endpoint.what()};
     }

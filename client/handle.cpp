@@ -5,7 +5,7 @@
 //   - the control protocol (server_links.cpp): one Cap'n Proto connection per server, opened on
 //     demand, with a bounded number of Session.send calls in flight; a lost connection is ServerLost;
 //     heartbeats go as UDP datagrams where the server offers it and hears them, as calls otherwise;
-//   - the data plane (data_path.cpp): a DataServer serves grants from the registered tensors (or
+//   - the data plane (data_path.cpp): the transport serves grants from the registered tensors (or
 //     from an offload copy); one reader thread pulls versions into them and verifies their
 //     checksums; offloads: a thread copies the registered tensors to CPU memory;
 //   - the application (this file): calls block on a condition variable until the agent's CallDone.
@@ -136,11 +136,11 @@ Status Handle::Impl::start() {
   try {
     net::DataServerConfig data;
     data.listen = net::parse_endpoint(options_.data_listen);
-    data_server_ = std::make_unique<net::DataServer>(data);
+    transport_ = std::make_unique<net::TcpTransport>(data);
   } catch (const net::SocketError& error) {
     return make_error(Errc::kInvalidArgument, std::string("data plane: ") + error.what());
   }
-  advertised_ = options_.data_advertise.empty() ? data_server_->endpoint().to_string() : options_.data_advertise;
+  advertised_ = options_.data_advertise.empty() ? transport_->endpoint().to_string() : options_.data_advertise;
 
   std::promise<void> ready;
   auto up = ready.get_future();
@@ -226,7 +226,7 @@ void Handle::Impl::apply(const AgentEffect& effect) {
           serve(e.grant);
         } else if constexpr (std::is_same_v<T, RevokeServe>) {
           // Blocks until no read under the grant is in flight: the integrity barrier.
-          data_server_->revoke({e.transfer, e.epoch});
+          transport_->revoke({e.transfer, e.epoch});
           offload_grants_.erase({e.transfer, e.epoch});
         } else if constexpr (std::is_same_v<T, MakeOffload>) {
           start_offload(e.version);
@@ -412,7 +412,7 @@ Result<Version> Handle::Impl::publish(Version version) {
 HandleStats Handle::Impl::stats() const {
   std::lock_guard lock(stats_mutex_);
   HandleStats stats = stats_;
-  if (data_server_ != nullptr) stats.bytes_served = data_server_->stats().bytes_served;
+  if (transport_ != nullptr) stats.bytes_served = transport_->bytes_served();
   return stats;
 }
 
@@ -437,7 +437,7 @@ void Handle::Impl::shutdown() {
     on_io([this] { stop_->fulfill(); });
     io_thread_.join();
   }
-  data_server_.reset();
+  transport_.reset();
 }
 
 // ==== Handle ========================================================================================

@@ -24,6 +24,7 @@
 
 #include "core/agent.h"
 #include "net/data_plane.h"
+#include "net/transport.h"
 #include "net/event_loop.h"
 #include "net/heartbeat.h"
 #include "net/tls.h"
@@ -173,7 +174,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   static constexpr std::size_t kClientSecretBytes = 16;
   std::array<kj::byte, kClientSecretBytes> client_secret_;
   ShardAgent agent_;
-  std::unique_ptr<net::DataServer> data_server_;
+  // How this shard's bytes move, both ways (net/transport.h): the only data-plane object here.
+  std::unique_ptr<net::DataTransport> transport_;
   std::string advertised_;
 
   // I/O thread state.

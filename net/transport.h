@@ -1,0 +1,71 @@
+// The data plane behind one interface, so that libthclient does not care how bytes move.
+//
+// One transport per shard both serves this shard's regions under the hub's grants and pulls a
+// source's regions into local memory. TcpTransport (below, over net/data_plane.h) is the one every
+// peer has; one-sided RDMA reads (rdma/) slot in behind the same calls where both ends have a
+// device. The calls keep the shape of RDMA on purpose (see net/data_plane.h): grant ~ register and
+// hand out a key, pull ~ READs into local memory, revoke ~ invalidate, after which the owner may
+// change or free the memory.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "core/types.h"
+#include "net/data_plane.h"
+#include "net/socket.h"
+
+namespace th::net {
+
+class DataTransport {
+ public:
+  virtual ~DataTransport() = default;
+
+  // What this transport is ("tcp", "rdma"): logged, and named in the handle's stats.
+  virtual std::string_view kind() const = 0;
+  // Where peers reach this shard's data.
+  virtual Endpoint endpoint() const = 0;
+
+  // Serving. Exposes `regions` (in layout order) to the read that presents `secret` under `key`;
+  // they must stay alive and unchanged (up to `progress`) until revoke(key) returns. Granting a key
+  // twice is a bug.
+  virtual void grant(GrantKey key, const GrantSecret& secret, std::vector<ExposedRegion> regions,
+                     std::shared_ptr<Progress> progress) = 0;
+  // Withdraws the grant without waiting for any reader: reads in flight under it fail, later ones
+  // are refused. Unknown keys are ignored.
+  virtual void revoke(GrantKey key) = 0;
+  virtual std::uint64_t bytes_served() const = 0;
+
+  // Reading. Pulls every byte of the regions `source` exposes under `key` into `targets` (same
+  // sizes, same order), straight into them. A failed source is an outcome, not an exception.
+  virtual PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret,
+                           std::span<const LocalRegion> targets, const PullOptions& options) = 0;
+};
+
+// The TCP data plane: a DataServer for serving, net::pull for reading.
+class TcpTransport final : public DataTransport {
+ public:
+  // Listens at once; throws SocketError if the address cannot be bound.
+  explicit TcpTransport(DataServerConfig config) : server_(std::move(config)) {}
+
+  std::string_view kind() const override { return "tcp"; }
+  Endpoint endpoint() const override { return server_.endpoint(); }
+  void grant(GrantKey key, const GrantSecret& secret, std::vector<ExposedRegion> regions,
+             std::shared_ptr<Progress> progress) override {
+    server_.grant(key, secret, std::move(regions), std::move(progress));
+  }
+  void revoke(GrantKey key) override { server_.revoke(key); }
+  std::uint64_t bytes_served() const override { return server_.stats().bytes_served; }
+  PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret,
+                   std::span<const LocalRegion> targets, const PullOptions& options) override {
+    return net::pull(source, key, secret, targets, options);
+  }
+
+ private:
+  DataServer server_;
+};
+
+}  // namespace th::net

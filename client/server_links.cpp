@@ -25,6 +25,9 @@ std::string hint_for(const std::string& why, bool tls, const std::string& addres
               why.find("unexpected eof") != std::string::npos)) {
     return " (TLS at this end only? the server needs --tls-cert and --tls-key)";
   }
+  if (!tls && why.find("Peer disconnected") != std::string::npos) {
+    return " (if the server runs with --tls-cert, give tls_ca_file)";
+  }
   return "";
 }
 

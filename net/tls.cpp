@@ -1,5 +1,7 @@
 #include "net/tls.h"
 
+#include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -84,7 +86,53 @@ Error kj_refusal(const std::string& what, const kj::Exception& exception) {
   return make_error(Errc::kInvalidArgument, what + ": " + exception.getDescription().cStr());
 }
 
+// Reads `first` before the inner stream; everything else goes straight to it. (kj owns streams
+// through kj::Own, which deletes the most-derived type: the base's non-virtual destructor is fine.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
+class FirstBytesStream final : public kj::AsyncIoStream {
+ public:
+  FirstBytesStream(kj::Array<kj::byte> first, kj::Own<kj::AsyncIoStream> inner)
+      : first_(kj::mv(first)), inner_(kj::mv(inner)) {}
+
+  kj::Promise<std::size_t> tryRead(void* buffer, std::size_t min_bytes, std::size_t max_bytes) override {
+    const std::size_t left = first_.size() - taken_;
+    if (left == 0) return inner_->tryRead(buffer, min_bytes, max_bytes);
+    const std::size_t copied = std::min(left, max_bytes);
+    std::memcpy(buffer, first_.begin() + taken_, copied);
+    taken_ += copied;
+    if (copied >= min_bytes) return copied;
+    return inner_->tryRead(static_cast<kj::byte*>(buffer) + copied, min_bytes - copied, max_bytes - copied)
+        .then([copied](std::size_t more) { return copied + more; });
+  }
+  kj::Promise<void> write(const void* buffer, std::size_t size) override { return inner_->write(buffer, size); }
+  kj::Promise<void> write(kj::ArrayPtr<const kj::ArrayPtr<const kj::byte>> pieces) override {
+    return inner_->write(pieces);
+  }
+  kj::Promise<void> whenWriteDisconnected() override { return inner_->whenWriteDisconnected(); }
+  void shutdownWrite() override { inner_->shutdownWrite(); }
+  void abortRead() override { inner_->abortRead(); }
+  void getsockopt(int level, int option, void* value, kj::uint* length) override {
+    inner_->getsockopt(level, option, value, length);
+  }
+  void setsockopt(int level, int option, const void* value, kj::uint length) override {
+    inner_->setsockopt(level, option, value, length);
+  }
+  void getsockname(struct sockaddr* address, kj::uint* length) override { inner_->getsockname(address, length); }
+  void getpeername(struct sockaddr* address, kj::uint* length) override { inner_->getpeername(address, length); }
+
+ private:
+  kj::Array<kj::byte> first_;
+  std::size_t taken_ = 0;
+  kj::Own<kj::AsyncIoStream> inner_;
+};
+#pragma GCC diagnostic pop
+
 }  // namespace
+
+kj::Own<kj::AsyncIoStream> with_first_bytes(kj::Array<kj::byte> first, kj::Own<kj::AsyncIoStream> stream) {
+  return kj::heap<FirstBytesStream>(kj::mv(first), kj::mv(stream));
+}
 
 Result<std::unique_ptr<kj::TlsContext>> make_server_tls(const std::string& certificate_file,
                                                         const std::string& key_file) {

@@ -28,6 +28,10 @@ Result<std::unique_ptr<kj::TlsContext>> make_client_tls(const std::string& ca_fi
 // reached by IP address needs the certificate's DNS name given here.
 std::string tls_server_name(const std::string& address, const std::string& server_name);
 
+// `stream` with `first` in front of it: th-server reads a connection's first bytes before it gives
+// the connection a handshake turn, then hands TLS the stream with those bytes put back.
+kj::Own<kj::AsyncIoStream> with_first_bytes(kj::Array<kj::byte> first, kj::Own<kj::AsyncIoStream> stream);
+
 // Whether a failed client handshake was the server's certificate being refused (a configuration
 // error or an impostor: retrying cannot help) rather than the network.
 bool is_certificate_refusal(const std::string& description);

@@ -13,6 +13,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include "net/tls.h"
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -55,6 +56,8 @@ namespace {
 
 // How often connections are checked against their auth deadline and idle timeout.
 constexpr TimeMs kSweepMs = 1000;
+// A TLS record header: what a connection must send before its handshake is given a turn.
+constexpr std::size_t kTlsFirstBytes = 5;
 // How long accepting pauses after accept() failed (out of descriptors): long enough not to spin.
 constexpr std::int64_t kAcceptRetryDelayMs = 100;
 // A client's secret at connect: at least 128 bits.
@@ -394,25 +397,14 @@ bool HubService::heartbeat_datagrams_heard(const Connection& connection) const {
 }
 
 kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
-  if (tls_ != nullptr) {
-    const auto per_s = static_cast<double>(config_.tls_handshakes_per_s_max);
-    handshake_budget_.refill(now_ms(), per_s);
-    if (handshake_budget_.available < 1) {
-      // Connections come faster than handshakes may start: a flood, or a whole fleet reconnecting.
-      // Let them wait in the listen backlog; the loop keeps its time for the hub.
-      log_summarised(handshake_budget_log_, LogLevel::kWarn,
-                     "pause(s) in accepting: TLS handshakes came faster than --tls-handshakes-per-s-max",
-                     std::to_string(config_.tls_handshakes_per_s_max) + " a second");
-      const auto wait_ms = static_cast<std::int64_t>(std::ceil((1 - handshake_budget_.available) * 1000 / per_s));
-      return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this, &listener] {
-        return accept_loop(listener);
-      });
-    }
-  }
   return listener.accept().then(
       [this, &listener](kj::Own<kj::AsyncIoStream> stream) {
-        if (tls_ != nullptr) handshake_budget_.available -= 1;
-        on_connection(kj::mv(stream));
+        // One connection's trouble (a peer that reset before we looked at it) must never end
+        // the accept loop, and with it the server.
+        KJ_IF_MAYBE(exception, kj::runCatchingExceptions([&] { on_connection(kj::mv(stream)); })) {
+          log_summarised(accept_errors_log_, LogLevel::kWarn, "connection(s) dropped as they were accepted",
+                         exception->getDescription().cStr());
+        }
         return accept_loop(listener);
       },
       [this, &listener](kj::Exception&& exception) {
@@ -456,22 +448,55 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
     start_rpc(added, kj::mv(stream));
     return;
   }
-  added.handshake = tls_->wrapServer(kj::mv(stream))
-                        .then(
-                            [this, id](kj::Own<kj::AsyncIoStream> secure) {
-                              auto found = connections_.find(id);
-                              if (found != connections_.end()) start_rpc(*found->second, kj::mv(secure));
-                            },
-                            [this, id](kj::Exception&& exception) {
-                              // Scanners, clear-text clients and wrong certificates: an attacker's to
-                              // provoke at will, so summarised.
-                              auto found = connections_.find(id);
-                              const std::string from = found != connections_.end() ? found->second->peer : "?";
-                              log_summarised(tls_failures_log_, LogLevel::kWarn, "TLS handshake(s) failed",
-                                             "from " + from + ": " + sanitised(exception.getDescription().cStr()));
-                              close_connection(id, "TLS handshake failed");
-                            })
-                        .eagerlyEvaluate(nullptr);
+  // A handshake costs the loop a key exchange and a signature: it starts only once the peer has
+  // sent its first bytes (an empty connect, or one reset at once, costs nothing) and a handshake
+  // turn is free (handshake_turn). Until it ends, the connection counts as unauthenticated.
+  auto first = kj::heapArray<kj::byte>(kTlsFirstBytes);
+  kj::AsyncIoStream& raw = *stream;
+  kj::byte* first_bytes = first.begin();
+  added.handshake =
+      // evalNow: the read is tried at once, and a peer that already reset makes it throw here.
+      kj::evalNow([&raw, first_bytes] { return raw.tryRead(first_bytes, 1, kTlsFirstBytes); })
+          .then([this, id, stream = kj::mv(stream), first = kj::mv(first)](std::size_t got) mutable
+                -> kj::Promise<void> {
+            if (got == 0) {
+              close_connection(id, "closed before its TLS handshake");
+              return kj::READY_NOW;
+            }
+            auto replayed = net::with_first_bytes(kj::heapArray<kj::byte>(first.begin(), got), kj::mv(stream));
+            return handshake_turn()
+                .then([this, replayed = kj::mv(replayed)]() mutable { return tls_->wrapServer(kj::mv(replayed)); })
+                .then([this, id](kj::Own<kj::AsyncIoStream> secure) {
+                  auto found = connections_.find(id);
+                  if (found != connections_.end()) start_rpc(*found->second, kj::mv(secure));
+                });
+          })
+          .catch_([this, id](kj::Exception&& exception) {
+            // Scanners, clear-text clients and wrong certificates: an attacker's to provoke at will,
+            // so summarised.
+            auto found = connections_.find(id);
+            const std::string from = found != connections_.end() ? found->second->peer : "?";
+            log_summarised(tls_failures_log_, LogLevel::kWarn, "TLS handshake(s) failed",
+                           "from " + from + ": " + sanitised(exception.getDescription().cStr()));
+            close_connection(id, "TLS handshake failed");
+          })
+          .eagerlyEvaluate(nullptr);
+}
+
+kj::Promise<void> HubService::handshake_turn() {
+  const auto per_s = static_cast<double>(config_.tls_handshakes_per_s_max);
+  handshake_budget_.refill(now_ms(), per_s);
+  if (handshake_budget_.available >= 1) {
+    handshake_budget_.available -= 1;
+    return kj::READY_NOW;
+  }
+  // Handshakes come faster than they may start: a flood, or a whole fleet reconnecting at once.
+  // This one waits (bounded by the auth deadline, and shed like any unauthenticated connection).
+  log_summarised(handshake_budget_log_, LogLevel::kWarn,
+                 "wait(s) for a TLS handshake turn: handshakes came faster than --tls-handshakes-per-s-max",
+                 std::to_string(config_.tls_handshakes_per_s_max) + " a second");
+  const auto wait_ms = static_cast<std::int64_t>(std::ceil((1 - handshake_budget_.available) * 1000 / per_s));
+  return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this] { return handshake_turn(); });
 }
 
 void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream) {
@@ -698,7 +723,10 @@ void HubService::route(const Effects& effects) {
   std::vector<std::uint64_t> touched;
   for (const Effect& effect : effects) {
     if (const auto* evicted = std::get_if<Evicted>(&effect.message)) {
-      log(LogLevel::kInfo, "client " + std::to_string(effect.client) + " evicted (" +
+      // "Unknown client" is the hub's answer to a message from a client it does not have open (one
+      // that just closed, or a late heartbeat): routine, not an eviction.
+      log(evicted->reason == Errc::kUnknownClient ? LogLevel::kDebug : LogLevel::kInfo,
+          "client " + std::to_string(effect.client) + " evicted (" +
                                std::string(errc_name(evicted->reason)) + "): " + evicted->detail);
     }
     auto bound = client_connection_.find(effect.client);

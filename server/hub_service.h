@@ -68,7 +68,8 @@ struct ServiceConfig {
   static constexpr std::uint64_t kHeartbeatDatagramsPerConnectionPerSecond = 8;  // libthclient beats once a second
   static constexpr std::uint64_t kHeartbeatDatagramsPerSecondFloor = 8192;
   // TLS handshakes begun per second at most (each costs the loop a key exchange and a signature);
-  // past it, new connections wait in the listen backlog. 8,192 clients reconnect in ~4 s.
+  // past it, a connection that has sent its first bytes waits for its turn (bounded by the auth
+  // deadline). 8,192 clients reconnect in ~4 s.
   std::uint64_t tls_handshakes_per_s_max = 2000;
   // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
   std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
@@ -111,6 +112,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Whether the connection's clients may stop sending heartbeats as calls (Session.send's reply).
   bool heartbeat_datagrams_heard(const Connection& connection) const;
   void on_connection(kj::Own<kj::AsyncIoStream> stream);
+  // Resolves when a TLS handshake may start (ServiceConfig::tls_handshakes_per_s_max).
+  kj::Promise<void> handshake_turn();
   // Starts the RPC system of a connection on its (clear or TLS) stream.
   void start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream);
   void on_disconnect(std::uint64_t connection_id);

@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   tls_key_option->needs(tls_certificate_option);
   app.add_option("--tls-handshakes-per-s-max", config.tls_handshakes_per_s_max,
                  "TLS handshakes begun per second at most (each costs the server a key exchange and a "
-                 "signature); past it, new connections wait in the listen backlog")
+                 "signature); past it, a connection waits for its turn (within --auth-deadline-ms)")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 24));
   app.add_option("--heartbeat-timeout-ms", config.hub.heartbeat_timeout_ms,

@@ -251,6 +251,29 @@ TEST_F(Security, AFloodOfTlsHandshakesIsPacedAndAClientStillGetsIn) {
   ASSERT_TRUE(running(*servers_[0]));
 }
 
+// A connection costs a handshake turn only once it has sent its first bytes: empty connects, reset
+// at once or left silent, cost the attacker nothing and used to take the turns (the accept loop
+// paused, honest clients waited seconds in the listen backlog). With 5 turns a second, 2,000 of
+// them would have stalled it for minutes; a client behind them now opens at once.
+TEST_F(Security, EmptyConnectsTakeNoHandshakeTurns) {
+  std::vector<std::string> flags = tls_server_flags();
+  flags.insert(flags.end(), {"--tls-handshakes-per-s-max", "5"});
+  const std::string server = start_server(flags);
+  const net::Endpoint endpoint = net::parse_endpoint(server);
+  std::vector<net::Fd> silent;
+  for (int i = 0; i < 2000; ++i) {
+    net::Fd reset = net::connect_tcp(endpoint, 2000);
+    const linger abort{1, 0};  // close() sends a reset
+    ::setsockopt(reset.get(), SOL_SOCKET, SO_LINGER, &abort, sizeof abort);
+    if (i % 10 == 0) silent.push_back(net::connect_tcp(endpoint, 2000));
+  }
+  Process& trainer = worker({server}, "trainer", tls_client_flags(), {"publish:1"});
+  expect(trainer, "publish ok 1");
+  EXPECT_EQ(server_log(*servers_[0]).find("wait(s) for a TLS handshake turn"), std::string::npos)
+      << "empty connects took handshake turns";
+  ASSERT_TRUE(running(*servers_[0]));
+}
+
 // A key that is not the certificate's used to be accepted by OpenSSL and fail every handshake later;
 // th-server refuses to start instead, saying why.
 TEST_F(Security, AServerRefusesToStartWithAKeyThatIsNotItsCertificates) {

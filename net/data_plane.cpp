@@ -161,6 +161,7 @@ struct DataServer::Connection {
   const Grant* sending = nullptr;  // sending this grant's bytes: revoke() cuts the connection off
   bool dropped = false;   // shut down by the server: to make room, or because it stops
   bool finished = false;  // the thread has nothing left to do but exit: join it
+  std::uint32_t refusals = 0;  // reads refused on this connection (its thread only)
 };
 
 DataServer::DataServer(DataServerConfig config)
@@ -174,6 +175,7 @@ DataServer::DataServer(DataServerConfig config)
   TH_REQUIRE(config_.reader_bytes_per_s_min > 0);
   TH_REQUIRE(config_.response_bytes_max > 0);
   TH_REQUIRE(config_.log_interval_ms >= 0);
+  TH_REQUIRE(config_.refusals_per_connection_max > 0);
   listener_ = listen_tcp(config_.listen, static_cast<int>(std::min(config_.connections_max, kListenBacklogMax)));
   endpoint_ = Endpoint{config_.listen.host, local_port(listener_)};
   acceptor_ = std::thread([this] { accept_loop(); });
@@ -364,6 +366,12 @@ void DataServer::serve(Connection& self) {
         break;
       }
       if (!answer(self, request, grant_wait_left_ms)) break;
+      if (self.refusals >= config_.refusals_per_connection_max) {
+        // A reader is refused once when its grant ends (its reads in flight, a few); a guesser of
+        // secrets is refused for ever, each refusal costing this thread and holding its slot.
+        ended = "refused " + std::to_string(self.refusals) + " reads";
+        break;
+      }
       std::lock_guard lock(mutex_);
       self.idle = true;
       self.idle_since = Clock::now();
@@ -384,6 +392,7 @@ void DataServer::serve(Connection& self) {
 }
 
 bool DataServer::refuse(Connection& self, std::uint32_t status) {
+  ++self.refusals;
   const ReadResponseFrame refusal{status, 0, 0};
   try {
     send_all_by(self.socket, &refusal, sizeof refusal, response_deadline(config_, 0));

@@ -111,6 +111,10 @@ struct DataServerConfig {
   int response_ms_base = 5'000;
   std::uint64_t reader_bytes_per_s_min = 1ull << 20;  // a 64 MiB response gets 5 s + 64 s
   std::uint64_t response_bytes_max = 64ull << 20;  // one response carries at most this much
+  // A connection is closed once this many of its reads were refused (no grant, a wrong secret, out
+  // of bounds): a reader meets a refusal or a few when its grant ends, a guesser meets them for
+  // ever, and each one held a connection thread and its slot.
+  std::uint32_t refusals_per_connection_max = 8;
   // A server writes at most one line per interval about failing readers and connections (the
   // lines held back are counted on the next): a flood of bad connections must not flood the log.
   int log_interval_ms = 10'000;

@@ -486,17 +486,50 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
 kj::Promise<void> HubService::handshake_turn() {
   const auto per_s = static_cast<double>(config_.tls_handshakes_per_s_max);
   handshake_budget_.refill(now_ms(), per_s);
-  if (handshake_budget_.available >= 1) {
+  if (handshake_waiters_.empty() && handshake_budget_.available >= 1) {
     handshake_budget_.available -= 1;
     return kj::READY_NOW;
   }
   // Handshakes come faster than they may start: a flood, or a whole fleet reconnecting at once.
-  // This one waits (bounded by the auth deadline, and shed like any unauthenticated connection).
+  // This one waits its turn, first come first served (bounded by the auth deadline, and shed like
+  // any unauthenticated connection, which drops its place in the queue).
   log_summarised(handshake_budget_log_, LogLevel::kWarn,
-                 "wait(s) for a TLS handshake turn: handshakes came faster than --tls-handshakes-per-s-max",
+                 "TLS handshake(s) waited for a turn: they came faster than --tls-handshakes-per-s-max",
                  std::to_string(config_.tls_handshakes_per_s_max) + " a second");
+  if (handshake_waiters_.size() > 2 * config_.unauthenticated_max) {
+    // Places of connections that went meanwhile (each waiter is an unauthenticated connection).
+    std::erase_if(handshake_waiters_, [](auto& waiter) { return !waiter->isWaiting(); });
+  }
+  auto turn = kj::newPromiseAndFulfiller<void>();
+  handshake_waiters_.push_back(kj::mv(turn.fulfiller));
+  if (!dispensing_handshake_turns_) {
+    dispensing_handshake_turns_ = true;
+    tasks_.add(dispense_handshake_turns());
+  }
+  return kj::mv(turn.promise);
+}
+
+kj::Promise<void> HubService::dispense_handshake_turns() {
+  const auto per_s = static_cast<double>(config_.tls_handshakes_per_s_max);
+  handshake_budget_.refill(now_ms(), per_s);
+  while (!handshake_waiters_.empty()) {
+    if (!handshake_waiters_.front()->isWaiting()) {  // its connection went: no turn spent
+      handshake_waiters_.pop_front();
+      continue;
+    }
+    if (handshake_budget_.available < 1) break;
+    handshake_budget_.available -= 1;
+    handshake_waiters_.front()->fulfill();
+    handshake_waiters_.pop_front();
+  }
+  if (handshake_waiters_.empty()) {
+    dispensing_handshake_turns_ = false;
+    return kj::READY_NOW;
+  }
   const auto wait_ms = static_cast<std::int64_t>(std::ceil((1 - handshake_budget_.available) * 1000 / per_s));
-  return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this] { return handshake_turn(); });
+  return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this] {
+    return dispense_handshake_turns();
+  });
 }
 
 void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream) {

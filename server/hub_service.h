@@ -112,8 +112,12 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Whether the connection's clients may stop sending heartbeats as calls (Session.send's reply).
   bool heartbeat_datagrams_heard(const Connection& connection) const;
   void on_connection(kj::Own<kj::AsyncIoStream> stream);
-  // Resolves when a TLS handshake may start (ServiceConfig::tls_handshakes_per_s_max).
+  // Resolves when a TLS handshake may start (ServiceConfig::tls_handshakes_per_s_max): at once if
+  // a turn is free and nobody waits, else in arrival order as turns come.
   kj::Promise<void> handshake_turn();
+  kj::Promise<void> dispense_handshake_turns();
+  std::deque<kj::Own<kj::PromiseFulfiller<void>>> handshake_waiters_;
+  bool dispensing_handshake_turns_ = false;
   // Starts the RPC system of a connection on its (clear or TLS) stream.
   void start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream);
   void on_disconnect(std::uint64_t connection_id);

@@ -5,13 +5,15 @@
 //   --batch heartbeats of a client id of its own: a server kept as busy as this process can make it;
 // or, with --heartbeat-interval-ms, behaves like that many idle workers: each connection opens a
 //   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet),
-//   as a datagram once the server hears them, as libthclient does.
+//   as a datagram once the server hears them, plus an empty call every 3/4 heartbeat timeout
+//   (a probe that the server is alive), as libthclient does (--no-probes: without the probes).
 // Prints "load ready N" once every connection has its session, then "load calls N last-second M"
 // every second (calls completed in all, and in the last second), until killed.
 #include <CLI/CLI.hpp>
 #include <capnp/rpc-twoparty.h>
 #include <kj/async-io.h>
 
+#include <chrono>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -37,6 +39,8 @@ struct Client {
   std::uint64_t id = 0;
   std::optional<th::net::HeartbeatKey> heartbeat_key;  // none: the server offered no datagram channel
   std::uint64_t heartbeat_count = 0;
+  std::int64_t heartbeat_timeout_ms = 10'000;  // told at connect
+  std::int64_t last_call_ms = 0;               // when this client last sent a call
   bool heartbeat_datagrams_heard = false;
 };
 
@@ -56,6 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--in-flight", in_flight)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--heartbeat-interval-ms", heartbeat_interval_ms, "idle workers: one heartbeat per interval");
+  bool probes = true;
+  app.add_flag("!--no-probes", probes, "idle workers: no empty calls while the datagrams are heard (libthclient probes)");
   CLI11_PARSE(app, argc, argv);
 
   auto io = kj::setupAsyncIo();
@@ -93,20 +99,30 @@ int main(int argc, char** argv) {
   };
 
   // As libthclient does: a datagram where the server offers a channel, and a call as well until
-  // the server says it hears the datagrams.
+  // the server says it hears the datagrams; once it does, an empty call (a probe that the server
+  // is alive) whenever no call went for 3/4 of the server's heartbeat timeout.
   std::unique_ptr<th::net::HeartbeatSender> datagrams;
+  const auto now_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
   std::function<kj::Promise<void>(Client&, unsigned)> heartbeats = [&](Client& client, unsigned delay_ms) {
     return io.provider->getTimer().afterDelay(delay_ms * kj::MILLISECONDS).then([&]() -> kj::Promise<void> {
       if (datagrams != nullptr && client.heartbeat_key) {
         if (datagrams->send(th::net::seal(client.id, 1, ++client.heartbeat_count, *client.heartbeat_key))) ++calls;
       }
       KJ_IF_MAYBE(session, client.session) {
-        if (!client.heartbeat_datagrams_heard) {
+        const bool probe = client.heartbeat_datagrams_heard && probes &&
+                           now_ms() - client.last_call_ms >= client.heartbeat_timeout_ms * 3 / 4;
+        if (!client.heartbeat_datagrams_heard || probe) {
           auto request = session->sendRequest();
-          auto report = request.initMessages(1)[0].initReport();
-          report.setClient(client.id);
-          report.setSession(1);
-          report.getBody().setHeartbeat();
+          if (!probe) {
+            auto report = request.initMessages(1)[0].initReport();
+            report.setClient(client.id);
+            report.setSession(1);
+            report.getBody().setHeartbeat();
+          }
+          client.last_call_ms = now_ms();
           tasks.add(request.send().then([&](auto response) {
             ++calls;
             client.heartbeat_datagrams_heard = response.getHeartbeatDatagramsHeard();
@@ -134,6 +150,7 @@ int main(int argc, char** argv) {
     Client& ref = *client;
     tasks.add(request.send().then([&, i](auto response) {
       ref.session = response.getSession();
+      if (response.getHeartbeatTimeoutMs() > 0) ref.heartbeat_timeout_ms = response.getHeartbeatTimeoutMs();
       const auto channel = response.getHeartbeats();
       if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
         ref.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});

@@ -576,7 +576,7 @@ TEST(DataPlane, WaitingForAnUnknownGrantIsBounded) {
   // A burst for a grant that never comes: the first request spends the connection's wait, the
   // rest are refused at once (at grant_wait_ms_max each, the burst would outlast the hang guard).
   constexpr int kBurst = 200;
-  DataServer bounded(DataServerConfig{.grant_wait_ms_max = 500});
+  DataServer bounded(DataServerConfig{.grant_wait_ms_max = 500, .refusals_per_connection_max = kBurst});
   Fd burst = raw_connection(bounded);
   for (int i = 0; i < kBurst; ++i) send_request(burst, {6, 4}, 0, 1000);
   const auto give_up = std::chrono::steady_clock::now() + kHangGuard;
@@ -639,6 +639,29 @@ TEST(DataPlane, FewConnectionsWaitForUnknownGrantsAtOnce) {
   RawResponse response;
   recv_all(third, &response, sizeof response);  // (a wait would outlast the hang guard)
   EXPECT_EQ(response.status, 1u) << "no grant";
+}
+
+// Attack find: a wrong secret was refused and the connection went on, for ever. A guesser that
+// never read its refusals kept the connection thread sending them, and 300 such connections kept
+// most slots busy (a rollout's replicate took 13 s instead of 0.4). Now a connection is closed
+// after refusals_per_connection_max refusals.
+TEST(DataPlane, AConnectionWhoseReadsAreRefusedOverAndOverIsClosed) {
+  DataServer server(DataServerConfig{.grant_wait_ms_max = 0, .refusals_per_connection_max = 3});
+  const Shard shard = source_shard();
+  server.grant({8, 1}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  Fd guesser = raw_connection(server);
+  for (std::uint64_t guess = 1; guess <= 3; ++guess) {
+    RawRequest request{kRawMagic, 1, 8, 0, 0, 0, 100};
+    request.secret = GrantSecret{guess, guess};
+    send_all(guesser, &request, sizeof request);
+    RawResponse response;
+    recv_all(guesser, &response, sizeof response);
+    EXPECT_EQ(response.status, 1u) << "no grant";
+  }
+  EXPECT_TRUE(closed_by_server(guesser)) << "three refusals, then the connection is closed";
+  // A rightful reader is served, on a connection of its own.
+  expect_bit_exact_pull(server, shard, {8, 1}, 1);
+  server.revoke({8, 1});
 }
 
 }  // namespace

@@ -22,6 +22,8 @@ namespace th::e2e {
 namespace {
 
 const std::string kTlsDir = TH_TLS_DIR;
+// What th-server logs (in summary) when handshakes wait for their turn.
+const std::string kWaitedForATurn = "TLS handshake(s) waited for a turn";
 
 std::vector<std::string> tls_server_flags(const std::string& name = "server") {
   return {"--tls-cert", kTlsDir + "/" + name + ".pem", "--tls-key", kTlsDir + "/" + name + ".key"};
@@ -248,6 +250,7 @@ TEST_F(Security, AFloodOfTlsHandshakesIsPacedAndAClientStillGetsIn) {
   // handshakes it had begun).
   EXPECT_LE(completed.load(), kHandshakesPerS * (kFloodSeconds + 2)) << completed.load() << " handshakes";
   EXPECT_GE(completed.load(), kHandshakesPerS) << "the flood did not reach the limit: this test proves nothing";
+  EXPECT_NE(server_log(*servers_[0]).find(kWaitedForATurn), std::string::npos);
   ASSERT_TRUE(running(*servers_[0]));
 }
 
@@ -269,7 +272,7 @@ TEST_F(Security, EmptyConnectsTakeNoHandshakeTurns) {
   }
   Process& trainer = worker({server}, "trainer", tls_client_flags(), {"publish:1"});
   expect(trainer, "publish ok 1");
-  EXPECT_EQ(server_log(*servers_[0]).find("wait(s) for a TLS handshake turn"), std::string::npos)
+  EXPECT_EQ(server_log(*servers_[0]).find(kWaitedForATurn), std::string::npos)
       << "empty connects took handshake turns";
   ASSERT_TRUE(running(*servers_[0]));
 }

@@ -151,7 +151,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void check_links();
   TimeMs server_timeout_ms() const;
   // Probes per server timeout on a link where nothing else asks the server anything.
-  static constexpr TimeMs kProbesPerTimeout = 4;
+  static constexpr TimeMs kProbesPerTimeout = 2;
   // Other threads: run `work` on the I/O thread (false once it stopped).
   bool on_io(kj::Function<void()> work);
   void reader_main();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "net/heartbeat.h"
+#include "net/tls.h"
 #include "net/tensorhub.capnp.h"
 
 #pragma GCC diagnostic ignored "-Wnon-virtual-dtor"  // Cap'n Proto's generated Server classes
@@ -56,6 +57,10 @@ int main(int argc, char** argv) {
   unsigned heartbeat_interval_ms = 0;
   app.add_option("--server", server)->required();
   app.add_option("--token", token)->required();
+  std::string tls_ca_file;
+  std::string tls_server_name;
+  app.add_option("--tls-ca", tls_ca_file, "TLS to a th-server run with --tls-cert: trust this CA file");
+  app.add_option("--tls-server-name", tls_server_name, "TLS: the name the server's certificate carries");
   app.add_option("--connections", connections)->capture_default_str();
   app.add_option("--in-flight", in_flight)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
@@ -66,6 +71,15 @@ int main(int argc, char** argv) {
 
   auto io = kj::setupAsyncIo();
   io.waitScope.setBusyPollInterval(64);
+  std::unique_ptr<kj::TlsContext> tls;
+  if (!tls_ca_file.empty()) {
+    auto made = th::net::make_client_tls(tls_ca_file);
+    if (!made.ok()) {
+      std::cerr << "th-e2e-load: " << made.error().detail << "\n";
+      return 2;
+    }
+    tls = std::move(made).value();
+  }
   auto address = io.provider->getNetwork().parseAddress(server).wait(io.waitScope);
   std::vector<std::unique_ptr<Client>> clients;
   std::uint64_t calls = 0;
@@ -137,6 +151,10 @@ int main(int argc, char** argv) {
     auto client = std::make_unique<Client>();
     client->id = 0x10AD000000000000ull + i;
     client->stream = address->connect().wait(io.waitScope);
+    if (tls != nullptr) {
+      client->stream =
+          tls->wrapClient(kj::mv(client->stream), th::net::tls_server_name(server, tls_server_name)).wait(io.waitScope);
+    }
     client->rpc = kj::heap<capnp::TwoPartyClient>(*client->stream);
     auto request = client->rpc->bootstrap().castAs<th::wire::Hub>().connectRequest();
     request.setToken(token);

@@ -659,14 +659,15 @@ std::optional<std::string> HubService::claim_client(Connection& connection, Clie
   if (auto remembered = remembered_claims_.find(client); remembered != remembered_claims_.end()) {
     const bool same = same_secret(secret, remembered->second.secret);
     const bool current = now_ms() <= remembered->second.until_ms;
-    remembered_claims_.erase(remembered);
     if (current && !same) {
+      // The reservation stays: a refused claim must not use it up (the next one would succeed).
       log_summarised(claims_refused_log_, LogLevel::kWarn,
                      "connect(s) naming a client held by another connection, with another secret, refused",
                      "client " + std::to_string(client) + " claimed by " + connection.describe() +
                          " while reserved for its handle's reconnect");
       return "permission denied: client " + std::to_string(client) + " belongs to another connection";
     }
+    remembered_claims_.erase(remembered);  // its handle is back, or it expired
   }
   if (auto bound = client_connection_.find(client); bound != client_connection_.end()) {
     Connection& holder = *connections_.at(bound->second);

@@ -251,6 +251,12 @@ TEST_F(Security, AClientIdBelongsToTheConnectionThatClaimedIt) {
   RpcClient squatter(io(), server);
   const std::string squatted = squatter.connect(kToken, kVictim, secret_of('s'));
   EXPECT_NE(squatted.find("permission denied"), std::string::npos) << squatted;
+  // And again (attack find: a refused claim used the reservation up, and the second try took the id).
+  for (char fill : {'s', 'x'}) {
+    RpcClient next_squatter(io(), server);
+    const std::string again = next_squatter.connect(kToken, kVictim, secret_of(fill));
+    EXPECT_NE(again.find("permission denied"), std::string::npos) << again;
+  }
   RpcClient back(io(), server);
   EXPECT_EQ(back.connect(kToken, kVictim, secret_of('v')), "");
 }

@@ -248,8 +248,8 @@ struct Handle::Impl::Link {
   kj::Maybe<kj::Promise<void>> connecting;  // TCP connect, TLS handshake, the connect call
   bool connected = false;                    // the server answered the connect call
   kj::Own<kj::AsyncIoStream> stream;
-  // The server's address as the socket reached it (heartbeat datagrams go there): read before TLS
-  // wraps the socket, since a TLS stream has no address.
+  // The server's address as the socket reached it (heartbeat datagrams go there), read once the TCP
+  // connection is up.
   std::optional<sockaddr_storage> peer;
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<wire::Session::Client> session;

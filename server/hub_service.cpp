@@ -56,7 +56,8 @@ namespace {
 
 // How often connections are checked against their auth deadline and idle timeout.
 constexpr TimeMs kSweepMs = 1000;
-// A TLS record header: what a connection must send before its handshake is given a turn.
+// Before its handshake is given a turn, a connection must send something: at least one byte, read
+// up to a TLS record header's 5 (then replayed to kj-tls). Sending nothing costs the server no turn.
 constexpr std::size_t kTlsFirstBytes = 5;
 // How long accepting pauses after accept() failed (out of descriptors): long enough not to spin.
 constexpr std::int64_t kAcceptRetryDelayMs = 100;
@@ -438,7 +439,7 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   if (unauthenticated_count_ >= config_.unauthenticated_max) shed_oldest_unauthenticated();
   auto connection = std::make_unique<Connection>();
   connection->id = next_connection_id_++;
-  connection->peer = peer_of(*stream);  // before TLS wraps the socket: a TLS stream has no address
+  connection->peer = peer_of(*stream);  // now: a peer that resets during its handshake has none later
   connection->accepted_ms = connection->active_ms = now_ms();
   const std::uint64_t id = connection->id;
   Connection& added = *connections_.emplace(id, std::move(connection)).first->second;

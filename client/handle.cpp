@@ -13,6 +13,11 @@
 // threads hand it work through the loop's executor.
 #include "client/handle_impl.h"
 
+#ifdef TH_HAVE_RDMA
+#include "rdma/transport.h"
+#include "rdma/verbs.h"
+#endif
+
 namespace th {
 namespace client_impl {
 
@@ -124,7 +129,8 @@ void Handle::Impl::taskFailed(kj::Exception&& exception) {
 }
 
 void Handle::Impl::log(const std::string& line) const {
-  std::cerr << "thclient " << options_.replica << "/" << options_.shard << ": " << line << "\n";
+  // One write per line: the shards of a job often share one terminal or log file.
+  std::cerr << ("thclient " + options_.replica + "/" + std::to_string(options_.shard) + ": " + line + "\n");
 }
 
 Status Handle::Impl::start() {
@@ -133,10 +139,36 @@ Status Handle::Impl::start() {
     if (!tls.ok()) return tls.error();
     tls_ = std::move(tls).value();
   }
+  if (options_.transport != "auto" && options_.transport != "rdma" && options_.transport != "tcp") {
+    return make_error(Errc::kInvalidArgument,
+                      "transport '" + options_.transport + "' is not one of auto, rdma, tcp");
+  }
   try {
     net::DataServerConfig data;
     data.listen = net::parse_endpoint(options_.data_listen);
-    transport_ = std::make_unique<net::TcpTransport>(data);
+#ifdef TH_HAVE_RDMA
+    if (options_.transport != "tcp") {
+      try {
+        rdma::RdmaOptions rdma_options;
+        rdma_options.device = options_.rdma_device;
+        rdma_options.gid_index = options_.rdma_gid_index;
+        auto rdma = std::make_unique<rdma::RdmaTransport>(data, rdma_options);
+        log("data plane: RDMA on " + rdma->device_name() + " (TCP with sources that have none)");
+        transport_ = std::move(rdma);
+      } catch (const rdma::VerbsError& error) {
+        if (options_.transport == "rdma") {
+          return make_error(Errc::kInvalidArgument, std::string("transport rdma: ") + error.what());
+        }
+        // "auto" on a host without RDMA is the common case: say so only if it has a device.
+        if (!rdma::device_names().empty()) log(std::string("data plane: TCP, RDMA failed: ") + error.what());
+      }
+    }
+#else
+    if (options_.transport == "rdma") {
+      return make_error(Errc::kInvalidArgument, "transport rdma: libthclient was built without libibverbs");
+    }
+#endif
+    if (transport_ == nullptr) transport_ = std::make_unique<net::TcpTransport>(data);
   } catch (const net::SocketError& error) {
     return make_error(Errc::kInvalidArgument, std::string("data plane: ") + error.what());
   }
@@ -324,7 +356,8 @@ Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t
       status = make_error(Errc::kLimitExceeded, "too many tensors in one shard");
       return;
     }
-    registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype});
+    registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype,
+                                                  transport_->lease_memory(static_cast<std::byte*>(data), bytes)});
     plan_stale_ = true;
   });
   return status;
@@ -351,7 +384,9 @@ Status Handle::Impl::unregister_tensor(std::string_view name) {
 const Plan& Handle::Impl::plan() {
   if (plan_stale_) {
     plan_ = make_plan(registry_);
+    packed_lease_.reset();  // before the buffer moves: a registration of the old one would read stale
     packed_.assign(plan_.packed_bytes, std::byte{0});
+    packed_lease_ = transport_->lease_memory(packed_.data(), packed_.size());
     plan_stale_ = false;
   }
   return plan_;
@@ -412,7 +447,15 @@ Result<Version> Handle::Impl::publish(Version version) {
 HandleStats Handle::Impl::stats() const {
   std::lock_guard lock(stats_mutex_);
   HandleStats stats = stats_;
-  if (transport_ != nullptr) stats.bytes_served = transport_->bytes_served();
+  if (transport_ != nullptr) {
+    const net::TransportStats transport = transport_->stats();
+    stats.bytes_served = transport.bytes_served;
+    stats.pulls_rdma = transport.pulls_rdma;
+    stats.pulls_tcp = transport.pulls_tcp;
+    stats.pulls_fell_back = transport.pulls_fell_back;
+    stats.memory_registrations = transport.memory_registrations;
+    stats.transport = std::string(transport_->kind());
+  }
   return stats;
 }
 

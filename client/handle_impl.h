@@ -71,6 +71,7 @@ struct Registered {
   std::byte* data = nullptr;
   std::uint64_t bytes = 0;
   DType dtype = DType::kFloat32;
+  std::shared_ptr<void> lease;  // lent to the data plane (DataTransport::lease_memory)
 };
 
 // How the shard's tensors appear on the data plane: region 0 is the packed buffer of the small
@@ -92,6 +93,7 @@ Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry);
 struct OffloadCopy {
   std::vector<std::byte> bytes;
   std::vector<net::ExposedRegion> regions;
+  std::shared_ptr<void> lease;  // of `bytes`, lent to the data plane; declared last: dropped first
 };
 
 }  // namespace client_impl
@@ -197,6 +199,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   bool plan_stale_ = false;
   const Plan& plan();
   std::vector<std::byte> packed_;  // the packed small tensors (region 0)
+  std::shared_ptr<void> packed_lease_;  // packed_ lent to the data plane (dropped before it changes)
   // What the registered buffers hold now: a version and how much of it is ready (pipeline).
   std::optional<Version> buffers_version_;
   std::shared_ptr<net::Progress> buffers_progress_;

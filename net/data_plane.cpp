@@ -4,6 +4,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <chrono>
 #include <cstring>
@@ -37,7 +38,7 @@ struct ReadRequestFrame {
   std::uint64_t length = 0;
   GrantSecret secret{};  // the grant's capability, as the hub told it to the reader
 };
-static_assert(sizeof(ReadRequestFrame) == 56);
+static_assert(sizeof(ReadRequestFrame) == kDataRequestBytes);
 
 namespace {
 
@@ -77,8 +78,21 @@ void Progress::advance_to(std::uint64_t ready_bytes) {
     std::lock_guard lock(mutex_);
     if (ready_bytes <= ready_bytes_.load(std::memory_order_relaxed)) return;
     ready_bytes_.store(ready_bytes, std::memory_order_release);
+    for (std::atomic<std::uint64_t>* word : mirrors_) word->store(ready_bytes, std::memory_order_release);
   }
   changed_.notify_all();
+}
+
+void Progress::add_mirror(std::atomic<std::uint64_t>* word) {
+  TH_REQUIRE(word != nullptr);
+  std::lock_guard lock(mutex_);
+  word->store(ready_bytes_.load(std::memory_order_relaxed), std::memory_order_release);
+  mirrors_.push_back(word);
+}
+
+void Progress::remove_mirror(std::atomic<std::uint64_t>* word) {
+  std::lock_guard lock(mutex_);
+  std::erase(mirrors_, word);
 }
 
 void Progress::wait_beyond(std::uint64_t beyond, int timeout_ms, const std::function<bool()>& stop) {
@@ -362,7 +376,17 @@ void DataServer::serve(Connection& self) {
         self.idle = false;
       }
       if (request.magic != kMagic) {
-        ended = "it does not speak the data protocol";
+        if (first && config_.extension != nullptr && request.magic == config_.extension->magic()) {
+          ended = serve_extension(self, request);
+        } else {
+          ended = "it does not speak the data protocol";
+          const ReadResponseFrame unknown{kUnknownProtocolStatus, 0, 0};
+          try {
+            send_all_by(self.socket, &unknown, sizeof unknown, after_ms(100));
+          } catch (const SocketError&) {
+            // It learns the same from the close.
+          }
+        }
         break;
       }
       if (!answer(self, request, grant_wait_left_ms)) break;
@@ -389,6 +413,32 @@ void DataServer::serve(Connection& self) {
   }
   if (!ended.empty() && !quiet) log("closed a reader connection: " + ended);
   wakeup_.signal();  // the acceptor joins this thread
+}
+
+// The connection as a DataPortExtension sees it.
+class DataServer::ExtensionConnection final : public DataConnection {
+ public:
+  ExtensionConnection(DataServer& server, Connection& self) : server_(server), self_(self) {}
+  void set_idle(bool idle) override {
+    std::lock_guard lock(server_.mutex_);
+    self_.idle = idle;
+    if (idle) self_.idle_since = Clock::now();
+  }
+  bool dropped() const override {
+    std::lock_guard lock(server_.mutex_);
+    return self_.dropped || server_.stopping_.load();
+  }
+
+ private:
+  DataServer& server_;
+  Connection& self_;
+};
+
+std::string DataServer::serve_extension(Connection& self, const ReadRequestFrame& first) {
+  ExtensionConnection connection(*this, self);
+  std::array<std::byte, kDataRequestBytes> frame;
+  std::memcpy(frame.data(), &first, frame.size());
+  return config_.extension->serve(self.socket, frame, connection);
 }
 
 bool DataServer::refuse(Connection& self, std::uint32_t status) {

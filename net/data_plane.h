@@ -55,11 +55,17 @@ class Progress {
   void wait_beyond(std::uint64_t beyond, int timeout_ms, const std::function<bool()>& stop);
   // Wakes every waiter (to look at its stop condition).
   void wake_all();
+  // Also stores every advance into `word` (set to the current count at once) until
+  // remove_mirror(word): rdma/ exposes such a word to readers' one-sided reads, so that a reader
+  // learns a partial source's progress without the source's CPU on the data path.
+  void add_mirror(std::atomic<std::uint64_t>* word);
+  void remove_mirror(std::atomic<std::uint64_t>* word);
 
  private:
   std::atomic<std::uint64_t> ready_bytes_;
   std::mutex mutex_;
   std::condition_variable changed_;
+  std::vector<std::atomic<std::uint64_t>*> mirrors_;  // guarded by mutex_
 };
 
 // Memory the owner keeps alive and unchanged while a grant exposes it.
@@ -84,6 +90,34 @@ enum class ReadError : std::uint8_t {
 std::string_view read_error_name(ReadError error);
 
 struct ReadRequestFrame;  // on the wire: defined in data_plane.cpp
+// Every request on the data port starts with a frame of this size whose first 4 bytes are a magic.
+inline constexpr std::size_t kDataRequestBytes = 56;
+// A server answers a first request of a protocol it does not serve with a 16-byte frame whose first
+// 4 bytes are this, then closes: a peer tells "no such protocol here" from a source that died.
+inline constexpr std::uint32_t kUnknownProtocolStatus = 0x4e4b4e55;  // UNKN
+
+// What a connection handed to a DataPortExtension may tell its server, and ask it.
+class DataConnection {
+ public:
+  virtual ~DataConnection() = default;
+  // Idle: waiting for the peer's next request, so the server may drop the connection to make room
+  // for a new one (shutting the socket down). Busy: serving a request; never dropped.
+  virtual void set_idle(bool idle) = 0;
+  // The server dropped the connection or stops: end it.
+  virtual bool dropped() const = 0;
+};
+
+// A second protocol on the data port. A connection whose first request starts with magic() is
+// handed over to it for good, on the connection's own thread and slot (rdma/ sets up a queue pair
+// over it and answers the reader's grant lookups on it, so the port's limits cover it too).
+class DataPortExtension {
+ public:
+  virtual ~DataPortExtension() = default;
+  virtual std::uint32_t magic() const = 0;
+  // Serves the connection until it ends; `first` is its first request (kDataRequestBytes bytes).
+  // Returns why the server ended it, for the log (empty: the peer hung up, or it was dropped).
+  virtual std::string serve(const Fd& socket, std::span<const std::byte> first, DataConnection& connection) = 0;
+};
 
 struct DataServerConfig {
   Endpoint listen{"127.0.0.1", 0};
@@ -118,6 +152,8 @@ struct DataServerConfig {
   // A server writes at most one line per interval about failing readers and connections (the
   // lines held back are counted on the next): a flood of bad connections must not flood the log.
   int log_interval_ms = 10'000;
+  // Serves the connections that speak another protocol on this port (none: they are closed).
+  std::shared_ptr<DataPortExtension> extension = nullptr;
 };
 
 // A reader connection, served by its own thread:
@@ -167,6 +203,8 @@ class DataServer {
   struct Grant;
   struct Connection;
   class Log;
+  class ExtensionConnection;
+  std::string serve_extension(Connection& self, const ReadRequestFrame& first);
   void accept_loop();
   void admit(Fd& waiting);
   void serve(Connection& self);

@@ -8,6 +8,7 @@
 // change or free the memory.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -19,6 +20,16 @@
 #include "net/socket.h"
 
 namespace th::net {
+
+struct TransportStats {
+  std::uint64_t bytes_served = 0;          // sent by this source's CPU (TCP); one-sided reads are not seen
+  std::uint64_t pulls_rdma = 0;            // pulls done with one-sided RDMA reads
+  std::uint64_t pulls_tcp = 0;             // pulls over TCP
+  std::uint64_t pulls_fell_back = 0;       // of those, because the source could not do RDMA
+  std::uint64_t memory_registrations = 0;  // ibv_reg_mr calls (grows with allocations, not versions)
+  std::uint64_t windows_bound = 0;         // memory windows bound for grants (one per grant and region)
+  std::uint64_t windows_invalidated = 0;   // of those, invalidated by a revoke or a reader's close
+};
 
 class DataTransport {
  public:
@@ -37,7 +48,18 @@ class DataTransport {
   // Withdraws the grant without waiting for any reader: reads in flight under it fail, later ones
   // are refused. Unknown keys are ignored.
   virtual void revoke(GrantKey key) = 0;
-  virtual std::uint64_t bytes_served() const = 0;
+  virtual TransportStats stats() const = 0;
+
+  // The owner of [base, +bytes) lends it to the data plane until the returned lease is dropped
+  // (null: this transport keeps nothing). Meanwhile the transport may register it, or a run of
+  // adjacent leased memory around it, with the NIC once and reuse that for every grant and pull;
+  // dropping the lease drops every registration that covers it. Drop it before freeing the memory:
+  // a registration pins the physical pages it was made on, and a reused address would read stale.
+  virtual std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes) {
+    (void)base;
+    (void)bytes;
+    return nullptr;
+  }
 
   // Reading. Pulls every byte of the regions `source` exposes under `key` into `targets` (same
   // sizes, same order), straight into them. A failed source is an outcome, not an exception.
@@ -58,14 +80,21 @@ class TcpTransport final : public DataTransport {
     server_.grant(key, secret, std::move(regions), std::move(progress));
   }
   void revoke(GrantKey key) override { server_.revoke(key); }
-  std::uint64_t bytes_served() const override { return server_.stats().bytes_served; }
+  TransportStats stats() const override {
+    TransportStats stats;
+    stats.bytes_served = server_.stats().bytes_served;
+    stats.pulls_tcp = pulls_.load();
+    return stats;
+  }
   PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret,
                    std::span<const LocalRegion> targets, const PullOptions& options) override {
+    ++pulls_;
     return net::pull(source, key, secret, targets, options);
   }
 
  private:
   DataServer server_;
+  std::atomic<std::uint64_t> pulls_{0};
 };
 
 }  // namespace th::net

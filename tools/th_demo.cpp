@@ -122,6 +122,7 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     if (auto waited = handle->wait(next, 120'000); !waited.ok()) die("wait for a version", waited.error());
     const auto started = std::chrono::steady_clock::now();
     const std::uint64_t received_before = handle->stats().bytes_received;
+    const std::uint64_t rdma_before = handle->stats().pulls_rdma;
     auto updated = held == 0 ? [&]() -> th::Result<th::UpdateInfo> {
       auto replicated = handle->replicate("latest");
       if (!replicated.ok()) return replicated.error();
@@ -135,10 +136,11 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     const auto stats = handle->stats();
     const std::uint64_t bytes = stats.bytes_received - received_before;
     const bool exact = model.holds(held, options.shard);
-    // ROW version replica shard source bytes read_seconds stall_seconds ok
+    // ROW version replica shard source bytes read_seconds stall_seconds ok via
     std::cout << "ROW " << held << " " << options.replica << " " << options.shard << " "
               << updated.value().source_replica << " " << bytes << " " << stats.last_read_seconds << " "
-              << stall_s << " " << (exact && stats.checksum_failures == 0 ? "ok" : "BAD") << std::endl;
+              << stall_s << " " << (exact && stats.checksum_failures == 0 ? "ok" : "BAD") << " "
+              << (stats.pulls_rdma > rdma_before ? "rdma" : "tcp") << std::endl;
   }
   // The last copy of a version the trainer's rule keeps may not leave while the trainer is open:
   // the hub refuses the close (kLastRetainedCopy) until the trainer has closed.
@@ -186,7 +188,8 @@ int main(int argc, char** argv) {
       "replica and several rollout replicas (each with --shards processes). Every step the trainer\n"
       "changes its weights and publishes; the rollouts update, pulling from the trainer or from each\n"
       "other (pipeline replication), and check every byte. One row per step and rollout replica:\n"
-      "version, source replica, bytes, GB/s, stall ms, checksum. Exits non-zero if anything failed."};
+      "version, source replica, bytes, GB/s, stall ms, checksum, and how the bytes moved (tcp, rdma).\n"
+      "Exits non-zero if anything failed."};
   std::uint64_t steps = 5;
   std::uint32_t shards = 2;
   std::uint32_t rollouts = 4;
@@ -195,10 +198,16 @@ int main(int argc, char** argv) {
   std::string server;
   std::string replica;
   std::uint32_t shard = 0;
+  std::string transport = "auto";
   app.add_option("--steps", steps, "training steps (versions published)")->capture_default_str()->check(CLI::Range(1, 1000));
   app.add_option("--shards", shards, "shards per replica (processes per replica)")->capture_default_str()->check(CLI::Range(1, 16));
   app.add_option("--rollouts", rollouts, "rollout replicas")->capture_default_str()->check(CLI::Range(1, 32));
   app.add_option("--shard-mb", shard_mb, "MiB of weights per shard")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--transport", transport,
+                 "how rollouts pull: auto (RDMA where this host has a device, else TCP), rdma (fail without "
+                 "a device), tcp")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "rdma", "tcp"}));
   app.add_option("--worker", worker, "(internal) run as a worker: trainer or rollout")->group("");
   app.add_option("--server", server, "(internal)")->group("");
   app.add_option("--replica", replica, "(internal)")->group("");
@@ -214,6 +223,7 @@ int main(int argc, char** argv) {
     options.replica = replica;
     options.shard = shard;
     options.num_shards = shards;
+    options.transport = transport;
     if (worker == "trainer") return run_trainer(options, steps, shard_bytes, rollouts);
     if (worker == "rollout") return run_rollout(options, steps, shard_bytes);
     std::cerr << "th-demo: unknown worker kind " << worker << "\n";
@@ -234,7 +244,7 @@ int main(int argc, char** argv) {
     return std::vector<std::string>{"th-demo", "--worker", kind, "--server", embedded.address(), "--replica", name,
                                     "--shard", std::to_string(index), "--shards", std::to_string(shards),
                                     "--steps", std::to_string(steps), "--shard-mb", std::to_string(shard_mb),
-                                    "--rollouts", std::to_string(rollouts)};
+                                    "--rollouts", std::to_string(rollouts), "--transport", transport};
   };
   for (std::uint32_t s = 0; s < shards; ++s) children.push_back(spawn(common("trainer", "trainer", s), "trainer/" + std::to_string(s)));
   for (std::uint32_t r = 0; r < rollouts; ++r) {
@@ -251,6 +261,7 @@ int main(int argc, char** argv) {
     double read_s = 0;
     double stall_s = 0;
     bool ok = false;
+    std::string via;  // tcp or rdma
   };
   std::mutex mutex;
   std::map<std::pair<std::uint64_t, std::string>, std::vector<Shard>> rows;
@@ -270,7 +281,7 @@ int main(int argc, char** argv) {
           std::uint32_t index = 0;
           Shard row;
           std::string ok;
-          fields >> version >> name >> index >> row.source >> row.bytes >> row.read_s >> row.stall_s >> ok;
+          fields >> version >> name >> index >> row.source >> row.bytes >> row.read_s >> row.stall_s >> ok >> row.via;
           row.ok = ok == "ok";
           rows[{version, name}].push_back(row);
         } else {
@@ -294,7 +305,7 @@ int main(int argc, char** argv) {
 
   std::cout << std::left << std::setw(8) << "version" << std::setw(12) << "replica" << std::setw(12) << "source"
             << std::right << std::setw(12) << "bytes" << std::setw(9) << "GB/s" << std::setw(11) << "stall ms"
-            << "  checksum\n";
+            << "  checksum  via\n";
   bool all_ok = all_exited_cleanly;
   for (const auto& [key, shards_of] : rows) {
     std::uint64_t bytes = 0;
@@ -302,7 +313,9 @@ int main(int argc, char** argv) {
     double stall_s = 0;
     bool ok = shards_of.size() == shards;
     std::string source = shards_of.empty() ? "?" : shards_of[0].source;
+    std::string via;
     for (const Shard& row : shards_of) {
+      if (via.find(row.via) == std::string::npos) via += via.empty() ? row.via : "+" + row.via;
       bytes += row.bytes;
       read_s = std::max(read_s, row.read_s);
       stall_s = std::max(stall_s, row.stall_s);
@@ -312,7 +325,8 @@ int main(int argc, char** argv) {
     std::cout << std::left << std::setw(8) << key.first << std::setw(12) << key.second << std::setw(12) << source
               << std::right << std::setw(12) << bytes << std::setw(9) << std::fixed << std::setprecision(2)
               << (read_s > 0 ? static_cast<double>(bytes) / read_s / 1e9 : 0.0) << std::setw(11)
-              << std::setprecision(1) << stall_s * 1000 << "  " << (ok ? "ok" : "FAILED") << "\n";
+              << std::setprecision(1) << stall_s * 1000 << "  " << std::left << std::setw(8) << (ok ? "ok" : "FAILED")
+              << "  " << via << "\n";
   }
   if (rows.size() != steps * rollouts) {
     all_ok = false;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -31,11 +32,25 @@ class ProcessTest : public ::testing::Test {
   }
 
   void TearDown() override {
+    expect_pulls_over_the_transport_asked_for();
     if (HasFailure()) {
       for (const auto& process : processes_) std::cerr << process->describe() << "\n\n";
     }
     processes_.clear();  // kills whatever still runs
     std::filesystem::remove_all(dir_);
+  }
+
+  // The suite runs once per transport (TH_E2E_TRANSPORT, set by the rdma guest): under rdma every
+  // pull a worker made must have been one-sided (workers say how on stderr, into their logs).
+  void expect_pulls_over_the_transport_asked_for() {
+    const char* transport = std::getenv("TH_E2E_TRANSPORT");
+    if (transport == nullptr || std::string(transport) != "rdma") return;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+      std::ifstream log(entry.path());
+      for (std::string line; std::getline(log, line);) {
+        EXPECT_NE(line, "th-e2e-worker: pulled over tcp") << entry.path() << ": a pull fell back to TCP";
+      }
+    }
   }
 
   // Starts a th-server; returns its "127.0.0.1:PORT". With `fds`, the process may hold at most that

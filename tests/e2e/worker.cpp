@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include <cstdlib>
+
 #include "tensorhub/client.h"
 
 namespace {
@@ -42,6 +44,18 @@ std::uint8_t byte_of(std::uint64_t version, std::uint32_t shard, std::size_t ten
 
 void say(const std::string& line) {
   std::cout << line << std::endl;  // one line per event, flushed: the test reads them as they come
+}
+
+// How the last pulls went, on stderr (the test's log; stdout is the scripted dialogue): the suite
+// run with TH_E2E_TRANSPORT=rdma fails if any went over TCP.
+void report_transport(const th::Handle& handle) {
+  static std::uint64_t rdma_before = 0;
+  static std::uint64_t tcp_before = 0;
+  const th::HandleStats stats = handle.stats();
+  if (stats.pulls_rdma > rdma_before) std::cerr << "th-e2e-worker: pulled over rdma\n";
+  if (stats.pulls_tcp > tcp_before) std::cerr << "th-e2e-worker: pulled over tcp\n";
+  rdma_before = stats.pulls_rdma;
+  tcp_before = stats.pulls_tcp;
 }
 
 }  // namespace
@@ -73,6 +87,9 @@ int main(int argc, char** argv) {
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
   app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
+  // The e2e suite runs once per transport: the guest of ctest -L rdma sets TH_E2E_TRANSPORT=rdma.
+  if (const char* transport = std::getenv("TH_E2E_TRANSPORT")) options.transport = transport;
+  app.add_option("--transport", options.transport, "data plane: auto, rdma, tcp")->capture_default_str();
   app.add_option("--tls-ca", options.tls_ca_file, "TLS to the server: trust this CA file");
   app.add_option("--tls-server-name", options.tls_server_name, "TLS: the name the server's certificate carries");
   app.add_option("script", script, "commands")->required();
@@ -150,6 +167,7 @@ int main(int argc, char** argv) {
       }
       held = replicated.value().version;
       say("replicate ok " + std::to_string(held) + " from " + replicated.value().source_replica);
+      report_transport(*handle);
     } else if (verb == "update" || verb == "poll") {
       // poll: update every 250 ms while the answer is "not yet" (at most 120 times), as a rollout
       // loop would.
@@ -165,6 +183,7 @@ int main(int argc, char** argv) {
         say("update " + std::string(th::update_status_name(updated.value().status)) + " " +
             (updated.value().version ? std::to_string(held) : "nothing") +
             " from " + updated.value().source_replica);
+        if (updated.value().status == th::UpdateStatus::kUpdated) report_transport(*handle);
         if (updated.value().status != th::UpdateStatus::kNotYet) break;
       }
     } else if (verb == "verify") {

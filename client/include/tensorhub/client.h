@@ -52,6 +52,13 @@ struct ClientOptions {
   // listen address with the port the kernel chose).
   std::string data_listen = "127.0.0.1:0";
   std::string data_advertise;
+  // How bytes move between peers: "auto" uses one-sided RDMA reads where this host has an RDMA
+  // device with an active port and the source does too, else TCP (chosen per source, logged,
+  // counted in HandleStats); "rdma" is the same but open() fails when this host has no usable
+  // device; "tcp" never uses RDMA. Either way the data port serves TCP readers too.
+  std::string transport = "auto";
+  std::string rdma_device;     // e.g. "mlx5_0"; empty: the first device with an active port
+  int rdma_gid_index = -1;     // -1: the first RoCE v2 GID of an IPv4 address, else 0
   TimeMs heartbeat_interval_ms = 1000;
   // open() gives up with kUnavailable if no server answered in this time. Later calls wait for as
   // long as it takes (servers fail over; use a call's own timeout where it has one).
@@ -94,6 +101,11 @@ struct HandleStats {
   double last_read_seconds = 0;         // duration of the last completed read of a version
   std::uint64_t last_read_bytes = 0;
   std::string reading_from;  // the source replica of the read in progress ("" when none)
+  std::string transport;     // the data plane this shard runs: "tcp" or "rdma" (see ClientOptions::transport)
+  std::uint64_t pulls_rdma = 0;       // reads done with one-sided RDMA reads
+  std::uint64_t pulls_tcp = 0;        // reads over TCP
+  std::uint64_t pulls_fell_back = 0;  // of those, because the source could not do RDMA
+  std::uint64_t memory_registrations = 0;  // NIC registrations made (per allocation, not per version)
 };
 
 class Handle {

@@ -1,0 +1,282 @@
+// rdma/'s own: the frames a reader and a source exchange on the data port's TCP connection (see
+// transport.h for the exchange), and the state the transport shares with the connection threads of
+// its data server. Included by transport.cpp, served_link.cpp and reader.cpp only.
+#pragma once
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/assert.h"
+#include "rdma/transport.h"
+#include "rdma/verbs.h"
+
+namespace th::rdma {
+
+using Clock = std::chrono::steady_clock;
+using net::Deadline;
+
+inline Deadline after_ms(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+// ---- Frames on the data port ------------------------------------------------------------------
+// Requests are kDataRequestBytes long and begin with kMagic, like the TCP data plane's (its server
+// hands a connection whose first request carries this magic to this file). Little-endian, as the
+// TCP frames (net/data_plane.cpp asserts the host's order).
+
+constexpr std::uint32_t kMagic = 0x31524454;  // "TDR1"
+constexpr std::uint32_t kProtocolVersion = 1;
+
+enum class Kind : std::uint32_t { kHello = 1, kOpen = 2, kClose = 3 };
+enum class Answer : std::uint32_t { kOk = 0, kNoGrant = 1, kUnsupported = 2, kBusy = 3 };
+
+struct Request {
+  std::uint32_t magic = kMagic;
+  Kind kind = Kind::kHello;
+  // kHello
+  std::uint32_t version = kProtocolVersion;
+  std::uint32_t qp_number = 0;
+  std::uint32_t packet_sequence = 0;
+  std::uint16_t lid = 0;
+  std::uint8_t mtu = 0;
+  std::uint8_t reserved0 = 0;
+  Gid gid{};
+  // kOpen, kClose
+  std::uint32_t epoch = 0;
+  std::uint32_t reserved1 = 0;
+  std::uint64_t transfer = 0;
+};
+static_assert(sizeof(Request) == 56);
+static_assert(sizeof(Request) == net::kDataRequestBytes);
+// An open request carries the grant's secret where a hello carries its GID (16 bytes either way).
+static_assert(sizeof(GrantSecret) == sizeof(Gid));
+
+struct HelloAnswer {
+  Answer status = Answer::kOk;
+  std::uint32_t version = kProtocolVersion;
+  std::uint32_t qp_number = 0;
+  std::uint32_t packet_sequence = 0;
+  std::uint16_t lid = 0;
+  std::uint8_t mtu = 0;
+  std::uint8_t reserved = 0;
+  std::uint32_t reserved1 = 0;
+  Gid gid{};
+};
+static_assert(sizeof(HelloAnswer) == 40);
+
+struct OpenAnswer {
+  Answer status = Answer::kOk;
+  std::uint32_t regions = 0;  // RemoteRegion entries that follow
+  std::uint64_t total_bytes = 0;
+  std::uint64_t progress_address = 0;  // the grant's ready-bytes word
+  std::uint32_t progress_key = 0;
+  std::uint32_t reserved = 0;
+};
+static_assert(sizeof(OpenAnswer) == 32);
+
+struct RemoteRegion {
+  std::uint64_t address = 0;
+  std::uint64_t bytes = 0;
+  std::uint32_t key = 0;
+  std::uint32_t reserved = 0;
+};
+static_assert(sizeof(RemoteRegion) == 24);
+
+// Unasked, from the source to a reader on its link: "the grant you opened here is revoked" (its
+// windows are gone already; this only tells the reader at once instead of at its next READ's
+// error, which a soft-RoCE device may take its retry timeout to report).
+constexpr std::uint32_t kNoticeMagic = 0x4e524454;  // "TDRN"; an answer's first word is a status (small)
+struct RevokedNotice {
+  std::uint32_t magic = kNoticeMagic;
+  std::uint32_t epoch = 0;
+  std::uint64_t transfer = 0;
+};
+static_assert(sizeof(RevokedNotice) == 16);
+
+inline GrantSecret secret_of(const Request& request) {
+  GrantSecret secret;
+  std::memcpy(secret.data(), request.gid.data(), sizeof secret);
+  return secret;
+}
+
+inline bool same_secret(const GrantSecret& a, const GrantSecret& b) {
+  std::uint64_t differ = 0;  // constant time: no oracle for where the secrets differ
+  for (std::size_t i = 0; i < a.size(); ++i) differ |= a[i] ^ b[i];
+  return differ == 0;
+}
+
+inline QueuePairAddress address_of(const Request& hello) {
+  return {hello.qp_number, hello.packet_sequence, hello.lid, hello.mtu, hello.gid};
+}
+
+inline std::uint32_t first_packet_sequence() {
+  // Any 24-bit start works; a fresh one per queue pair keeps a stale packet of an old pair with the
+  // same number from being taken for a new one's.
+  static std::atomic<std::uint32_t> counter{static_cast<std::uint32_t>(Clock::now().time_since_epoch().count())};
+  return (counter.fetch_add(0x9e3779b9u) >> 8) & 0xffffff;
+}
+
+constexpr int kRegisterAccess =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_MW_BIND;
+
+inline void log_line(const std::string& line) { std::cerr << "th rdma: " << line << "\n"; }
+
+
+// ---- Shared state ------------------------------------------------------------------------------
+
+struct RdmaTransport::State {
+  State(RdmaOptions options_in) : options(std::move(options_in)), device(options.device, options.gid_index) {}
+
+  const RdmaOptions options;
+  Device device;
+  int grant_wait_ms_max = 0;
+
+  std::atomic<std::uint64_t> pulls_rdma{0};
+  std::atomic<std::uint64_t> pulls_tcp{0};
+  std::atomic<std::uint64_t> pulls_fell_back{0};
+  std::atomic<std::uint64_t> registrations{0};
+  std::atomic<std::uint64_t> windows_bound{0};
+  std::atomic<std::uint64_t> windows_invalidated{0};
+
+  // -- Registrations (see lease_memory) --
+  std::mutex registrations_mutex;
+  std::multimap<std::uintptr_t, std::uint64_t> leased;  // begin -> bytes
+  struct Cached {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+    std::shared_ptr<MemoryRegion> region;
+  };
+  std::vector<Cached> cached;
+
+  std::shared_ptr<MemoryRegion> register_memory(void* base, std::uint64_t bytes) {
+    ++registrations;
+    return std::make_shared<MemoryRegion>(device, base, bytes, kRegisterAccess);
+  }
+
+  // A registration covering [base, +bytes): the cached one of its leased run, else a new one of that
+  // run (cached), else (memory never leased) one of exactly this range, kept by the caller alone.
+  std::shared_ptr<MemoryRegion> region_for(const std::byte* base, std::uint64_t bytes) {
+    TH_REQUIRE(bytes > 0);
+    const auto begin = reinterpret_cast<std::uintptr_t>(base);
+    std::lock_guard lock(registrations_mutex);
+    for (const Cached& entry : cached) {
+      if (entry.region->covers(begin, bytes)) return entry.region;
+    }
+    // The run of touching leases around `begin`.
+    std::uintptr_t run_begin = 0;
+    std::uintptr_t run_end = 0;
+    for (const auto& [lease_begin, lease_bytes] : leased) {
+      const std::uintptr_t lease_end = lease_begin + lease_bytes;
+      if (run_end != 0 && lease_begin <= run_end) {
+        run_end = std::max(run_end, lease_end);
+        continue;
+      }
+      if (run_end != 0 && run_begin <= begin && begin + bytes <= run_end) break;  // found it
+      run_begin = lease_begin;
+      run_end = lease_end;
+    }
+    if (run_end == 0 || begin < run_begin || begin + bytes > run_end) {
+      return register_memory(const_cast<std::byte*>(base), bytes);
+    }
+    auto region = register_memory(reinterpret_cast<void*>(run_begin), run_end - run_begin);
+    cached.push_back({run_begin, run_end, region});
+    return region;
+  }
+
+  void release_lease(std::uintptr_t begin, std::uint64_t bytes) {
+    std::lock_guard lock(registrations_mutex);
+    for (auto it = leased.lower_bound(begin); it != leased.end() && it->first == begin; ++it) {
+      if (it->second == bytes) {
+        leased.erase(it);
+        break;
+      }
+    }
+    // Every cached registration that covers any of it goes (grants holding one keep it until they
+    // are revoked; the memory's owner revokes before it frees).
+    std::erase_if(cached, [&](const Cached& entry) { return entry.begin < begin + bytes && begin < entry.end; });
+  }
+
+  // -- Progress words, exposed to one-sided reads --
+  std::unique_ptr<std::atomic<std::uint64_t>[]> progress_words;
+  std::unique_ptr<MemoryRegion> progress_region;
+  std::vector<std::uint32_t> free_progress_slots;  // guarded by mutex
+
+  // -- Source side --
+  struct Window {
+    std::uint64_t link = 0;  // the served link whose queue pair it is bound to
+    std::unique_ptr<MemoryWindow> window;
+  };
+  struct Grant {
+    GrantSecret secret{};
+    std::vector<net::ExposedRegion> regions;
+    std::uint64_t total_bytes = 0;
+    std::shared_ptr<net::Progress> progress;
+    std::optional<std::uint32_t> slot;
+    std::mutex registering;  // the first open registers (outside the state's lock)
+    std::vector<std::shared_ptr<MemoryRegion>> registrations;  // per region, once registered
+    std::vector<Window> windows;  // guarded by State::mutex; declared last: dies first
+    bool revoked = false;         // guarded by State::mutex
+  };
+  std::mutex mutex;
+  std::condition_variable granted;
+  std::map<net::GrantKey, std::shared_ptr<Grant>> grants;
+  // Grants revoked lately: an open of one is refused at once, not after grant_wait_ms_max.
+  static constexpr std::size_t kRevokedRemembered = 1024;
+  std::deque<net::GrantKey> revoked;
+  bool revoked_recently(net::GrantKey key) const { return std::find(revoked.begin(), revoked.end(), key) != revoked.end(); }
+  std::uint64_t next_link = 1;
+  // Per served link, its socket for writing: answers (the connection thread) and revoked notices
+  // (revoke(), any thread) are whole frames under `mutex`.
+  struct Notifier {
+    std::mutex mutex;
+    const net::Fd* socket = nullptr;  // null once the link ends
+  };
+  std::map<std::uint64_t, std::shared_ptr<Notifier>> notifiers;  // guarded by State::mutex
+
+  // Deallocates the windows of `grant` bound on `link` (0: all): a read through them fails now.
+  void invalidate_windows(Grant& grant, std::uint64_t link) {
+    const auto before = grant.windows.size();
+    std::erase_if(grant.windows, [&](const Window& window) { return link == 0 || window.link == link; });
+    windows_invalidated += before - grant.windows.size();
+  }
+
+  void end_grant(Grant& grant) {
+    invalidate_windows(grant, 0);
+    grant.revoked = true;
+    if (grant.slot) {
+      grant.progress->remove_mirror(&progress_words[*grant.slot]);
+      free_progress_slots.push_back(*grant.slot);
+      grant.slot.reset();
+    }
+    grant.progress->wake_all();
+  }
+
+  // -- Reader side --
+  struct Link {
+    std::string source;
+    net::Fd socket;
+    std::unique_ptr<CompletionQueue> cq;
+    std::unique_ptr<QueuePair> qp;  // after cq: destroyed first
+    std::uint64_t progress_word = 0;  // a partial source's word is read into here
+    std::unique_ptr<MemoryRegion> progress_region;
+    bool in_use = false;
+    Clock::time_point used = Clock::now();
+  };
+  std::mutex links_mutex;
+  std::map<std::string, std::vector<std::shared_ptr<Link>>> links;
+  std::size_t links_count = 0;
+  std::map<std::string, Clock::time_point> tcp_only_until;  // sources that answered without RDMA
+};
+
+// The source side's extension of the data port (served_link.cpp).
+std::shared_ptr<net::DataPortExtension> make_served_link(std::weak_ptr<RdmaTransport::State> state);
+
+}  // namespace th::rdma

@@ -1,0 +1,489 @@
+// The reader side of rdma/: links to sources (kept across versions), grant opens, and the chunked
+// one-sided READs of a pull (see transport.h).
+#include "rdma/protocol.h"
+
+namespace th::rdma {
+
+namespace {
+
+using Link = RdmaTransport::State::Link;
+
+// Receives a whole answer on a link, skipping the revoked notices of earlier grants that may come
+// first. False: the source closed the link before the answer began.
+bool recv_answer(const net::Fd& socket, void* answer, std::size_t bytes, Deadline deadline) {
+  TH_REQUIRE(bytes > sizeof(std::uint32_t));
+  for (;;) {
+    std::uint32_t head = 0;
+    if (!net::recv_all_or_eof_by(socket, &head, sizeof head, deadline)) return false;
+    auto* rest = static_cast<std::byte*>(answer) + sizeof head;
+    std::size_t rest_bytes = bytes - sizeof head;
+    RevokedNotice notice;
+    if (head == kNoticeMagic) {
+      rest = reinterpret_cast<std::byte*>(&notice) + sizeof head;
+      rest_bytes = sizeof notice - sizeof head;
+    } else {
+      std::memcpy(answer, &head, sizeof head);
+    }
+    if (!net::recv_all_or_eof_by(socket, rest, rest_bytes, deadline)) throw net::SocketError("the link closed mid-answer");
+    if (head != kNoticeMagic) return true;
+  }
+}
+
+// Why no link was made.
+enum class NoLink { kNone, kNoRdma, kUnreachable };
+
+// Dials `source` and connects a queue pair to one of its own.
+std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint& source, int connect_timeout_ms,
+                                NoLink& failed, std::string& why) {
+  auto link = std::make_shared<Link>();
+  link->source = source.to_string();
+  try {
+    link->socket = net::connect_tcp(source, connect_timeout_ms);
+  } catch (const net::SocketError& error) {
+    failed = NoLink::kUnreachable;
+    why = error.what();
+    return nullptr;
+  }
+  const Deadline deadline = after_ms(state.options.handshake_timeout_ms);
+  QueuePairAddress local;
+  try {
+    link->cq = std::make_unique<CompletionQueue>(state.device, static_cast<int>(state.options.reads_in_flight_max + 8));
+    link->qp = std::make_unique<QueuePair>(state.device, *link->cq, state.options.reads_in_flight_max + 2,
+                                           std::min<std::uint32_t>(state.device.max_read_atoms(), 16));
+    link->progress_region = std::make_unique<MemoryRegion>(state.device, &link->progress_word,
+                                                           sizeof link->progress_word, IBV_ACCESS_LOCAL_WRITE);
+    ++state.registrations;  // one per link, not per version
+    local = link->qp->local_address(first_packet_sequence());
+  } catch (const VerbsError& error) {
+    failed = NoLink::kNoRdma;  // this end cannot: TCP it is
+    why = std::string("no queue pair here: ") + error.what();
+    return nullptr;
+  }
+  Request hello;
+  hello.kind = Kind::kHello;
+  hello.qp_number = local.qp_number;
+  hello.packet_sequence = local.packet_sequence;
+  hello.lid = local.lid;
+  hello.mtu = local.mtu;
+  hello.gid = local.gid;
+  HelloAnswer answer;
+  try {
+    net::send_all_by(link->socket, &hello, sizeof hello, deadline);
+    // A source without RDMA answers "unknown protocol" (16 bytes) and closes; one that closes
+    // without a word is dying, and so unreachable, not a TCP-only peer.
+    if (!net::recv_all_or_eof_by(link->socket, &answer.status, sizeof answer.status, deadline)) {
+      throw net::SocketError("the source closed the connection at the hello");
+    }
+    if (static_cast<std::uint32_t>(answer.status) == net::kUnknownProtocolStatus) {
+      failed = NoLink::kNoRdma;
+      why = "the source does not speak RDMA";
+      return nullptr;
+    }
+    auto* rest = reinterpret_cast<std::byte*>(&answer) + sizeof answer.status;
+    if (!net::recv_all_or_eof_by(link->socket, rest, sizeof answer - sizeof answer.status, deadline)) {
+      throw net::SocketError("the source closed the connection mid-answer");
+    }
+  } catch (const net::SocketError& error) {
+    failed = NoLink::kUnreachable;
+    why = std::string("RDMA hello: ") + error.what();
+    return nullptr;
+  }
+  if (answer.status != Answer::kOk || answer.version != kProtocolVersion || answer.mtu < IBV_MTU_256 ||
+      answer.mtu > IBV_MTU_4096) {
+    failed = NoLink::kNoRdma;
+    why = "the source has no RDMA for us (answer " + std::to_string(static_cast<std::uint32_t>(answer.status)) + ")";
+    return nullptr;
+  }
+  try {
+    link->qp->connect(local, {answer.qp_number, answer.packet_sequence, answer.lid, answer.mtu, answer.gid},
+                      state.options.qp_timeout_exponent, state.options.qp_retry_count);
+  } catch (const VerbsError& error) {
+    failed = NoLink::kNoRdma;
+    why = std::string("cannot connect to the source's queue pair: ") + error.what();
+    return nullptr;
+  }
+  return link;
+}
+
+struct Acquired {
+  std::shared_ptr<Link> link;
+  bool reused = false;
+  NoLink failed = NoLink::kNone;
+  std::string why;
+};
+
+Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, int connect_timeout_ms) {
+  const std::string name = source.to_string();
+  {
+    std::lock_guard lock(state.links_mutex);
+    if (auto until = state.tcp_only_until.find(name); until != state.tcp_only_until.end()) {
+      if (Clock::now() < until->second) return {nullptr, false, NoLink::kNoRdma, "the source has no RDMA"};
+      state.tcp_only_until.erase(until);
+    }
+    for (const auto& link : state.links[name]) {
+      if (!link->in_use) {
+        link->in_use = true;
+        return {link, true, NoLink::kNone, ""};
+      }
+    }
+  }
+  Acquired made;
+  made.link = make_link(state, source, connect_timeout_ms, made.failed, made.why);
+  std::lock_guard lock(state.links_mutex);
+  if (made.link == nullptr) {
+    if (made.failed == NoLink::kNoRdma) {
+      state.tcp_only_until[name] = after_ms(state.options.fallback_recheck_ms);
+      if (state.tcp_only_until.size() > state.options.links_max) state.tcp_only_until.erase(state.tcp_only_until.begin());
+      log_line("pulling from " + name + " over TCP: " + made.why);
+    }
+    return made;
+  }
+  made.link->in_use = true;
+  if (state.links_count >= state.options.links_max) {
+    // Make room: the link used the longest ago that nobody uses now.
+    std::shared_ptr<Link> oldest;
+    for (const auto& [source_name, list] : state.links) {
+      for (const auto& link : list) {
+        if (!link->in_use && (oldest == nullptr || link->used < oldest->used)) oldest = link;
+      }
+    }
+    if (oldest != nullptr) {
+      std::erase(state.links[oldest->source], oldest);
+      --state.links_count;
+    }
+  }
+  state.links[name].push_back(made.link);
+  ++state.links_count;
+  return made;
+}
+
+void release(RdmaTransport::State& state, const std::shared_ptr<Link>& link, bool broken) {
+  std::lock_guard lock(state.links_mutex);
+  link->in_use = false;
+  link->used = Clock::now();
+  if (!broken) return;
+  auto list = state.links.find(link->source);
+  if (list == state.links.end()) return;
+  const auto before = list->second.size();
+  std::erase(list->second, link);
+  state.links_count -= before - list->second.size();
+  if (list->second.empty()) state.links.erase(list);
+}
+
+net::ReadError error_of(ibv_wc_status status) {
+  // The source's windows are gone (revoked) or never covered this: it refuses, as over TCP.
+  if (status == IBV_WC_REM_ACCESS_ERR || status == IBV_WC_REM_INV_REQ_ERR) return net::ReadError::kRefused;
+  return net::ReadError::kUnreachable;
+}
+
+constexpr std::uint64_t kProgressRead = ~0ull;  // wr_id of a read of the source's progress word
+constexpr int kPollMs = 20;
+constexpr int kFlushWaitMs = 500;  // for a failed queue pair's flushed completions  // how often a waiting reader looks at its cancel flag and deadlines
+
+// The reads of one grant: RDMA READs of `remote` (layout order) into `targets`. On any failure the
+// queue pair is failed and drained before returning, so that nothing lands afterwards; `broken`
+// then says the link is not to be used again.
+net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantKey key,
+                            const std::vector<RemoteRegion>& remote,
+                            const OpenAnswer& opened, std::span<const net::LocalRegion> targets,
+                            const net::PullOptions& options, bool& broken) {
+  TH_ASSERT(remote.size() == targets.size());
+  std::vector<std::shared_ptr<MemoryRegion>> local(targets.size());
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (targets[i].bytes > 0) local[i] = state.region_for(targets[i].base, targets[i].bytes);
+  }
+  const std::uint64_t total = opened.total_bytes;
+  std::uint64_t ready = options.partial ? 0 : total;
+  std::uint64_t posted = 0;     // layout bytes posted
+  std::uint64_t completed = 0;  // layout prefix known to have landed
+  std::uint64_t reported = 0;
+  std::size_t region = 0;       // where `posted` is: region and offset in it
+  std::uint64_t offset = 0;
+  struct Posted {
+    std::uint64_t sequence;
+    std::uint64_t end;  // layout offset after it
+  };
+  std::deque<Posted> in_flight;
+  std::uint64_t next_sequence = 0;
+  bool progress_in_flight = false;
+  auto last_completion = Clock::now();
+  auto last_growth = Clock::now();
+  auto last_progress_read = Clock::time_point{};
+  const auto started = Clock::now();
+  const std::uint32_t depth = state.options.reads_in_flight_max;
+
+  auto fail = [&](net::ReadError error, std::string detail) {
+    // Nothing may land after we return: fail the queue pair, then wait for every posted request's
+    // (flushed) completion. Unsignalled ones complete in error too once the pair has failed.
+    broken = true;
+    std::size_t outstanding = in_flight.size() + (progress_in_flight ? 1 : 0);
+    try {
+      link.qp->fail();
+      const Deadline deadline = after_ms(kFlushWaitMs);
+      std::vector<ibv_wc> completions(16);
+      std::size_t seen = 0;
+      while (outstanding > 0 && Clock::now() < deadline) {
+        const int got = link.cq->poll(completions.data(), static_cast<int>(completions.size()));
+        seen += static_cast<std::size_t>(got);
+        for (int i = 0; i < got; ++i) {
+          if (completions[i].wr_id == kProgressRead) {
+            progress_in_flight = false;
+          } else {
+            while (!in_flight.empty() && in_flight.front().sequence <= completions[i].wr_id) in_flight.pop_front();
+          }
+        }
+        outstanding = in_flight.size() + (progress_in_flight ? 1 : 0);
+        if (got == 0) link.cq->wait(kPollMs);
+      }
+      // (Not flushed in time: the caller destroys the queue pair before pull() returns, and
+      // ibv_destroy_qp is the barrier after which nothing lands.)
+      if (outstanding > 0) log_line("a failed queue pair did not flush " + std::to_string(outstanding) + " reads in time");
+    } catch (const VerbsError& verbs) {
+      log_line(std::string("draining a failed queue pair: ") + verbs.what());
+    }
+    return net::PullOutcome{completed, error, std::move(detail)};
+  };
+
+  std::vector<ibv_wc> completions(32);
+  while (completed < total) {
+    if (options.cancelled && options.cancelled()) return fail(net::ReadError::kCancelled, "cancelled");
+    const auto now = Clock::now();
+    // Follow a partial source: read its progress word whenever everything ready is posted.
+    if (ready < total && posted == ready && !progress_in_flight && now - last_progress_read >= std::chrono::milliseconds(1)) {
+      ibv_sge sge{reinterpret_cast<std::uintptr_t>(&link.progress_word), sizeof link.progress_word,
+                  link.progress_region->get()->lkey};
+      ibv_send_wr request{};
+      ibv_send_wr* bad = nullptr;
+      request.wr_id = kProgressRead;
+      request.opcode = IBV_WR_RDMA_READ;
+      request.send_flags = IBV_SEND_SIGNALED;
+      request.sg_list = &sge;
+      request.num_sge = 1;
+      request.wr.rdma.remote_addr = opened.progress_address;
+      request.wr.rdma.rkey = opened.progress_key;
+      if (const int result = ibv_post_send(link.qp->get(), &request, &bad); result != 0) {
+        return fail(net::ReadError::kUnreachable, std::string("ibv_post_send: ") + std::strerror(result));
+      }
+      progress_in_flight = true;
+      last_progress_read = now;
+    }
+    // Post READs of what is ready, up to the depth.
+    while (posted < ready && in_flight.size() < depth) {
+      while (region < targets.size() && offset == targets[region].bytes) {
+        ++region;
+        offset = 0;
+      }
+      TH_ASSERT(region < targets.size(), "posted", posted, "of", total);
+      if (options.rate_bytes_per_s > 0) {
+        const double allowed = std::chrono::duration<double>(now - started).count() *
+                               static_cast<double>(options.rate_bytes_per_s);
+        if (static_cast<double>(posted) > allowed) break;  // paced: post later
+      }
+      const std::uint64_t length =
+          std::min({state.options.read_bytes, ready - posted, targets[region].bytes - offset});
+      TH_ASSERT(length > 0);
+      TH_ASSERT(offset + length <= remote[region].bytes, "a read inside the source's region");
+      ibv_sge sge{reinterpret_cast<std::uintptr_t>(targets[region].base + offset), static_cast<std::uint32_t>(length),
+                  local[region]->get()->lkey};
+      ibv_send_wr request{};
+      ibv_send_wr* bad = nullptr;
+      request.wr_id = next_sequence;
+      request.opcode = IBV_WR_RDMA_READ;
+      request.sg_list = &sge;
+      request.num_sge = 1;
+      request.wr.rdma.remote_addr = remote[region].address + offset;
+      request.wr.rdma.rkey = remote[region].key;
+      const bool last_now = posted + length == ready || in_flight.size() + 1 == depth;
+      // Selective signalling: completions of an RC queue pair come in order, so one signalled
+      // READ tells that every earlier one landed too.
+      if (last_now || next_sequence % state.options.signal_every == state.options.signal_every - 1) {
+        request.send_flags = IBV_SEND_SIGNALED;
+      }
+      if (const int result = ibv_post_send(link.qp->get(), &request, &bad); result != 0) {
+        return fail(net::ReadError::kUnreachable, std::string("ibv_post_send: ") + std::strerror(result));
+      }
+      posted += length;
+      offset += length;
+      in_flight.push_back({next_sequence, posted});
+      ++next_sequence;
+      last_completion = in_flight.size() == 1 ? now : last_completion;
+    }
+    // Completions.
+    int got = 0;
+    try {
+      got = link.cq->poll(completions.data(), static_cast<int>(completions.size()));
+    } catch (const VerbsError& error) {
+      return fail(net::ReadError::kUnreachable, error.what());
+    }
+    for (int i = 0; i < got; ++i) {
+      const ibv_wc& completion = completions[i];
+      if (completion.status != IBV_WC_SUCCESS) {
+        // This request and (in order) every earlier one are done with; the rest are flushed.
+        if (completion.wr_id == kProgressRead) {
+          progress_in_flight = false;
+        } else {
+          while (!in_flight.empty() && in_flight.front().sequence <= completion.wr_id) in_flight.pop_front();
+        }
+        return fail(error_of(completion.status), "RDMA read from " + link.source + " failed: " +
+                                                     ibv_wc_status_str(completion.status));
+      }
+      last_completion = Clock::now();
+      if (completion.wr_id == kProgressRead) {
+        progress_in_flight = false;
+        const std::uint64_t word = std::min(link.progress_word, total);
+        if (word > ready) {
+          ready = word;
+          last_growth = last_completion;
+        }
+        continue;
+      }
+      TH_ASSERT(!in_flight.empty() && in_flight.front().sequence <= completion.wr_id, "completions in order");
+      while (!in_flight.empty() && in_flight.front().sequence <= completion.wr_id) {
+        completed = in_flight.front().end;
+        in_flight.pop_front();
+      }
+    }
+    TH_ASSERT(completed <= posted);
+    TH_ASSERT(posted <= ready);
+    if (options.on_progress && (completed - reported >= options.progress_step_bytes || completed == total) &&
+        completed > reported) {
+      options.on_progress(completed);
+      reported = completed;
+    }
+    if (got > 0) continue;
+    const auto waited = Clock::now();
+    if (!in_flight.empty() && waited - last_completion > std::chrono::milliseconds(options.io_timeout_ms)) {
+      return fail(net::ReadError::kUnreachable, "RDMA reads from " + link.source + " made no progress for " +
+                                                    std::to_string(options.io_timeout_ms) + " ms");
+    }
+    if (ready < total && posted == ready && waited - last_growth > std::chrono::milliseconds(options.stall_ms_max)) {
+      return fail(net::ReadError::kStalled, "partial source " + link.source + " made no progress for " +
+                                                std::to_string(options.stall_ms_max) + " ms");
+    }
+    // The source never writes on the link unasked: a readable link means it closed (the process
+    // died: kill -9 closes its sockets at once, while its queue pair just stops answering).
+    bool source_closed = false;
+    if (!in_flight.empty() || progress_in_flight) {
+      try {
+        source_closed = link.cq->wait(kPollMs, link.socket.get()).watched;
+      } catch (const VerbsError& error) {
+        return fail(net::ReadError::kUnreachable, error.what());
+      }
+    } else {
+      pollfd entry{link.socket.get(), POLLIN, 0};  // paced, or polling a partial source
+      source_closed = ::poll(&entry, 1, 1) > 0;
+    }
+    if (source_closed) {
+      // A revoked notice (this grant's, or an earlier one's still in the socket), or the end.
+      RevokedNotice notice;
+      try {
+        if (!net::recv_all_or_eof_by(link.socket, &notice, sizeof notice, after_ms(1'000))) {
+          return fail(net::ReadError::kUnreachable, "the source " + link.source + " closed its link");
+        }
+      } catch (const net::SocketError& error) {
+        return fail(net::ReadError::kUnreachable, "the link to " + link.source + " failed: " + error.what());
+      }
+      if (notice.magic != kNoticeMagic) {
+        return fail(net::ReadError::kUnreachable, "the source " + link.source + " sent what is not a notice");
+      }
+      if (notice.transfer == key.transfer && notice.epoch == key.epoch) {
+        return fail(net::ReadError::kRefused, "the source revoked the grant");
+      }
+    }
+  }
+  TH_ASSERT(in_flight.empty());
+  return net::PullOutcome{completed, std::nullopt, ""};
+}
+
+}  // namespace
+
+net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey key, const GrantSecret& secret,
+                                     std::span<const net::LocalRegion> targets, const net::PullOptions& options) {
+  State& state = *state_;
+  auto over_tcp = [&] {
+    ++state.pulls_fell_back;
+    ++state.pulls_tcp;
+    return net::pull(source, key, secret, targets, options);
+  };
+  std::uint64_t target_bytes = 0;
+  for (const net::LocalRegion& target : targets) target_bytes += target.bytes;
+  for (int attempt = 0;; ++attempt) {
+    Acquired acquired = acquire(state, source, options.connect_timeout_ms);
+    if (acquired.link == nullptr) {
+      if (acquired.failed == NoLink::kNoRdma) return over_tcp();
+      return {0, net::ReadError::kUnreachable, "cannot reach " + source.to_string() + ": " + acquired.why};
+    }
+    Link& link = *acquired.link;
+    Request open;
+    open.kind = Kind::kOpen;
+    open.transfer = key.transfer;
+    open.epoch = key.epoch;
+    std::memcpy(open.gid.data(), secret.data(), sizeof secret);
+    OpenAnswer answer;
+    std::vector<RemoteRegion> remote;
+    try {
+      // The source may wait for its grant (grant_wait_ms_max) before it answers.
+      const Deadline deadline = after_ms(state.options.handshake_timeout_ms + state.grant_wait_ms_max);
+      net::send_all_by(link.socket, &open, sizeof open, deadline);
+      if (!recv_answer(link.socket, &answer, sizeof answer, deadline)) {
+        throw net::SocketError("the source closed the link");
+      }
+      if (answer.status == Answer::kOk) {
+        if (answer.regions != targets.size()) {
+          release(state, acquired.link, true);
+          return {0, net::ReadError::kRefused,
+                  "the source exposes " + std::to_string(answer.regions) + " regions, the reader has " +
+                      std::to_string(targets.size())};
+        }
+        remote.resize(answer.regions);
+        if (!net::recv_all_or_eof_by(link.socket, remote.data(), remote.size() * sizeof(RemoteRegion), deadline)) {
+          throw net::SocketError("the source closed the link mid-answer");
+        }
+      }
+    } catch (const net::SocketError& error) {
+      release(state, acquired.link, true);
+      // A kept link may have been closed by the source meanwhile (idle, restarted): dial once more.
+      if (acquired.reused && attempt == 0) continue;
+      return {0, net::ReadError::kUnreachable, "RDMA open at " + source.to_string() + ": " + error.what()};
+    }
+    if (answer.status == Answer::kNoGrant) {
+      release(state, acquired.link, false);
+      return {0, net::ReadError::kRefused, "the source refuses the grant (no grant, or revoked)"};
+    }
+    if (answer.status != Answer::kOk) {
+      release(state, acquired.link, false);
+      return over_tcp();  // the source has no room for this grant on RDMA now
+    }
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      if (remote[i].bytes != targets[i].bytes) {
+        release(state, acquired.link, true);
+        return {0, net::ReadError::kRefused, "region " + std::to_string(i) + " differs in size at the source"};
+      }
+    }
+    if (answer.total_bytes != target_bytes) {
+      release(state, acquired.link, true);
+      return {0, net::ReadError::kRefused, "the source's total size differs"};
+    }
+    bool broken = false;
+    net::PullOutcome outcome = read_grant(state, link, key, remote, answer, targets, options, broken);
+    if (!broken) {
+      // Frees this grant's windows at the source now, not at its revoke.
+      Request close = open;
+      close.kind = Kind::kClose;
+      try {
+        net::send_all_by(link.socket, &close, sizeof close, after_ms(state.options.handshake_timeout_ms));
+      } catch (const net::SocketError&) {
+        broken = true;
+      }
+    }
+    release(state, acquired.link, broken);
+    // A broken link's queue pair is destroyed here, before pull() returns: after ibv_destroy_qp no
+    // READ of it can land in the targets (the caller may reuse them at once).
+    if (broken) TH_ASSERT(acquired.link.use_count() == 1, "a broken link is ours alone");
+    acquired.link.reset();
+    if (outcome.ok()) ++state.pulls_rdma;
+    return outcome;
+  }
+}
+
+}  // namespace th::rdma

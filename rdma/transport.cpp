@@ -1,0 +1,121 @@
+// RdmaTransport: grants and revokes (source side), registrations by lease, stats. The source's
+// links are in served_link.cpp, the reader's pulls in reader.cpp.
+#include "rdma/protocol.h"
+
+namespace th::rdma {
+
+RdmaTransport::RdmaTransport(net::DataServerConfig tcp, RdmaOptions options)
+    : state_(std::make_shared<State>(std::move(options))) {
+  TH_REQUIRE(state_->options.read_bytes > 0);
+  TH_REQUIRE(state_->options.reads_in_flight_max > 0);
+  TH_REQUIRE(state_->options.signal_every > 0);
+  TH_REQUIRE(state_->options.progress_slots > 0);
+  State& state = *state_;
+  state.grant_wait_ms_max = tcp.grant_wait_ms_max;
+  state.progress_words = std::make_unique<std::atomic<std::uint64_t>[]>(state.options.progress_slots);
+  state.progress_region = std::make_unique<MemoryRegion>(
+      state.device, state.progress_words.get(), state.options.progress_slots * sizeof(std::uint64_t),
+      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+  ++state.registrations;
+  for (std::uint32_t slot = state.options.progress_slots; slot > 0; --slot) state.free_progress_slots.push_back(slot - 1);
+  if (!state.device.has_memory_windows()) {
+    log_line("device " + state.device.name() +
+             " has no type-2 memory windows: readers get the registration's key, and a revoked grant "
+             "cannot cut off a late read (the TCP data plane's guarantee does not hold here)");
+  }
+  tcp.extension = make_served_link(state_);
+  server_ = std::make_unique<net::DataServer>(std::move(tcp));
+}
+
+RdmaTransport::~RdmaTransport() {
+  server_.reset();  // joins the connection threads: no served link is left
+  std::lock_guard lock(state_->mutex);
+  for (auto& [key, grant] : state_->grants) state_->end_grant(*grant);
+  state_->grants.clear();
+}
+
+net::Endpoint RdmaTransport::endpoint() const { return server_->endpoint(); }
+std::string RdmaTransport::device_name() const { return state_->device.name(); }
+
+void RdmaTransport::grant(net::GrantKey key, const GrantSecret& secret, std::vector<net::ExposedRegion> regions,
+                          std::shared_ptr<net::Progress> progress) {
+  TH_REQUIRE(progress != nullptr, "a grant needs a progress counter");
+  auto entry = std::make_shared<State::Grant>();
+  entry->secret = secret;
+  entry->regions = regions;
+  for (const net::ExposedRegion& region : regions) entry->total_bytes += region.bytes;
+  entry->progress = progress;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (!state_->free_progress_slots.empty()) {
+      entry->slot = state_->free_progress_slots.back();
+      state_->free_progress_slots.pop_back();
+      entry->progress->add_mirror(&state_->progress_words[*entry->slot]);
+    }  // else: no slot, opens are answered "unsupported" and readers pull over TCP
+    const bool fresh = state_->grants.emplace(key, std::move(entry)).second;
+    TH_REQUIRE(fresh, "transfer", key.transfer, "epoch", key.epoch, "is granted twice");
+  }
+  state_->granted.notify_all();
+  server_->grant(key, secret, std::move(regions), std::move(progress));  // for readers over TCP
+}
+
+void RdmaTransport::revoke(net::GrantKey key) {
+  std::vector<std::shared_ptr<State::Notifier>> readers;  // links with windows of this grant
+  {
+    std::lock_guard lock(state_->mutex);
+    if (auto found = state_->grants.find(key); found != state_->grants.end()) {
+      for (const State::Window& window : found->second->windows) {
+        auto notifier = state_->notifiers.find(window.link);
+        if (notifier != state_->notifiers.end() &&
+            std::find(readers.begin(), readers.end(), notifier->second) == readers.end()) {
+          readers.push_back(notifier->second);
+        }
+      }
+      state_->end_grant(*found->second);
+      state_->grants.erase(found);
+      state_->revoked.push_back(key);
+      if (state_->revoked.size() > State::kRevokedRemembered) state_->revoked.pop_front();
+    }
+  }
+  state_->granted.notify_all();  // an open waiting for this grant is refused now
+  // The windows are dead already (that is the guarantee); the notices only tell the readers now.
+  // Never blocking: revoke() runs on the client's I/O thread, and a reader that does not drain its
+  // link must not stall it. A notice that does not fit is skipped (the reader's next READ fails).
+  const RevokedNotice notice{kNoticeMagic, key.epoch, key.transfer};
+  if (!state_->options.revoke_notices) readers.clear();
+  for (const auto& reader : readers) {
+    std::lock_guard writing(reader->mutex);
+    if (reader->socket == nullptr) continue;
+    const ssize_t sent = ::send(reader->socket->get(), &notice, sizeof notice, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent > 0 && sent != static_cast<ssize_t>(sizeof notice)) reader->socket->shutdown();  // framing is lost
+  }
+  server_->revoke(key);
+}
+
+net::TransportStats RdmaTransport::stats() const {
+  net::TransportStats stats;
+  stats.bytes_served = server_->stats().bytes_served;
+  stats.pulls_rdma = state_->pulls_rdma.load();
+  stats.pulls_tcp = state_->pulls_tcp.load();
+  stats.pulls_fell_back = state_->pulls_fell_back.load();
+  stats.memory_registrations = state_->registrations.load();
+  stats.windows_bound = state_->windows_bound.load();
+  stats.windows_invalidated = state_->windows_invalidated.load();
+  return stats;
+}
+
+std::shared_ptr<void> RdmaTransport::lease_memory(const std::byte* base, std::uint64_t bytes) {
+  if (base == nullptr || bytes == 0) return nullptr;
+  const auto begin = reinterpret_cast<std::uintptr_t>(base);
+  {
+    std::lock_guard lock(state_->registrations_mutex);
+    state_->leased.emplace(begin, bytes);
+  }
+  std::weak_ptr<State> weak = state_;
+  // The lease holds no memory of its own: a token whose deleter ends the lease.
+  return std::shared_ptr<void>(reinterpret_cast<void*>(begin), [weak, begin, bytes](void*) {
+    if (auto state = weak.lock()) state->release_lease(begin, bytes);
+  });
+}
+
+}  // namespace th::rdma

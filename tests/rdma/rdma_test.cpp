@@ -1,0 +1,424 @@
+// rdma/ on real verbs: run inside the soft-RoCE guest (tests/rdma/guest; ctest -L rdma does it).
+// On a host without an RDMA device every test skips.
+//
+// Bit-exact pulls of mixed sizes with the source's CPU sending nothing; pipeline reads of a partial
+// source through its progress word; a grant revoked mid-read cuts the reader off (memory window)
+// and nothing lands afterwards; registrations made once per allocation, not per version; TCP
+// fallback both ways; a source killed with SIGKILL mid-read, then another finishing; a reader and
+// a source on different devices.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "net/transport.h"
+#include "rdma/transport.h"
+#include "rdma/verbs.h"
+
+namespace th::rdma {
+namespace {
+
+constexpr GrantSecret kSecret{0x5ec2e7, 0xca9ab1e};
+
+std::vector<std::byte> pattern(std::size_t bytes, std::uint64_t seed) {
+  std::vector<std::byte> data(bytes);
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& byte : data) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    byte = static_cast<std::byte>(state);
+  }
+  return data;
+}
+
+// One allocation with tensors side by side (as a model's parameters often are), plus a separate
+// packed buffer: sizes that do not divide the read size, an empty tensor, a tiny one.
+struct Shard {
+  std::vector<std::byte> allocation;
+  std::vector<std::byte> packed;
+  std::vector<std::uint64_t> sizes{(3u << 20) + 7, 0, 777, (5u << 20) + 5};
+  explicit Shard(std::uint64_t seed) : packed(pattern(1000, seed + 100)) {
+    std::uint64_t total = 0;
+    for (auto size : sizes) total += size;
+    allocation = pattern(total, seed);
+  }
+  std::vector<net::ExposedRegion> regions() const {
+    std::vector<net::ExposedRegion> out{{packed.data(), packed.size()}};
+    std::uint64_t at = 0;
+    for (auto size : sizes) {
+      out.push_back({allocation.data() + at, size});
+      at += size;
+    }
+    return out;
+  }
+  std::uint64_t total() const { return allocation.size() + packed.size(); }
+};
+
+struct Target {
+  std::vector<std::byte> allocation;
+  std::vector<std::byte> packed;
+  const Shard& like;
+  explicit Target(const Shard& shard)
+      : allocation(shard.allocation.size(), std::byte{0xEE}), packed(shard.packed.size(), std::byte{0xEE}), like(shard) {}
+  std::vector<net::LocalRegion> regions() {
+    std::vector<net::LocalRegion> out{{packed.data(), packed.size()}};
+    std::uint64_t at = 0;
+    for (auto size : like.sizes) {
+      out.push_back({allocation.data() + at, size});
+      at += size;
+    }
+    return out;
+  }
+  bool equals(const Shard& shard) const { return allocation == shard.allocation && packed == shard.packed; }
+};
+
+std::unique_ptr<RdmaTransport> make_rdma(const std::string& device = "") {
+  RdmaOptions options;
+  options.device = device;
+  options.read_bytes = 256 << 10;
+  return std::make_unique<RdmaTransport>(net::DataServerConfig{}, options);
+}
+
+net::PullOptions pull_options() {
+  net::PullOptions options;
+  options.io_timeout_ms = 10'000;
+  options.stall_ms_max = 10'000;
+  return options;
+}
+
+#define REQUIRE_DEVICE()                                                        \
+  if (device_names().empty()) GTEST_SKIP() << "no RDMA device (run in tests/rdma/guest)"
+
+TEST(RdmaPair, BitExactMixedSizesWithoutTheSourceCpu) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  auto reader = make_rdma();
+  Shard shard(1);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  std::uint64_t last = 0;
+  auto options = pull_options();
+  options.on_progress = [&](std::uint64_t ready) {
+    EXPECT_GT(ready, last);
+    last = ready;
+  };
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, shard.total());
+  EXPECT_EQ(last, shard.total());
+  EXPECT_TRUE(target.equals(shard));
+  EXPECT_EQ(reader->stats().pulls_rdma, 1u);
+  EXPECT_EQ(reader->stats().pulls_tcp, 0u);
+  EXPECT_EQ(source->stats().bytes_served, 0u) << "one-sided: the source's CPU sends no data";
+  EXPECT_GE(source->stats().windows_bound, 1u);
+}
+
+TEST(RdmaPair, WrongSecretIsRefused) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  auto reader = make_rdma();
+  Shard shard(2);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  const GrantSecret wrong{kSecret[0], kSecret[1] ^ 1};
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, wrong, regions, pull_options());
+  EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, 0u);
+  EXPECT_EQ(source->stats().windows_bound, 0u);
+}
+
+TEST(RdmaPair, PipelineFromAPartialSource) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  auto reader = make_rdma();
+  Shard shard(3);
+  // The source's own copy arrives step by step (as if it were still receiving it).
+  Shard arriving(3);
+  std::fill(arriving.allocation.begin(), arriving.allocation.end(), std::byte{0});
+  std::fill(arriving.packed.begin(), arriving.packed.end(), std::byte{0});
+  auto progress = std::make_shared<net::Progress>(0);
+  source->grant({1, 1}, kSecret, arriving.regions(), progress);
+  std::thread writer([&] {
+    const std::uint64_t step = 512 << 10;
+    for (std::uint64_t done = 0; done < shard.total();) {
+      const std::uint64_t next = std::min(shard.total(), done + step);
+      // Layout order: the packed buffer, then the allocation.
+      for (std::uint64_t at = done; at < next; ++at) {
+        if (at < shard.packed.size()) {
+          arriving.packed[at] = shard.packed[at];
+        } else {
+          arriving.allocation[at - shard.packed.size()] = shard.allocation[at - shard.packed.size()];
+        }
+      }
+      progress->advance_to(next);
+      done = next;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  Target target(shard);
+  auto regions = target.regions();
+  auto options = pull_options();
+  options.partial = true;
+  std::vector<std::uint64_t> seen;
+  options.on_progress = [&](std::uint64_t ready) { seen.push_back(ready); };
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
+  writer.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_TRUE(target.equals(shard));
+  ASSERT_FALSE(seen.empty());
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_GT(seen.size(), 2u) << "the reader followed the source's progress, not only its end";
+}
+
+TEST(RdmaPair, RevokeCutsOffAReadAndNothingLandsAfterwards) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  auto reader = make_rdma();
+  Shard shard(4);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  auto options = pull_options();
+  options.rate_bytes_per_s = 2 << 20;  // ~4 s for the shard: revoked well before the end
+  std::uint64_t landed = 0;
+  options.on_progress = [&](std::uint64_t ready) { landed = ready; };
+  std::thread revoker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    source->revoke({1, 1});
+  });
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
+  revoker.join();
+  EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail;
+  EXPECT_LT(outcome.bytes, shard.total());
+  EXPECT_GT(source->stats().windows_invalidated, 0u);
+  // What did not land by the time pull() returned never lands: the reader's memory is its own again.
+  const auto snapshot = target.allocation;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(snapshot, target.allocation);
+  // And the grant stays closed to a late open.
+  const net::PullOutcome late = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, pull_options());
+  EXPECT_EQ(late.error, net::ReadError::kRefused) << late.detail;
+}
+
+// Without the notice, the memory windows alone: once revoke() returned the source rewrites its
+// memory, and none of the new bytes may reach the reader, however long it keeps reading.
+TEST(RdmaPair, AfterRevokeNoReadSeesTheMemoryAgain) {
+  REQUIRE_DEVICE();
+  RdmaOptions quiet;
+  quiet.read_bytes = 64 << 10;
+  quiet.revoke_notices = false;
+  auto source = std::make_unique<RdmaTransport>(net::DataServerConfig{}, quiet);
+  auto reader = make_rdma();
+  Shard shard(10);
+  const Shard original(10);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  auto options = pull_options();
+  options.io_timeout_ms = 3'000;
+  options.rate_bytes_per_s = 2 << 20;
+  std::thread revoker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    source->revoke({1, 1});
+    std::fill(shard.allocation.begin(), shard.allocation.end(), std::byte{0x5A});  // the owner's again
+    std::fill(shard.packed.begin(), shard.packed.end(), std::byte{0x5A});
+  });
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
+  revoker.join();
+  EXPECT_FALSE(outcome.ok());
+  std::cout << "read after revoke without a notice: " << net::read_error_name(*outcome.error) << ": "
+            << outcome.detail << "\n";
+  std::uint64_t rewritten = 0;
+  for (std::size_t i = 0; i < target.allocation.size(); ++i) {
+    if (target.allocation[i] != original.allocation[i] && target.allocation[i] != std::byte{0xEE}) ++rewritten;
+  }
+  EXPECT_EQ(rewritten, 0u) << "bytes written by the owner after revoke() reached the reader";
+}
+
+TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  auto reader = make_rdma();
+  Shard shard(5);
+  Target target(shard);
+  // The owners lend their allocations (libthclient does so per registered tensor and buffer).
+  std::vector<std::shared_ptr<void>> leases;
+  std::uint64_t at = 0;
+  for (auto size : shard.sizes) {  // tensor by tensor: adjacent leases make one run
+    leases.push_back(source->lease_memory(shard.allocation.data() + at, size));
+    leases.push_back(reader->lease_memory(target.allocation.data() + at, size));
+    at += size;
+  }
+  leases.push_back(source->lease_memory(shard.packed.data(), shard.packed.size()));
+  leases.push_back(reader->lease_memory(target.packed.data(), target.packed.size()));
+  auto regions = target.regions();
+  std::uint64_t source_after_first = 0;
+  std::uint64_t reader_after_first = 0;
+  for (std::uint32_t version = 1; version <= 4; ++version) {
+    source->grant({version, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+    const net::PullOutcome outcome = reader->pull(source->endpoint(), {version, 1}, kSecret, regions, pull_options());
+    ASSERT_TRUE(outcome.ok()) << outcome.detail;
+    source->revoke({version, 1});
+    if (version == 1) {
+      source_after_first = source->stats().memory_registrations;
+      reader_after_first = reader->stats().memory_registrations;
+    }
+  }
+  EXPECT_TRUE(target.equals(shard));
+  EXPECT_EQ(source->stats().memory_registrations, source_after_first);
+  EXPECT_EQ(reader->stats().memory_registrations, reader_after_first);
+  // The progress table, the allocation's run, the packed buffer (and, at the reader, its link's word).
+  EXPECT_EQ(source_after_first, 3u);
+  EXPECT_EQ(reader_after_first, 4u);
+  EXPECT_EQ(reader->stats().pulls_rdma, 4u);
+  EXPECT_GE(source->stats().windows_bound, 4u) << "a window per grant";
+}
+
+TEST(RdmaPair, FallsBackToTcpWhenTheSourceHasNoRdma) {
+  REQUIRE_DEVICE();
+  net::TcpTransport source(net::DataServerConfig{});
+  auto reader = make_rdma();
+  Shard shard(6);
+  source.grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  const net::PullOutcome outcome = reader->pull(source.endpoint(), {1, 1}, kSecret, regions, pull_options());
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_TRUE(target.equals(shard));
+  EXPECT_EQ(reader->stats().pulls_fell_back, 1u);
+  EXPECT_EQ(reader->stats().pulls_rdma, 0u);
+  EXPECT_EQ(source.stats().bytes_served, shard.total());
+}
+
+TEST(RdmaPair, ATcpReaderPullsFromAnRdmaSource) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  net::TcpTransport reader(net::DataServerConfig{});
+  Shard shard(7);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  const net::PullOutcome outcome = reader.pull(source->endpoint(), {1, 1}, kSecret, regions, pull_options());
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_TRUE(target.equals(shard));
+  EXPECT_EQ(source->stats().bytes_served, shard.total());
+}
+
+// A device named by the user, not the first one. (Both ends on it: rxe devices of one kernel do not
+// reach each other, since a packet to a local address goes over lo, where no rxe listens.)
+TEST(RdmaPair, ANamedDeviceOtherThanTheFirst) {
+  REQUIRE_DEVICE();
+  if (device_names().size() < 2) GTEST_SKIP() << "one RDMA device";
+  auto source = make_rdma(device_names()[1]);
+  auto reader = make_rdma(device_names()[1]);
+  EXPECT_EQ(reader->device_name(), device_names()[1]);
+  Shard shard(8);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, pull_options());
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_TRUE(target.equals(shard));
+  EXPECT_EQ(reader->stats().pulls_rdma, 1u);
+}
+
+// A source in a child process (this binary with --serve), so that it can be killed with SIGKILL.
+struct ChildSource {
+  pid_t pid = -1;
+  net::Endpoint endpoint;
+  explicit ChildSource(std::uint64_t seed) {
+    int pipe_fds[2];
+    EXPECT_EQ(::pipe(pipe_fds), 0);
+    pid = ::fork();
+    if (pid == 0) {
+      ::dup2(pipe_fds[1], STDOUT_FILENO);
+      ::close(pipe_fds[0]);
+      const std::string seed_text = std::to_string(seed);
+      ::execl("/proc/self/exe", "th-rdma-test", "--serve", seed_text.c_str(), nullptr);
+      ::_exit(127);
+    }
+    ::close(pipe_fds[1]);
+    char line[128] = {};
+    std::size_t got = 0;
+    while (got < sizeof line - 1) {
+      const ssize_t n = ::read(pipe_fds[0], line + got, 1);
+      if (n <= 0 || line[got] == '\n') break;
+      got += static_cast<std::size_t>(n);
+    }
+    line[got] = '\0';
+    ::close(pipe_fds[0]);
+    endpoint = net::parse_endpoint(line);
+  }
+  void kill() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      pid = -1;
+    }
+  }
+  ~ChildSource() { kill(); }
+};
+
+TEST(RdmaPair, SourceKilledMidReadThenAnotherSourceFinishesBitExact) {
+  REQUIRE_DEVICE();
+  Shard shard(9);  // the child serves the same bytes (Shard(9)) under {1, 1}
+  ChildSource doomed(9);
+  auto reader = make_rdma();
+  Target target(shard);
+  auto regions = target.regions();
+  auto options = pull_options();
+  options.rate_bytes_per_s = 2 << 20;
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    doomed.kill();
+  });
+  const auto began = std::chrono::steady_clock::now();
+  const net::PullOutcome outcome = reader->pull(doomed.endpoint, {1, 1}, kSecret, regions, options);
+  killer.join();
+  EXPECT_FALSE(outcome.ok());
+  EXPECT_EQ(outcome.error, net::ReadError::kUnreachable) << outcome.detail;
+  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(5)) << "the reader noticed the death";
+  std::cout << "killed source: the read failed after "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() << " s: "
+            << outcome.detail << "\n";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto snapshot = target.allocation;  // nothing lands after pull() returned
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(snapshot, target.allocation);
+  // The hub would now name another source; the reader finishes from it.
+  auto other = make_rdma();
+  other->grant({2, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  const net::PullOutcome finished = reader->pull(other->endpoint(), {2, 1}, kSecret, regions, pull_options());
+  ASSERT_TRUE(finished.ok()) << finished.detail;
+  EXPECT_TRUE(target.equals(shard));
+}
+
+int serve_forever(std::uint64_t seed) {
+  auto source = make_rdma();
+  Shard shard(seed);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  std::printf("%s\n", source->endpoint().to_string().c_str());
+  std::fflush(stdout);
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+}  // namespace
+}  // namespace th::rdma
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--serve") return th::rdma::serve_forever(std::stoull(argv[2]));
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -124,8 +124,14 @@ inline std::uint32_t first_packet_sequence() {
   return (counter.fetch_add(0x9e3779b9u) >> 8) & 0xffffff;
 }
 
-constexpr int kRegisterAccess =
-    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_MW_BIND;
+// How memory is registered. With memory windows the registration itself grants no remote access:
+// any connected queue pair (a hello needs no secret) could otherwise read a whole registration
+// with its key, which is small and often guessable; only a window bound for one grant to one
+// reader's queue pair can be read through. Without windows, the registration must be readable.
+inline int register_access(const Device& device) {
+  return device.has_memory_windows() ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND
+                                     : IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
+}
 
 inline void log_line(const std::string& line) { std::cerr << "th rdma: " << line << "\n"; }
 
@@ -158,7 +164,7 @@ struct RdmaTransport::State {
 
   std::shared_ptr<MemoryRegion> register_memory(void* base, std::uint64_t bytes) {
     ++registrations;
-    return std::make_shared<MemoryRegion>(device, base, bytes, kRegisterAccess);
+    return std::make_shared<MemoryRegion>(device, base, bytes, register_access(device));
   }
 
   // A registration covering [base, +bytes): the cached one of its leased run, else a new one of that

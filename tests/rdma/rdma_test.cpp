@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "net/transport.h"
+#include "rdma/protocol.h"  // the rogue peer below speaks the protocol by hand
 #include "rdma/transport.h"
 #include "rdma/verbs.h"
 
@@ -245,6 +246,92 @@ TEST(RdmaPair, AfterRevokeNoReadSeesTheMemoryAgain) {
     if (target.allocation[i] != original.allocation[i] && target.allocation[i] != std::byte{0xEE}) ++rewritten;
   }
   EXPECT_EQ(rewritten, 0u) << "bytes written by the owner after revoke() reached the reader";
+}
+
+// A peer that speaks the link protocol by hand: a hello (no secret needed) gets it a connected
+// queue pair; it may then open grants, and READ whatever it likes through its queue pair.
+struct RoguePeer {
+  Device device{"", -1};
+  CompletionQueue cq{device, 16};
+  QueuePair qp{device, cq, 8, 1};
+  net::Fd socket;
+  std::vector<std::byte> landing = std::vector<std::byte>(4096, std::byte{0xEE});
+  MemoryRegion landing_region{device, landing.data(), landing.size(), IBV_ACCESS_LOCAL_WRITE};
+
+  explicit RoguePeer(const net::Endpoint& source) : socket(net::connect_tcp(source, 5'000)) {
+    const QueuePairAddress local = qp.local_address(first_packet_sequence());
+    Request hello;
+    hello.qp_number = local.qp_number;
+    hello.packet_sequence = local.packet_sequence;
+    hello.lid = local.lid;
+    hello.mtu = local.mtu;
+    hello.gid = local.gid;
+    net::send_all(socket, &hello, sizeof hello);
+    HelloAnswer answer;
+    net::recv_all(socket, &answer, sizeof answer);
+    EXPECT_EQ(answer.status, Answer::kOk);
+    qp.connect(local, {answer.qp_number, answer.packet_sequence, answer.lid, answer.mtu, answer.gid}, 14, 7);
+  }
+  // Opens a grant like a reader; returns its regions (empty when refused).
+  std::vector<RemoteRegion> open(net::GrantKey key, const GrantSecret& secret) {
+    Request request;
+    request.kind = Kind::kOpen;
+    request.transfer = key.transfer;
+    request.epoch = key.epoch;
+    std::memcpy(request.gid.data(), secret.data(), sizeof secret);
+    net::send_all(socket, &request, sizeof request);
+    OpenAnswer answer;
+    net::recv_all(socket, &answer, sizeof answer);
+    std::vector<RemoteRegion> regions(answer.status == Answer::kOk ? answer.regions : 0);
+    if (!regions.empty()) net::recv_all(socket, regions.data(), regions.size() * sizeof(RemoteRegion));
+    return regions;
+  }
+  // One RDMA READ of `bytes` at (address, key); the completion's status.
+  ibv_wc_status read(std::uint64_t address, std::uint32_t key, std::uint32_t bytes) {
+    ibv_sge sge{reinterpret_cast<std::uintptr_t>(landing.data()), bytes, landing_region.get()->lkey};
+    ibv_send_wr request{};
+    ibv_send_wr* bad = nullptr;
+    request.opcode = IBV_WR_RDMA_READ;
+    request.send_flags = IBV_SEND_SIGNALED;
+    request.sg_list = &sge;
+    request.num_sge = 1;
+    request.wr.rdma.remote_addr = address;
+    request.wr.rdma.rkey = key;
+    EXPECT_EQ(ibv_post_send(qp.get(), &request, &bad), 0);
+    ibv_wc completion{};
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (cq.poll(&completion, 1) == 0 && std::chrono::steady_clock::now() < deadline) cq.wait(20);
+    return completion.status;
+  }
+};
+
+// The attacks a peer that reaches the data port can try, each refused: opening with a wrong secret,
+// reading through a window bound to another reader's queue pair, reading through its own window
+// once the grant is revoked.
+TEST(RdmaPair, ARoguePeerReadsNothingItWasNotGranted) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma();
+  Shard shard(11);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  const GrantSecret wrong{kSecret[0] ^ 1, kSecret[1]};
+  RoguePeer rogue(source->endpoint());
+  EXPECT_TRUE(rogue.open({1, 1}, wrong).empty()) << "a wrong secret opens nothing";
+  // A reader opens the grant honestly; the rogue learns its window keys (as if it sniffed them).
+  RoguePeer honest(source->endpoint());
+  const std::vector<RemoteRegion> regions = honest.open({1, 1}, kSecret);
+  ASSERT_EQ(regions.size(), shard.regions().size());
+  const RemoteRegion& big = regions.back();
+  EXPECT_EQ(honest.read(big.address, big.key, 4096), IBV_WC_SUCCESS);
+  EXPECT_EQ(std::memcmp(honest.landing.data(), shard.allocation.data() + shard.allocation.size() - big.bytes, 4096), 0);
+  EXPECT_EQ(rogue.read(big.address, big.key, 4096), IBV_WC_REM_ACCESS_ERR) << "the window is bound to the honest pair";
+  EXPECT_EQ(rogue.landing[0], std::byte{0xEE});
+  // After revoke, the honest reader's own window is dead too.
+  source->revoke({1, 1});
+  RoguePeer late(source->endpoint());
+  EXPECT_TRUE(late.open({1, 1}, kSecret).empty()) << "a revoked grant opens nothing";
+  std::fill(honest.landing.begin(), honest.landing.end(), std::byte{0xEE});
+  EXPECT_NE(honest.read(big.address, big.key, 4096), IBV_WC_SUCCESS);
+  EXPECT_EQ(honest.landing[0], std::byte{0xEE});
 }
 
 TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {

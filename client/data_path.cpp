@@ -192,6 +192,7 @@ void Handle::Impl::run_read(ReadJob& job) {
       return net::PullOutcome{0, net::ReadError::kUnreachable, bad_endpoint.what()};
     }
   }();
+  const double pull_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return;
   std::optional<ReadFailure> failure;
   if (!outcome.ok()) {
@@ -227,6 +228,7 @@ void Handle::Impl::run_read(ReadJob& job) {
       if (*failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
     } else {
       stats_.last_read_bytes = outcome.bytes;
+      stats_.last_pull_seconds = pull_seconds;
       stats_.last_read_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     }
   }

@@ -2,13 +2,18 @@
 // "RESULT key=value ..." line that the scripts under bench/ turn into bench/results/*.md next to
 // the reference they measure in the same run (iperf3, an echo server, MPI_Bcast).
 //
-//   pair          one source, one reader, in this process over loopback TCP: bytes per second of a
-//                 whole version (checksums on, CPU memory), as the reader's replicate()/update() sees it.
+//   pair          one source, one reader over loopback: bytes per second of a whole version
+//                 (checksums on, CPU memory), as the reader's replicate()/update() sees it; with
+//                 --source-process the source is a child process (pair-source) and the CPU each side
+//                 spent per GB moved is measured too (bench/run-rdma-pair: one-sided reads against TCP).
 //   control-load  many clients in a closed loop of publish/update/unpublish against a th-server (or
 //                 round trips against echo-server): operations/s and latency percentiles.
 //   echo-server   the reference for control-load: answers every call at once.
 //   fanout-node   one emulated host of bench/run-fanout (network namespaces, shaped links).
 #include <CLI/CLI.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +21,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -62,8 +68,10 @@ struct Side {
 };
 
 Side open_side(const std::string& server, const std::string& replica, const std::string& role,
-               std::uint64_t tensor_bytes, std::uint64_t tensors, std::uint32_t streams) {
+               std::uint64_t tensor_bytes, std::uint64_t tensors, std::uint32_t streams,
+               const std::string& transport = "auto") {
   th::ClientOptions options;
+  options.transport = transport;
   options.servers = {server};
   options.token = kToken;
   options.model = "bench-pair";
@@ -86,7 +94,7 @@ Side open_side(const std::string& server, const std::string& replica, const std:
   return side;
 }
 
-int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams) {
+int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
   const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
   const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
   const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
@@ -95,8 +103,8 @@ int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t stre
   th::server::ServiceConfig config;
   config.token = kToken;
   th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
-  Side source = open_side(server.address(), "source", "trainer", tensor_bytes, tensors, 1);
-  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams);
+  Side source = open_side(server.address(), "source", "trainer", tensor_bytes, tensors, 1, transport);
+  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams, transport);
   std::cout << "th-bench pair: " << tensors << " tensors x " << tensor_mb << " MB = " << total_bytes
             << " bytes per version, " << streams << " stream(s), checksums on, CPU memory, loopback TCP\n";
 
@@ -149,6 +157,173 @@ int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t stre
   return 0;
 }
 
+
+// CPU seconds this process has used, every thread included (those that ended too).
+double process_cpu_seconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+}
+
+// The source's bytes: random once (seed 42), then each version stamps the first word of every
+// tensor. The reader's process computes the same to check what arrived.
+void fill_source(std::byte* memory, std::uint64_t total_bytes) {
+  std::mt19937_64 random(42);
+  auto* words = reinterpret_cast<std::uint64_t*>(memory);
+  for (std::uint64_t i = 0; i < total_bytes / 8; ++i) words[i] = random();
+}
+void stamp(std::byte* memory, std::uint64_t tensor_bytes, std::uint64_t tensors, th::Version version) {
+  for (std::uint64_t i = 0; i < tensors; ++i) std::memcpy(memory + i * tensor_bytes, &version, sizeof version);
+}
+
+// pair-source: the source of `pair --source-process`, driven line by line on stdin:
+//   publish V -> "published V"; unpublish -> "unpublished"; cpu -> "cpu SECONDS"; exit.
+int run_pair_source(const std::string& server, std::uint64_t tensor_bytes, std::uint64_t tensors,
+                    const std::string& transport) {
+  Side source = open_side(server, "source", "trainer", tensor_bytes, tensors, 1, transport);
+  fill_source(source.memory->get(), tensor_bytes * tensors);
+  std::cout << "ready " << source.handle->stats().transport << std::endl;
+  for (std::string command; std::cin >> command;) {
+    if (command == "publish") {
+      th::Version version = 0;
+      std::cin >> version;
+      stamp(source.memory->get(), tensor_bytes, tensors, version);
+      value_or_die(source.handle->publish(version), "publish");
+      std::cout << "published " << version << std::endl;
+    } else if (command == "unpublish") {
+      ok_or_die(source.handle->unpublish(), "unpublish");
+      std::cout << "unpublished" << std::endl;
+    } else if (command == "cpu") {
+      std::cout << "cpu " << std::setprecision(9) << process_cpu_seconds() << std::endl;
+    } else if (command == "exit") {
+      break;
+    }
+  }
+  return 0;
+}
+
+struct Child {
+  pid_t pid = -1;
+  FILE* to = nullptr;
+  FILE* from = nullptr;
+  std::string ask(const std::string& command, const std::string& expect) {
+    std::fprintf(to, "%s\n", command.c_str());
+    std::fflush(to);
+    char line[256];
+    if (std::fgets(line, sizeof line, from) == nullptr) {
+      std::cerr << "th-bench: the source process ended\n";
+      std::exit(1);
+    }
+    std::string answer(line);
+    if (answer.rfind(expect, 0) != 0) {
+      std::cerr << "th-bench: the source process said '" << answer << "' to '" << command << "'\n";
+      std::exit(1);
+    }
+    return answer.substr(expect.size());
+  }
+};
+
+Child spawn_source(const std::vector<std::string>& args) {
+  int to_child[2];
+  int from_child[2];
+  if (::pipe(to_child) != 0 || ::pipe(from_child) != 0) throw std::runtime_error("pipe failed");
+  Child child;
+  child.pid = ::fork();
+  if (child.pid == 0) {
+    ::dup2(to_child[0], STDIN_FILENO);
+    ::dup2(from_child[1], STDOUT_FILENO);
+    ::close(to_child[1]);
+    ::close(from_child[0]);
+    std::vector<char*> argv;
+    for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    ::execv("/proc/self/exe", argv.data());
+    ::_exit(127);
+  }
+  ::close(to_child[0]);
+  ::close(from_child[1]);
+  child.to = ::fdopen(to_child[1], "w");
+  child.from = ::fdopen(from_child[0], "r");
+  return child;
+}
+
+// pair --source-process: as run_pair, with the source in a child process, and the CPU both
+// processes spent while the reader's call ran (the reader's process also runs the embedded server).
+int run_pair_split(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
+  const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
+  const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
+  const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
+  const std::uint64_t total_bytes = tensors * tensor_bytes;
+  th::server::ServiceConfig config;
+  config.token = kToken;
+  th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
+  Child source = spawn_source({"th-bench", "pair-source", "--server", server.address(), "--tensor-mb",
+                               std::to_string(tensor_mb), "--tensors", std::to_string(tensors), "--transport", transport});
+  char line[256];
+  if (std::fgets(line, sizeof line, source.from) == nullptr) {
+    std::cerr << "th-bench: the source process did not start\n";
+    return 1;
+  }
+  const std::string source_transport = std::string(line).substr(6, std::string(line).find('\n') - 6);
+  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams, transport);
+  auto expected = std::make_unique<th::bench::BigBuffer>(total_bytes);
+  fill_source(expected->get(), total_bytes);
+  std::cout << "th-bench pair: " << tensors << " tensors x " << tensor_mb << " MB = " << total_bytes
+            << " bytes per version, source process (" << source_transport << "), reader ("
+            << reader.handle->stats().transport << "), checksums on, CPU memory\n";
+  std::vector<double> call_gbps;
+  std::vector<double> pull_gbps;
+  std::vector<double> source_cpu_per_gb;
+  std::vector<double> reader_cpu_per_gb;
+  std::uint64_t rdma_before = 0;
+  for (int round = 1; round <= rounds; ++round) {
+    const auto version = static_cast<th::Version>(round);
+    source.ask("publish " + std::to_string(version), "published");
+    stamp(expected->get(), tensor_bytes, tensors, version);
+    const double source_cpu_before = std::stod(source.ask("cpu", "cpu "));
+    const double reader_cpu_before = process_cpu_seconds();
+    const auto started = std::chrono::steady_clock::now();
+    std::optional<th::Version> got;
+    if (round == 1) {
+      got = value_or_die(reader.handle->replicate("latest"), "replicate").version;
+    } else {
+      got = value_or_die(reader.handle->update("latest"), "update").version;
+    }
+    const double call_s = seconds_since(started);
+    const double reader_cpu = process_cpu_seconds() - reader_cpu_before;
+    const double source_cpu = std::stod(source.ask("cpu", "cpu ")) - source_cpu_before;
+    const th::HandleStats stats = reader.handle->stats();
+    if (got != version || std::memcmp(expected->get(), reader.memory->get(), total_bytes) != 0 ||
+        stats.checksum_failures != 0) {
+      std::cerr << "th-bench: round " << round << ": the reader's bytes differ from the source's\n";
+      return 1;
+    }
+    const double gb = double(total_bytes) / 1e9;
+    call_gbps.push_back(gb / call_s);
+    pull_gbps.push_back(gb / stats.last_pull_seconds);
+    source_cpu_per_gb.push_back(source_cpu / gb);
+    reader_cpu_per_gb.push_back(reader_cpu / gb);
+    std::cout << std::fixed << std::setprecision(3) << "round " << round << ": " << total_bytes << " bytes in "
+              << call_s << " s (" << call_gbps.back() << " GB/s; moving the bytes " << stats.last_pull_seconds
+              << " s, " << pull_gbps.back() << " GB/s) over "
+              << (stats.pulls_rdma > rdma_before ? "rdma" : "tcp") << "; CPU per GB: source "
+              << source_cpu_per_gb.back() << " s, reader " << reader_cpu_per_gb.back() << " s; bit-exact\n";
+    rdma_before = stats.pulls_rdma;
+    source.ask("unpublish", "unpublished");
+  }
+  std::fprintf(source.to, "exit\n");
+  std::fclose(source.to);
+  std::fclose(source.from);
+  ::waitpid(source.pid, nullptr, 0);
+  std::cout << std::fixed << std::setprecision(4) << "RESULT pair_bytes=" << total_bytes << " pair_transport="
+            << reader.handle->stats().transport << " pair_rdma_pulls=" << reader.handle->stats().pulls_rdma
+            << " pair_call_gbps=" << median(call_gbps) << " pair_pull_gbps=" << median(pull_gbps)
+            << " pair_source_cpu_s_per_gb=" << median(source_cpu_per_gb)
+            << " pair_reader_cpu_s_per_gb=" << median(reader_cpu_per_gb) << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -169,6 +344,21 @@ int main(int argc, char** argv) {
   pair->add_option("--streams", streams, "TCP connections per read (ClientOptions::data_streams)")
       ->capture_default_str()
       ->check(CLI::Range(1, 16));
+  std::string transport = "auto";
+  bool source_process = false;
+  pair->add_option("--transport", transport, "auto, rdma or tcp (ClientOptions::transport)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "rdma", "tcp"}));
+  pair->add_flag("--source-process", source_process,
+                 "run the source in a child process and measure the CPU each side spends per GB");
+  auto* pair_source = app.add_subcommand("pair-source", "(internal) the source process of pair --source-process");
+  pair_source->group("");
+  std::string source_server;
+  std::uint64_t source_tensors = 1;
+  pair_source->add_option("--server", source_server)->required();
+  pair_source->add_option("--tensor-mb", tensor_mb)->required();
+  pair_source->add_option("--tensors", source_tensors)->required();
+  pair_source->add_option("--transport", transport)->required();
 
   auto* control = app.add_subcommand(
       "control-load", "Clients in a closed loop of publish -> update(latest) -> unpublish (bench/run-control-plane)");
@@ -207,7 +397,9 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);
-  if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams);
+  if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport);
+  if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams, transport);
+  if (pair_source->parsed()) return run_pair_source(source_server, tensor_mb * 1'000'000, source_tensors, transport);
   if (control->parsed()) return th::bench::run_control_load(load);
   if (echo->parsed()) return th::bench::run_echo_server(echo_listen);
   return 2;

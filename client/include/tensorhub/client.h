@@ -99,6 +99,7 @@ struct HandleStats {
   std::uint64_t reads_failed = 0;       // a source failed; the server picked another
   std::uint64_t checksum_failures = 0;  // received bytes that did not match their checksum
   double last_read_seconds = 0;         // duration of the last completed read of a version
+  double last_pull_seconds = 0;         // of which moving the bytes (the rest: checksums, unpacking)
   std::uint64_t last_read_bytes = 0;
   std::string reading_from;  // the source replica of the read in progress ("" when none)
   std::string transport;     // the data plane this shard runs: "tcp" or "rdma" (see ClientOptions::transport)

@@ -150,10 +150,15 @@ Status Handle::Impl::start() {
     if (options_.transport != "tcp") {
       try {
         rdma::RdmaOptions rdma_options;
-        rdma_options.device = options_.rdma_device;
+        // "mlx5_0,mlx5_1": one device per rail.
+        for (std::size_t at = 0; at < options_.rdma_device.size();) {
+          const std::size_t comma = std::min(options_.rdma_device.find(',', at), options_.rdma_device.size());
+          if (comma > at) rdma_options.devices.push_back(options_.rdma_device.substr(at, comma - at));
+          at = comma + 1;
+        }
         rdma_options.gid_index = options_.rdma_gid_index;
         auto rdma = std::make_unique<rdma::RdmaTransport>(data, rdma_options);
-        log("data plane: RDMA on " + rdma->device_name() + " (TCP with sources that have none)");
+        log("data plane: RDMA on " + rdma->device_names() + " (TCP with sources that have none)");
         transport_ = std::move(rdma);
       } catch (const rdma::VerbsError& error) {
         if (options_.transport == "rdma") {

@@ -24,11 +24,13 @@ namespace th::net {
 struct TransportStats {
   std::uint64_t bytes_served = 0;          // sent by this source's CPU (TCP); one-sided reads are not seen
   std::uint64_t pulls_rdma = 0;            // pulls done with one-sided RDMA reads
+  std::uint64_t pulls_striped = 0;         // of those, over several devices at once
   std::uint64_t pulls_tcp = 0;             // pulls over TCP
   std::uint64_t pulls_fell_back = 0;       // of those, because the source could not do RDMA
   std::uint64_t memory_registrations = 0;  // ibv_reg_mr calls (grows with allocations, not versions)
   std::uint64_t windows_bound = 0;         // memory windows bound for grants (one per grant and region)
   std::uint64_t windows_invalidated = 0;   // of those, invalidated by a revoke or a reader's close
+  std::vector<std::uint64_t> bytes_read_per_device;  // pulled through each RDMA device in use
 };
 
 class DataTransport {

@@ -47,11 +47,11 @@ struct Request {
   std::uint32_t packet_sequence = 0;
   std::uint16_t lid = 0;
   std::uint8_t mtu = 0;
-  std::uint8_t reserved0 = 0;
+  std::uint8_t rail = 0;  // the reader's device index: the source answers from its device of that index
   Gid gid{};
   // kOpen, kClose
   std::uint32_t epoch = 0;
-  std::uint32_t reserved1 = 0;
+  std::uint32_t read_atoms = 0;  // kHello: READs the reader's queue pair takes outstanding
   std::uint64_t transfer = 0;
 };
 static_assert(sizeof(Request) == 56);
@@ -66,7 +66,7 @@ struct HelloAnswer {
   std::uint32_t packet_sequence = 0;
   std::uint16_t lid = 0;
   std::uint8_t mtu = 0;
-  std::uint8_t reserved = 0;
+  std::uint8_t read_atoms = 0;  // READs the source's queue pair takes outstanding
   std::uint32_t reserved1 = 0;
   Gid gid{};
 };
@@ -114,7 +114,8 @@ inline bool same_secret(const GrantSecret& a, const GrantSecret& b) {
 }
 
 inline QueuePairAddress address_of(const Request& hello) {
-  return {hello.qp_number, hello.packet_sequence, hello.lid, hello.mtu, hello.gid};
+  return {hello.qp_number, hello.packet_sequence, hello.lid, hello.mtu, hello.gid,
+          static_cast<std::uint8_t>(std::clamp<std::uint32_t>(hello.read_atoms, 1, 255))};
 }
 
 inline std::uint32_t first_packet_sequence() {
@@ -139,13 +140,26 @@ inline void log_line(const std::string& line) { std::cerr << "th rdma: " << line
 // ---- Shared state ------------------------------------------------------------------------------
 
 struct RdmaTransport::State {
-  State(RdmaOptions options_in) : options(std::move(options_in)), device(options.device, options.gid_index) {}
+  // Opens the devices (throws VerbsError when there is none).
+  explicit State(RdmaOptions options_in);
 
   const RdmaOptions options;
-  Device device;
+  // The grants' ready-byte counters, exposed to one-sided reads (one registration per port).
+  std::unique_ptr<std::atomic<std::uint64_t>[]> progress_words;
+  // One opened device: this process's end of rail i (its index). Declared before everything that
+  // holds verbs objects of it, so that they are destroyed first.
+  struct Port {
+    Port(const std::string& name, int gid_index) : device(name, gid_index) {}
+    Device device;
+    std::unique_ptr<MemoryRegion> progress_region;  // progress_words, registered on this device
+    std::atomic<std::uint64_t> bytes_read{0};       // pulled through this device
+  };
+  static constexpr std::size_t kPortsMax = 8;
+  std::vector<std::unique_ptr<Port>> ports;
   int grant_wait_ms_max = 0;
 
   std::atomic<std::uint64_t> pulls_rdma{0};
+  std::atomic<std::uint64_t> pulls_striped{0};
   std::atomic<std::uint64_t> pulls_tcp{0};
   std::atomic<std::uint64_t> pulls_fell_back{0};
   std::atomic<std::uint64_t> registrations{0};
@@ -156,64 +170,88 @@ struct RdmaTransport::State {
   std::mutex registrations_mutex;
   std::multimap<std::uintptr_t, std::uint64_t> leased;  // begin -> bytes
   struct Cached {
+    std::size_t port = 0;
     std::uintptr_t begin = 0;
     std::uintptr_t end = 0;
     std::shared_ptr<MemoryRegion> region;
   };
   std::vector<Cached> cached;
 
-  std::shared_ptr<MemoryRegion> register_memory(void* base, std::uint64_t bytes) {
+  std::shared_ptr<MemoryRegion> register_memory(std::size_t port, void* base, std::uint64_t bytes) {
     ++registrations;
+    const Device& device = ports.at(port)->device;
     return std::make_shared<MemoryRegion>(device, base, bytes, register_access(device));
   }
 
-  // A registration covering [base, +bytes): the cached one of its leased run, else a new one of that
-  // run (cached), else (memory never leased) one of exactly this range, kept by the caller alone.
-  std::shared_ptr<MemoryRegion> region_for(const std::byte* base, std::uint64_t bytes) {
+  // A registration on `port` covering [base, +bytes): the cached one of its leased run, else a new
+  // one of that run (cached), else (memory never leased) one of exactly this range, kept by the
+  // caller alone. Registering pins pages (seconds for tens of GB): done outside the lock, which
+  // lease_memory() on the client's I/O thread also takes. Throws VerbsError.
+  std::shared_ptr<MemoryRegion> region_for(std::size_t port, const std::byte* base, std::uint64_t bytes) {
     TH_REQUIRE(bytes > 0);
+    TH_REQUIRE(port < ports.size());
     const auto begin = reinterpret_cast<std::uintptr_t>(base);
-    std::lock_guard lock(registrations_mutex);
-    for (const Cached& entry : cached) {
-      if (entry.region->covers(begin, bytes)) return entry.region;
-    }
-    // The run of touching leases around `begin`.
     std::uintptr_t run_begin = 0;
     std::uintptr_t run_end = 0;
-    for (const auto& [lease_begin, lease_bytes] : leased) {
-      const std::uintptr_t lease_end = lease_begin + lease_bytes;
-      if (run_end != 0 && lease_begin <= run_end) {
-        run_end = std::max(run_end, lease_end);
-        continue;
+    {
+      std::lock_guard lock(registrations_mutex);
+      for (const Cached& entry : cached) {
+        if (entry.port == port && entry.region->covers(begin, bytes)) return entry.region;
       }
-      if (run_end != 0 && run_begin <= begin && begin + bytes <= run_end) break;  // found it
-      run_begin = lease_begin;
-      run_end = lease_end;
+      // The run of touching leases around `begin`.
+      for (const auto& [lease_begin, lease_bytes] : leased) {
+        const std::uintptr_t lease_end = lease_begin + lease_bytes;
+        if (run_end != 0 && lease_begin <= run_end) {
+          run_end = std::max(run_end, lease_end);
+          continue;
+        }
+        if (run_end != 0 && run_begin <= begin && begin + bytes <= run_end) break;  // found it
+        run_begin = lease_begin;
+        run_end = lease_end;
+      }
     }
     if (run_end == 0 || begin < run_begin || begin + bytes > run_end) {
-      return register_memory(const_cast<std::byte*>(base), bytes);
+      return register_memory(port, const_cast<std::byte*>(base), bytes);
     }
-    auto region = register_memory(reinterpret_cast<void*>(run_begin), run_end - run_begin);
-    cached.push_back({run_begin, run_end, region});
+    auto region = register_memory(port, reinterpret_cast<void*>(run_begin), run_end - run_begin);
+    std::lock_guard lock(registrations_mutex);
+    // Cached only if the run is still leased whole (a lease may have ended meanwhile) and nobody
+    // cached one first; either way the caller may use it: its memory was leased when it asked.
+    std::uintptr_t still = run_begin;
+    for (const auto& [lease_begin, lease_bytes] : leased) {
+      if (lease_begin <= still && lease_begin + lease_bytes > still) still = lease_begin + lease_bytes;
+    }
+    const bool raced = std::any_of(cached.begin(), cached.end(), [&](const Cached& entry) {
+      return entry.port == port && entry.region->covers(begin, bytes);
+    });
+    if (still >= run_end && !raced) cached.push_back({port, run_begin, run_end, region});
     return region;
   }
 
+  // Ends a lease: every cached registration that covers any of it goes, deregistered after the lock
+  // is let go (grants holding one keep it until they are revoked; the owner revokes before it frees).
   void release_lease(std::uintptr_t begin, std::uint64_t bytes) {
-    std::lock_guard lock(registrations_mutex);
-    for (auto it = leased.lower_bound(begin); it != leased.end() && it->first == begin; ++it) {
-      if (it->second == bytes) {
-        leased.erase(it);
-        break;
+    std::vector<Cached> dropped;
+    {
+      std::lock_guard lock(registrations_mutex);
+      for (auto it = leased.lower_bound(begin); it != leased.end() && it->first == begin; ++it) {
+        if (it->second == bytes) {
+          leased.erase(it);
+          break;
+        }
+      }
+      for (auto it = cached.begin(); it != cached.end();) {
+        if (it->begin < begin + bytes && begin < it->end) {
+          dropped.push_back(std::move(*it));
+          it = cached.erase(it);
+        } else {
+          ++it;
+        }
       }
     }
-    // Every cached registration that covers any of it goes (grants holding one keep it until they
-    // are revoked; the memory's owner revokes before it frees).
-    std::erase_if(cached, [&](const Cached& entry) { return entry.begin < begin + bytes && begin < entry.end; });
   }
 
-  // -- Progress words, exposed to one-sided reads --
-  std::unique_ptr<std::atomic<std::uint64_t>[]> progress_words;
-  std::unique_ptr<MemoryRegion> progress_region;
-  std::vector<std::uint32_t> free_progress_slots;  // guarded by mutex
+  std::vector<std::uint32_t> free_progress_slots;  // of progress_words; guarded by mutex
 
   // -- Source side --
   struct Window {
@@ -226,13 +264,17 @@ struct RdmaTransport::State {
     std::uint64_t total_bytes = 0;
     std::shared_ptr<net::Progress> progress;
     std::optional<std::uint32_t> slot;
-    std::mutex registering;  // the first open registers (outside the state's lock)
-    std::vector<std::shared_ptr<MemoryRegion>> registrations;  // per region, once registered
+    std::mutex registering;  // the first open on a port registers (outside the state's lock)
+    // Per port, per region, once registered (ports.size() entries, empty until the first open).
+    std::vector<std::vector<std::shared_ptr<MemoryRegion>>> registrations;
+    std::vector<std::uint64_t> opened_on;  // links that opened it (revoke tells them); State::mutex
+    std::uint32_t opening = 0;    // opens registering or binding for it now; guarded by State::mutex
     std::vector<Window> windows;  // guarded by State::mutex; declared last: dies first
     bool revoked = false;         // guarded by State::mutex
   };
   std::mutex mutex;
   std::condition_variable granted;
+  std::condition_variable opened;  // an open let go of its grant (revoke waits for them)
   std::map<net::GrantKey, std::shared_ptr<Grant>> grants;
   // Grants revoked lately: an open of one is refused at once, not after grant_wait_ms_max.
   static constexpr std::size_t kRevokedRemembered = 1024;
@@ -268,6 +310,7 @@ struct RdmaTransport::State {
   // -- Reader side --
   struct Link {
     std::string source;
+    std::size_t port = 0;  // the rail: this device and the source's device of the same index
     net::Fd socket;
     std::unique_ptr<CompletionQueue> cq;
     std::unique_ptr<QueuePair> qp;  // after cq: destroyed first
@@ -277,7 +320,7 @@ struct RdmaTransport::State {
     Clock::time_point used = Clock::now();
   };
   std::mutex links_mutex;
-  std::map<std::string, std::vector<std::shared_ptr<Link>>> links;
+  std::map<std::pair<std::string, std::size_t>, std::vector<std::shared_ptr<Link>>> links;  // by (source, port)
   std::size_t links_count = 0;
   std::map<std::string, Clock::time_point> tcp_only_until;  // sources that answered without RDMA
 };

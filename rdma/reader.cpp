@@ -33,10 +33,12 @@ bool recv_answer(const net::Fd& socket, void* answer, std::size_t bytes, Deadlin
 enum class NoLink { kNone, kNoRdma, kUnreachable };
 
 // Dials `source` and connects a queue pair to one of its own.
-std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint& source, int connect_timeout_ms,
-                                NoLink& failed, std::string& why) {
+std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint& source, std::size_t port,
+                                int connect_timeout_ms, NoLink& failed, std::string& why) {
   auto link = std::make_shared<Link>();
   link->source = source.to_string();
+  link->port = port;
+  const Device& device = state.ports.at(port)->device;
   try {
     link->socket = net::connect_tcp(source, connect_timeout_ms);
   } catch (const net::SocketError& error) {
@@ -47,10 +49,10 @@ std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint
   const Deadline deadline = after_ms(state.options.handshake_timeout_ms);
   QueuePairAddress local;
   try {
-    link->cq = std::make_unique<CompletionQueue>(state.device, static_cast<int>(state.options.reads_in_flight_max + 8));
-    link->qp = std::make_unique<QueuePair>(state.device, *link->cq, state.options.reads_in_flight_max + 2,
-                                           std::min<std::uint32_t>(state.device.max_read_atoms(), 16));
-    link->progress_region = std::make_unique<MemoryRegion>(state.device, &link->progress_word,
+    link->cq = std::make_unique<CompletionQueue>(device, static_cast<int>(state.options.reads_in_flight_max + 8));
+    link->qp = std::make_unique<QueuePair>(device, *link->cq, state.options.reads_in_flight_max + 2,
+                                           std::min<std::uint32_t>(device.max_read_atoms(), 16));
+    link->progress_region = std::make_unique<MemoryRegion>(device, &link->progress_word,
                                                            sizeof link->progress_word, IBV_ACCESS_LOCAL_WRITE);
     ++state.registrations;  // one per link, not per version
     local = link->qp->local_address(first_packet_sequence());
@@ -66,6 +68,8 @@ std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint
   hello.lid = local.lid;
   hello.mtu = local.mtu;
   hello.gid = local.gid;
+  hello.rail = static_cast<std::uint8_t>(port);
+  hello.read_atoms = local.read_atoms;
   HelloAnswer answer;
   try {
     net::send_all_by(link->socket, &hello, sizeof hello, deadline);
@@ -95,7 +99,9 @@ std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint
     return nullptr;
   }
   try {
-    link->qp->connect(local, {answer.qp_number, answer.packet_sequence, answer.lid, answer.mtu, answer.gid},
+    link->qp->connect(local,
+                      {answer.qp_number, answer.packet_sequence, answer.lid, answer.mtu, answer.gid,
+                       static_cast<std::uint8_t>(std::max<std::uint8_t>(answer.read_atoms, 1))},
                       state.options.qp_timeout_exponent, state.options.qp_retry_count);
   } catch (const VerbsError& error) {
     failed = NoLink::kNoRdma;
@@ -105,6 +111,22 @@ std::shared_ptr<Link> make_link(RdmaTransport::State& state, const net::Endpoint
   return link;
 }
 
+// Whether a kept link is still up: the source closes it when idle too long, to make room, or when it
+// stops; it writes nothing else unasked but revoked notices, which are read here and dropped.
+bool still_up(const Link& link) {
+  for (;;) {
+    pollfd waiting{link.socket.get(), POLLIN, 0};
+    if (::poll(&waiting, 1, 0) <= 0) return true;  // nothing to read: up
+    RevokedNotice notice;
+    try {
+      if (!net::recv_all_or_eof_by(link.socket, &notice, sizeof notice, after_ms(100))) return false;
+    } catch (const net::SocketError&) {
+      return false;
+    }
+    if (notice.magic != kNoticeMagic) return false;
+  }
+}
+
 struct Acquired {
   std::shared_ptr<Link> link;
   bool reused = false;
@@ -112,23 +134,32 @@ struct Acquired {
   std::string why;
 };
 
-Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, int connect_timeout_ms) {
+Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, std::size_t port, int connect_timeout_ms) {
   const std::string name = source.to_string();
+  const std::pair<std::string, std::size_t> slot{name, port};
   {
     std::lock_guard lock(state.links_mutex);
     if (auto until = state.tcp_only_until.find(name); until != state.tcp_only_until.end()) {
       if (Clock::now() < until->second) return {nullptr, false, NoLink::kNoRdma, "the source has no RDMA"};
       state.tcp_only_until.erase(until);
     }
-    for (const auto& link : state.links[name]) {
-      if (!link->in_use) {
-        link->in_use = true;
-        return {link, true, NoLink::kNone, ""};
+    if (auto kept = state.links.find(slot); kept != state.links.end()) {
+      for (auto it = kept->second.begin(); it != kept->second.end();) {
+        if ((*it)->in_use) {
+          ++it;
+        } else if (!still_up(**it)) {
+          it = kept->second.erase(it);  // closed by the source: its queue pair goes with it
+          --state.links_count;
+        } else {
+          (*it)->in_use = true;
+          return {*it, true, NoLink::kNone, ""};
+        }
       }
+      if (kept->second.empty()) state.links.erase(kept);
     }
   }
   Acquired made;
-  made.link = make_link(state, source, connect_timeout_ms, made.failed, made.why);
+  made.link = make_link(state, source, port, connect_timeout_ms, made.failed, made.why);
   std::lock_guard lock(state.links_mutex);
   if (made.link == nullptr) {
     if (made.failed == NoLink::kNoRdma) {
@@ -148,11 +179,13 @@ Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, int c
       }
     }
     if (oldest != nullptr) {
-      std::erase(state.links[oldest->source], oldest);
+      auto list = state.links.find({oldest->source, oldest->port});
+      std::erase(list->second, oldest);
+      if (list->second.empty()) state.links.erase(list);
       --state.links_count;
     }
   }
-  state.links[name].push_back(made.link);
+  state.links[slot].push_back(made.link);
   ++state.links_count;
   return made;
 }
@@ -162,7 +195,7 @@ void release(RdmaTransport::State& state, const std::shared_ptr<Link>& link, boo
   link->in_use = false;
   link->used = Clock::now();
   if (!broken) return;
-  auto list = state.links.find(link->source);
+  auto list = state.links.find({link->source, link->port});
   if (list == state.links.end()) return;
   const auto before = list->second.size();
   std::erase(list->second, link);
@@ -180,25 +213,30 @@ constexpr std::uint64_t kProgressRead = ~0ull;  // wr_id of a read of the source
 constexpr int kPollMs = 20;
 constexpr int kFlushWaitMs = 500;  // for a failed queue pair's flushed completions  // how often a waiting reader looks at its cancel flag and deadlines
 
-// The reads of one grant: RDMA READs of `remote` (layout order) into `targets`. On any failure the
-// queue pair is failed and drained before returning, so that nothing lands afterwards; `broken`
-// then says the link is not to be used again.
+// The reads of one grant's layout bytes [begin, end): RDMA READs of `remote` (layout order) into
+// `targets`. On any failure the queue pair is failed and drained before returning, so that nothing
+// lands afterwards; `broken` then says the link is not to be used again. on_progress hears the
+// layout offset up to which every byte of [begin, end) landed.
 net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantKey key,
-                            const std::vector<RemoteRegion>& remote,
-                            const OpenAnswer& opened, std::span<const net::LocalRegion> targets,
+                            const std::vector<RemoteRegion>& remote, const OpenAnswer& opened,
+                            std::span<const net::LocalRegion> targets,
+                            const std::vector<std::shared_ptr<MemoryRegion>>& local, std::uint64_t begin, std::uint64_t end,
                             const net::PullOptions& options, bool& broken) {
   TH_ASSERT(remote.size() == targets.size());
-  std::vector<std::shared_ptr<MemoryRegion>> local(targets.size());
-  for (std::size_t i = 0; i < targets.size(); ++i) {
-    if (targets[i].bytes > 0) local[i] = state.region_for(targets[i].base, targets[i].bytes);
+  TH_ASSERT(begin <= end && end <= opened.total_bytes);
+  TH_ASSERT(!options.partial || (begin == 0 && end == opened.total_bytes), "a partial source is read in order");
+  TH_ASSERT(local.size() == targets.size());
+  const std::uint64_t total = end;
+  std::uint64_t ready = options.partial ? 0 : end;
+  std::uint64_t posted = begin;     // layout bytes posted
+  std::uint64_t completed = begin;  // layout prefix of [begin, end) known to have landed
+  std::uint64_t reported = begin;
+  std::size_t region = 0;           // where `posted` is: region and offset in it
+  std::uint64_t offset = begin;
+  while (region < targets.size() && offset >= targets[region].bytes) {
+    offset -= targets[region].bytes;
+    ++region;
   }
-  const std::uint64_t total = opened.total_bytes;
-  std::uint64_t ready = options.partial ? 0 : total;
-  std::uint64_t posted = 0;     // layout bytes posted
-  std::uint64_t completed = 0;  // layout prefix known to have landed
-  std::uint64_t reported = 0;
-  std::size_t region = 0;       // where `posted` is: region and offset in it
-  std::uint64_t offset = 0;
   struct Posted {
     std::uint64_t sequence;
     std::uint64_t end;  // layout offset after it
@@ -241,7 +279,7 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
     } catch (const VerbsError& verbs) {
       log_line(std::string("draining a failed queue pair: ") + verbs.what());
     }
-    return net::PullOutcome{completed, error, std::move(detail)};
+    return net::PullOutcome{completed - begin, error, std::move(detail)};
   };
 
   std::vector<ibv_wc> completions(32);
@@ -277,7 +315,7 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
       if (options.rate_bytes_per_s > 0) {
         const double allowed = std::chrono::duration<double>(now - started).count() *
                                static_cast<double>(options.rate_bytes_per_s);
-        if (static_cast<double>(posted) > allowed) break;  // paced: post later
+        if (static_cast<double>(posted - begin) > allowed) break;  // paced: post later
       }
       const std::uint64_t length =
           std::min({state.options.read_bytes, ready - posted, targets[region].bytes - offset});
@@ -296,7 +334,9 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
       const bool last_now = posted + length == ready || in_flight.size() + 1 == depth;
       // Selective signalling: completions of an RC queue pair come in order, so one signalled
       // READ tells that every earlier one landed too.
-      if (last_now || next_sequence % state.options.signal_every == state.options.signal_every - 1) {
+      // (Paced reads are each signalled: the loop may stop posting after any of them.)
+      if (last_now || options.rate_bytes_per_s > 0 ||
+          next_sequence % state.options.signal_every == state.options.signal_every - 1) {
         request.send_flags = IBV_SEND_SIGNALED;
       }
       if (const int result = ibv_post_send(link.qp->get(), &request, &bad); result != 0) {
@@ -318,11 +358,14 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
     for (int i = 0; i < got; ++i) {
       const ibv_wc& completion = completions[i];
       if (completion.status != IBV_WC_SUCCESS) {
-        // This request and (in order) every earlier one are done with; the rest are flushed.
-        if (completion.wr_id == kProgressRead) {
-          progress_in_flight = false;
-        } else {
-          while (!in_flight.empty() && in_flight.front().sequence <= completion.wr_id) in_flight.pop_front();
+        // This request and (in order) every earlier one are done with, and so is every request of
+        // the rest of this batch (flushed, most likely); fail() waits for the others.
+        for (int rest = i; rest < got; ++rest) {
+          if (completions[rest].wr_id == kProgressRead) {
+            progress_in_flight = false;
+          } else {
+            while (!in_flight.empty() && in_flight.front().sequence <= completions[rest].wr_id) in_flight.pop_front();
+          }
         }
         return fail(error_of(completion.status), "RDMA read from " + link.source + " failed: " +
                                                      ibv_wc_status_str(completion.status));
@@ -392,7 +435,154 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
     }
   }
   TH_ASSERT(in_flight.empty());
-  return net::PullOutcome{completed, std::nullopt, ""};
+  TH_ASSERT(completed == end);
+  return net::PullOutcome{completed - begin, std::nullopt, ""};
+}
+
+}  // namespace
+
+namespace {
+
+// One rail of a pull: its link, and the grant as the source answered on it.
+struct Rail {
+  std::vector<std::shared_ptr<MemoryRegion>> local;  // the targets' registrations on this rail's device
+  Acquired acquired;
+  OpenAnswer answer;
+  std::vector<RemoteRegion> remote;
+  bool fall_back = false;                 // the source cannot do RDMA (or not for this grant): TCP
+  std::optional<net::PullOutcome> failed;  // or the open failed thus
+  std::uint64_t begin = 0;                 // the layout bytes this rail reads
+  std::uint64_t end = 0;
+  net::PullOutcome outcome;
+  bool broken = false;
+};
+
+Request open_request(Kind kind, net::GrantKey key, const GrantSecret& secret) {
+  Request request;
+  request.kind = kind;
+  request.transfer = key.transfer;
+  request.epoch = key.epoch;
+  if (kind == Kind::kOpen) std::memcpy(request.gid.data(), secret.data(), sizeof secret);
+  return request;
+}
+
+// Acquires a link on `port` and opens the grant on it (dialling once more when a kept link turns
+// out to be closed: the source may have shed it while idle, or restarted).
+Rail open_rail(RdmaTransport::State& state, const net::Endpoint& source, std::size_t port, net::GrantKey key,
+               const GrantSecret& secret, std::span<const net::LocalRegion> targets, std::uint64_t target_bytes,
+               const net::PullOptions& options) {
+  std::vector<std::shared_ptr<MemoryRegion>> local(targets.size());
+  try {
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      if (targets[i].bytes > 0) local[i] = state.region_for(port, targets[i].base, targets[i].bytes);
+    }
+  } catch (const VerbsError& error) {
+    // Most likely the memlock limit (registration pins pages): this pull goes over TCP.
+    log_line(std::string("cannot register the reader's memory (pulling over TCP; is the memlock limit ") +
+             "high enough?): " + error.what());
+    Rail rail;
+    rail.fall_back = true;
+    return rail;
+  }
+  // Kept links the source has closed are dropped as they are found (still_up() looks first, but a
+  // close may cross the open): dial on while the failure was a kept link's.
+  constexpr int kKeptLinksTriedMax = 4;
+  for (int attempt = 0;; ++attempt) {
+    Rail rail;
+    rail.local = local;
+    rail.acquired = acquire(state, source, port, options.connect_timeout_ms);
+    if (rail.acquired.link == nullptr) {
+      if (rail.acquired.failed == NoLink::kNoRdma) {
+        rail.fall_back = true;
+      } else {
+        rail.failed = net::PullOutcome{0, net::ReadError::kUnreachable,
+                                       "cannot reach " + source.to_string() + ": " + rail.acquired.why};
+      }
+      return rail;
+    }
+    Link& link = *rail.acquired.link;
+    auto refused = [&](std::string why) {
+      release(state, rail.acquired.link, true);
+      rail.acquired.link.reset();
+      rail.failed = net::PullOutcome{0, net::ReadError::kRefused, std::move(why)};
+      return std::move(rail);
+    };
+    try {
+      // The source may wait for its grant (grant_wait_ms_max) before it answers.
+      const Deadline deadline = after_ms(state.options.handshake_timeout_ms + state.grant_wait_ms_max);
+      const Request open = open_request(Kind::kOpen, key, secret);
+      net::send_all_by(link.socket, &open, sizeof open, deadline);
+      if (!recv_answer(link.socket, &rail.answer, sizeof rail.answer, deadline)) {
+        throw net::SocketError("the source closed the link");
+      }
+      if (rail.answer.status == Answer::kOk) {
+        if (rail.answer.regions != targets.size()) {
+          return refused("the source exposes " + std::to_string(rail.answer.regions) + " regions, the reader has " +
+                         std::to_string(targets.size()));
+        }
+        rail.remote.resize(rail.answer.regions);
+        if (!net::recv_all_or_eof_by(link.socket, rail.remote.data(), rail.remote.size() * sizeof(RemoteRegion),
+                                     deadline)) {
+          throw net::SocketError("the source closed the link mid-answer");
+        }
+      }
+    } catch (const net::SocketError& error) {
+      release(state, rail.acquired.link, true);
+      if (rail.acquired.reused && attempt < kKeptLinksTriedMax) continue;
+      rail.acquired.link.reset();
+      rail.failed = net::PullOutcome{0, net::ReadError::kUnreachable, "RDMA open at " + source.to_string() + ": " + error.what()};
+      return rail;
+    }
+    if (rail.answer.status == Answer::kNoGrant) {
+      release(state, rail.acquired.link, false);
+      rail.acquired.link.reset();
+      rail.failed = net::PullOutcome{0, net::ReadError::kRefused, "the source refuses the grant (no grant, or revoked)"};
+      return rail;
+    }
+    if (rail.answer.status != Answer::kOk) {
+      release(state, rail.acquired.link, false);  // no room for this grant on RDMA there now
+      rail.acquired.link.reset();
+      rail.fall_back = true;
+      return rail;
+    }
+    for (std::size_t i = 0; i < targets.size(); ++i) {
+      if (rail.remote[i].bytes != targets[i].bytes) {
+        return refused("region " + std::to_string(i) + " differs in size at the source");
+      }
+    }
+    if (rail.answer.total_bytes != target_bytes) return refused("the source's total size differs");
+    return rail;
+  }
+}
+
+// Ends a rail's use of its link: closes the grant there (its windows go now, not at revoke), and
+// gives the link back, or destroys it if broken. After this no READ of the rail can land.
+void finish_rail(RdmaTransport::State& state, Rail& rail, net::GrantKey key) {
+  if (rail.acquired.link == nullptr) return;
+  if (!rail.broken) {
+    const Request close = open_request(Kind::kClose, key, {});
+    try {
+      net::send_all_by(rail.acquired.link->socket, &close, sizeof close, after_ms(state.options.handshake_timeout_ms));
+    } catch (const net::SocketError&) {
+      rail.broken = true;
+    }
+  }
+  release(state, rail.acquired.link, rail.broken);
+  // A broken link's queue pair is destroyed here, before pull() returns: after ibv_destroy_qp no
+  // READ of it can land in the targets (the caller may reuse them at once).
+  if (rail.broken) TH_ASSERT(rail.acquired.link.use_count() == 1, "a broken link is ours alone");
+  rail.acquired.link.reset();
+}
+
+// Where each rail's part ends: near equal parts of [0, total), cut at read boundaries.
+std::vector<std::uint64_t> stripe_ends(std::uint64_t total, std::size_t rails, std::uint64_t read_bytes) {
+  std::vector<std::uint64_t> ends;
+  for (std::size_t i = 1; i < rails; ++i) {
+    const std::uint64_t cut = total / rails * i / read_bytes * read_bytes;
+    ends.push_back(std::max(cut, ends.empty() ? 0 : ends.back()));
+  }
+  ends.push_back(total);
+  return ends;
 }
 
 }  // namespace
@@ -407,83 +597,108 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   };
   std::uint64_t target_bytes = 0;
   for (const net::LocalRegion& target : targets) target_bytes += target.bytes;
-  for (int attempt = 0;; ++attempt) {
-    Acquired acquired = acquire(state, source, options.connect_timeout_ms);
-    if (acquired.link == nullptr) {
-      if (acquired.failed == NoLink::kNoRdma) return over_tcp();
-      return {0, net::ReadError::kUnreachable, "cannot reach " + source.to_string() + ": " + acquired.why};
+  // A complete source that is big enough is read over every rail at once; a partial one is
+  // followed in layout order on rail 0.
+  const std::size_t wanted =
+      !options.partial && target_bytes >= state.options.stripe_bytes_min ? state.ports.size() : 1;
+  std::vector<Rail> rails;
+  rails.push_back(open_rail(state, source, 0, key, secret, targets, target_bytes, options));
+  if (rails[0].fall_back) return over_tcp();
+  if (rails[0].failed) return *rails[0].failed;
+  for (std::size_t port = 1; port < wanted; ++port) {
+    Rail rail = open_rail(state, source, port, key, secret, targets, target_bytes, options);
+    if (rail.failed && rail.failed->error == net::ReadError::kRefused) {
+      for (Rail& opened : rails) finish_rail(state, opened, key);
+      return *rail.failed;
     }
-    Link& link = *acquired.link;
-    Request open;
-    open.kind = Kind::kOpen;
-    open.transfer = key.transfer;
-    open.epoch = key.epoch;
-    std::memcpy(open.gid.data(), secret.data(), sizeof secret);
-    OpenAnswer answer;
-    std::vector<RemoteRegion> remote;
-    try {
-      // The source may wait for its grant (grant_wait_ms_max) before it answers.
-      const Deadline deadline = after_ms(state.options.handshake_timeout_ms + state.grant_wait_ms_max);
-      net::send_all_by(link.socket, &open, sizeof open, deadline);
-      if (!recv_answer(link.socket, &answer, sizeof answer, deadline)) {
-        throw net::SocketError("the source closed the link");
-      }
-      if (answer.status == Answer::kOk) {
-        if (answer.regions != targets.size()) {
-          release(state, acquired.link, true);
-          return {0, net::ReadError::kRefused,
-                  "the source exposes " + std::to_string(answer.regions) + " regions, the reader has " +
-                      std::to_string(targets.size())};
-        }
-        remote.resize(answer.regions);
-        if (!net::recv_all_or_eof_by(link.socket, remote.data(), remote.size() * sizeof(RemoteRegion), deadline)) {
-          throw net::SocketError("the source closed the link mid-answer");
-        }
-      }
-    } catch (const net::SocketError& error) {
-      release(state, acquired.link, true);
-      // A kept link may have been closed by the source meanwhile (idle, restarted): dial once more.
-      if (acquired.reused && attempt == 0) continue;
-      return {0, net::ReadError::kUnreachable, "RDMA open at " + source.to_string() + ": " + error.what()};
+    if (rail.fall_back || rail.failed) {
+      // This rail's devices do not reach each other (or the source has fewer): the others read.
+      log_line("rail " + std::to_string(port) + " to " + source.to_string() + " is out: " +
+               (rail.failed ? rail.failed->detail : std::string("no RDMA there")));
+      continue;
     }
-    if (answer.status == Answer::kNoGrant) {
-      release(state, acquired.link, false);
-      return {0, net::ReadError::kRefused, "the source refuses the grant (no grant, or revoked)"};
-    }
-    if (answer.status != Answer::kOk) {
-      release(state, acquired.link, false);
-      return over_tcp();  // the source has no room for this grant on RDMA now
-    }
-    for (std::size_t i = 0; i < targets.size(); ++i) {
-      if (remote[i].bytes != targets[i].bytes) {
-        release(state, acquired.link, true);
-        return {0, net::ReadError::kRefused, "region " + std::to_string(i) + " differs in size at the source"};
-      }
-    }
-    if (answer.total_bytes != target_bytes) {
-      release(state, acquired.link, true);
-      return {0, net::ReadError::kRefused, "the source's total size differs"};
-    }
-    bool broken = false;
-    net::PullOutcome outcome = read_grant(state, link, key, remote, answer, targets, options, broken);
-    if (!broken) {
-      // Frees this grant's windows at the source now, not at its revoke.
-      Request close = open;
-      close.kind = Kind::kClose;
-      try {
-        net::send_all_by(link.socket, &close, sizeof close, after_ms(state.options.handshake_timeout_ms));
-      } catch (const net::SocketError&) {
-        broken = true;
-      }
-    }
-    release(state, acquired.link, broken);
-    // A broken link's queue pair is destroyed here, before pull() returns: after ibv_destroy_qp no
-    // READ of it can land in the targets (the caller may reuse them at once).
-    if (broken) TH_ASSERT(acquired.link.use_count() == 1, "a broken link is ours alone");
-    acquired.link.reset();
-    if (outcome.ok()) ++state.pulls_rdma;
-    return outcome;
+    rails.push_back(std::move(rail));
   }
+  const std::vector<std::uint64_t> ends = stripe_ends(target_bytes, rails.size(), state.options.read_bytes);
+  for (std::size_t i = 0; i < rails.size(); ++i) {
+    rails[i].begin = i == 0 ? 0 : ends[i - 1];
+    rails[i].end = ends[i];
+  }
+  if (rails.size() == 1) {
+    Rail& rail = rails[0];
+    rail.outcome = read_grant(state, *rail.acquired.link, key, rail.remote, rail.answer, targets, rail.local, 0,
+                              target_bytes, options, rail.broken);
+    state.ports[rail.acquired.link->port]->bytes_read += rail.outcome.bytes;
+    finish_rail(state, rail, key);
+    if (rail.outcome.ok()) ++state.pulls_rdma;
+    return rail.outcome;
+  }
+  // Striped: one thread per further rail. A rail that fails stops the others; the prefix that
+  // landed (for on_progress) is the whole of every leading rail that finished plus the next one's.
+  std::atomic<bool> stop{false};
+  std::mutex progress_mutex;
+  std::vector<std::uint64_t> done(rails.size());
+  for (std::size_t i = 0; i < rails.size(); ++i) done[i] = rails[i].begin;
+  std::uint64_t reported = 0;
+  auto run = [&](std::size_t i) {
+    Rail& rail = rails[i];
+    net::PullOptions mine = options;
+    mine.cancelled = [&] { return stop.load() || (options.cancelled && options.cancelled()); };
+    mine.on_progress = [&, i](std::uint64_t landed) {
+      std::lock_guard lock(progress_mutex);
+      done[i] = landed;
+      std::uint64_t prefix = 0;
+      for (std::size_t r = 0; r < rails.size(); ++r) {
+        prefix = done[r];
+        if (done[r] < rails[r].end) break;
+      }
+      if (prefix > reported && options.on_progress) {
+        reported = prefix;
+        options.on_progress(prefix);
+      }
+    };
+    rail.outcome = read_grant(state, *rail.acquired.link, key, rail.remote, rail.answer, targets, rail.local,
+                              rail.begin, rail.end, mine, rail.broken);
+    if (!rail.outcome.ok()) stop.store(true);
+  };
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(rails.size());
+  for (std::size_t i = 1; i < rails.size(); ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        run(i);
+      } catch (...) {
+        errors[i] = std::current_exception();
+        stop.store(true);
+      }
+    });
+  }
+  try {
+    run(0);
+  } catch (...) {
+    errors[0] = std::current_exception();
+    stop.store(true);
+  }
+  for (std::thread& thread : threads) thread.join();
+  net::PullOutcome outcome;
+  for (Rail& rail : rails) {
+    state.ports[rail.acquired.link->port]->bytes_read += rail.outcome.bytes;
+    outcome.bytes += rail.outcome.bytes;
+    // The first real failure names the outcome (the others were stopped because of it).
+    if (!rail.outcome.ok() && (!outcome.error || *outcome.error == net::ReadError::kCancelled)) {
+      outcome.error = rail.outcome.error;
+      outcome.detail = "rail " + std::to_string(rail.acquired.link->port) + ": " + rail.outcome.detail;
+    }
+    finish_rail(state, rail, key);
+  }
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);  // a bug (an assertion): after every rail let go
+  }
+  if (outcome.ok()) {
+    ++state.pulls_rdma;
+    ++state.pulls_striped;
+  }
+  return outcome;
 }
 
 }  // namespace th::rdma

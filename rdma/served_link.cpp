@@ -3,6 +3,8 @@
 // opens answered with memory windows bound to that queue pair (see transport.h).
 #include "rdma/protocol.h"
 
+#include <optional>
+
 namespace th::rdma {
 namespace {
 
@@ -22,6 +24,7 @@ struct LinkResources {
   LinkResources& operator=(const LinkResources&) = delete;
   RdmaTransport::State& state;
   std::uint64_t id = 0;
+  std::size_t port = 0;  // the rail the reader asked for, modulo this source's devices
   std::unique_ptr<CompletionQueue> cq;
   std::unique_ptr<QueuePair> qp;
   std::vector<net::GrantKey> open;  // grants with windows on this link
@@ -48,7 +51,7 @@ void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTranspor
   for (std::size_t i = 0; i < grant.regions.size(); ++i) {
     if (grant.regions[i].bytes == 0) continue;
     const auto begin = reinterpret_cast<std::uintptr_t>(grant.regions[i].base);
-    auto [span, fresh] = spans.try_emplace(grant.registrations[i].get(), begin, begin + grant.regions[i].bytes);
+    auto [span, fresh] = spans.try_emplace(grant.registrations[link.port][i].get(), begin, begin + grant.regions[i].bytes);
     if (!fresh) {
       span->second.first = std::min(span->second.first, begin);
       span->second.second = std::max(span->second.second, begin + grant.regions[i].bytes);
@@ -57,7 +60,7 @@ void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTranspor
   std::map<MemoryRegion*, std::uint32_t> keys;
   std::uint32_t posted = 0;
   for (const auto& [region, span] : spans) {
-    auto window = std::make_unique<MemoryWindow>(state.device);
+    auto window = std::make_unique<MemoryWindow>(state.ports[link.port]->device);
     ibv_send_wr request{};
     ibv_send_wr* bad = nullptr;
     request.opcode = IBV_WR_BIND_MW;
@@ -87,17 +90,49 @@ void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTranspor
     ++state.windows_bound;
   }
   for (std::size_t i = 0; i < grant.regions.size(); ++i) {
-    out[i].key = grant.regions[i].bytes == 0 ? 0 : keys.at(grant.registrations[i].get());
+    out[i].key = grant.regions[i].bytes == 0 ? 0 : keys.at(grant.registrations[link.port][i].get());
   }
 }
 
+// Counts an open in progress on a grant (revoke() waits until none is), from when the grant was
+// found live until its windows are in place or given up.
+class Opening {
+ public:
+  Opening(RdmaTransport::State& state, std::shared_ptr<RdmaTransport::State::Grant> grant)
+      : state_(state), grant_(std::move(grant)) {
+    ++grant_->opening;  // the caller holds state.mutex
+  }
+  ~Opening() {
+    {
+      std::lock_guard lock(state_.mutex);
+      TH_ASSERT(grant_->opening > 0);
+      --grant_->opening;
+    }
+    state_.opened.notify_all();
+  }
+  Opening(const Opening&) = delete;
+  Opening& operator=(const Opening&) = delete;
+
+ private:
+  RdmaTransport::State& state_;
+  std::shared_ptr<RdmaTransport::State::Grant> grant_;
+};
+
+// The per-link budgets of open requests, spent by early and refused opens, and refilled by every
+// open that succeeds: a link lives across many versions, and an honest reader's open sometimes
+// comes before the source heard of its grant.
+struct OpenBudget {
+  int grant_wait_left_ms = 0;
+  std::uint32_t refusals = 0;
+};
+
 // Answers one open request; false: the link is to end.
 bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResources& link, const Request& request,
-                 int& grant_wait_left_ms, std::uint32_t& refusals) {
+                 OpenBudget& budget) {
   const net::GrantKey key{request.transfer, request.epoch};
   const Deadline deadline = after_ms(state.options.handshake_timeout_ms);
   auto refuse = [&](Answer status) {
-    ++refusals;
+    if (status == Answer::kNoGrant) ++budget.refusals;
     OpenAnswer answer;
     answer.status = status;
     std::lock_guard writing(link.notifier->mutex);
@@ -105,15 +140,17 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     return true;
   };
   std::shared_ptr<RdmaTransport::State::Grant> grant;
+  std::optional<Opening> opening;
   {
     std::unique_lock lock(state.mutex);
     auto found = state.grants.find(key);
-    if (found == state.grants.end() && grant_wait_left_ms > 0 && !state.revoked_recently(key)) {
-      // The hub tells reader and source at once: the open may come first. Bounded per link.
+    if (found == state.grants.end() && budget.grant_wait_left_ms > 0 && !state.revoked_recently(key)) {
+      // The hub tells reader and source at once: the open may come first.
       const auto began = Clock::now();
-      state.granted.wait_for(lock, std::chrono::milliseconds(grant_wait_left_ms),
-                             [&] { return (found = state.grants.find(key)) != state.grants.end() || state.revoked_recently(key); });
-      grant_wait_left_ms -= static_cast<int>(
+      state.granted.wait_for(lock, std::chrono::milliseconds(budget.grant_wait_left_ms), [&] {
+        return (found = state.grants.find(key)) != state.grants.end() || state.revoked_recently(key);
+      });
+      budget.grant_wait_left_ms -= static_cast<int>(
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began).count());
     }
     if (found == state.grants.end() || !same_secret(found->second->secret, secret_of(request))) {
@@ -121,55 +158,92 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
       return refuse(Answer::kNoGrant);  // a wrong secret is answered as no grant
     }
     grant = found->second;
+    TH_ASSERT(!grant->revoked, "a revoked grant is not in the table");
     if (!grant->slot || grant->regions.size() > state.options.regions_per_grant_max) {
       lock.unlock();
       return refuse(Answer::kUnsupported);  // the reader pulls this one over TCP
     }
-    if (link.open.size() >= state.options.grants_per_link_max &&
-        std::find(link.open.begin(), link.open.end(), key) == link.open.end()) {
+    const bool again = std::find(link.open.begin(), link.open.end(), key) != link.open.end();
+    if (!again && link.open.size() >= state.options.grants_per_link_max) {
       lock.unlock();
       return refuse(Answer::kBusy);
     }
+    // Opened again on this link (the reader retried): its earlier windows go, so that re-opening
+    // cannot pile windows up.
+    if (again) state.invalidate_windows(*grant, link.id);
+    // From here until its windows are in place revoke() waits for this open: the memory is not
+    // registered or bound after revoke() returned (the owner may free it then).
+    opening.emplace(state, grant);
   }
-  {
-    // Registered at the first open, on a connection thread (gigabytes pin for a while: not on the
-    // client's I/O thread, which grant() runs on).
+  const RdmaTransport::State::Port& port = *state.ports[link.port];
+  try {
+    // Registered at the first open on this port, on a connection thread (gigabytes pin for a while:
+    // not on the client's I/O thread, which grant() runs on). Assigned only once whole.
     std::lock_guard registering(grant->registering);
-    if (grant->registrations.empty()) {
+    TH_ASSERT(grant->registrations.size() == state.ports.size());
+    if (grant->registrations[link.port].empty()) {
+      std::vector<std::shared_ptr<MemoryRegion>> made;
       for (const net::ExposedRegion& region : grant->regions) {
-        grant->registrations.push_back(region.bytes == 0 ? nullptr : state.region_for(region.base, region.bytes));
+        made.push_back(region.bytes == 0 ? nullptr : state.region_for(link.port, region.base, region.bytes));
       }
+      grant->registrations[link.port] = std::move(made);
     }
+  } catch (const VerbsError& error) {
+    // Most likely the memlock limit: this grant goes over TCP, the link stays.
+    log_line(std::string("cannot register a grant's memory (the reader pulls it over TCP): ") + error.what());
+    opening.reset();
+    return refuse(Answer::kUnsupported);
   }
+  const auto& registrations = grant->registrations[link.port];
   std::vector<RemoteRegion> regions(grant->regions.size());
   for (std::size_t i = 0; i < regions.size(); ++i) {
     regions[i].address = reinterpret_cast<std::uintptr_t>(grant->regions[i].base);
     regions[i].bytes = grant->regions[i].bytes;
-    regions[i].key = grant->regions[i].bytes == 0 ? 0 : grant->registrations[i]->get()->rkey;
+    regions[i].key = grant->regions[i].bytes == 0 ? 0 : registrations[i]->get()->rkey;
   }
   std::vector<RdmaTransport::State::Window> windows;
-  if (state.device.has_memory_windows()) bind_windows(state, link, *grant, regions, windows);
+  if (port.device.has_memory_windows()) bind_windows(state, link, *grant, regions, windows);  // throws: link ends
   OpenAnswer answer;
   answer.regions = static_cast<std::uint32_t>(regions.size());
   answer.total_bytes = grant->total_bytes;
-  answer.progress_key = state.progress_region->get()->rkey;
+  answer.progress_key = port.progress_region->get()->rkey;
   {
     std::lock_guard lock(state.mutex);
     if (grant->revoked) {
-      // Revoked while the windows were bound: they die here, unused.
+      // Revoked while the windows were bound: they die here, unused (revoke() waits for that).
       windows.clear();
       answer.status = Answer::kNoGrant;
-      ++refusals;
     } else {
       answer.progress_address = reinterpret_cast<std::uintptr_t>(&state.progress_words[*grant->slot]);
       for (auto& window : windows) grant->windows.push_back(std::move(window));
       if (std::find(link.open.begin(), link.open.end(), key) == link.open.end()) link.open.push_back(key);
+      if (std::find(grant->opened_on.begin(), grant->opened_on.end(), link.id) == grant->opened_on.end()) {
+        grant->opened_on.push_back(link.id);
+      }
     }
   }
+  opening.reset();
+  if (answer.status == Answer::kOk) budget = OpenBudget{state.grant_wait_ms_max, 0};
   std::lock_guard writing(link.notifier->mutex);
   net::send_all_by(socket, &answer, sizeof answer, deadline);
   if (answer.status == Answer::kOk) net::send_all_by(socket, regions.data(), regions.size() * sizeof(RemoteRegion), deadline);
   return true;
+}
+
+// Whether a reader reads through this link now: windows of a live grant are bound to it. A busy
+// link is neither dropped to make room nor ended for idleness (its reader's pull may take long).
+bool link_busy(RdmaTransport::State& state, const LinkResources& link) {
+  std::lock_guard lock(state.mutex);
+  for (const net::GrantKey& key : link.open) {
+    auto grant = state.grants.find(key);
+    if (grant == state.grants.end()) continue;
+    for (const auto& window : grant->second->windows) {
+      if (window.link == link.id) return true;
+    }
+    // (A device without windows: an open grant is read through the registration's key.)
+    if (!state.ports[link.port]->device.has_memory_windows()) return true;
+  }
+  return false;
 }
 
 std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> first, net::DataConnection& connection) {
@@ -194,9 +268,14 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
     link.id = state.next_link++;
     state.notifiers[link.id] = link.notifier;
   }
+  // Rail i of the reader meets this source's device i (modulo: a source with fewer devices serves
+  // several rails from one).
+  link.port = hello.rail % state.ports.size();
+  const Device& device = state.ports[link.port]->device;
   try {
-    link.cq = std::make_unique<CompletionQueue>(state.device, 16);
-    link.qp = std::make_unique<QueuePair>(state.device, *link.cq, 4, std::min<std::uint32_t>(state.device.max_read_atoms(), 16));
+    link.cq = std::make_unique<CompletionQueue>(device, 16);
+    link.qp = std::make_unique<QueuePair>(device, *link.cq, 4, std::min<std::uint32_t>(device.max_read_atoms(), 16));
+    answer.read_atoms = static_cast<std::uint8_t>(link.qp->read_atoms());
     const QueuePairAddress local = link.qp->local_address(first_packet_sequence());
     link.qp->connect(local, address_of(hello), state.options.qp_timeout_exponent, state.options.qp_retry_count);
     answer.qp_number = local.qp_number;
@@ -211,30 +290,42 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
     return std::string("no queue pair for a reader: ") + error.what();
   }
   net::send_all_by(socket, &answer, sizeof answer, deadline);
-  int grant_wait_left_ms = state.grant_wait_ms_max;
-  std::uint32_t refusals = 0;
+  OpenBudget budget{state.grant_wait_ms_max, 0};
   constexpr std::uint32_t kRefusalsMax = 8;  // as the TCP data plane's refusals_per_connection_max
+  // A link waits for its reader's next request in slices: between them it looks whether it is busy
+  // (a pull reads through it: not idle, no idle deadline) or idle (may be shed; ends after
+  // link_idle_timeout_ms).
+  constexpr int kSliceMs = 1'000;
+  auto idle_since = Clock::now();
   for (;;) {
-    connection.set_idle(true);
-    Request request;
-    try {
-      if (!net::recv_all_or_eof_by(socket, &request, sizeof request, after_ms(state.options.link_idle_timeout_ms))) {
-        return "";
-      }
-    } catch (const net::SocketTimeout&) {
+    const bool busy = link_busy(state, link);
+    connection.set_idle(!busy);
+    if (busy) idle_since = Clock::now();
+    if (connection.dropped()) return "";
+    if (!busy && Clock::now() - idle_since > std::chrono::milliseconds(state.options.link_idle_timeout_ms)) {
       return "";  // idle for link_idle_timeout_ms: the reader dials again when it needs to
     }
+    pollfd waiting{socket.get(), POLLIN, 0};
+    const int ready = ::poll(&waiting, 1, kSliceMs);
+    if (ready < 0 && errno != EINTR) return std::string("poll: ") + std::strerror(errno);
+    if (ready <= 0) continue;
     connection.set_idle(false);
+    Request request;
+    // The request began: the rest must come by the handshake deadline.
+    if (!net::recv_all_or_eof_by(socket, &request, sizeof request, after_ms(state.options.handshake_timeout_ms))) {
+      return "";
+    }
     if (connection.dropped()) return "";
     if (request.magic != kMagic) return "a request of another protocol on an RDMA link";
     try {
       if (request.kind == Kind::kOpen) {
-        if (!answer_open(state, socket, link, request, grant_wait_left_ms, refusals)) return "";
+        if (!answer_open(state, socket, link, request, budget)) return "";
       } else if (request.kind == Kind::kClose) {
         const net::GrantKey key{request.transfer, request.epoch};
         std::lock_guard lock(state.mutex);
         if (auto grant = state.grants.find(key); grant != state.grants.end()) {
           state.invalidate_windows(*grant->second, link.id);
+          std::erase(grant->second->opened_on, link.id);
         }
         std::erase(link.open, key);
       } else {
@@ -242,8 +333,13 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
       }
     } catch (const VerbsError& error) {
       return std::string("RDMA link failed: ") + error.what();
+    } catch (const net::SocketError&) {
+      throw;  // the data server ends the connection and says why
+    } catch (const std::exception& error) {
+      // A bug of ours, or no memory: this link ends; the process (a trainer, with its job) goes on.
+      return std::string("RDMA link failed (a bug?): ") + error.what();
     }
-    if (refusals >= kRefusalsMax) return "refused " + std::to_string(refusals) + " opens";
+    if (budget.refusals >= kRefusalsMax) return "refused " + std::to_string(budget.refusals) + " opens";
   }
 }
 

@@ -4,25 +4,36 @@
 
 namespace th::rdma {
 
+RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_in)) {
+  TH_REQUIRE(options.read_bytes > 0);
+  TH_REQUIRE(options.reads_in_flight_max > 0);
+  TH_REQUIRE(options.signal_every > 0);
+  TH_REQUIRE(options.progress_slots > 0);
+  std::vector<std::string> names = options.devices.empty() ? choose_devices(list_devices(), current_numa_node())
+                                                           : options.devices;
+  if (names.empty()) throw VerbsError("no RDMA device has an active port");
+  if (names.size() > kPortsMax) names.resize(kPortsMax);
+  progress_words = std::make_unique<std::atomic<std::uint64_t>[]>(options.progress_slots);
+  for (const std::string& name : names) {
+    auto port = std::make_unique<Port>(name, options.gid_index);
+    port->progress_region = std::make_unique<MemoryRegion>(port->device, progress_words.get(),
+                                                           options.progress_slots * sizeof(std::uint64_t),
+                                                           IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+    ++registrations;
+    if (!port->device.has_memory_windows()) {
+      log_line("device " + name +
+               " has no type-2 memory windows: readers get the registration's key, and a revoked grant "
+               "cannot cut off a late read (the TCP data plane's guarantee does not hold here)");
+    }
+    ports.push_back(std::move(port));
+  }
+  for (std::uint32_t slot = options.progress_slots; slot > 0; --slot) free_progress_slots.push_back(slot - 1);
+  TH_ASSERT(!ports.empty() && ports.size() <= kPortsMax);
+}
+
 RdmaTransport::RdmaTransport(net::DataServerConfig tcp, RdmaOptions options)
     : state_(std::make_shared<State>(std::move(options))) {
-  TH_REQUIRE(state_->options.read_bytes > 0);
-  TH_REQUIRE(state_->options.reads_in_flight_max > 0);
-  TH_REQUIRE(state_->options.signal_every > 0);
-  TH_REQUIRE(state_->options.progress_slots > 0);
-  State& state = *state_;
-  state.grant_wait_ms_max = tcp.grant_wait_ms_max;
-  state.progress_words = std::make_unique<std::atomic<std::uint64_t>[]>(state.options.progress_slots);
-  state.progress_region = std::make_unique<MemoryRegion>(
-      state.device, state.progress_words.get(), state.options.progress_slots * sizeof(std::uint64_t),
-      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
-  ++state.registrations;
-  for (std::uint32_t slot = state.options.progress_slots; slot > 0; --slot) state.free_progress_slots.push_back(slot - 1);
-  if (!state.device.has_memory_windows()) {
-    log_line("device " + state.device.name() +
-             " has no type-2 memory windows: readers get the registration's key, and a revoked grant "
-             "cannot cut off a late read (the TCP data plane's guarantee does not hold here)");
-  }
+  state_->grant_wait_ms_max = tcp.grant_wait_ms_max;
   tcp.extension = make_served_link(state_);
   server_ = std::make_unique<net::DataServer>(std::move(tcp));
 }
@@ -35,7 +46,11 @@ RdmaTransport::~RdmaTransport() {
 }
 
 net::Endpoint RdmaTransport::endpoint() const { return server_->endpoint(); }
-std::string RdmaTransport::device_name() const { return state_->device.name(); }
+std::string RdmaTransport::device_names() const {
+  std::string names;
+  for (const auto& port : state_->ports) names += (names.empty() ? "" : ",") + port->device.name();
+  return names;
+}
 
 void RdmaTransport::grant(net::GrantKey key, const GrantSecret& secret, std::vector<net::ExposedRegion> regions,
                           std::shared_ptr<net::Progress> progress) {
@@ -45,6 +60,7 @@ void RdmaTransport::grant(net::GrantKey key, const GrantSecret& secret, std::vec
   entry->regions = regions;
   for (const net::ExposedRegion& region : regions) entry->total_bytes += region.bytes;
   entry->progress = progress;
+  entry->registrations.resize(state_->ports.size());
   {
     std::lock_guard lock(state_->mutex);
     if (!state_->free_progress_slots.empty()) {
@@ -60,32 +76,37 @@ void RdmaTransport::grant(net::GrantKey key, const GrantSecret& secret, std::vec
 }
 
 void RdmaTransport::revoke(net::GrantKey key) {
-  std::vector<std::shared_ptr<State::Notifier>> readers;  // links with windows of this grant
+  std::vector<std::shared_ptr<State::Notifier>> readers;  // the links that opened this grant
   {
-    std::lock_guard lock(state_->mutex);
-    if (auto found = state_->grants.find(key); found != state_->grants.end()) {
-      for (const State::Window& window : found->second->windows) {
-        auto notifier = state_->notifiers.find(window.link);
-        if (notifier != state_->notifiers.end() &&
-            std::find(readers.begin(), readers.end(), notifier->second) == readers.end()) {
+    std::unique_lock lock(state_->mutex);
+    auto found = state_->grants.find(key);
+    if (found != state_->grants.end()) {
+      std::shared_ptr<State::Grant> grant = found->second;
+      for (std::uint64_t link : grant->opened_on) {
+        if (auto notifier = state_->notifiers.find(link); notifier != state_->notifiers.end()) {
           readers.push_back(notifier->second);
         }
       }
-      state_->end_grant(*found->second);
+      state_->end_grant(*grant);
       state_->grants.erase(found);
       state_->revoked.push_back(key);
       if (state_->revoked.size() > State::kRevokedRemembered) state_->revoked.pop_front();
+      // An open registering or binding for this grant sees `revoked` when it is done and lets its
+      // windows go; wait for that, so that nothing registers or exposes the memory after we
+      // return (the owner may free it then). Bounded: an open's verbs calls have deadlines.
+      state_->opened.wait(lock, [&] { return grant->opening == 0; });
+      TH_ASSERT(grant->windows.empty(), "a revoked grant has no windows");
     }
   }
   state_->granted.notify_all();  // an open waiting for this grant is refused now
   // The windows are dead already (that is the guarantee); the notices only tell the readers now.
   // Never blocking: revoke() runs on the client's I/O thread, and a reader that does not drain its
-  // link must not stall it. A notice that does not fit is skipped (the reader's next READ fails).
+  // link must not stall it. A notice that does not fit now is skipped (the reader's next READ fails).
   const RevokedNotice notice{kNoticeMagic, key.epoch, key.transfer};
   if (!state_->options.revoke_notices) readers.clear();
   for (const auto& reader : readers) {
-    std::lock_guard writing(reader->mutex);
-    if (reader->socket == nullptr) continue;
+    std::unique_lock writing(reader->mutex, std::try_to_lock);
+    if (!writing.owns_lock() || reader->socket == nullptr) continue;
     const ssize_t sent = ::send(reader->socket->get(), &notice, sizeof notice, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent > 0 && sent != static_cast<ssize_t>(sizeof notice)) reader->socket->shutdown();  // framing is lost
   }
@@ -96,6 +117,8 @@ net::TransportStats RdmaTransport::stats() const {
   net::TransportStats stats;
   stats.bytes_served = server_->stats().bytes_served;
   stats.pulls_rdma = state_->pulls_rdma.load();
+  stats.pulls_striped = state_->pulls_striped.load();
+  for (const auto& port : state_->ports) stats.bytes_read_per_device.push_back(port->bytes_read.load());
   stats.pulls_tcp = state_->pulls_tcp.load();
   stats.pulls_fell_back = state_->pulls_fell_back.load();
   stats.memory_registrations = state_->registrations.load();

@@ -36,7 +36,12 @@
 namespace th::rdma {
 
 struct RdmaOptions {
-  std::string device;  // empty: the first device with an active port
+  // The devices to use, one per rail (device i pairs with the peer's device i). Empty: the active
+  // devices on this thread's NUMA node, else every active one (choose_devices in verbs.h).
+  std::vector<std::string> devices;
+  // A complete source of at least this many bytes is read over every rail at once, each rail
+  // pulling its own contiguous part (a partial source is followed on rail 0 alone).
+  std::uint64_t stripe_bytes_min = 16ull << 20;
   int gid_index = -1;  // -1: the first RoCE v2 GID of an IPv4 address, else 0
   std::uint64_t read_bytes = 1ull << 20;  // one RDMA READ at most
   std::uint32_t reads_in_flight_max = 16;  // posted and not yet completed, per pull
@@ -71,7 +76,8 @@ class RdmaTransport final : public net::DataTransport {
 
   std::string_view kind() const override { return "rdma"; }
   net::Endpoint endpoint() const override;
-  std::string device_name() const;
+  // The devices in use, comma-separated ("mlx5_0,mlx5_1").
+  std::string device_names() const;
   void grant(net::GrantKey key, const GrantSecret& secret, std::vector<net::ExposedRegion> regions,
              std::shared_ptr<net::Progress> progress) override;
   void revoke(net::GrantKey key) override;

@@ -1,11 +1,13 @@
 #include "rdma/verbs.h"
 
 #include <poll.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 
 #include "core/assert.h"
 
@@ -53,6 +55,42 @@ std::vector<std::string> device_names() {
   std::vector<std::string> names;
   for (int i = 0; list.devices != nullptr && i < list.count; ++i) names.emplace_back(ibv_get_device_name(list.devices[i]));
   return names;
+}
+
+std::vector<DeviceInfo> list_devices() {
+  DeviceList list;
+  std::vector<DeviceInfo> devices;
+  for (int i = 0; list.devices != nullptr && i < list.count; ++i) {
+    DeviceInfo info;
+    info.name = ibv_get_device_name(list.devices[i]);
+    std::ifstream numa("/sys/class/infiniband/" + info.name + "/device/numa_node");
+    if (!(numa >> info.numa_node)) info.numa_node = -1;
+    if (ibv_context* context = ibv_open_device(list.devices[i])) {
+      info.active = port_active(context);
+      ibv_close_device(context);
+    }
+    devices.push_back(std::move(info));
+  }
+  return devices;
+}
+
+std::vector<std::string> choose_devices(std::vector<DeviceInfo> devices, int node) {
+  std::sort(devices.begin(), devices.end(), [](const DeviceInfo& a, const DeviceInfo& b) { return a.name < b.name; });
+  std::vector<std::string> near;
+  std::vector<std::string> active;
+  for (const DeviceInfo& device : devices) {
+    if (!device.active) continue;
+    active.push_back(device.name);
+    if (node >= 0 && device.numa_node == node) near.push_back(device.name);
+  }
+  return near.empty() ? active : near;
+}
+
+int current_numa_node() {
+  unsigned cpu = 0;
+  unsigned node = 0;
+  if (::getcpu(&cpu, &node) != 0) return -1;
+  return static_cast<int>(node);
 }
 
 Device::Device(const std::string& name, int gid_index) {
@@ -178,7 +216,7 @@ CompletionQueue::Woken CompletionQueue::wait(int timeout_ms, int watch) {
 }
 
 QueuePair::QueuePair(const Device& device, CompletionQueue& cq, std::uint32_t send_entries, std::uint32_t read_atoms)
-    : device_(device), read_atoms_(read_atoms) {
+    : device_(device), read_atoms_(std::clamp<std::uint32_t>(read_atoms, 1, 255)) {
   ibv_qp_init_attr init{};
   init.send_cq = cq.get();
   init.recv_cq = cq.get();
@@ -210,18 +248,21 @@ QueuePairAddress QueuePair::local_address(std::uint32_t packet_sequence) const {
   address.lid = device_.lid();
   address.mtu = static_cast<std::uint8_t>(device_.active_mtu());
   address.gid = device_.gid();
+  address.read_atoms = static_cast<std::uint8_t>(read_atoms_);
   return address;
 }
 
 void QueuePair::connect(const QueuePairAddress& local, const QueuePairAddress& remote, std::uint8_t timeout_exponent,
                         std::uint8_t retry_count) {
   TH_REQUIRE(remote.mtu >= IBV_MTU_256 && remote.mtu <= IBV_MTU_4096, "peer's MTU", remote.mtu);
+  TH_REQUIRE(remote.read_atoms >= 1, "the peer takes READs");
+  const auto atoms = static_cast<std::uint8_t>(std::min<std::uint32_t>(read_atoms_, remote.read_atoms));
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_RTR;
   attr.path_mtu = static_cast<ibv_mtu>(std::min(local.mtu, remote.mtu));
   attr.dest_qp_num = remote.qp_number;
   attr.rq_psn = remote.packet_sequence;
-  attr.max_dest_rd_atomic = static_cast<std::uint8_t>(read_atoms_);
+  attr.max_dest_rd_atomic = atoms;
   attr.min_rnr_timer = 12;
   attr.ah_attr.is_global = 1;
   std::memcpy(attr.ah_attr.grh.dgid.raw, remote.gid.data(), remote.gid.size());
@@ -239,7 +280,7 @@ void QueuePair::connect(const QueuePairAddress& local, const QueuePairAddress& r
   attr.retry_cnt = retry_count;
   attr.rnr_retry = retry_count;
   attr.sq_psn = local.packet_sequence;
-  attr.max_rd_atomic = static_cast<std::uint8_t>(read_atoms_);
+  attr.max_rd_atomic = atoms;
   check("ibv_modify_qp(RTS)", ibv_modify_qp(qp_, &attr,
                                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                                 IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC));

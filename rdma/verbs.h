@@ -25,6 +25,20 @@ struct VerbsError : std::runtime_error {
 // The names of the RDMA devices this process can open ("rxe0", "mlx5_0"), in the kernel's order.
 std::vector<std::string> device_names();
 
+struct DeviceInfo {
+  std::string name;
+  int numa_node = -1;  // from sysfs (-1: unknown, as for soft-RoCE)
+  bool active = false;  // port 1 is ACTIVE
+};
+// Every device, with its NUMA node and port state (opens each for a moment).
+std::vector<DeviceInfo> list_devices();
+// The devices a process on NUMA node `node` (-1: unknown) uses: the active ones on that node, else
+// (none there, or the node unknown) every active one; sorted by name, so that device i of one host
+// pairs with device i of another (rail i of a rail-optimised network).
+std::vector<std::string> choose_devices(std::vector<DeviceInfo> devices, int node);
+// The NUMA node of the CPU this thread runs on (-1: unknown).
+int current_numa_node();
+
 using Gid = std::array<std::uint8_t, 16>;
 
 // How a queue pair is reached: exchanged over TCP before it is connected.
@@ -34,6 +48,7 @@ struct QueuePairAddress {
   std::uint16_t lid = 0;              // InfiniBand; 0 on RoCE
   std::uint8_t mtu = IBV_MTU_1024;    // ibv_mtu of the port
   Gid gid{};
+  std::uint8_t read_atoms = 1;        // READs it takes outstanding (max_dest_rd_atomic)
 };
 
 class Device {
@@ -121,10 +136,12 @@ class QueuePair {
   QueuePair& operator=(const QueuePair&) = delete;
   ibv_qp* get() const { return qp_; }
   QueuePairAddress local_address(std::uint32_t packet_sequence) const;
-  // RTR then RTS against `remote`, at the smaller of both MTUs. `timeout_exponent`: a request is
-  // retried after 4.096 us << it, retry_count times, before it fails (the peer is gone).
+  // RTR then RTS against `remote`, at the smaller of both MTUs, with at most the smaller of both
+  // ends' read_atoms READs outstanding each way. `timeout_exponent`: a request is retried after
+  // 4.096 us << it, retry_count times, before it fails (the peer is gone).
   void connect(const QueuePairAddress& local, const QueuePairAddress& remote, std::uint8_t timeout_exponent,
                std::uint8_t retry_count);
+  std::uint32_t read_atoms() const { return read_atoms_; }
   // Moves to the error state: every posted request completes (flushed) soon after.
   void fail();
 

@@ -48,7 +48,8 @@ struct Shard {
   std::vector<std::byte> allocation;
   std::vector<std::byte> packed;
   std::vector<std::uint64_t> sizes{(3u << 20) + 7, 0, 777, (5u << 20) + 5};
-  explicit Shard(std::uint64_t seed) : packed(pattern(1000, seed + 100)) {
+  explicit Shard(std::uint64_t seed, std::vector<std::uint64_t> sizes_in = {}) : packed(pattern(1000, seed + 100)) {
+    if (!sizes_in.empty()) sizes = std::move(sizes_in);
     std::uint64_t total = 0;
     for (auto size : sizes) total += size;
     allocation = pattern(total, seed);
@@ -83,9 +84,9 @@ struct Target {
   bool equals(const Shard& shard) const { return allocation == shard.allocation && packed == shard.packed; }
 };
 
-std::unique_ptr<RdmaTransport> make_rdma(const std::string& device = "") {
+std::unique_ptr<RdmaTransport> make_rdma(std::vector<std::string> devices = {}) {
   RdmaOptions options;
-  options.device = device;
+  options.devices = std::move(devices);
   options.read_bytes = 256 << 10;
   return std::make_unique<RdmaTransport>(net::DataServerConfig{}, options);
 }
@@ -336,8 +337,8 @@ TEST(RdmaPair, ARoguePeerReadsNothingItWasNotGranted) {
 
 TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {
   REQUIRE_DEVICE();
-  auto source = make_rdma();
-  auto reader = make_rdma();
+  auto source = make_rdma({device_names()[0]});
+  auto reader = make_rdma({device_names()[0]});
   Shard shard(5);
   Target target(shard);
   // The owners lend their allocations (libthclient does so per registered tensor and buffer).
@@ -371,6 +372,68 @@ TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {
   EXPECT_EQ(reader_after_first, 4u);
   EXPECT_EQ(reader->stats().pulls_rdma, 4u);
   EXPECT_GE(source->stats().windows_bound, 4u) << "a window per grant";
+}
+
+// Two devices at each end (rail i to rail i): a big version is read over both at once, each rail
+// its own part, and still registered once per allocation and device.
+TEST(RdmaPair, ABigReadIsStripedOverTwoDevices) {
+  REQUIRE_DEVICE();
+  if (device_names().size() < 2) GTEST_SKIP() << "one RDMA device";
+  auto source = make_rdma({device_names()[0], device_names()[1]});
+  auto reader = make_rdma({device_names()[0], device_names()[1]});
+  Shard shard(12, {(11u << 20) + 3, 777, (9u << 20) + 1});  // 20 MiB: above stripe_bytes_min
+  Target target(shard);
+  std::vector<std::shared_ptr<void>> leases{source->lease_memory(shard.allocation.data(), shard.allocation.size()),
+                                            source->lease_memory(shard.packed.data(), shard.packed.size()),
+                                            reader->lease_memory(target.allocation.data(), target.allocation.size()),
+                                            reader->lease_memory(target.packed.data(), target.packed.size())};
+  auto regions = target.regions();
+  std::uint64_t registrations_after_first = 0;
+  for (std::uint32_t version = 1; version <= 3; ++version) {
+    std::fill(target.allocation.begin(), target.allocation.end(), std::byte{0xEE});
+    source->grant({version, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+    std::vector<std::uint64_t> seen;
+    auto options = pull_options();
+    options.on_progress = [&](std::uint64_t ready) { seen.push_back(ready); };
+    const net::PullOutcome outcome = reader->pull(source->endpoint(), {version, 1}, kSecret, regions, options);
+    source->revoke({version, 1});
+    ASSERT_TRUE(outcome.ok()) << outcome.detail;
+    EXPECT_EQ(outcome.bytes, shard.total());
+    EXPECT_TRUE(target.equals(shard));
+    ASSERT_FALSE(seen.empty());
+    EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+    EXPECT_EQ(seen.back(), shard.total()) << "the prefix reported covers every rail at the end";
+    if (version == 1) registrations_after_first = reader->stats().memory_registrations;
+  }
+  const net::TransportStats stats = reader->stats();
+  EXPECT_EQ(stats.pulls_striped, 3u);
+  ASSERT_EQ(stats.bytes_read_per_device.size(), 2u);
+  EXPECT_GT(stats.bytes_read_per_device[0], shard.total());  // about half of each of 3 versions
+  EXPECT_GT(stats.bytes_read_per_device[1], shard.total());
+  EXPECT_EQ(stats.bytes_read_per_device[0] + stats.bytes_read_per_device[1], 3 * shard.total());
+  EXPECT_EQ(stats.memory_registrations, registrations_after_first);
+}
+
+// A kept link the source has closed meanwhile (idle too long) is found closed and dialled anew.
+TEST(RdmaPair, ALinkTheSourceShedIsDialledAgain) {
+  REQUIRE_DEVICE();
+  RdmaOptions impatient;
+  impatient.devices = {device_names()[0]};
+  impatient.link_idle_timeout_ms = 200;
+  auto source = std::make_unique<RdmaTransport>(net::DataServerConfig{}, impatient);
+  auto reader = make_rdma({device_names()[0]});
+  Shard shard(13);
+  Target target(shard);
+  auto regions = target.regions();
+  for (std::uint32_t version = 1; version <= 2; ++version) {
+    source->grant({version, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+    const net::PullOutcome outcome = reader->pull(source->endpoint(), {version, 1}, kSecret, regions, pull_options());
+    source->revoke({version, 1});
+    ASSERT_TRUE(outcome.ok()) << "version " << version << ": " << outcome.detail;
+    EXPECT_TRUE(target.equals(shard));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2'500));  // the source sheds the idle link
+  }
+  EXPECT_EQ(reader->stats().pulls_rdma, 2u);
 }
 
 TEST(RdmaPair, FallsBackToTcpWhenTheSourceHasNoRdma) {
@@ -408,9 +471,9 @@ TEST(RdmaPair, ATcpReaderPullsFromAnRdmaSource) {
 TEST(RdmaPair, ANamedDeviceOtherThanTheFirst) {
   REQUIRE_DEVICE();
   if (device_names().size() < 2) GTEST_SKIP() << "one RDMA device";
-  auto source = make_rdma(device_names()[1]);
-  auto reader = make_rdma(device_names()[1]);
-  EXPECT_EQ(reader->device_name(), device_names()[1]);
+  auto source = make_rdma({device_names()[1]});
+  auto reader = make_rdma({device_names()[1]});
+  EXPECT_EQ(reader->device_names(), device_names()[1]);
   Shard shard(8);
   source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
   Target target(shard);

@@ -57,7 +57,10 @@ struct ClientOptions {
   // counted in HandleStats); "rdma" is the same but open() fails when this host has no usable
   // device; "tcp" never uses RDMA. Either way the data port serves TCP readers too.
   std::string transport = "auto";
-  std::string rdma_device;     // e.g. "mlx5_0"; empty: the first device with an active port
+  // The RDMA devices, comma-separated, one per rail ("mlx5_0,mlx5_1": device i pairs with device i
+  // of the peer; a big read is striped over all). Empty: the active devices on the NUMA node this
+  // process runs on, else every active one.
+  std::string rdma_device;
   int rdma_gid_index = -1;     // -1: the first RoCE v2 GID of an IPv4 address, else 0
   TimeMs heartbeat_interval_ms = 1000;
   // open() gives up with kUnavailable if no server answered in this time. Later calls wait for as

@@ -69,9 +69,10 @@ struct Side {
 
 Side open_side(const std::string& server, const std::string& replica, const std::string& role,
                std::uint64_t tensor_bytes, std::uint64_t tensors, std::uint32_t streams,
-               const std::string& transport = "auto") {
+               const std::string& transport = "auto", const std::string& rdma_device = "") {
   th::ClientOptions options;
   options.transport = transport;
+  options.rdma_device = rdma_device;
   options.servers = {server};
   options.token = kToken;
   options.model = "bench-pair";
@@ -180,8 +181,8 @@ void stamp(std::byte* memory, std::uint64_t tensor_bytes, std::uint64_t tensors,
 // pair-source: the source of `pair --source-process`, driven line by line on stdin:
 //   publish V -> "published V"; unpublish -> "unpublished"; cpu -> "cpu SECONDS"; exit.
 int run_pair_source(const std::string& server, std::uint64_t tensor_bytes, std::uint64_t tensors,
-                    const std::string& transport) {
-  Side source = open_side(server, "source", "trainer", tensor_bytes, tensors, 1, transport);
+                    const std::string& transport, const std::string& rdma_device) {
+  Side source = open_side(server, "source", "trainer", tensor_bytes, tensors, 1, transport, rdma_device);
   fill_source(source.memory->get(), tensor_bytes * tensors);
   std::cout << "ready " << source.handle->stats().transport << std::endl;
   for (std::string command; std::cin >> command;) {
@@ -250,7 +251,8 @@ Child spawn_source(const std::vector<std::string>& args) {
 
 // pair --source-process: as run_pair, with the source in a child process, and the CPU both
 // processes spent while the reader's call ran (the reader's process also runs the embedded server).
-int run_pair_split(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
+int run_pair_split(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport,
+                   const std::string& rdma_device) {
   const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
   const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
   const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
@@ -259,14 +261,15 @@ int run_pair_split(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_
   config.token = kToken;
   th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
   Child source = spawn_source({"th-bench", "pair-source", "--server", server.address(), "--tensor-mb",
-                               std::to_string(tensor_mb), "--tensors", std::to_string(tensors), "--transport", transport});
+                               std::to_string(tensor_mb), "--tensors", std::to_string(tensors), "--transport", transport,
+                               "--rdma-device", rdma_device});
   char line[256];
   if (std::fgets(line, sizeof line, source.from) == nullptr) {
     std::cerr << "th-bench: the source process did not start\n";
     return 1;
   }
   const std::string source_transport = std::string(line).substr(6, std::string(line).find('\n') - 6);
-  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams, transport);
+  Side reader = open_side(server.address(), "reader", "rollout", tensor_bytes, tensors, streams, transport, rdma_device);
   auto expected = std::make_unique<th::bench::BigBuffer>(total_bytes);
   fill_source(expected->get(), total_bytes);
   std::cout << "th-bench pair: " << tensors << " tensors x " << tensor_mb << " MB = " << total_bytes
@@ -349,6 +352,8 @@ int main(int argc, char** argv) {
   pair->add_option("--transport", transport, "auto, rdma or tcp (ClientOptions::transport)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "rdma", "tcp"}));
+  std::string rdma_device;
+  pair->add_option("--rdma-device", rdma_device, "RDMA devices, comma-separated (ClientOptions::rdma_device; empty: auto)");
   pair->add_flag("--source-process", source_process,
                  "run the source in a child process and measure the CPU each side spends per GB");
   auto* pair_source = app.add_subcommand("pair-source", "(internal) the source process of pair --source-process");
@@ -359,6 +364,7 @@ int main(int argc, char** argv) {
   pair_source->add_option("--tensor-mb", tensor_mb)->required();
   pair_source->add_option("--tensors", source_tensors)->required();
   pair_source->add_option("--transport", transport)->required();
+  pair_source->add_option("--rdma-device", rdma_device);
 
   auto* control = app.add_subcommand(
       "control-load", "Clients in a closed loop of publish -> update(latest) -> unpublish (bench/run-control-plane)");
@@ -397,9 +403,9 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);
-  if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport);
+  if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport, rdma_device);
   if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams, transport);
-  if (pair_source->parsed()) return run_pair_source(source_server, tensor_mb * 1'000'000, source_tensors, transport);
+  if (pair_source->parsed()) return run_pair_source(source_server, tensor_mb * 1'000'000, source_tensors, transport, rdma_device);
   if (control->parsed()) return th::bench::run_control_load(load);
   if (echo->parsed()) return th::bench::run_echo_server(echo_listen);
   return 2;

@@ -33,7 +33,7 @@ inline Deadline after_ms(int ms) { return Clock::now() + std::chrono::millisecon
 // TCP frames (net/data_plane.cpp asserts the host's order).
 
 constexpr std::uint32_t kMagic = 0x31524454;  // "TDR1"
-constexpr std::uint32_t kProtocolVersion = 1;
+constexpr std::uint32_t kProtocolVersion = 2;  // 2: the hello carries the rail and the read depth
 
 enum class Kind : std::uint32_t { kHello = 1, kOpen = 2, kClose = 3 };
 enum class Answer : std::uint32_t { kOk = 0, kNoGrant = 1, kUnsupported = 2, kBusy = 3 };
@@ -169,6 +169,7 @@ struct RdmaTransport::State {
   // -- Registrations (see lease_memory) --
   std::mutex registrations_mutex;
   std::multimap<std::uintptr_t, std::uint64_t> leased;  // begin -> bytes
+  std::uint64_t leases_ended = 0;  // counts release_lease calls (a registration made meanwhile may be stale)
   struct Cached {
     std::size_t port = 0;
     std::uintptr_t begin = 0;
@@ -193,8 +194,10 @@ struct RdmaTransport::State {
     const auto begin = reinterpret_cast<std::uintptr_t>(base);
     std::uintptr_t run_begin = 0;
     std::uintptr_t run_end = 0;
+    std::uint64_t ended_before = 0;
     {
       std::lock_guard lock(registrations_mutex);
+      ended_before = leases_ended;
       for (const Cached& entry : cached) {
         if (entry.port == port && entry.region->covers(begin, bytes)) return entry.region;
       }
@@ -215,16 +218,13 @@ struct RdmaTransport::State {
     }
     auto region = register_memory(port, reinterpret_cast<void*>(run_begin), run_end - run_begin);
     std::lock_guard lock(registrations_mutex);
-    // Cached only if the run is still leased whole (a lease may have ended meanwhile) and nobody
-    // cached one first; either way the caller may use it: its memory was leased when it asked.
-    std::uintptr_t still = run_begin;
-    for (const auto& [lease_begin, lease_bytes] : leased) {
-      if (lease_begin <= still && lease_begin + lease_bytes > still) still = lease_begin + lease_bytes;
-    }
+    // Cached only if no lease ended meanwhile (one of the run's may have been freed and its address
+    // leased again: this registration would pin the old pages) and nobody cached one first. Either
+    // way the caller may use it for what it asked: that memory was leased when it asked.
     const bool raced = std::any_of(cached.begin(), cached.end(), [&](const Cached& entry) {
       return entry.port == port && entry.region->covers(begin, bytes);
     });
-    if (still >= run_end && !raced) cached.push_back({port, run_begin, run_end, region});
+    if (leases_ended == ended_before && !raced) cached.push_back({port, run_begin, run_end, region});
     return region;
   }
 
@@ -234,6 +234,7 @@ struct RdmaTransport::State {
     std::vector<Cached> dropped;
     {
       std::lock_guard lock(registrations_mutex);
+      ++leases_ended;
       for (auto it = leased.lower_bound(begin); it != leased.end() && it->first == begin; ++it) {
         if (it->second == bytes) {
           leased.erase(it);
@@ -322,7 +323,10 @@ struct RdmaTransport::State {
   std::mutex links_mutex;
   std::map<std::pair<std::string, std::size_t>, std::vector<std::shared_ptr<Link>>> links;  // by (source, port)
   std::size_t links_count = 0;
-  std::map<std::string, Clock::time_point> tcp_only_until;  // sources that answered without RDMA
+  // Rails found out (no RDMA there, or a rail whose devices do not reach each other), by (source,
+  // port), until a recheck: port 0 out means the source is read over TCP; another port, that the
+  // source is read without that rail. Bounded by links_max (the oldest-keyed entry goes).
+  std::map<std::pair<std::string, std::size_t>, Clock::time_point> rails_out_until;
 };
 
 // The source side's extension of the data port (served_link.cpp).

@@ -127,6 +127,12 @@ bool still_up(const Link& link) {
   }
 }
 
+// Called with links_mutex held.
+void mark_rail_out(RdmaTransport::State& state, const std::pair<std::string, std::size_t>& slot) {
+  state.rails_out_until[slot] = after_ms(state.options.fallback_recheck_ms);
+  if (state.rails_out_until.size() > state.options.links_max) state.rails_out_until.erase(state.rails_out_until.begin());
+}
+
 struct Acquired {
   std::shared_ptr<Link> link;
   bool reused = false;
@@ -139,9 +145,9 @@ Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, std::
   const std::pair<std::string, std::size_t> slot{name, port};
   {
     std::lock_guard lock(state.links_mutex);
-    if (auto until = state.tcp_only_until.find(name); until != state.tcp_only_until.end()) {
-      if (Clock::now() < until->second) return {nullptr, false, NoLink::kNoRdma, "the source has no RDMA"};
-      state.tcp_only_until.erase(until);
+    if (auto until = state.rails_out_until.find(slot); until != state.rails_out_until.end()) {
+      if (Clock::now() < until->second) return {nullptr, false, NoLink::kNoRdma, "found out lately"};
+      state.rails_out_until.erase(until);
     }
     if (auto kept = state.links.find(slot); kept != state.links.end()) {
       for (auto it = kept->second.begin(); it != kept->second.end();) {
@@ -163,9 +169,9 @@ Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, std::
   std::lock_guard lock(state.links_mutex);
   if (made.link == nullptr) {
     if (made.failed == NoLink::kNoRdma) {
-      state.tcp_only_until[name] = after_ms(state.options.fallback_recheck_ms);
-      if (state.tcp_only_until.size() > state.options.links_max) state.tcp_only_until.erase(state.tcp_only_until.begin());
-      log_line("pulling from " + name + " over TCP: " + made.why);
+      mark_rail_out(state, slot);
+      log_line(port == 0 ? "pulling from " + name + " over TCP: " + made.why
+                         : "rail " + std::to_string(port) + " to " + name + " is out: " + made.why);
     }
     return made;
   }
@@ -587,6 +593,44 @@ std::vector<std::uint64_t> stripe_ends(std::uint64_t total, std::size_t rails, s
 
 }  // namespace
 
+namespace {
+
+// Every rail still holding a link when pull() leaves by an exception lets it go as broken (its
+// queue pair destroyed): no READ of it lands later, and no link stays marked in use for ever.
+struct RailsGuard {
+  RdmaTransport::State& state;
+  std::vector<Rail>& rails;
+  net::GrantKey key;
+  ~RailsGuard() {
+    for (Rail& rail : rails) {
+      if (rail.acquired.link == nullptr) continue;
+      rail.broken = true;
+      release(state, rail.acquired.link, true);
+      rail.acquired.link.reset();
+    }
+  }
+};
+
+// read_grant, and if it throws (a bug: an assertion), the rail's queue pair is failed before the
+// exception goes on, so that the link is dropped and nothing of it lands later.
+void read_rail(RdmaTransport::State& state, Rail& rail, net::GrantKey key, std::span<const net::LocalRegion> targets,
+               std::uint64_t begin, std::uint64_t end, const net::PullOptions& options) {
+  try {
+    rail.outcome = read_grant(state, *rail.acquired.link, key, rail.remote, rail.answer, targets, rail.local, begin,
+                              end, options, rail.broken);
+  } catch (...) {
+    rail.broken = true;
+    try {
+      rail.acquired.link->qp->fail();
+    } catch (const VerbsError&) {
+      // The link is destroyed anyway.
+    }
+    throw;
+  }
+}
+
+}  // namespace
+
 net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey key, const GrantSecret& secret,
                                      std::span<const net::LocalRegion> targets, const net::PullOptions& options) {
   State& state = *state_;
@@ -602,6 +646,8 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   const std::size_t wanted =
       !options.partial && target_bytes >= state.options.stripe_bytes_min ? state.ports.size() : 1;
   std::vector<Rail> rails;
+  rails.reserve(wanted);
+  RailsGuard guard{state, rails, key};
   rails.push_back(open_rail(state, source, 0, key, secret, targets, target_bytes, options));
   if (rails[0].fall_back) return over_tcp();
   if (rails[0].failed) return *rails[0].failed;
@@ -611,12 +657,7 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
       for (Rail& opened : rails) finish_rail(state, opened, key);
       return *rail.failed;
     }
-    if (rail.fall_back || rail.failed) {
-      // This rail's devices do not reach each other (or the source has fewer): the others read.
-      log_line("rail " + std::to_string(port) + " to " + source.to_string() + " is out: " +
-               (rail.failed ? rail.failed->detail : std::string("no RDMA there")));
-      continue;
-    }
+    if (rail.fall_back || rail.failed) continue;  // the other rails read its part (logged by acquire)
     rails.push_back(std::move(rail));
   }
   const std::vector<std::uint64_t> ends = stripe_ends(target_bytes, rails.size(), state.options.read_bytes);
@@ -626,52 +667,64 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   }
   if (rails.size() == 1) {
     Rail& rail = rails[0];
-    rail.outcome = read_grant(state, *rail.acquired.link, key, rail.remote, rail.answer, targets, rail.local, 0,
-                              target_bytes, options, rail.broken);
+    read_rail(state, rail, key, targets, 0, target_bytes, options);
     state.ports[rail.acquired.link->port]->bytes_read += rail.outcome.bytes;
     finish_rail(state, rail, key);
     if (rail.outcome.ok()) ++state.pulls_rdma;
     return rail.outcome;
   }
-  // Striped: one thread per further rail. A rail that fails stops the others; the prefix that
-  // landed (for on_progress) is the whole of every leading rail that finished plus the next one's.
+  // Striped: one thread per further rail. The landed prefix (for on_progress) is the whole of
+  // every leading rail that finished plus the next one's part. A failure of rail 0, a refusal
+  // (the grant was revoked) or a cancel stops every rail; any other failure of a further rail
+  // (its devices do not reach each other, say) leaves its remainder to rail 0 below.
   std::atomic<bool> stop{false};
   std::mutex progress_mutex;
   std::vector<std::uint64_t> done(rails.size());
   for (std::size_t i = 0; i < rails.size(); ++i) done[i] = rails[i].begin;
   std::uint64_t reported = 0;
+  auto report = [&](std::size_t i, std::uint64_t landed) {
+    std::lock_guard lock(progress_mutex);
+    done[i] = std::max(done[i], landed);
+    std::uint64_t prefix = 0;
+    for (std::size_t r = 0; r < rails.size(); ++r) {
+      prefix = done[r];
+      if (done[r] < rails[r].end) break;
+    }
+    if (prefix > reported && options.on_progress) {
+      reported = prefix;
+      options.on_progress(prefix);
+    }
+  };
+  auto options_of = [&](std::size_t i) {
+    net::PullOptions mine = options;
+    // The cap is on the shard's receive rate: the rails share it.
+    if (options.rate_bytes_per_s > 0) mine.rate_bytes_per_s = std::max<std::uint64_t>(1, options.rate_bytes_per_s / rails.size());
+    mine.cancelled = [&] { return stop.load() || (options.cancelled && options.cancelled()); };
+    mine.on_progress = [&, i](std::uint64_t landed) { report(i, landed); };
+    return mine;
+  };
   auto run = [&](std::size_t i) {
     Rail& rail = rails[i];
-    net::PullOptions mine = options;
-    mine.cancelled = [&] { return stop.load() || (options.cancelled && options.cancelled()); };
-    mine.on_progress = [&, i](std::uint64_t landed) {
-      std::lock_guard lock(progress_mutex);
-      done[i] = landed;
-      std::uint64_t prefix = 0;
-      for (std::size_t r = 0; r < rails.size(); ++r) {
-        prefix = done[r];
-        if (done[r] < rails[r].end) break;
-      }
-      if (prefix > reported && options.on_progress) {
-        reported = prefix;
-        options.on_progress(prefix);
-      }
-    };
-    rail.outcome = read_grant(state, *rail.acquired.link, key, rail.remote, rail.answer, targets, rail.local,
-                              rail.begin, rail.end, mine, rail.broken);
-    if (!rail.outcome.ok()) stop.store(true);
+    read_rail(state, rail, key, targets, rail.begin, rail.end, options_of(i));
+    const bool stops_all = i == 0 || rail.outcome.error == net::ReadError::kRefused;
+    if (!rail.outcome.ok() && stops_all) stop.store(true);
   };
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(rails.size());
+  std::vector<bool> ran(rails.size(), true);
   for (std::size_t i = 1; i < rails.size(); ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        run(i);
-      } catch (...) {
-        errors[i] = std::current_exception();
-        stop.store(true);
-      }
-    });
+    try {
+      threads.emplace_back([&, i] {
+        try {
+          run(i);
+        } catch (...) {
+          errors[i] = std::current_exception();
+          stop.store(true);
+        }
+      });
+    } catch (const std::system_error&) {
+      ran[i] = false;  // no thread for it: rail 0 reads its part below
+    }
   }
   try {
     run(0);
@@ -680,19 +733,45 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
     stop.store(true);
   }
   for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);  // a bug: the guard lets every rail go as broken
+  }
+  // Rail 0 rescues the remainder of every further rail that failed on its own (or never ran).
+  Rail& first = rails[0];
+  std::uint64_t rescued = 0;
+  for (std::size_t i = 1; i < rails.size() && first.outcome.ok() && !stop.load(); ++i) {
+    Rail& rail = rails[i];
+    const bool failed_alone = !ran[i] || (!rail.outcome.ok() && rail.outcome.error != net::ReadError::kRefused &&
+                                          rail.outcome.error != net::ReadError::kCancelled);
+    if (!failed_alone) continue;
+    const std::uint64_t from = ran[i] ? rail.begin + rail.outcome.bytes : rail.begin;
+    if (ran[i]) {
+      std::lock_guard lock(state.links_mutex);
+      mark_rail_out(state, {source.to_string(), rail.acquired.link->port});
+      log_line("rail " + std::to_string(rail.acquired.link->port) + " to " + source.to_string() +
+               " is out (rail 0 reads its part): " + rail.outcome.detail);
+    }
+    const std::uint64_t first_bytes = first.outcome.bytes;
+    read_rail(state, first, key, targets, from, rail.end, options_of(i));
+    rescued += first.outcome.bytes;
+    state.ports[first.acquired.link->port]->bytes_read += first.outcome.bytes;
+    // Rail i's part is whole now (or not, and then rail 0 failed too and names why).
+    rail.outcome.error = first.outcome.error;
+    rail.outcome.detail = first.outcome.detail;
+    first.outcome.bytes = first_bytes;
+  }
   net::PullOutcome outcome;
+  outcome.bytes = rescued;
   for (Rail& rail : rails) {
-    state.ports[rail.acquired.link->port]->bytes_read += rail.outcome.bytes;
+    const std::size_t port = rail.acquired.link->port;
+    state.ports[port]->bytes_read += rail.outcome.bytes;
     outcome.bytes += rail.outcome.bytes;
     // The first real failure names the outcome (the others were stopped because of it).
     if (!rail.outcome.ok() && (!outcome.error || *outcome.error == net::ReadError::kCancelled)) {
       outcome.error = rail.outcome.error;
-      outcome.detail = "rail " + std::to_string(rail.acquired.link->port) + ": " + rail.outcome.detail;
+      outcome.detail = "rail " + std::to_string(port) + ": " + rail.outcome.detail;
     }
     finish_rail(state, rail, key);
-  }
-  for (const std::exception_ptr& error : errors) {
-    if (error) std::rethrow_exception(error);  // a bug (an assertion): after every rail let go
   }
   if (outcome.ok()) {
     ++state.pulls_rdma;

@@ -94,8 +94,8 @@ void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTranspor
   }
 }
 
-// Counts an open in progress on a grant (revoke() waits until none is), from when the grant was
-// found live until its windows are in place or given up.
+// Counts an open binding windows for a grant (revoke() waits until none is), from when the grant
+// was found live after registering until its windows are in place or given up.
 class Opening {
  public:
   Opening(RdmaTransport::State& state, std::shared_ptr<RdmaTransport::State::Grant> grant)
@@ -130,13 +130,13 @@ struct OpenBudget {
 bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResources& link, const Request& request,
                  OpenBudget& budget) {
   const net::GrantKey key{request.transfer, request.epoch};
-  const Deadline deadline = after_ms(state.options.handshake_timeout_ms);
+  // An answer's deadline runs from when it is sent (a grant wait or a registration came first).
   auto refuse = [&](Answer status) {
     if (status == Answer::kNoGrant) ++budget.refusals;
     OpenAnswer answer;
     answer.status = status;
     std::lock_guard writing(link.notifier->mutex);
-    net::send_all_by(socket, &answer, sizeof answer, deadline);
+    net::send_all_by(socket, &answer, sizeof answer, after_ms(state.options.handshake_timeout_ms));
     return true;
   };
   std::shared_ptr<RdmaTransport::State::Grant> grant;
@@ -171,9 +171,6 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     // Opened again on this link (the reader retried): its earlier windows go, so that re-opening
     // cannot pile windows up.
     if (again) state.invalidate_windows(*grant, link.id);
-    // From here until its windows are in place revoke() waits for this open: the memory is not
-    // registered or bound after revoke() returned (the owner may free it then).
-    opening.emplace(state, grant);
   }
   const RdmaTransport::State::Port& port = *state.ports[link.port];
   try {
@@ -191,8 +188,20 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
   } catch (const VerbsError& error) {
     // Most likely the memlock limit: this grant goes over TCP, the link stays.
     log_line(std::string("cannot register a grant's memory (the reader pulls it over TCP): ") + error.what());
-    opening.reset();
     return refuse(Answer::kUnsupported);
+  }
+  {
+    // Revoked while it registered (which may take seconds, and which revoke() does not wait for:
+    // it runs on the client's I/O thread): nothing is exposed. A registration of memory the owner
+    // freed meanwhile pins pages no window ever covers, and is dropped with the grant.
+    std::unique_lock lock(state.mutex);
+    if (grant->revoked) {
+      lock.unlock();
+      return refuse(Answer::kNoGrant);
+    }
+    // From here until its windows are in place revoke() waits for this open (binding is local, and
+    // bounded by the handshake deadline): no window is bound after revoke() returned.
+    opening.emplace(state, grant);
   }
   const auto& registrations = grant->registrations[link.port];
   std::vector<RemoteRegion> regions(grant->regions.size());
@@ -224,6 +233,7 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
   }
   opening.reset();
   if (answer.status == Answer::kOk) budget = OpenBudget{state.grant_wait_ms_max, 0};
+  const Deadline deadline = after_ms(state.options.handshake_timeout_ms);
   std::lock_guard writing(link.notifier->mutex);
   net::send_all_by(socket, &answer, sizeof answer, deadline);
   if (answer.status == Answer::kOk) net::send_all_by(socket, regions.data(), regions.size() * sizeof(RemoteRegion), deadline);

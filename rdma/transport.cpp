@@ -91,9 +91,10 @@ void RdmaTransport::revoke(net::GrantKey key) {
       state_->grants.erase(found);
       state_->revoked.push_back(key);
       if (state_->revoked.size() > State::kRevokedRemembered) state_->revoked.pop_front();
-      // An open registering or binding for this grant sees `revoked` when it is done and lets its
-      // windows go; wait for that, so that nothing registers or exposes the memory after we
-      // return (the owner may free it then). Bounded: an open's verbs calls have deadlines.
+      // An open binding windows for this grant sees `revoked` when it is done and lets them go;
+      // wait for that, so that no window exposes the memory after we return (the owner may free
+      // it then). Short: binding is local, and has the handshake deadline. (An open still
+      // registering does not hold this up: it looks at `revoked` before it binds.)
       state_->opened.wait(lock, [&] { return grant->opening == 0; });
       TH_ASSERT(grant->windows.empty(), "a revoked grant has no windows");
     }

@@ -129,9 +129,8 @@ inline std::uint32_t first_packet_sequence() {
 // any connected queue pair (a hello needs no secret) could otherwise read a whole registration
 // with its key, which is small and often guessable; only a window bound for one grant to one
 // reader's queue pair can be read through. Without windows, the registration must be readable.
-inline int register_access(const Device& device) {
-  return device.has_memory_windows() ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND
-                                     : IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
+inline int register_access(bool windows) {
+  return windows ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND : IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
 }
 
 inline void log_line(const std::string& line) { std::cerr << "th rdma: " << line << "\n"; }
@@ -151,6 +150,7 @@ struct RdmaTransport::State {
   struct Port {
     Port(const std::string& name, int gid_index) : device(name, gid_index) {}
     Device device;
+    bool windows = false;  // grants are exposed through memory windows (the device has them, and they are on)
     std::unique_ptr<MemoryRegion> progress_region;  // progress_words, registered on this device
     std::atomic<std::uint64_t> bytes_read{0};       // pulled through this device
   };
@@ -180,8 +180,8 @@ struct RdmaTransport::State {
 
   std::shared_ptr<MemoryRegion> register_memory(std::size_t port, void* base, std::uint64_t bytes) {
     ++registrations;
-    const Device& device = ports.at(port)->device;
-    return std::make_shared<MemoryRegion>(device, base, bytes, register_access(device));
+    const Port& on = *ports.at(port);
+    return std::make_shared<MemoryRegion>(on.device, base, bytes, register_access(on.windows));
   }
 
   // A registration on `port` covering [base, +bytes): the cached one of its leased run, else a new
@@ -289,6 +289,7 @@ struct RdmaTransport::State {
     const net::Fd* socket = nullptr;  // null once the link ends
   };
   std::map<std::uint64_t, std::shared_ptr<Notifier>> notifiers;  // guarded by State::mutex
+  std::map<std::uint64_t, std::size_t> link_ports;  // served link -> its port; guarded by State::mutex
 
   // Deallocates the windows of `grant` bound on `link` (0: all): a read through them fails now.
   void invalidate_windows(Grant& grant, std::uint64_t link) {

@@ -27,19 +27,41 @@ struct LinkResources {
   std::size_t port = 0;  // the rail the reader asked for, modulo this source's devices
   std::unique_ptr<CompletionQueue> cq;
   std::unique_ptr<QueuePair> qp;
-  std::vector<net::GrantKey> open;  // grants with windows on this link
+  // The grants this link's reader opened and has not closed (revoked ones too: a revoke() on a
+  // device without windows waits for the reader to let go). Guarded by State::mutex.
+  std::vector<std::pair<net::GrantKey, std::shared_ptr<RdmaTransport::State::Grant>>> open;
   std::shared_ptr<RdmaTransport::State::Notifier> notifier = std::make_shared<RdmaTransport::State::Notifier>();
+
+  bool has_open(net::GrantKey key) const {
+    return std::any_of(open.begin(), open.end(), [&](const auto& entry) { return entry.first == key; });
+  }
+  // The reader let go of `key` (or the link ends): its windows here go, and a revoke() waiting for
+  // the reader hears of it. Called with State::mutex held.
+  void close(net::GrantKey key) {
+    for (auto it = open.begin(); it != open.end();) {
+      if (it->first != key) {
+        ++it;
+        continue;
+      }
+      state.invalidate_windows(*it->second, id);
+      std::erase(it->second->opened_on, id);
+      it = open.erase(it);
+    }
+  }
+
   ~LinkResources() {
     {
       std::lock_guard writing(notifier->mutex);
       notifier->socket = nullptr;
     }
-    // Windows go before the queue pair they are bound to.
-    std::lock_guard lock(state.mutex);
-    state.notifiers.erase(id);
-    for (const net::GrantKey& key : open) {
-      if (auto grant = state.grants.find(key); grant != state.grants.end()) state.invalidate_windows(*grant->second, id);
+    {
+      // Windows go before the queue pair they are bound to (the members, after this body).
+      std::lock_guard lock(state.mutex);
+      state.notifiers.erase(id);
+      state.link_ports.erase(id);
+      while (!open.empty()) close(open.front().first);
     }
+    state.opened.notify_all();
   }
 };
 
@@ -163,14 +185,14 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
       lock.unlock();
       return refuse(Answer::kUnsupported);  // the reader pulls this one over TCP
     }
-    const bool again = std::find(link.open.begin(), link.open.end(), key) != link.open.end();
+    const bool again = link.has_open(key);
     if (!again && link.open.size() >= state.options.grants_per_link_max) {
       lock.unlock();
       return refuse(Answer::kBusy);
     }
     // Opened again on this link (the reader retried): its earlier windows go, so that re-opening
     // cannot pile windows up.
-    if (again) state.invalidate_windows(*grant, link.id);
+    if (again) link.close(key);
   }
   const RdmaTransport::State::Port& port = *state.ports[link.port];
   try {
@@ -211,7 +233,7 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     regions[i].key = grant->regions[i].bytes == 0 ? 0 : registrations[i]->get()->rkey;
   }
   std::vector<RdmaTransport::State::Window> windows;
-  if (port.device.has_memory_windows()) bind_windows(state, link, *grant, regions, windows);  // throws: link ends
+  if (port.windows) bind_windows(state, link, *grant, regions, windows);  // throws: the link ends
   OpenAnswer answer;
   answer.regions = static_cast<std::uint32_t>(regions.size());
   answer.total_bytes = grant->total_bytes;
@@ -225,7 +247,7 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     } else {
       answer.progress_address = reinterpret_cast<std::uintptr_t>(&state.progress_words[*grant->slot]);
       for (auto& window : windows) grant->windows.push_back(std::move(window));
-      if (std::find(link.open.begin(), link.open.end(), key) == link.open.end()) link.open.push_back(key);
+      if (!link.has_open(key)) link.open.emplace_back(key, grant);
       if (std::find(grant->opened_on.begin(), grant->opened_on.end(), link.id) == grant->opened_on.end()) {
         grant->opened_on.push_back(link.id);
       }
@@ -244,14 +266,13 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
 // link is neither dropped to make room nor ended for idleness (its reader's pull may take long).
 bool link_busy(RdmaTransport::State& state, const LinkResources& link) {
   std::lock_guard lock(state.mutex);
-  for (const net::GrantKey& key : link.open) {
-    auto grant = state.grants.find(key);
-    if (grant == state.grants.end()) continue;
-    for (const auto& window : grant->second->windows) {
+  for (const auto& [key, grant] : link.open) {
+    if (grant->revoked) continue;
+    for (const auto& window : grant->windows) {
       if (window.link == link.id) return true;
     }
-    // (A device without windows: an open grant is read through the registration's key.)
-    if (!state.ports[link.port]->device.has_memory_windows()) return true;
+    // (Without windows: an open grant is read through the registration's key.)
+    if (!state.ports[link.port]->windows) return true;
   }
   return false;
 }
@@ -281,6 +302,10 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
   // Rail i of the reader meets this source's device i (modulo: a source with fewer devices serves
   // several rails from one).
   link.port = hello.rail % state.ports.size();
+  {
+    std::lock_guard lock(state.mutex);
+    state.link_ports[link.id] = link.port;
+  }
   const Device& device = state.ports[link.port]->device;
   try {
     link.cq = std::make_unique<CompletionQueue>(device, 16);
@@ -331,13 +356,11 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
       if (request.kind == Kind::kOpen) {
         if (!answer_open(state, socket, link, request, budget)) return "";
       } else if (request.kind == Kind::kClose) {
-        const net::GrantKey key{request.transfer, request.epoch};
-        std::lock_guard lock(state.mutex);
-        if (auto grant = state.grants.find(key); grant != state.grants.end()) {
-          state.invalidate_windows(*grant->second, link.id);
-          std::erase(grant->second->opened_on, link.id);
+        {
+          std::lock_guard lock(state.mutex);
+          link.close({request.transfer, request.epoch});
         }
-        std::erase(link.open, key);
+        state.opened.notify_all();
       } else {
         return "an RDMA request of unknown kind";
       }

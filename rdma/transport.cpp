@@ -20,10 +20,11 @@ RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_
                                                            options.progress_slots * sizeof(std::uint64_t),
                                                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
     ++registrations;
-    if (!port->device.has_memory_windows()) {
-      log_line("device " + name +
-               " has no type-2 memory windows: readers get the registration's key, and a revoked grant "
-               "cannot cut off a late read (the TCP data plane's guarantee does not hold here)");
+    port->windows = options.memory_windows && port->device.has_memory_windows();
+    if (!port->windows) {
+      log_line("device " + name + (options.memory_windows ? " has no type-2 memory windows" : ": memory windows off") +
+               ": readers get the registration's key, and revoke() waits for the readers to let go "
+               "(at most " + std::to_string(options.revoke_ack_wait_ms) + " ms) instead of cutting them off");
     }
     ports.push_back(std::move(port));
   }
@@ -77,11 +78,12 @@ void RdmaTransport::grant(net::GrantKey key, const GrantSecret& secret, std::vec
 
 void RdmaTransport::revoke(net::GrantKey key) {
   std::vector<std::shared_ptr<State::Notifier>> readers;  // the links that opened this grant
+  std::shared_ptr<State::Grant> grant;
   {
     std::unique_lock lock(state_->mutex);
     auto found = state_->grants.find(key);
     if (found != state_->grants.end()) {
-      std::shared_ptr<State::Grant> grant = found->second;
+      grant = found->second;
       for (std::uint64_t link : grant->opened_on) {
         if (auto notifier = state_->notifiers.find(link); notifier != state_->notifiers.end()) {
           readers.push_back(notifier->second);
@@ -110,6 +112,22 @@ void RdmaTransport::revoke(net::GrantKey key) {
     if (!writing.owns_lock() || reader->socket == nullptr) continue;
     const ssize_t sent = ::send(reader->socket->get(), &notice, sizeof notice, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent > 0 && sent != static_cast<ssize_t>(sizeof notice)) reader->socket->shutdown();  // framing is lost
+  }
+  if (grant != nullptr) {
+    // Readers on ports without windows read through the registration's key: no revoke can cut
+    // them off, so wait (bounded) until each has let go; its queue pair is gone by then.
+    std::unique_lock lock(state_->mutex);
+    const bool let_go = state_->opened.wait_for(lock, std::chrono::milliseconds(state_->options.revoke_ack_wait_ms), [&] {
+      return std::none_of(grant->opened_on.begin(), grant->opened_on.end(), [&](std::uint64_t link) {
+        auto port = state_->link_ports.find(link);
+        return port != state_->link_ports.end() && !state_->ports[port->second]->windows;
+      });
+    });
+    if (!let_go) {
+      log_line("revoke of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
+               ": a reader without memory windows did not let go in " +
+               std::to_string(state_->options.revoke_ack_wait_ms) + " ms; its late reads may see the memory change");
+    }
   }
   server_->revoke(key);
 }

@@ -335,6 +335,42 @@ TEST(RdmaPair, ARoguePeerReadsNothingItWasNotGranted) {
   EXPECT_EQ(honest.landing[0], std::byte{0xEE});
 }
 
+// Without memory windows (a device that has none, or they are turned off), the registration's key
+// is handed out and revoke() falls back to the reader's acknowledgement: it tells the reader, and
+// returns only once the reader has let go (its queue pair gone), so no late READ sees the memory.
+TEST(RdmaPair, WithoutWindowsRevokeWaitsForTheReaderToLetGo) {
+  REQUIRE_DEVICE();
+  RdmaOptions no_windows;
+  no_windows.devices = {device_names()[0]};
+  no_windows.memory_windows = false;
+  auto source = std::make_unique<RdmaTransport>(net::DataServerConfig{}, no_windows);
+  auto reader = make_rdma({device_names()[0]});
+  Shard shard(15);
+  const Shard original(15);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  auto options = pull_options();
+  options.rate_bytes_per_s = 2 << 20;
+  std::atomic<bool> reader_returned{false};
+  std::atomic<bool> returned_before_revoke_did{false};
+  std::thread revoker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    source->revoke({1, 1});
+    returned_before_revoke_did = reader_returned.load();
+    std::fill(shard.allocation.begin(), shard.allocation.end(), std::byte{0x5A});  // the owner's again
+  });
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
+  reader_returned = true;
+  revoker.join();
+  EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail;
+  EXPECT_TRUE(returned_before_revoke_did) << "revoke() returned while the reader still read";
+  EXPECT_EQ(source->stats().windows_bound, 0u);
+  for (std::size_t i = 0; i < target.allocation.size(); ++i) {
+    ASSERT_TRUE(target.allocation[i] == original.allocation[i] || target.allocation[i] == std::byte{0xEE}) << i;
+  }
+}
+
 TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {
   REQUIRE_DEVICE();
   auto source = make_rdma({device_names()[0]});

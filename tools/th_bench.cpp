@@ -95,11 +95,21 @@ Side open_side(const std::string& server, const std::string& replica, const std:
   return side;
 }
 
-int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
+// A version of `gib` GiB in tensors of `tensor_mb` MB, rounded up to whole tensors.
+struct PairShape {
+  std::uint64_t tensor_bytes;
+  std::uint64_t tensors;
+  std::uint64_t total_bytes;
+};
+PairShape pair_shape(double gib, std::uint64_t tensor_mb) {
   const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
   const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
   const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
-  const std::uint64_t total_bytes = tensors * tensor_bytes;
+  return {tensor_bytes, tensors, tensors * tensor_bytes};
+}
+
+int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
+  const auto [tensor_bytes, tensors, total_bytes] = pair_shape(gib, tensor_mb);
 
   th::server::ServiceConfig config;
   config.token = kToken;
@@ -253,10 +263,7 @@ Child spawn_source(const std::vector<std::string>& args) {
 // processes spent while the reader's call ran (the reader's process also runs the embedded server).
 int run_pair_split(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport,
                    const std::string& rdma_device) {
-  const std::uint64_t tensor_bytes = tensor_mb * 1'000'000;
-  const auto total_wanted = static_cast<std::uint64_t>(gib * double(1ull << 30));
-  const std::uint64_t tensors = std::max<std::uint64_t>(1, (total_wanted + tensor_bytes - 1) / tensor_bytes);
-  const std::uint64_t total_bytes = tensors * tensor_bytes;
+  const auto [tensor_bytes, tensors, total_bytes] = pair_shape(gib, tensor_mb);
   th::server::ServiceConfig config;
   config.token = kToken;
   th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);

@@ -19,24 +19,15 @@
 #include <thread>
 #include <vector>
 
+#include "tests/net/test_bytes.h"
+
 namespace th::net {
 namespace {
 
 // The grants' secret in these tests (the hub draws one per grant).
 constexpr GrantSecret kSecret{0x5ec2e7, 0xca9ab1e};
 
-// Bytes that name their position: a byte in the wrong place cannot pass for the right one.
-std::vector<std::byte> pattern(std::size_t bytes, std::uint64_t seed) {
-  std::vector<std::byte> data(bytes);
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& byte : data) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    byte = static_cast<std::byte>(state);
-  }
-  return data;
-}
+using testing_bytes::pattern;
 
 struct Shard {
   std::vector<std::vector<std::byte>> tensors;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "net/transport.h"
+#include "tests/net/test_bytes.h"
 #include "rdma/protocol.h"  // the rogue peer below speaks the protocol by hand
 #include "rdma/transport.h"
 #include "rdma/verbs.h"
@@ -30,17 +31,7 @@ namespace {
 
 constexpr GrantSecret kSecret{0x5ec2e7, 0xca9ab1e};
 
-std::vector<std::byte> pattern(std::size_t bytes, std::uint64_t seed) {
-  std::vector<std::byte> data(bytes);
-  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& byte : data) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    byte = static_cast<std::byte>(state);
-  }
-  return data;
-}
+using testing_bytes::pattern;  // bytes that name their position
 
 // One allocation with tensors side by side (as a model's parameters often are), plus a separate
 // packed buffer: sizes that do not divide the read size, an empty tensor, a tiny one.

@@ -156,7 +156,9 @@ struct RdmaTransport::State {
   };
   static constexpr std::size_t kPortsMax = 8;
   std::vector<std::unique_ptr<Port>> ports;
-  int grant_wait_ms_max = 0;
+  int grant_wait_ms_max = 0;      // the data server's: an open may wait this long for its grant
+  std::uint32_t grant_waiters_max = 0;  // and this many opens at once (a waiting link cannot be shed)
+  std::uint32_t grant_waiters = 0;      // guarded by mutex
 
   std::atomic<std::uint64_t> pulls_rdma{0};
   std::atomic<std::uint64_t> pulls_striped{0};
@@ -287,6 +289,7 @@ struct RdmaTransport::State {
   struct Notifier {
     std::mutex mutex;
     const net::Fd* socket = nullptr;  // null once the link ends
+    net::Wakeup wakeup;  // revoke() wakes the link to look whether it is still busy
   };
   std::map<std::uint64_t, std::shared_ptr<Notifier>> notifiers;  // guarded by State::mutex
   std::map<std::uint64_t, std::size_t> link_ports;  // served link -> its port; guarded by State::mutex

@@ -65,34 +65,49 @@ struct LinkResources {
   }
 };
 
-// Binds one window per registration the grant's regions use, to this link's queue pair, and fills
-// the regions' keys. Throws VerbsError (the link is then unusable).
+// Binds one window per maximal contiguous span of the grant's regions within a registration (not
+// one over the registration: the gaps between regions are memory the grant does not expose), to
+// this link's queue pair, and fills the regions' keys. Throws VerbsError (the link then ends).
 void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTransport::State::Grant& grant,
                   std::vector<RemoteRegion>& out, std::vector<RdmaTransport::State::Window>& windows) {
-  std::map<MemoryRegion*, std::pair<std::uintptr_t, std::uintptr_t>> spans;  // registration -> [begin, end)
+  struct Span {
+    MemoryRegion* registration;
+    std::uintptr_t begin;
+    std::uintptr_t end;
+    std::vector<std::size_t> regions;  // the grant's regions inside it
+  };
+  std::vector<std::size_t> order;
   for (std::size_t i = 0; i < grant.regions.size(); ++i) {
-    if (grant.regions[i].bytes == 0) continue;
-    const auto begin = reinterpret_cast<std::uintptr_t>(grant.regions[i].base);
-    auto [span, fresh] = spans.try_emplace(grant.registrations[link.port][i].get(), begin, begin + grant.regions[i].bytes);
-    if (!fresh) {
-      span->second.first = std::min(span->second.first, begin);
-      span->second.second = std::max(span->second.second, begin + grant.regions[i].bytes);
-    }
+    if (grant.regions[i].bytes > 0) order.push_back(i);
   }
-  std::map<MemoryRegion*, std::uint32_t> keys;
-  std::uint32_t posted = 0;
-  for (const auto& [region, span] : spans) {
+  const auto& registrations = grant.registrations[link.port];
+  const auto begin_of = [&](std::size_t i) { return reinterpret_cast<std::uintptr_t>(grant.regions[i].base); };
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::pair(registrations[a].get(), begin_of(a)) < std::pair(registrations[b].get(), begin_of(b));
+  });
+  std::vector<Span> spans;
+  for (std::size_t i : order) {
+    const std::uintptr_t begin = begin_of(i);
+    const std::uintptr_t end = begin + grant.regions[i].bytes;
+    if (!spans.empty() && spans.back().registration == registrations[i].get() && begin <= spans.back().end) {
+      spans.back().end = std::max(spans.back().end, end);  // touching (or overlapping): one window
+    } else {
+      spans.push_back({registrations[i].get(), begin, end, {}});
+    }
+    spans.back().regions.push_back(i);
+  }
+  for (const Span& span : spans) {
+    TH_ASSERT(span.registration->covers(span.begin, span.end - span.begin), "a window inside its registration");
     auto window = std::make_unique<MemoryWindow>(state.ports[link.port]->device);
     ibv_send_wr request{};
     ibv_send_wr* bad = nullptr;
     request.opcode = IBV_WR_BIND_MW;
     request.send_flags = IBV_SEND_SIGNALED;
-    request.wr_id = posted++;
     request.bind_mw.mw = window->get();
     request.bind_mw.rkey = ibv_inc_rkey(window->get()->rkey);
-    request.bind_mw.bind_info.mr = region->get();
-    request.bind_mw.bind_info.addr = span.first;
-    request.bind_mw.bind_info.length = span.second - span.first;
+    request.bind_mw.bind_info.mr = span.registration->get();
+    request.bind_mw.bind_info.addr = span.begin;
+    request.bind_mw.bind_info.length = span.end - span.begin;
     request.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_READ;
     if (const int result = ibv_post_send(link.qp->get(), &request, &bad); result != 0) {
       throw VerbsError("ibv_post_send(BIND_MW) failed: " + std::string(std::strerror(result)));
@@ -107,12 +122,9 @@ void bind_windows(RdmaTransport::State& state, LinkResources& link, RdmaTranspor
     if (completion.status != IBV_WC_SUCCESS) {
       throw VerbsError(std::string("binding a memory window failed: ") + ibv_wc_status_str(completion.status));
     }
-    keys[region] = request.bind_mw.rkey;
+    for (std::size_t i : span.regions) out[i].key = request.bind_mw.rkey;
     windows.push_back({link.id, std::move(window)});
     ++state.windows_bound;
-  }
-  for (std::size_t i = 0; i < grant.regions.size(); ++i) {
-    out[i].key = grant.regions[i].bytes == 0 ? 0 : keys.at(grant.registrations[link.port][i].get());
   }
 }
 
@@ -166,12 +178,17 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
   {
     std::unique_lock lock(state.mutex);
     auto found = state.grants.find(key);
-    if (found == state.grants.end() && budget.grant_wait_left_ms > 0 && !state.revoked_recently(key)) {
-      // The hub tells reader and source at once: the open may come first.
+    if (found == state.grants.end() && budget.grant_wait_left_ms > 0 && !state.revoked_recently(key) &&
+        state.grant_waiters < state.grant_waiters_max) {
+      // The hub tells reader and source at once: the open may come first. A waiting link is busy
+      // (it cannot be shed to make room), so waits are capped, as the TCP data plane's are:
+      // otherwise anyone reaching the port could keep every slot waiting for grants that never come.
+      ++state.grant_waiters;
       const auto began = Clock::now();
       state.granted.wait_for(lock, std::chrono::milliseconds(budget.grant_wait_left_ms), [&] {
         return (found = state.grants.find(key)) != state.grants.end() || state.revoked_recently(key);
       });
+      --state.grant_waiters;
       budget.grant_wait_left_ms -= static_cast<int>(
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began).count());
     }
@@ -340,10 +357,11 @@ std::string ServedLink::serve(const net::Fd& socket, std::span<const std::byte> 
     if (!busy && Clock::now() - idle_since > std::chrono::milliseconds(state.options.link_idle_timeout_ms)) {
       return "";  // idle for link_idle_timeout_ms: the reader dials again when it needs to
     }
-    pollfd waiting{socket.get(), POLLIN, 0};
-    const int ready = ::poll(&waiting, 1, kSliceMs);
+    pollfd waiting[2] = {{socket.get(), POLLIN, 0}, {link.notifier->wakeup.fd().get(), POLLIN, 0}};
+    const int ready = ::poll(waiting, 2, kSliceMs);
     if (ready < 0 && errno != EINTR) return std::string("poll: ") + std::strerror(errno);
-    if (ready <= 0) continue;
+    if (waiting[1].revents != 0) link.notifier->wakeup.clear();  // a revoke: look again at once
+    if (ready <= 0 || waiting[0].revents == 0) continue;
     connection.set_idle(false);
     Request request;
     // The request began: the rest must come by the handshake deadline.

@@ -35,6 +35,7 @@ RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_
 RdmaTransport::RdmaTransport(net::DataServerConfig tcp, RdmaOptions options)
     : state_(std::make_shared<State>(std::move(options))) {
   state_->grant_wait_ms_max = tcp.grant_wait_ms_max;
+  state_->grant_waiters_max = tcp.grant_waiters_max;
   tcp.extension = make_served_link(state_);
   server_ = std::make_unique<net::DataServer>(std::move(tcp));
 }
@@ -106,6 +107,7 @@ void RdmaTransport::revoke(net::GrantKey key) {
   // Never blocking: revoke() runs on the client's I/O thread, and a reader that does not drain its
   // link must not stall it. A notice that does not fit now is skipped (the reader's next READ fails).
   const RevokedNotice notice{kNoticeMagic, key.epoch, key.transfer};
+  for (const auto& reader : readers) reader->wakeup.signal();  // the link is not busy any more
   if (!state_->options.revoke_notices) readers.clear();
   for (const auto& reader : readers) {
     std::unique_lock writing(reader->mutex, std::try_to_lock);

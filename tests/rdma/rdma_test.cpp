@@ -264,14 +264,18 @@ struct RoguePeer {
     EXPECT_EQ(answer.status, Answer::kOk);
     qp.connect(local, {answer.qp_number, answer.packet_sequence, answer.lid, answer.mtu, answer.gid}, 14, 7);
   }
-  // Opens a grant like a reader; returns its regions (empty when refused).
-  std::vector<RemoteRegion> open(net::GrantKey key, const GrantSecret& secret) {
+  // Asks to open a grant like a reader, without waiting for the answer.
+  void send_open(net::GrantKey key, const GrantSecret& secret) {
     Request request;
     request.kind = Kind::kOpen;
     request.transfer = key.transfer;
     request.epoch = key.epoch;
     std::memcpy(request.gid.data(), secret.data(), sizeof secret);
     net::send_all(socket, &request, sizeof request);
+  }
+  // Opens a grant like a reader; returns its regions (empty when refused).
+  std::vector<RemoteRegion> open(net::GrantKey key, const GrantSecret& secret) {
+    send_open(key, secret);
     OpenAnswer answer;
     net::recv_all(socket, &answer, sizeof answer);
     std::vector<RemoteRegion> regions(answer.status == Answer::kOk ? answer.regions : 0);
@@ -360,6 +364,59 @@ TEST(RdmaPair, WithoutWindowsRevokeWaitsForTheReaderToLetGo) {
   for (std::size_t i = 0; i < target.allocation.size(); ++i) {
     ASSERT_TRUE(target.allocation[i] == original.allocation[i] || target.allocation[i] == std::byte{0xEE}) << i;
   }
+}
+
+// A grant of two regions of one allocation with a gap between them: each region gets a window of
+// its own, and no window covers the gap (one over the registration would expose memory the grant
+// does not: the other tensors of the allocation). The window geometry is what is checked: rxe of
+// kernel 6.1 checks a READ against the window's registration, not the window's own bounds, so a
+// read of the gap through a window succeeds there (real NICs refuse it); the test says which.
+TEST(RdmaPair, NoWindowCoversTheGapBetweenAGrantsRegions) {
+  REQUIRE_DEVICE();
+  auto source = make_rdma({device_names()[0]});
+  std::vector<std::byte> allocation = pattern(192 << 10, 16);
+  const auto lease = source->lease_memory(allocation.data(), allocation.size());  // one registration
+  source->grant({1, 1}, kSecret, {{allocation.data(), 64 << 10}, {allocation.data() + (128 << 10), 64 << 10}},
+                std::make_shared<net::Progress>(128 << 10));
+  RoguePeer reader(source->endpoint());
+  const std::vector<RemoteRegion> regions = reader.open({1, 1}, kSecret);
+  ASSERT_EQ(regions.size(), 2u);
+  EXPECT_EQ(source->stats().windows_bound, 2u) << "a window per contiguous span, not one per registration";
+  EXPECT_NE(regions[0].key, regions[1].key);
+  for (const RemoteRegion& region : regions) {
+    EXPECT_EQ(reader.read(region.address, region.key, 4096), IBV_WC_SUCCESS);
+    EXPECT_EQ(std::memcmp(reader.landing.data(), reinterpret_cast<const std::byte*>(region.address), 4096), 0);
+  }
+  std::fill(reader.landing.begin(), reader.landing.end(), std::byte{0xEE});
+  const ibv_wc_status gap = reader.read(regions[0].address + (64 << 10), regions[0].key, 4096);
+  std::cout << "a read of the gap through region 0's window: " << ibv_wc_status_str(gap)
+            << (gap == IBV_WC_SUCCESS ? " (this device does not check a window's bounds)" : "") << "\n";
+}
+
+// Anyone who reaches the data port can ask to open grants that do not exist; each such open waits
+// a while for its grant, busy, so it cannot be shed. Those waits are capped (grant_waiters_max),
+// so such peers cannot hold every slot: an honest reader still gets one (an idle peer is shed).
+TEST(RdmaPair, OpensOfGrantsThatNeverComeDoNotLockReadersOut) {
+  REQUIRE_DEVICE();
+  net::DataServerConfig small;
+  small.connections_max = 24;
+  small.grant_waiters_max = 8;
+  RdmaOptions options;
+  options.devices = {device_names()[0]};
+  auto source = std::make_unique<RdmaTransport>(small, options);
+  auto reader = make_rdma({device_names()[0]});
+  std::vector<std::unique_ptr<RoguePeer>> squatters;
+  for (std::uint32_t i = 0; i < small.connections_max; ++i) {
+    squatters.push_back(std::make_unique<RoguePeer>(source->endpoint()));
+    squatters.back()->send_open({9'000 + i, 1}, kSecret);  // no such grant: waits, or is refused
+  }
+  Shard shard(17);
+  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  Target target(shard);
+  auto regions = target.regions();
+  const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, pull_options());
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_TRUE(target.equals(shard));
 }
 
 TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {

@@ -55,7 +55,7 @@ TEST_F(EndToEnd, PipelineReadsFromAPartialSource) {
   const std::string server = start_server();
   Process& trainer = worker({server}, "trainer", {"--tensor-bytes", "8000000"}, {"publish:1", "wait-line"});
   expect(trainer, "publish ok 1");
-  const std::vector<std::string> slow = {"--read-rate", "40000000", "--tensor-bytes", "8000000", "--report-source"};
+  const std::vector<std::string> slow = {"--read-rate", read_rate(40000000), "--tensor-bytes", "8000000", "--report-source"};
   Process& first = worker({server}, "rollout-a", slow, {"replicate:latest", "verify"});
   EXPECT_EQ(expect(first, "source "), "source trainer");
   Process& second = worker({server}, "rollout-b", slow, {"replicate:latest", "verify"});
@@ -71,7 +71,7 @@ TEST_F(EndToEnd, UnpublishWaitsForAnInFlightReader) {
   const std::string server = start_server();
   Process& trainer = worker({server}, "trainer", {"--tensor-bytes", "8000000"}, {"publish:1", "wait-line", "unpublish", "scribble"});
   expect(trainer, "publish ok 1");
-  Process& rollout = worker({server}, "rollout", {"--read-rate", "30000000", "--tensor-bytes", "8000000", "--report-source"},
+  Process& rollout = worker({server}, "rollout", {"--read-rate", read_rate(30000000), "--tensor-bytes", "8000000", "--report-source"},
                             {"replicate:latest", "verify"});
   expect(rollout, "source trainer");
   trainer.send_line("go");
@@ -88,7 +88,7 @@ TEST_F(EndToEnd, ReaderFinishesFromAnotherSourceAfterKill9) {
   expect(trainer, "publish ok 1");
   Process& first = worker({server}, "rollout-a", big, {"replicate:latest", "verify", "wait-line"});
   EXPECT_EQ(expect(first, "verify "), "verify ok 1");
-  Process& reader = worker({server}, "rollout-b", {"--tensor-bytes", "8000000", "--read-rate", "20000000", "--report-source"},
+  Process& reader = worker({server}, "rollout-b", {"--tensor-bytes", "8000000", "--read-rate", read_rate(20000000), "--report-source"},
                            {"replicate:latest", "verify"});
   const std::string source = expect(reader, "source ").substr(7);
   ASSERT_TRUE(source == "trainer" || source == "rollout-a") << source;
@@ -163,7 +163,7 @@ TEST_F(EndToEnd, ASeederKilledMidSeedIsReplacedByAnotherReplicaOfItsDatacenter) 
   Process& trainer = worker({server}, "trainer", trainer_flags, {"publish:1", "wait-line", "unpublish"});
   expect(trainer, "publish ok 1");
   // About 6 s to read 24 MB at 4 MB/s: killed well before the seed is whole.
-  Process& slow = worker({server}, "far1", {"--tensor-bytes", "8000000", "--read-rate", "4000000",
+  Process& slow = worker({server}, "far1", {"--tensor-bytes", "8000000", "--read-rate", read_rate(4000000),
                                             "--datacenter", "dc1"},
                          {"update:latest", "wait-line"});
   EXPECT_EQ(expect(slow, "update "), "update not-yet nothing from ");

@@ -40,6 +40,15 @@ class ProcessTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
 
+  // A worker's --read-rate: `bytes_per_s`, divided by TH_E2E_SLOWDOWN where the suite runs on a
+  // slow machine (the rdma guest emulates its CPUs: a reader must still be reading when the next
+  // worker, slower to start there, comes to pipeline from it).
+  static std::string read_rate(std::uint64_t bytes_per_s) {
+    const char* slowdown = std::getenv("TH_E2E_SLOWDOWN");
+    const std::uint64_t factor = slowdown != nullptr ? std::max<std::uint64_t>(1, std::strtoull(slowdown, nullptr, 10)) : 1;
+    return std::to_string(bytes_per_s / factor);
+  }
+
   // The suite runs once per transport (TH_E2E_TRANSPORT, set by the rdma guest): under rdma every
   // pull a worker made must have been one-sided (workers say how on stderr, into their logs).
   void expect_pulls_over_the_transport_asked_for() {

@@ -449,6 +449,14 @@ Result<Version> Handle::Impl::publish(Version version) {
   return std::get<PublishOk>(outcome).version;
 }
 
+void Handle::Impl::interrupt(const std::string& why) {
+  {
+    std::lock_guard lock(calls_mutex_);
+    if (!fatal_) fatal_ = make_error(Errc::kUnavailable, "interrupted: " + why);
+  }
+  call_done_.notify_all();
+}
+
 HandleStats Handle::Impl::stats() const {
   std::lock_guard lock(stats_mutex_);
   HandleStats stats = stats_;
@@ -609,6 +617,7 @@ Status Handle::close() {
   if (exclusive.refused()) return OneCallAtATime::error();
   return as_status(impl_->call(CloseRequest{}));
 }
+void Handle::interrupt(const std::string& why) { impl_->interrupt(why); }
 std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
 std::uint64_t Handle::client_id() const { return impl_->client_id(); }
 HandleStats Handle::stats() const { return impl_->stats(); }

@@ -111,6 +111,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
   Result<Version> publish(Version version);
+  void interrupt(const std::string& why);
   Plan plan_copy();
   bool is_open();
   void shutdown();

@@ -108,6 +108,36 @@ PairShape pair_shape(double gib, std::uint64_t tensor_mb) {
   return {tensor_bytes, tensors, tensors * tensor_bytes};
 }
 
+// register: how long registering `tensors` small tensors takes (a state dict's worth), the
+// reference of the Python package's register_state_dict (bench/run-python-overhead).
+int run_register(std::uint64_t tensors, std::uint64_t tensor_bytes, int rounds) {
+  th::server::ServiceConfig config;
+  config.token = kToken;
+  th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
+  std::vector<double> seconds;
+  for (int round = 0; round < rounds; ++round) {
+    th::ClientOptions options;
+    options.servers = {server.address()};
+    options.token = kToken;
+    options.model = "bench-register";
+    options.replica = "r" + std::to_string(round);
+    auto handle = value_or_die(th::Handle::open(options), "open");
+    std::vector<float> memory(tensors * tensor_bytes / sizeof(float));
+    const auto started = std::chrono::steady_clock::now();
+    for (std::uint64_t i = 0; i < tensors; ++i) {
+      ok_or_die(handle->register_tensor("layers." + std::to_string(i) + ".weight",
+                                        reinterpret_cast<std::byte*>(memory.data()) + i * tensor_bytes, tensor_bytes,
+                                        th::DType::kFloat32),
+                "register");
+    }
+    seconds.push_back(seconds_since(started));
+  }
+  std::cout << std::fixed << std::setprecision(6) << "th-bench register: " << tensors << " tensors of " << tensor_bytes
+            << " bytes, median of " << rounds << ": " << median(seconds) * 1e3 << " ms\n";
+  std::cout << "RESULT register_tensors=" << tensors << " register_ms=" << median(seconds) * 1e3 << std::endl;
+  return 0;
+}
+
 int run_pair(double gib, std::uint64_t tensor_mb, int rounds, std::uint32_t streams, const std::string& transport) {
   const auto [tensor_bytes, tensors, total_bytes] = pair_shape(gib, tensor_mb);
 
@@ -373,6 +403,13 @@ int main(int argc, char** argv) {
   pair_source->add_option("--transport", transport)->required();
   pair_source->add_option("--rdma-device", rdma_device);
 
+  auto* reg = app.add_subcommand("register", "Registering a state dict's worth of small tensors (the Python package's reference)");
+  std::uint64_t register_tensors = 500;
+  std::uint64_t register_bytes = 4000;
+  reg->add_option("--tensors", register_tensors)->capture_default_str()->check(CLI::Range(1, 1000000));
+  reg->add_option("--bytes", register_bytes, "bytes per tensor")->capture_default_str()->check(CLI::Range(4, 1 << 30));
+  reg->add_option("--rounds", rounds)->capture_default_str();
+
   auto* control = app.add_subcommand(
       "control-load", "Clients in a closed loop of publish -> update(latest) -> unpublish (bench/run-control-plane)");
   th::bench::ControlLoadOptions load;
@@ -410,6 +447,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);
+  if (reg->parsed()) return run_register(register_tensors, register_bytes, rounds);
   if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport, rdma_device);
   if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams, transport);
   if (pair_source->parsed()) return run_pair_source(source_server, tensor_mb * 1'000'000, source_tensors, transport, rdma_device);

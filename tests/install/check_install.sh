@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# cmake --install into a scratch prefix, then build and run a consumer with find_package(TensorHub).
+# cmake --install into a scratch prefix, then build and run a consumer with find_package(TensorHub);
+# and, where the Python package was built, import it from the prefix with Debian's python3.
 set -euo pipefail
 build_dir=$1
 source_dir=$(cd "$(dirname "$0")" && pwd)
@@ -9,3 +10,9 @@ cmake --install "$build_dir" --prefix "$scratch/prefix" > /dev/null
 cmake -S "$source_dir/consumer" -B "$scratch/build" -G Ninja -DCMAKE_PREFIX_PATH="$scratch/prefix" > /dev/null
 cmake --build "$scratch/build" > /dev/null
 LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/build/consumer"
+python_dir=$(ls -d "$scratch"/prefix/lib*/python3*/dist-packages 2> /dev/null | head -1)
+if [ -n "$python_dir" ]; then
+  PYTHONPATH="$python_dir" /usr/bin/python3 -c \
+    'import tensorhub, sys; assert tensorhub.__file__.startswith(sys.argv[1]), tensorhub.__file__; print("python: import tensorhub ok from", sys.argv[1])' \
+    "$python_dir"
+fi

@@ -150,6 +150,12 @@ class Handle {
   // Leaves: blocks until readers of this replica drained. The handle is then done.
   Status close();
 
+  // Makes the call that waits on this handle now, and every later one, return kUnavailable
+  // ("interrupted: <why>") at once. The only call another thread may make while one runs: for a
+  // language binding's Ctrl-C, or a process that shuts down. Then the handle can only be dropped
+  // (the server evicts the shard after its heartbeat timeout).
+  void interrupt(const std::string& why);
+
   // This shard's data-plane address (what peers connect to).
   std::string data_endpoint() const;
   // The id the server knows this handle by (th-server's logs name clients by it).

@@ -1,0 +1,299 @@
+// tensorhub._core: libthclient for Python (pybind11). The pure-Python package around it
+// (python/tensorhub/) turns torch tensors and numpy arrays into registrations, codes into typed
+// exceptions, and results into small classes; this file is the thin, careful part:
+//   - every call that can block runs on a thread of its own while the calling thread waits without
+//     the GIL, waking every 100 ms to let Python handle signals: Ctrl-C raises KeyboardInterrupt
+//     within ~0.1 s, and the handle then interrupts the call (Handle::interrupt) and is done;
+//   - errors come back as (code name, detail): tensorhub raises the exception class of that code.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <variant>
+
+#include "tensorhub/client.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// What Python sees of an error: the code's name ("version-unavailable") and the detail.
+struct CallError {
+  std::string code;
+  std::string detail;
+};
+
+[[noreturn]] void raise(const th::Error& error) { throw CallError{std::string(th::errc_name(error.code)), error.detail}; }
+
+template <typename T>
+T value_or_raise(th::Result<T> result) {
+  if (!result.ok()) raise(result.error());
+  return std::move(result).value();
+}
+
+void ok_or_raise(const th::Status& status) {
+  if (!status.ok()) raise(status.error());
+}
+
+constexpr auto kSignalCheck = std::chrono::milliseconds(100);
+
+// One shard's handle. Owns the C++ handle and the thread of the call in progress (at most one: a
+// handle's calls come from one thread at a time).
+class PyHandle {
+ public:
+  explicit PyHandle(th::ClientOptions options) {
+    auto opened = run([&] { return th::Handle::open(options); }, /*interruptible=*/false);
+    handle_ = value_or_raise(std::move(opened));
+  }
+  ~PyHandle() { drop(); }
+
+  void register_tensor(const std::string& name, std::uintptr_t data, std::uint64_t bytes, const std::string& dtype,
+                       bool cuda) {
+    const std::optional<th::DType> parsed = th::parse_dtype(dtype);
+    if (!parsed) throw CallError{"invalid-argument", "unknown dtype '" + dtype + "'"};
+    ok_or_raise(live().register_tensor(name, reinterpret_cast<void*>(data), bytes, *parsed,
+                                       cuda ? th::MemoryKind::kCuda : th::MemoryKind::kCpu));
+  }
+  void unregister_tensor(const std::string& name) { ok_or_raise(live().unregister_tensor(name)); }
+  th::Version publish(th::Version version) {
+    return value_or_raise(run([&] { return live().publish(version); }));
+  }
+  void unpublish() { ok_or_raise(run([&] { return live().unpublish(); })); }
+  py::tuple replicate(const std::string& selector, th::TimeMs timeout_ms) {
+    const th::ReplicateInfo info = value_or_raise(run([&] { return live().replicate(selector, timeout_ms); }));
+    return py::make_tuple(info.version, info.source_replica);
+  }
+  py::tuple update(const std::string& selector) {
+    const th::UpdateInfo info = value_or_raise(run([&] { return live().update(selector); }));
+    return py::make_tuple(std::string(th::update_status_name(info.status)), info.version, info.source_replica);
+  }
+  void wait(const std::string& kind, th::Version version, std::uint32_t replicas_min, const std::string& role,
+            th::TimeMs timeout_ms) {
+    th::WaitPredicate predicate;
+    if (kind == "version-at-least") {
+      predicate.kind = th::WaitPredicate::Kind::kVersionAtLeast;
+    } else if (kind == "replicas-hold") {
+      predicate.kind = th::WaitPredicate::Kind::kReplicasHold;
+    } else if (kind == "role-holds") {
+      predicate.kind = th::WaitPredicate::Kind::kRoleHolds;
+    } else {
+      throw CallError{"invalid-argument", "unknown wait kind '" + kind + "'"};
+    }
+    predicate.version = version;
+    predicate.replicas_min = replicas_min;
+    predicate.role = role;
+    ok_or_raise(run([&] { return live().wait(predicate, timeout_ms); }));
+  }
+  py::dict list() {
+    const th::ListSnapshot snapshot = value_or_raise(run([&] { return live().list(); }));
+    py::dict out;
+    out["model"] = snapshot.model;
+    out["latest"] = snapshot.latest;
+    py::list versions;
+    for (const auto& v : snapshot.versions) {
+      py::dict entry;
+      entry["version"] = v.version;
+      entry["complete"] = v.complete;
+      entry["partial"] = v.partial;
+      entry["retained"] = v.retained;
+      entry["offloaded"] = v.offloaded;
+      versions.append(entry);
+    }
+    out["versions"] = versions;
+    py::list replicas;
+    for (const auto& r : snapshot.replicas) {
+      py::dict entry;
+      entry["name"] = r.name;
+      entry["incarnation"] = r.incarnation;
+      entry["datacenter"] = r.datacenter;
+      entry["spot"] = r.spot;
+      entry["role"] = r.role;
+      entry["num_shards"] = r.num_shards;
+      entry["state"] = r.state;
+      entry["version"] = r.version;
+      entry["serving"] = r.serving;
+      entry["offloads"] = r.offloads;
+      replicas.append(entry);
+    }
+    out["replicas"] = replicas;
+    return out;
+  }
+  void close() {
+    if (handle_ == nullptr) return;
+    ok_or_raise(run([&] { return live().close(); }));
+  }
+  py::dict stats() const {
+    const th::HandleStats s = live().stats();
+    py::dict out;
+    out["bytes_received"] = s.bytes_received;
+    out["bytes_served"] = s.bytes_served;
+    out["reads_failed"] = s.reads_failed;
+    out["checksum_failures"] = s.checksum_failures;
+    out["last_read_seconds"] = s.last_read_seconds;
+    out["last_pull_seconds"] = s.last_pull_seconds;
+    out["last_read_bytes"] = s.last_read_bytes;
+    out["reading_from"] = s.reading_from;
+    out["transport"] = s.transport;
+    out["pulls_rdma"] = s.pulls_rdma;
+    out["pulls_tcp"] = s.pulls_tcp;
+    out["pulls_fell_back"] = s.pulls_fell_back;
+    out["memory_registrations"] = s.memory_registrations;
+    return out;
+  }
+  std::string data_endpoint() const { return live().data_endpoint(); }
+  std::uint64_t client_id() const { return live().client_id(); }
+  // Leaves without a word (after an interrupted call, or when Python drops the handle).
+  void drop() {
+    if (call_.joinable()) {
+      if (handle_ != nullptr) handle_->interrupt("the Python handle is dropped");
+      py::gil_scoped_release unlocked;
+      call_.join();
+    }
+    py::gil_scoped_release unlocked;  // the destructor closes (bounded) and joins threads
+    handle_.reset();
+  }
+
+ private:
+  th::Handle& live() const {
+    if (handle_ == nullptr) throw CallError{"unavailable", "the handle is closed"};
+    if (interrupted_) {
+      throw CallError{"unavailable", "an earlier call was interrupted (Ctrl-C): this handle is done; open another"};
+    }
+    return *handle_;
+  }
+
+  // Runs `call` on a thread of its own and waits for it without the GIL, looking at Python's
+  // signals every 100 ms. A signal's exception (KeyboardInterrupt) interrupts the call, which then
+  // returns at once, and goes on up; the handle is done.
+  template <typename Call>
+  auto run(Call call, bool interruptible = true) -> decltype(call()) {
+    using R = decltype(call());
+    if (call_.joinable()) call_.join();  // the last call's thread, finished
+    std::mutex mutex;
+    std::condition_variable finished;
+    std::optional<R> result;
+    std::exception_ptr failure;
+    call_ = std::thread([&] {
+      std::optional<R> value;
+      std::exception_ptr error;
+      try {
+        value.emplace(call());
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard lock(mutex);
+      result = std::move(value);
+      failure = error;
+      finished.notify_all();
+    });
+    for (;;) {
+      {
+        py::gil_scoped_release unlocked;
+        std::unique_lock lock(mutex);
+        if (finished.wait_for(lock, kSignalCheck, [&] { return result.has_value() || failure != nullptr; })) break;
+      }
+      if (PyErr_CheckSignals() != 0) {
+        // KeyboardInterrupt (or what a handler raised): stop the call, wait for its thread (it
+        // returns at once now), and let the exception go on.
+        interrupted_ = true;
+        if (interruptible && handle_ != nullptr) handle_->interrupt("Ctrl-C");
+        {
+          py::gil_scoped_release unlocked;
+          call_.join();
+        }
+        throw py::error_already_set();
+      }
+    }
+    {
+      py::gil_scoped_release unlocked;
+      call_.join();
+    }
+    if (failure) std::rethrow_exception(failure);
+    return std::move(*result);
+  }
+
+  std::unique_ptr<th::Handle> handle_;
+  std::thread call_;
+  bool interrupted_ = false;
+};
+
+th::ClientOptions options_from(const py::kwargs& kwargs) {
+  th::ClientOptions options;
+  for (const auto& [key_object, value] : kwargs) {
+    const std::string key = py::cast<std::string>(key_object);
+    if (key == "servers") options.servers = py::cast<std::vector<std::string>>(value);
+    else if (key == "token") options.token = py::cast<std::string>(value);
+    else if (key == "model") options.model = py::cast<std::string>(value);
+    else if (key == "replica") options.replica = py::cast<std::string>(value);
+    else if (key == "incarnation") options.incarnation = py::cast<std::uint64_t>(value);
+    else if (key == "shard") options.shard = py::cast<std::uint32_t>(value);
+    else if (key == "num_shards") options.num_shards = py::cast<std::uint32_t>(value);
+    else if (key == "datacenter") options.datacenter = py::cast<std::string>(value);
+    else if (key == "spot") options.spot = py::cast<bool>(value);
+    else if (key == "role") options.role = py::cast<std::string>(value);
+    else if (key == "keep_latest") options.retention.keep_latest = py::cast<std::optional<std::uint64_t>>(value);
+    else if (key == "pinned") options.retention.pinned = py::cast<std::vector<th::Version>>(value);
+    else if (key == "data_listen") options.data_listen = py::cast<std::string>(value);
+    else if (key == "data_advertise") options.data_advertise = py::cast<std::string>(value);
+    else if (key == "transport") options.transport = py::cast<std::string>(value);
+    else if (key == "rdma_device") options.rdma_device = py::cast<std::string>(value);
+    else if (key == "rdma_gid_index") options.rdma_gid_index = py::cast<int>(value);
+    else if (key == "heartbeat_interval_ms") options.heartbeat_interval_ms = py::cast<th::TimeMs>(value);
+    else if (key == "open_timeout_ms") options.open_timeout_ms = py::cast<th::TimeMs>(value);
+    else if (key == "chunk_bytes") options.chunk_bytes = py::cast<std::uint64_t>(value);
+    else if (key == "read_rate_bytes_per_s") options.read_rate_bytes_per_s = py::cast<std::uint64_t>(value);
+    else if (key == "data_streams") options.data_streams = py::cast<std::uint32_t>(value);
+    else if (key == "data_timeout_ms") options.data_timeout_ms = py::cast<th::TimeMs>(value);
+    else if (key == "server_timeout_ms") options.server_timeout_ms = py::cast<th::TimeMs>(value);
+    else if (key == "tls_ca_file") options.tls_ca_file = py::cast<std::string>(value);
+    else if (key == "tls_server_name") options.tls_server_name = py::cast<std::string>(value);
+    else throw py::type_error("Handle() got an unexpected keyword argument '" + key + "'");
+  }
+  return options;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, module) {
+  module.doc() = "libthclient for Python; use the tensorhub package, not this module.";
+  // CallError -> tensorhub.errors: the package installs the translator's target (set_error_factory).
+  // Never destroyed: it would outlive the interpreter at exit.
+  static auto* error_factory = new py::object();
+  module.def("set_error_factory", [](py::object factory) { *error_factory = std::move(factory); });
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const CallError& error) {
+      if (!*error_factory) {
+        PyErr_SetString(PyExc_RuntimeError, (error.code + ": " + error.detail).c_str());
+        return;
+      }
+      py::object exception = (*error_factory)(error.code, error.detail);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
+    }
+  });
+  py::class_<PyHandle>(module, "Handle")
+      .def(py::init([](const py::kwargs& kwargs) { return std::make_unique<PyHandle>(options_from(kwargs)); }))
+      .def("register_raw", &PyHandle::register_tensor, py::arg("name"), py::arg("data"), py::arg("bytes"),
+           py::arg("dtype"), py::arg("cuda"))
+      .def("unregister", &PyHandle::unregister_tensor)
+      .def("publish", &PyHandle::publish)
+      .def("unpublish", &PyHandle::unpublish)
+      .def("replicate", &PyHandle::replicate, py::arg("selector"), py::arg("timeout_ms"))
+      .def("update", &PyHandle::update, py::arg("selector"))
+      .def("wait", &PyHandle::wait, py::arg("kind"), py::arg("version"), py::arg("replicas_min"), py::arg("role"),
+           py::arg("timeout_ms"))
+      .def("list", &PyHandle::list)
+      .def("close", &PyHandle::close)
+      .def("drop", &PyHandle::drop)
+      .def("stats", &PyHandle::stats)
+      .def_property_readonly("data_endpoint", &PyHandle::data_endpoint)
+      .def_property_readonly("client_id", &PyHandle::client_id);
+}

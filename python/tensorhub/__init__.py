@@ -1,0 +1,323 @@
+"""TensorHub for Python: weight transfer for LLM reinforcement learning, over libthclient.
+
+One :class:`Handle` is one shard of one replica (a trainer rank, or a rollout worker's shard). A
+trainer publishes the weights in its tensors; rollouts pull them straight into theirs::
+
+    import tensorhub
+    with tensorhub.Handle(servers=["10.0.0.1:7400"], token=token, model="llama", replica="rollout-3",
+                          role="rollout") as hub:
+        hub.register_module(model)           # the model's own parameters, written in place
+        hub.replicate("latest")              # blocks until the newest version is in them
+        ...
+        info = hub.update("latest")          # later: a newer version, if there is one
+        if info.updated: ...
+
+Blocking calls release the GIL and honour Ctrl-C within a tenth of a second (the handle is then
+done: open another). Failures raise the exception class of their code (:mod:`tensorhub.errors`).
+Tensors: torch tensors (CPU; CUDA is refused until libthclient moves GPU memory), numpy arrays and
+any writable C-contiguous buffer, or objects with ``__dlpack__``. A registered object is kept alive
+until it is unregistered or the handle is closed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
+
+from . import errors
+from ._core import Handle as _CoreHandle
+from ._core import set_error_factory as _set_error_factory
+from .errors import *  # noqa: F401,F403  (the exception classes, as tensorhub.VersionUnavailable etc.)
+from .errors import InvalidArgument, TensorHubError
+
+_set_error_factory(errors.error_of)
+
+__all__ = ["Handle", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError"] + [
+    name for name in dir(errors) if isinstance(getattr(errors, name), type)
+    and issubclass(getattr(errors, name), TensorHubError) and name != "TensorHubError"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicateInfo:
+    """What replicate() brought: the version, and the replica the bytes came from."""
+    version: int
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateInfo:
+    """What update() did: ``status`` is "updated", "no-newer-version" or "not-yet" (nothing
+    published yet); ``version`` is what the shard holds now (None: nothing)."""
+    status: str
+    version: Optional[int]
+    source: str
+
+    @property
+    def updated(self) -> bool:
+        return self.status == "updated"
+
+
+# ---- Tensors -------------------------------------------------------------------------------------
+
+_TORCH_DTYPES: Dict[str, str] = {
+    "torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+    "torch.float64": "float64", "torch.int8": "int8", "torch.uint8": "uint8", "torch.int16": "int16",
+    "torch.int32": "int32", "torch.int64": "int64", "torch.bool": "bool",
+    "torch.float8_e4m3fn": "float8_e4m3", "torch.float8_e5m2": "float8_e5m2",
+}
+# struct-module formats of the buffer protocol (numpy arrays, array.array, bytearray, mmap, ...).
+_BUFFER_DTYPES: Dict[str, str] = {
+    "f": "float32", "e": "float16", "d": "float64", "b": "int8", "B": "uint8", "c": "uint8", "h": "int16",
+    "i": "int32", "l": "int64", "q": "int64", "?": "bool",
+}
+
+
+try:  # torch is optional: numpy arrays and buffers work without it
+    import torch as _torch
+    _TORCH_DTYPE_OF = {getattr(_torch, key.split(".")[1]): value for key, value in _TORCH_DTYPES.items()
+                       if hasattr(_torch, key.split(".")[1])}
+except ImportError:
+    _torch = None
+    _TORCH_DTYPE_OF = {}
+
+
+def _describe(name: str, tensor: Any):
+    """(address, bytes, dtype name, is_cuda) of a tensor-like object, or InvalidArgument."""
+    if _torch is not None and isinstance(tensor, _torch.Tensor):
+        dtype = _TORCH_DTYPE_OF.get(tensor.dtype)
+        if dtype is None:
+            raise InvalidArgument(f"tensor '{name}' has dtype {tensor.dtype}, which TensorHub does not move")
+        if not tensor.is_contiguous():
+            raise InvalidArgument(f"tensor '{name}' is not contiguous (call .contiguous() on a copy you keep)")
+        cuda = tensor.is_cuda
+        if not cuda and tensor.device.type != "cpu":
+            raise InvalidArgument(f"tensor '{name}' is on {tensor.device}: only CPU and CUDA memory")
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), dtype, cuda
+    if hasattr(tensor, "__dlpack__") and not hasattr(tensor, "__array_interface__"):
+        try:
+            import numpy
+            return _describe(name, numpy.from_dlpack(tensor))
+        except (ImportError, RuntimeError, TypeError, BufferError) as error:
+            raise InvalidArgument(f"tensor '{name}': cannot read its __dlpack__ on the CPU: {error}") from None
+    try:
+        view = memoryview(tensor)
+    except TypeError:
+        raise InvalidArgument(f"'{name}' is a {type(tensor).__name__}: not a torch tensor, an array or a buffer") from None
+    with view:
+        if not view.c_contiguous:
+            raise InvalidArgument(f"tensor '{name}' is not C-contiguous")
+        if view.readonly:
+            raise InvalidArgument(f"tensor '{name}' is read-only: replicate() writes into registered tensors")
+        dtype = _BUFFER_DTYPES.get(view.format.lstrip("@=<"))
+        if dtype is None or (dtype == "int64" and view.itemsize != 8):
+            raise InvalidArgument(f"tensor '{name}' has element format '{view.format}', which TensorHub does not move")
+        if view.nbytes == 0:
+            return 0, 0, dtype, False
+        import ctypes
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return address, view.nbytes, dtype, False
+
+
+# ---- The handle ----------------------------------------------------------------------------------
+
+class Handle:
+    """One shard of one replica. Opening blocks until the server answered.
+
+    Keyword arguments are those of libthclient's ``ClientOptions`` (client/include/tensorhub/client.h):
+    ``servers`` (a "host:port" or a list, primary first), ``token``, ``model``, ``replica``,
+    ``shard``, ``num_shards``, ``datacenter``, ``spot``, ``role``, ``keep_latest`` and ``pinned``
+    (retention), ``incarnation``, ``data_listen``, ``data_advertise``, ``transport`` ("auto",
+    "rdma", "tcp"), ``rdma_device``, ``rdma_gid_index``, ``heartbeat_interval_ms``,
+    ``open_timeout_ms``, ``chunk_bytes``, ``read_rate_bytes_per_s``, ``data_streams``,
+    ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``.
+
+    Use it as a context manager: it closes on exit (on an exception, it leaves without waiting).
+    """
+
+    def __init__(self, *, servers: Union[str, Sequence[str]], token: str, model: str, replica: str, **options: Any):
+        if isinstance(servers, str):
+            servers = [servers]
+        self._tensors: Dict[str, Any] = {}  # kept alive while registered
+        self._core = _CoreHandle(servers=list(servers), token=token, model=model, replica=replica, **options)
+
+    # -- tensors --
+
+    def register(self, name: str, tensor: Any) -> None:
+        """Registers a tensor (torch, numpy, a writable buffer, or ``__dlpack__``) by unique name.
+        Only while the shard holds no version (before the first publish/replicate, or after
+        unpublish). Its memory is read and written in place."""
+        address, nbytes, dtype, cuda = _describe(name, tensor)
+        self._core.register_raw(name, address, nbytes, dtype, cuda)
+        self._tensors[name] = tensor
+
+    def register_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "") -> None:
+        """Registers every tensor of a state dict under ``prefix + key``. For a module's own
+        parameters (written in place), pass ``module.state_dict()`` or use register_module()."""
+        for key, tensor in state_dict.items():
+            self.register(prefix + key, tensor)
+
+    def register_module(self, module: Any, prefix: str = "") -> None:
+        """Registers a torch module's parameters and buffers in place: replicate() and update()
+        write the module's own weights, without a copy."""
+        self.register_state_dict(module.state_dict(keep_vars=False), prefix)
+
+    def unregister(self, name: str) -> None:
+        self._core.unregister(name)
+        self._tensors.pop(name, None)
+
+    @property
+    def tensors(self) -> Mapping[str, Any]:
+        return dict(self._tensors)
+
+    # -- calls --
+
+    def publish(self, version: int) -> int:
+        """Promises that the registered tensors hold ``version`` and will not change until unpublish()."""
+        return self._core.publish(version)
+
+    def unpublish(self) -> None:
+        """Withdraws the promise; returns when no reader reads these tensors any more."""
+        self._core.unpublish()
+
+    def replicate(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None) -> ReplicateInfo:
+        """Brings a version ("latest", "latest-2", or a number) into the registered tensors,
+        verified; blocks until it is there (at most ``timeout`` seconds; None: no limit)."""
+        version, source = self._core.replicate(str(selector), _ms(timeout))
+        return ReplicateInfo(version, source)
+
+    def update(self, selector: Union[str, int] = "latest") -> UpdateInfo:
+        """Moves to a newer version if there is one (blocks while it arrives), else returns at once."""
+        status, version, source = self._core.update(str(selector))
+        return UpdateInfo(status, version, source)
+
+    def wait(self, *, version: int = 0, replicas: Optional[int] = None, role: Optional[str] = None,
+             timeout: Optional[float] = None) -> None:
+        """Blocks until: a version >= ``version`` was published (the default); or ``replicas``
+        replicas hold ``version``; or every open replica of ``role`` holds a version >= ``version``."""
+        if replicas is not None and role is not None:
+            raise InvalidArgument("wait for replicas or for a role, not both")
+        if role is not None:
+            self._core.wait("role-holds", version, 1, role, _ms(timeout))
+        elif replicas is not None:
+            self._core.wait("replicas-hold", version, replicas, "", _ms(timeout))
+        else:
+            self._core.wait("version-at-least", version, 1, "", _ms(timeout))
+
+    def list(self) -> Dict[str, Any]:
+        """The model's versions and replicas, as the server sees them now."""
+        return self._core.list()
+
+    def stats(self) -> Dict[str, Any]:
+        """Bytes moved, reads failed, checksum failures, the transport in use, ..."""
+        return self._core.stats()
+
+    @property
+    def data_endpoint(self) -> str:
+        return self._core.data_endpoint
+
+    @property
+    def client_id(self) -> int:
+        return self._core.client_id
+
+    def close(self) -> None:
+        """Leaves: blocks until readers of this replica drained. The handle is then done."""
+        try:
+            self._core.close()
+        finally:
+            self._core.drop()
+            self._tensors.clear()
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._core.drop()  # leave without waiting: the server evicts the shard
+            self._tensors.clear()
+
+
+def _ms(timeout: Optional[float]) -> int:
+    if timeout is None:
+        return 0
+    if timeout <= 0:
+        raise InvalidArgument("timeout must be positive (None: no limit)")
+    return max(1, int(timeout * 1000))
+
+
+# ---- A server for tests and single-node jobs -----------------------------------------------------
+
+def _find_server(binary: Optional[str]) -> str:
+    candidates = [binary, os.environ.get("TH_SERVER_BINARY"), shutil.which("th-server"),
+                  os.path.join(os.path.dirname(__file__), "..", "..", "tools", "th-server")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return os.path.abspath(candidate)
+    raise FileNotFoundError("th-server not found: pass binary=, set TH_SERVER_BINARY, or put it on PATH")
+
+
+class Server:
+    """A th-server as a child process (for tests and single-node jobs); stopped on close/exit.
+
+    ``address`` is its "host:port" and ``token`` the cluster token (drawn at random unless given).
+    Extra command-line options go in ``args`` (see ``th-server --help``).
+    """
+
+    def __init__(self, *, listen: str = "127.0.0.1:0", token: Optional[str] = None, binary: Optional[str] = None,
+                 args: Iterable[str] = (), start_timeout: float = 30.0):
+        self.token = token or secrets.token_hex(16)
+        self._dir = tempfile.TemporaryDirectory(prefix="tensorhub-server-")
+        token_file = os.path.join(self._dir.name, "token")
+        with open(token_file, "w") as out:
+            out.write(self.token + "\n")
+        os.chmod(token_file, 0o600)
+        self._log = open(os.path.join(self._dir.name, "log"), "w")
+        self._process = subprocess.Popen(
+            [_find_server(binary), "--listen", listen, "--token-file", token_file, *args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.address = self._read_address(start_timeout)
+
+    def _read_address(self, timeout: float) -> str:
+        import selectors
+        prefix = "th-server listening on "
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            if selector.select(timeout):
+                line = self._process.stdout.readline().strip()
+                if line.startswith(prefix):
+                    return line[len(prefix):]
+        self.close()
+        raise RuntimeError(f"th-server did not start within {timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        """What the server wrote to its log so far."""
+        try:
+            with open(os.path.join(self._dir.name, "log")) as log:
+                return log.read()
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._process.stdout:
+            self._process.stdout.close()
+        self._log.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,299 @@
+"""The tensorhub Python package against a real th-server (ctest -L python).
+
+Every call and its typed exceptions; state dicts of mixed dtypes, bit for bit; a torch module's
+own parameters written in place; a 2-shard replica from two processes; a rollout process killed
+mid-read; the GIL released while a call blocks; Ctrl-C during a blocking call; the example.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tensorhub
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture()
+def server():
+    with tensorhub.Server() as running:
+        yield running
+
+
+def handle(server, replica, **options):
+    options.setdefault("model", "m")
+    return tensorhub.Handle(servers=server.address, token=server.token, replica=replica, **options)
+
+
+def mixed_state_dict(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=generator),                       # float32, 75 KB
+        "layer.weight": torch.randn(1024, 1024, generator=generator).to(torch.bfloat16),  # 2 MB: not packed
+        "layer.bias": torch.randn(1024, generator=generator).to(torch.bfloat16),
+        "steps": torch.randint(0, 1 << 40, (7,), generator=generator, dtype=torch.int64),
+        "mask": torch.rand(33, generator=generator) > 0.5,                              # bool
+        "table": np.arange(1000, dtype=np.int32) * seed,                                 # numpy
+    }
+
+
+def zeros_like(state):
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v)) for k, v in state.items()}
+
+
+def equal(a, b):
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_mixed_state_dict_arrives_bit_exact(server):
+    source = mixed_state_dict(3)
+    target = zeros_like(source)
+    with handle(server, "trainer", role="trainer") as trainer, handle(server, "rollout", role="rollout") as rollout:
+        trainer.register_state_dict(source)
+        rollout.register_state_dict(target)
+        assert trainer.publish(1) == 1
+        info = rollout.replicate("latest", timeout=30)
+        assert info == tensorhub.ReplicateInfo(1, "trainer")
+        assert equal(source, target)
+        assert rollout.stats()["checksum_failures"] == 0
+        assert rollout.stats()["bytes_received"] > 2 << 20
+        trainer.unpublish()
+        rollout.close()
+
+
+def test_a_modules_own_parameters_are_written_in_place(server):
+    torch.manual_seed(1)
+    trained = torch.nn.Linear(64, 32)
+    fresh = torch.nn.Linear(64, 32)
+    weight_storage = fresh.weight.data_ptr()
+    with handle(server, "trainer") as trainer, handle(server, "rollout") as rollout:
+        trainer.register_module(trained)
+        rollout.register_module(fresh)
+        trainer.publish(5)
+        rollout.replicate(5, timeout=30)
+        assert fresh.weight.data_ptr() == weight_storage
+        assert torch.equal(fresh.weight, trained.weight) and torch.equal(fresh.bias, trained.bias)
+        trainer.unpublish()
+        rollout.close()
+
+
+def test_calls_and_their_typed_exceptions(server):
+    with handle(server, "trainer", role="trainer") as trainer, handle(server, "rollout", role="rollout") as rollout:
+        weights = torch.arange(4096, dtype=torch.float32)
+        trainer.register("w", weights)
+        rollout.register("w", torch.zeros(100))  # not the trainer's layout
+        assert rollout.update().status in ("not-yet", "no-newer-version")
+        with pytest.raises(tensorhub.Timeout):
+            rollout.wait(version=1, timeout=0.3)
+        with pytest.raises(tensorhub.BadSelector):
+            rollout.replicate("latest-x", timeout=1)
+        with pytest.raises(tensorhub.NotPublished):
+            trainer.unpublish()
+        trainer.publish(1)
+        with pytest.raises(tensorhub.AlreadyHolding):
+            trainer.publish(2)
+        with pytest.raises(tensorhub.AlreadyHolding):
+            trainer.register("late", torch.zeros(3))
+        with pytest.raises(tensorhub.LayoutMismatch):
+            rollout.replicate("latest", timeout=10)
+        rollout.unregister("w")
+        mine = torch.zeros(4096)
+        rollout.register("w", mine)
+        rollout.wait(version=1, timeout=5)
+        assert rollout.replicate("latest", timeout=10).version == 1
+        assert torch.equal(mine, weights)
+        rollout.wait(replicas=2, version=1, timeout=5)
+        rollout.wait(role="rollout", version=1, timeout=5)
+        listing = rollout.list()
+        assert listing["latest"] == 1 and {r["name"] for r in listing["replicas"]} == {"trainer", "rollout"}
+        trainer.unpublish()
+        weights += 1
+        trainer.publish(2)
+        info = rollout.update("latest")
+        assert info.updated and info.version == 2 and info.source == "trainer"
+        assert torch.equal(mine, weights)
+        assert rollout.update().status == "no-newer-version"
+        with pytest.raises(tensorhub.AlreadyHolding):
+            rollout.replicate(2, timeout=1)
+        with handle(server, "late") as late:
+            late.register("w", torch.zeros(4096))
+            with pytest.raises(tensorhub.VersionUnavailable):
+                late.replicate(1, timeout=5)  # nobody holds version 1 any more
+            with pytest.raises(tensorhub.Timeout):
+                late.replicate(99, timeout=0.5)  # not published (yet)
+        stats = rollout.stats()
+        assert stats["transport"] in ("tcp", "rdma") and stats["reads_failed"] == 0
+        assert rollout.data_endpoint and rollout.client_id > 0
+        trainer.unpublish()
+        rollout.close()
+    with pytest.raises(tensorhub.Unavailable):
+        rollout.stats()
+
+
+def test_what_cannot_be_registered_is_refused_clearly(server):
+    with handle(server, "r") as hub:
+        with pytest.raises(tensorhub.InvalidArgument, match="not contiguous"):
+            hub.register("t", torch.zeros(8, 8).t())
+        with pytest.raises(tensorhub.InvalidArgument, match="dtype"):
+            hub.register("c", torch.zeros(4, dtype=torch.complex64))
+        frozen = np.zeros(4)
+        frozen.flags.writeable = False
+        with pytest.raises(tensorhub.InvalidArgument, match="read-only"):
+            hub.register("f", frozen)
+        with pytest.raises(tensorhub.InvalidArgument, match="not a torch tensor"):
+            hub.register("s", "weights")
+        hub.register("ok", bytearray(16))  # any writable buffer
+        with pytest.raises(tensorhub.InvalidArgument):
+            hub.register("ok", bytearray(16))  # a name twice
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            handle(server, "x", replcia="typo")
+    with pytest.raises(tensorhub.PermissionDenied):
+        tensorhub.Handle(servers=server.address, token="wrong", model="m", replica="x", open_timeout_ms=5000)
+
+
+def _shard(address, token, replica, role, shard, state, queue):
+    with tensorhub.Handle(servers=address, token=token, model="m", replica=replica, role=role, shard=shard,
+                          num_shards=2) as hub:
+        tensors = {k: torch.full((1000 + shard,), float(v)) for k, v in state.items()}
+        if role == "rollout":
+            tensors = {k: torch.zeros_like(t) for k, t in tensors.items()}
+        hub.register_state_dict(tensors)
+        if role == "trainer":
+            hub.publish(1)
+            hub.wait(role="rollout", version=1, timeout=60)
+            hub.unpublish()
+            queue.put((shard, "published"))
+        else:
+            info = hub.replicate("latest", timeout=60)
+            queue.put((shard, info.version, {k: float(t[0]) for k, t in tensors.items()}, tensors["a"].numel()))
+
+
+def test_a_two_shard_replica_from_two_processes(server):
+    queue = SPAWN.Queue()
+    state = {"a": 1.5, "b": -2.0}
+    processes = [SPAWN.Process(target=_shard, args=(server.address, server.token, "trainer", "trainer", s, state, queue))
+                 for s in (0, 1)]
+    processes += [SPAWN.Process(target=_shard, args=(server.address, server.token, "rollout", "rollout", s, state, queue))
+                  for s in (0, 1)]
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=90) for _ in processes]
+    for process in processes:
+        process.join(60)
+        assert process.exitcode == 0
+    rollouts = sorted(r for r in results if r[1] != "published")
+    assert [r[0] for r in rollouts] == [0, 1]
+    for shard, version, values, count in rollouts:
+        assert version == 1 and values == state and count == 1000 + shard
+
+
+def _slow_rollout(address, token):
+    with tensorhub.Handle(servers=address, token=token, model="m", replica="slow", role="rollout",
+                          read_rate_bytes_per_s=2_000_000) as hub:
+        hub.register("w", torch.zeros(4_000_000, dtype=torch.uint8))
+        hub.replicate("latest", timeout=60)
+
+
+def test_a_rollout_killed_mid_read_disturbs_nobody(server):
+    weights = torch.randint(0, 255, (4_000_000,), dtype=torch.uint8)
+    with handle(server, "trainer", role="trainer") as trainer:
+        trainer.register("w", weights)
+        trainer.publish(1)
+        slow = SPAWN.Process(target=_slow_rollout, args=(server.address, server.token))
+        slow.start()
+        deadline = time.monotonic() + 60
+        while trainer.stats()["bytes_served"] == 0 and trainer.list()["replicas"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the slow rollout reads
+        time.sleep(0.3)
+        os.kill(slow.pid, signal.SIGKILL)
+        slow.join()
+        with handle(server, "other", role="rollout") as other:
+            mine = torch.zeros_like(weights)
+            other.register("w", mine)
+            assert other.replicate("latest", timeout=30).version == 1
+            assert torch.equal(mine, weights)
+            started = time.monotonic()
+            trainer.unpublish()  # the dead reader does not hold it up for long
+            assert time.monotonic() - started < 30
+            other.close()
+
+
+def test_the_gil_is_released_while_a_call_blocks(server):
+    with handle(server, "trainer") as trainer, handle(server, "rollout") as rollout:
+        trainer.register("w", torch.ones(1000))
+        rollout.register("w", torch.zeros(1000))
+        ticks = []
+        stop = threading.Event()
+
+        def python_work():
+            while not stop.is_set():
+                ticks.append(time.monotonic())  # runs only while this thread holds the GIL
+                time.sleep(0.001)
+
+        worker = threading.Thread(target=python_work)
+        worker.start()
+        publisher = threading.Timer(1.0, lambda: trainer.publish(1))
+        publisher.start()
+        began = time.monotonic()
+        rollout.replicate("latest", timeout=30)  # blocks about a second
+        ended = time.monotonic()
+        stop.set()
+        worker.join()
+        publisher.join()
+        during = [t for t in ticks if began < t < ended]
+        assert ended - began > 0.5
+        assert len(during) > 100, "another Python thread made progress while replicate() blocked"
+        trainer.unpublish()
+        rollout.close()
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import sys, time, tensorhub, torch
+    hub = tensorhub.Handle(servers=sys.argv[1], token=sys.argv[2], model="m", replica="waiter")
+    hub.register("w", torch.zeros(10))
+    print("blocking", flush=True)
+    try:
+        hub.replicate("latest")  # nothing is published: blocks for ever
+    except KeyboardInterrupt:
+        print("interrupted after %.3f s" % (time.monotonic() - float(sys.stdin.readline())), flush=True)
+    try:
+        hub.stats()
+    except tensorhub.Unavailable as error:
+        print("then:", error.code, flush=True)
+""")
+
+
+def test_ctrl_c_interrupts_a_blocking_call_within_a_second(server):
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, server.address, server.token],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    assert child.stdout.readline().strip() == "blocking"
+    time.sleep(0.5)
+    child.stdin.write(f"{time.monotonic()}\n")
+    child.stdin.flush()
+    child.send_signal(signal.SIGINT)
+    out, _ = child.communicate(timeout=30)
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("interrupted after "), out
+    assert float(lines[0].split()[2]) < 1.0
+    assert lines[1] == "then: unavailable"
+    assert child.returncode == 0
+
+
+def test_the_example_rl_loop(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rl_loop.py"), "--steps", "4",
+                             "--rollouts", "2"], capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rl_loop: ok" in result.stdout
+    assert "bit-exact" in result.stdout and "DIFFERENT" not in result.stdout

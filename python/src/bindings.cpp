@@ -16,6 +16,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 #include <variant>
 
 #include "tensorhub/client.h"
@@ -60,6 +62,22 @@ class PyHandle {
     if (!parsed) throw CallError{"invalid-argument", "unknown dtype '" + dtype + "'"};
     ok_or_raise(live().register_tensor(name, reinterpret_cast<void*>(data), bytes, *parsed,
                                        cuda ? th::MemoryKind::kCuda : th::MemoryKind::kCpu));
+  }
+  // register_tensor for each (name, data, bytes, dtype, cuda) in order, one call from Python for a
+  // whole state dict. Stops at the first failure: (how many were registered, its code, its detail);
+  // the code is empty when all were.
+  py::tuple register_many(
+      const std::vector<std::tuple<std::string, std::uintptr_t, std::uint64_t, std::string, bool>>& tensors) {
+    std::size_t done = 0;
+    try {
+      for (const auto& [name, data, bytes, dtype, cuda] : tensors) {
+        register_tensor(name, data, bytes, dtype, cuda);
+        ++done;
+      }
+    } catch (const CallError& error) {
+      return py::make_tuple(done, error.code, error.detail);
+    }
+    return py::make_tuple(done, std::string(), std::string());
   }
   void unregister_tensor(const std::string& name) { ok_or_raise(live().unregister_tensor(name)); }
   th::Version publish(th::Version version) {
@@ -283,6 +301,7 @@ PYBIND11_MODULE(_core, module) {
       .def(py::init([](const py::kwargs& kwargs) { return std::make_unique<PyHandle>(options_from(kwargs)); }))
       .def("register_raw", &PyHandle::register_tensor, py::arg("name"), py::arg("data"), py::arg("bytes"),
            py::arg("dtype"), py::arg("cuda"))
+      .def("register_many", &PyHandle::register_many)
       .def("unregister", &PyHandle::unregister_tensor)
       .def("publish", &PyHandle::publish)
       .def("unpublish", &PyHandle::unpublish)

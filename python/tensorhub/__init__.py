@@ -156,10 +156,16 @@ class Handle:
         self._tensors[name] = tensor
 
     def register_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "") -> None:
-        """Registers every tensor of a state dict under ``prefix + key``. For a module's own
-        parameters (written in place), pass ``module.state_dict()`` or use register_module()."""
-        for key, tensor in state_dict.items():
-            self.register(prefix + key, tensor)
+        """Registers every tensor of a state dict under ``prefix + key``, in one call into
+        libthclient. For a module's own parameters (written in place), pass ``module.state_dict()``
+        or use register_module(). On a refusal, the tensors before it stay registered."""
+        items = [(prefix + key, tensor) for key, tensor in state_dict.items()]
+        described = [(name, *_describe(name, tensor)) for name, tensor in items]  # refusals before any
+        done, code, detail = self._core.register_many(described)
+        for name, tensor in items[:done]:
+            self._tensors[name] = tensor  # kept alive while registered
+        if code:
+            raise errors.error_of(code, detail)
 
     def register_module(self, module: Any, prefix: str = "") -> None:
         """Registers a torch module's parameters and buffers in place: replicate() and update()

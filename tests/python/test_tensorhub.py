@@ -157,6 +157,10 @@ def test_what_cannot_be_registered_is_refused_clearly(server):
         hub.register("ok", bytearray(16))  # any writable buffer
         with pytest.raises(tensorhub.InvalidArgument):
             hub.register("ok", bytearray(16))  # a name twice
+        kept = torch.zeros(5)
+        with pytest.raises(tensorhub.InvalidArgument):
+            hub.register_state_dict({"fine": kept, "ok": torch.zeros(5)})  # "ok" is taken
+        assert hub.tensors["fine"] is kept and "ok" in hub.tensors, "what was registered stays registered, alive"
         with pytest.raises(TypeError, match="unexpected keyword"):
             handle(server, "x", replcia="typo")
     with pytest.raises(tensorhub.PermissionDenied):

@@ -89,17 +89,25 @@ net::PullOptions pull_options() {
   return options;
 }
 
+// A source and a reader on the default devices, the source granting `shard` under {1, 1}.
+struct GrantedPair {
+  std::unique_ptr<RdmaTransport> source = make_rdma();
+  std::unique_ptr<RdmaTransport> reader = make_rdma();
+  Shard shard;
+  Target target{shard};
+  std::vector<net::LocalRegion> regions = target.regions();
+  explicit GrantedPair(std::uint64_t seed) : shard(seed) {
+    source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
+  }
+};
+
 #define REQUIRE_DEVICE()                                                        \
   if (device_names().empty()) GTEST_SKIP() << "no RDMA device (run in tests/rdma/guest)"
 
 TEST(RdmaPair, BitExactMixedSizesWithoutTheSourceCpu) {
   REQUIRE_DEVICE();
-  auto source = make_rdma();
-  auto reader = make_rdma();
-  Shard shard(1);
-  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
-  Target target(shard);
-  auto regions = target.regions();
+  GrantedPair pair(1);
+  auto& [source, reader, shard, target, regions] = pair;
   std::uint64_t last = 0;
   auto options = pull_options();
   options.on_progress = [&](std::uint64_t ready) {
@@ -119,12 +127,8 @@ TEST(RdmaPair, BitExactMixedSizesWithoutTheSourceCpu) {
 
 TEST(RdmaPair, WrongSecretIsRefused) {
   REQUIRE_DEVICE();
-  auto source = make_rdma();
-  auto reader = make_rdma();
-  Shard shard(2);
-  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
-  Target target(shard);
-  auto regions = target.regions();
+  GrantedPair pair(2);
+  auto& [source, reader, shard, target, regions] = pair;
   const GrantSecret wrong{kSecret[0], kSecret[1] ^ 1};
   const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, wrong, regions, pull_options());
   EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail;
@@ -177,12 +181,8 @@ TEST(RdmaPair, PipelineFromAPartialSource) {
 
 TEST(RdmaPair, RevokeCutsOffAReadAndNothingLandsAfterwards) {
   REQUIRE_DEVICE();
-  auto source = make_rdma();
-  auto reader = make_rdma();
-  Shard shard(4);
-  source->grant({1, 1}, kSecret, shard.regions(), std::make_shared<net::Progress>(shard.total()));
-  Target target(shard);
-  auto regions = target.regions();
+  GrantedPair pair(4);
+  auto& [source, reader, shard, target, regions] = pair;
   auto options = pull_options();
   options.rate_bytes_per_s = 2 << 20;  // ~4 s for the shard: revoked well before the end
   std::uint64_t landed = 0;

@@ -55,7 +55,16 @@ struct LinkResources {
       notifier->socket = nullptr;
     }
     {
-      // Windows go before the queue pair they are bound to (the members, after this body).
+      // Windows go before the queue pair they are bound to.
+      std::lock_guard lock(state.mutex);
+      for (auto& [key, grant] : open) state.invalidate_windows(*grant, id);
+    }
+    // Then the queue pair: once it is destroyed, no READ through it is answered any more (not even
+    // the rest of one the device had begun: rxe goes on with a READ it validated before its window
+    // was invalidated). A revoke() waiting for this link learns of it only after this.
+    qp.reset();
+    cq.reset();
+    {
       std::lock_guard lock(state.mutex);
       state.notifiers.erase(id);
       state.link_ports.erase(id);

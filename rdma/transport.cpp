@@ -23,8 +23,8 @@ RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_
     port->windows = options.memory_windows && port->device.has_memory_windows();
     if (!port->windows) {
       log_line("device " + name + (options.memory_windows ? " has no type-2 memory windows" : ": memory windows off") +
-               ": readers get the registration's key, and revoke() waits for the readers to let go "
-               "(at most " + std::to_string(options.revoke_ack_wait_ms) + " ms) instead of cutting them off");
+               ": readers get the registration's key (any peer that says hello may guess it), and only "
+               "cutting their links at revoke() ends their reads");
     }
     ports.push_back(std::move(port));
   }
@@ -108,27 +108,43 @@ void RdmaTransport::revoke(net::GrantKey key) {
   // link must not stall it. A notice that does not fit now is skipped (the reader's next READ fails).
   const RevokedNotice notice{kNoticeMagic, key.epoch, key.transfer};
   for (const auto& reader : readers) reader->wakeup.signal();  // the link is not busy any more
-  if (!state_->options.revoke_notices) readers.clear();
   for (const auto& reader : readers) {
+    if (!state_->options.revoke_notices) break;
     std::unique_lock writing(reader->mutex, std::try_to_lock);
     if (!writing.owns_lock() || reader->socket == nullptr) continue;
     const ssize_t sent = ::send(reader->socket->get(), &notice, sizeof notice, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent > 0 && sent != static_cast<ssize_t>(sizeof notice)) reader->socket->shutdown();  // framing is lost
   }
-  if (grant != nullptr) {
-    // Readers on ports without windows read through the registration's key: no revoke can cut
-    // them off, so wait (bounded) until each has let go; its queue pair is gone by then.
+  if (grant != nullptr && !readers.empty()) {
+    // A reader that still has the grant open may be mid-READ, and a device may finish a READ it
+    // began even after the window is gone (rxe does, a packet or more); without windows nothing
+    // stops its reads at all. So its link is cut, as the TCP data plane cuts a send in flight: the
+    // notice above goes first, then the connection ends, and the link's queue pair is destroyed.
+    // Wait (bounded) until every such link is gone: then no READ of this memory is answered.
+    // A reader that finished has sent its close, maybe not yet read here: a moment's grace for
+    // it, so that a finished reader keeps its link for the next version. (Through libthclient the
+    // close is long in by the time the hub revokes: the reader closes before it reports.)
+    constexpr auto kCloseGrace = std::chrono::milliseconds(250);
     std::unique_lock lock(state_->mutex);
-    const bool let_go = state_->opened.wait_for(lock, std::chrono::milliseconds(state_->options.revoke_ack_wait_ms), [&] {
-      return std::none_of(grant->opened_on.begin(), grant->opened_on.end(), [&](std::uint64_t link) {
-        auto port = state_->link_ports.find(link);
-        return port != state_->link_ports.end() && !state_->ports[port->second]->windows;
-      });
-    });
-    if (!let_go) {
+    state_->opened.wait_for(lock, kCloseGrace, [&] { return grant->opened_on.empty(); });
+    std::vector<std::shared_ptr<State::Notifier>> still_open;
+    for (std::uint64_t link : grant->opened_on) {
+      if (auto notifier = state_->notifiers.find(link); notifier != state_->notifiers.end()) {
+        still_open.push_back(notifier->second);
+      }
+    }
+    lock.unlock();
+    for (const auto& reader : still_open) {
+      std::lock_guard writing(reader->mutex);
+      if (reader->socket != nullptr) reader->socket->shutdown();
+    }
+    lock.lock();
+    const bool cut = state_->opened.wait_for(lock, std::chrono::milliseconds(state_->options.revoke_wait_ms),
+                                             [&] { return grant->opened_on.empty(); });
+    if (!cut) {
       log_line("revoke of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
-               ": a reader without memory windows did not let go in " +
-               std::to_string(state_->options.revoke_ack_wait_ms) + " ms; its late reads may see the memory change");
+               ": a reader's link did not end in " + std::to_string(state_->options.revoke_wait_ms) +
+               " ms; a late read may see the memory change");
     }
   }
   server_->revoke(key);

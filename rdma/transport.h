@@ -17,8 +17,10 @@
 //      The source's CPU does not take part.
 //   4. The source's revoke() deallocates the grant's windows: a read that arrives later (or a
 //      rogue one with a remembered key) fails with a remote access error at the reader, which
-//      reports the source as refusing, as over TCP. A device without windows exposes the whole
-//      registration instead, and revoke() waits (bounded) for the readers to let go (logged at start).
+//      reports the source as refusing, as over TCP. The links of readers that still have the
+//      grant open are told, then cut, and revoke() returns once their queue pairs are destroyed:
+//      a READ the device had begun cannot go on after it (a device without windows exposes the
+//      whole registration instead; the cut is then what ends its reads).
 // Any error completion, timeout or cancel moves the reader's queue pair to the error state, waits
 // for its flushed requests (so no READ lands after pull() returns) and drops the link.
 //
@@ -61,11 +63,11 @@ struct RdmaOptions {
   // How long a source without RDMA is pulled over TCP before this reader tries RDMA again.
   int fallback_recheck_ms = 60'000;
   // Grants are exposed through type-2 memory windows where the device has them (false: never, for a
-  // device whose windows misbehave). Without windows a reader gets the registration's key, and
-  // revoke() falls back to the readers' acknowledgement: it tells them and waits until each has let
-  // go of the grant (closed it, or its link ended), at most revoke_ack_wait_ms, then logs.
+  // device whose windows misbehave; readers then get the registration's key).
   bool memory_windows = true;
-  int revoke_ack_wait_ms = 5'000;
+  // revoke() cuts the links of readers that still have the grant open (they may be mid-READ) and
+  // waits until their queue pairs are destroyed, at most this long, then logs.
+  int revoke_wait_ms = 5'000;
   // revoke() tells the grant's readers on their links at once. Off, a reader learns it from its
   // next READ's remote access error alone (a test turns it off to see the windows cut reads off).
   bool revoke_notices = true;

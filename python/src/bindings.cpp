@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -45,6 +46,8 @@ void ok_or_raise(const th::Status& status) {
 }
 
 constexpr auto kSignalCheck = std::chrono::milliseconds(100);
+// The thread that imported the module (Python's main thread, which also finalizes).
+std::thread::id main_thread;
 
 // One shard's handle. Owns the C++ handle and the thread of the call in progress (at most one: a
 // handle's calls come from one thread at a time).
@@ -55,6 +58,8 @@ class PyHandle {
     handle_ = value_or_raise(std::move(opened));
   }
   ~PyHandle() { drop(); }
+  PyHandle(const PyHandle&) = delete;
+  PyHandle& operator=(const PyHandle&) = delete;
 
   void register_tensor(const std::string& name, std::uintptr_t data, std::uint64_t bytes, const std::string& dtype,
                        bool cuda) {
@@ -169,83 +174,144 @@ class PyHandle {
   std::uint64_t client_id() const { return live().client_id(); }
   // Leaves without a word (after an interrupted call, or when Python drops the handle).
   void drop() {
-    if (call_.joinable()) {
-      if (handle_ != nullptr) handle_->interrupt("the Python handle is dropped");
-      py::gil_scoped_release unlocked;
-      call_.join();
+    {
+      Unlocked unlocked;  // (declared first: the lock is let go before the GIL is taken back)
+      std::unique_lock lock(mutex_);
+      // The call in progress (another thread's) returns at once now; wait for it.
+      if (busy_ && handle_ != nullptr) handle_->interrupt("the Python handle is dropped");
+      idle_.wait(lock, [&] { return !busy_; });
     }
-    py::gil_scoped_release unlocked;  // the destructor closes (bounded) and joins threads
-    handle_.reset();
+    std::unique_ptr<th::Handle> dropped = std::move(handle_);
+    {
+      Unlocked unlocked;  // the destructor closes (bounded: 5 s) and joins the handle's threads
+      dropped.reset();
+    }
+    keepalive_ = py::dict();  // under the GIL again: only now may the tensors go
+  }
+  // Keeps `object` alive as long as the C++ handle can touch its memory (the Python Handle's own
+  // references go first when it is collected).
+  void keep(const std::string& name, py::object object) { keepalive_[py::str(name)] = std::move(object); }
+  void forget(const std::string& name) {
+    if (keepalive_.contains(name)) PyDict_DelItemString(keepalive_.ptr(), name.c_str());
   }
 
  private:
   th::Handle& live() const {
-    if (handle_ == nullptr) throw CallError{"unavailable", "the handle is closed"};
     if (interrupted_) {
       throw CallError{"unavailable", "an earlier call was interrupted (Ctrl-C): this handle is done; open another"};
     }
+    if (handle_ == nullptr) throw CallError{"unavailable", "the handle is closed"};
     return *handle_;
   }
 
+  // Releases the GIL for its scope, and never takes it back while Python finalizes (a daemon
+  // thread blocked in a call at exit: taking the GIL then ends the thread by unwinding through
+  // here, which would abort the process); such a thread is parked instead.
+  class Unlocked {
+   public:
+    Unlocked() : state_(PyEval_SaveThread()) {}
+    ~Unlocked() {
+      // (The main thread finalizes, and may drop handles then: it goes on.)
+      while (_Py_IsFinalizing() && std::this_thread::get_id() != main_thread) {
+        std::this_thread::sleep_for(std::chrono::hours(1));
+      }
+      PyEval_RestoreThread(state_);
+    }
+    Unlocked(const Unlocked&) = delete;
+    Unlocked& operator=(const Unlocked&) = delete;
+
+   private:
+    PyThreadState* state_;
+  };
+
   // Runs `call` on a thread of its own and waits for it without the GIL, looking at Python's
-  // signals every 100 ms. A signal's exception (KeyboardInterrupt) interrupts the call, which then
-  // returns at once, and goes on up; the handle is done.
+  // signals every 100 ms. An exception from a signal handler (KeyboardInterrupt) interrupts the
+  // call, which returns at once; the handle is then let go (it stops serving and reading: nothing
+  // changes the registered tensors behind the application's back) and the exception goes on.
+  // One call at a time: another thread's call meanwhile is refused, as libthclient would.
   template <typename Call>
   auto run(Call call, bool interruptible = true) -> decltype(call()) {
     using R = decltype(call());
-    if (call_.joinable()) call_.join();  // the last call's thread, finished
-    std::mutex mutex;
-    std::condition_variable finished;
+    {
+      std::lock_guard lock(mutex_);
+      if (busy_) {
+        throw CallError{"invalid-argument",
+                        "another call is in progress on this handle: calls of one handle come from one thread at a time"};
+      }
+      busy_ = true;
+    }
     std::optional<R> result;
     std::exception_ptr failure;
-    call_ = std::thread([&] {
-      std::optional<R> value;
-      std::exception_ptr error;
-      try {
-        value.emplace(call());
-      } catch (...) {
-        error = std::current_exception();
+    bool finished = false;
+    std::thread worker;
+    try {
+      worker = std::thread([&] {
+        std::optional<R> value;
+        std::exception_ptr error;
+        try {
+          value.emplace(call());
+        } catch (...) {
+          error = std::current_exception();
+        }
+        std::lock_guard lock(mutex_);
+        result = std::move(value);
+        failure = error;
+        finished = true;
+        done_.notify_all();
+      });
+    } catch (const std::system_error& error) {
+      std::lock_guard lock(mutex_);
+      busy_ = false;
+      idle_.notify_all();
+      throw CallError{"unavailable", std::string("no thread for the call: ") + error.what()};
+    }
+    auto let_go = [&] {  // the worker has returned (or returns at once): join it, and say so
+      {
+        Unlocked unlocked;
+        worker.join();
       }
-      std::lock_guard lock(mutex);
-      result = std::move(value);
-      failure = error;
-      finished.notify_all();
-    });
+      std::lock_guard lock(mutex_);
+      busy_ = false;
+      idle_.notify_all();
+    };
     for (;;) {
       {
-        py::gil_scoped_release unlocked;
-        std::unique_lock lock(mutex);
-        if (finished.wait_for(lock, kSignalCheck, [&] { return result.has_value() || failure != nullptr; })) break;
+        Unlocked unlocked;
+        std::unique_lock lock(mutex_);
+        if (done_.wait_for(lock, kSignalCheck, [&] { return finished; })) break;
       }
       if (PyErr_CheckSignals() != 0) {
-        // KeyboardInterrupt (or what a handler raised): stop the call, wait for its thread (it
-        // returns at once now), and let the exception go on.
         interrupted_ = true;
         if (interruptible && handle_ != nullptr) handle_->interrupt("Ctrl-C");
-        {
-          py::gil_scoped_release unlocked;
-          call_.join();
+        let_go();
+        if (interruptible && handle_ != nullptr) {
+          std::unique_ptr<th::Handle> dropped = std::move(handle_);
+          Unlocked unlocked;
+          dropped.reset();
         }
         throw py::error_already_set();
       }
     }
-    {
-      py::gil_scoped_release unlocked;
-      call_.join();
-    }
+    let_go();
     if (failure) std::rethrow_exception(failure);
     return std::move(*result);
   }
 
+  // Declared first: destroyed after the handle, so the tensors outlive every use of their memory.
+  py::dict keepalive_;
   std::unique_ptr<th::Handle> handle_;
-  std::thread call_;
-  bool interrupted_ = false;
+  std::mutex mutex_;
+  std::condition_variable done_;  // the call's thread finished
+  std::condition_variable idle_;  // no call in progress
+  bool busy_ = false;             // guarded by mutex_
+  std::atomic<bool> interrupted_{false};
 };
 
 th::ClientOptions options_from(const py::kwargs& kwargs) {
   th::ClientOptions options;
   for (const auto& [key_object, value] : kwargs) {
     const std::string key = py::cast<std::string>(key_object);
+    try {
     if (key == "servers") options.servers = py::cast<std::vector<std::string>>(value);
     else if (key == "token") options.token = py::cast<std::string>(value);
     else if (key == "model") options.model = py::cast<std::string>(value);
@@ -273,6 +339,10 @@ th::ClientOptions options_from(const py::kwargs& kwargs) {
     else if (key == "tls_ca_file") options.tls_ca_file = py::cast<std::string>(value);
     else if (key == "tls_server_name") options.tls_server_name = py::cast<std::string>(value);
     else throw py::type_error("Handle() got an unexpected keyword argument '" + key + "'");
+    } catch (const py::cast_error&) {
+      throw py::type_error("Handle(): " + key + "=" + py::cast<std::string>(py::repr(value)) +
+                           " has the wrong type (see help(tensorhub.Handle))");
+    }
   }
   return options;
 }
@@ -281,11 +351,12 @@ th::ClientOptions options_from(const py::kwargs& kwargs) {
 
 PYBIND11_MODULE(_core, module) {
   module.doc() = "libthclient for Python; use the tensorhub package, not this module.";
+  main_thread = std::this_thread::get_id();
   // CallError -> tensorhub.errors: the package installs the translator's target (set_error_factory).
   // Never destroyed: it would outlive the interpreter at exit.
   static auto* error_factory = new py::object();
   module.def("set_error_factory", [](py::object factory) { *error_factory = std::move(factory); });
-  py::register_exception_translator([](std::exception_ptr pointer) {
+  py::register_local_exception_translator([](std::exception_ptr pointer) {
     try {
       if (pointer) std::rethrow_exception(pointer);
     } catch (const CallError& error) {
@@ -303,6 +374,8 @@ PYBIND11_MODULE(_core, module) {
            py::arg("dtype"), py::arg("cuda"))
       .def("register_many", &PyHandle::register_many)
       .def("unregister", &PyHandle::unregister_tensor)
+      .def("keep", &PyHandle::keep)
+      .def("forget", &PyHandle::forget)
       .def("publish", &PyHandle::publish)
       .def("unpublish", &PyHandle::unpublish)
       .def("replicate", &PyHandle::replicate, py::arg("selector"), py::arg("timeout_ms"))

@@ -27,6 +27,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import weakref
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 from . import errors
@@ -87,8 +88,11 @@ except ImportError:
 
 
 def _describe(name: str, tensor: Any):
-    """(address, bytes, dtype name, is_cuda) of a tensor-like object, or InvalidArgument."""
+    """(address, bytes, dtype name, is_cuda, what to keep alive) of a tensor-like object, or
+    InvalidArgument."""
     if _torch is not None and isinstance(tensor, _torch.Tensor):
+        if tensor.layout != _torch.strided:
+            raise InvalidArgument(f"tensor '{name}' is {tensor.layout}: only dense (strided) tensors")
         dtype = _TORCH_DTYPE_OF.get(tensor.dtype)
         if dtype is None:
             raise InvalidArgument(f"tensor '{name}' has dtype {tensor.dtype}, which TensorHub does not move")
@@ -97,30 +101,33 @@ def _describe(name: str, tensor: Any):
         cuda = tensor.is_cuda
         if not cuda and tensor.device.type != "cpu":
             raise InvalidArgument(f"tensor '{name}' is on {tensor.device}: only CPU and CUDA memory")
-        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), dtype, cuda
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), dtype, cuda, tensor
     if hasattr(tensor, "__dlpack__") and not hasattr(tensor, "__array_interface__"):
+        # Through torch (writable, and the result owns the capsule: it is what is kept alive).
+        if _torch is None:
+            raise InvalidArgument(f"tensor '{name}': a __dlpack__ object needs torch to be registered")
         try:
-            import numpy
-            return _describe(name, numpy.from_dlpack(tensor))
-        except (ImportError, RuntimeError, TypeError, BufferError) as error:
-            raise InvalidArgument(f"tensor '{name}': cannot read its __dlpack__ on the CPU: {error}") from None
+            return _describe(name, _torch.utils.dlpack.from_dlpack(tensor))
+        except (RuntimeError, TypeError, BufferError) as error:
+            raise InvalidArgument(f"tensor '{name}': cannot take its __dlpack__: {error}") from None
     try:
         view = memoryview(tensor)
-    except TypeError:
+    except (TypeError, ValueError):
         raise InvalidArgument(f"'{name}' is a {type(tensor).__name__}: not a torch tensor, an array or a buffer") from None
-    with view:
-        if not view.c_contiguous:
-            raise InvalidArgument(f"tensor '{name}' is not C-contiguous")
-        if view.readonly:
-            raise InvalidArgument(f"tensor '{name}' is read-only: replicate() writes into registered tensors")
-        dtype = _BUFFER_DTYPES.get(view.format.lstrip("@=<"))
-        if dtype is None or (dtype == "int64" and view.itemsize != 8):
-            raise InvalidArgument(f"tensor '{name}' has element format '{view.format}', which TensorHub does not move")
-        if view.nbytes == 0:
-            return 0, 0, dtype, False
-        import ctypes
-        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        return address, view.nbytes, dtype, False
+    # The view is kept (unreleased) while registered: a bytearray cannot be resized, nor an mmap
+    # closed, under libthclient meanwhile.
+    if not view.c_contiguous:
+        raise InvalidArgument(f"tensor '{name}' is not C-contiguous")
+    if view.readonly:
+        raise InvalidArgument(f"tensor '{name}' is read-only: replicate() writes into registered tensors")
+    dtype = _BUFFER_DTYPES.get(view.format.lstrip("@=<"))
+    if dtype is None or (dtype == "int64" and view.itemsize != 8):
+        raise InvalidArgument(f"tensor '{name}' has element format '{view.format}', which TensorHub does not move")
+    if view.nbytes == 0:
+        return 0, 0, dtype, False, view
+    import ctypes
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return address, view.nbytes, dtype, False, view
 
 
 # ---- The handle ----------------------------------------------------------------------------------
@@ -151,9 +158,10 @@ class Handle:
         """Registers a tensor (torch, numpy, a writable buffer, or ``__dlpack__``) by unique name.
         Only while the shard holds no version (before the first publish/replicate, or after
         unpublish). Its memory is read and written in place."""
-        address, nbytes, dtype, cuda = _describe(name, tensor)
+        address, nbytes, dtype, cuda, keep = _describe(name, tensor)
         self._core.register_raw(name, address, nbytes, dtype, cuda)
-        self._tensors[name] = tensor
+        self._core.keep(name, keep)  # alive until the C++ handle is gone, whatever Python drops first
+        self._tensors[name] = (tensor, address)
 
     def register_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "") -> None:
         """Registers every tensor of a state dict under ``prefix + key``, in one call into
@@ -161,9 +169,10 @@ class Handle:
         or use register_module(). On a refusal, the tensors before it stay registered."""
         items = [(prefix + key, tensor) for key, tensor in state_dict.items()]
         described = [(name, *_describe(name, tensor)) for name, tensor in items]  # refusals before any
-        done, code, detail = self._core.register_many(described)
-        for name, tensor in items[:done]:
-            self._tensors[name] = tensor  # kept alive while registered
+        done, code, detail = self._core.register_many([entry[:5] for entry in described])
+        for (name, tensor), entry in zip(items[:done], described[:done]):
+            self._core.keep(name, entry[5])
+            self._tensors[name] = (tensor, entry[1])
         if code:
             raise errors.error_of(code, detail)
 
@@ -174,16 +183,28 @@ class Handle:
 
     def unregister(self, name: str) -> None:
         self._core.unregister(name)
+        self._core.forget(name)
         self._tensors.pop(name, None)
 
     @property
     def tensors(self) -> Mapping[str, Any]:
-        return dict(self._tensors)
+        """The registered objects, by name."""
+        return {name: entry[0] for name, entry in self._tensors.items()}
+
+    def _check_storage(self) -> None:
+        # A torch tensor whose storage was replaced since it was registered (param.data = ...,
+        # set_(), resize_()) no longer is the memory libthclient reads and writes: refuse, rather
+        # than move bytes the application does not see.
+        for name, (tensor, address) in self._tensors.items():
+            if _torch is not None and isinstance(tensor, _torch.Tensor) and tensor.data_ptr() != address:
+                raise InvalidArgument(f"tensor '{name}' moved to other memory since it was registered "
+                                      "(its storage was replaced): unregister and register it again")
 
     # -- calls --
 
     def publish(self, version: int) -> int:
         """Promises that the registered tensors hold ``version`` and will not change until unpublish()."""
+        self._check_storage()
         return self._core.publish(version)
 
     def unpublish(self) -> None:
@@ -193,11 +214,13 @@ class Handle:
     def replicate(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None) -> ReplicateInfo:
         """Brings a version ("latest", "latest-2", or a number) into the registered tensors,
         verified; blocks until it is there (at most ``timeout`` seconds; None: no limit)."""
+        self._check_storage()
         version, source = self._core.replicate(str(selector), _ms(timeout))
         return ReplicateInfo(version, source)
 
     def update(self, selector: Union[str, int] = "latest") -> UpdateInfo:
         """Moves to a newer version if there is one (blocks while it arrives), else returns at once."""
+        self._check_storage()
         status, version, source = self._core.update(str(selector))
         return UpdateInfo(status, version, source)
 
@@ -231,12 +254,16 @@ class Handle:
         return self._core.client_id
 
     def close(self) -> None:
-        """Leaves: blocks until readers of this replica drained. The handle is then done."""
+        """Leaves: blocks until readers of this replica drained. The handle is then done. A refused
+        close (tensorhub.LastRetainedCopy) leaves the handle open: close again later."""
         try:
             self._core.close()
-        finally:
-            self._core.drop()
-            self._tensors.clear()
+        except errors.Unavailable:
+            pass  # closed or interrupted already: nothing to leave
+        except TensorHubError:
+            raise
+        self._core.drop()
+        self._tensors.clear()
 
     def __enter__(self) -> "Handle":
         return self
@@ -252,8 +279,9 @@ class Handle:
 def _ms(timeout: Optional[float]) -> int:
     if timeout is None:
         return 0
-    if timeout <= 0:
-        raise InvalidArgument("timeout must be positive (None: no limit)")
+    import math
+    if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout <= 0 or math.isinf(timeout):
+        raise InvalidArgument(f"timeout must be a positive number of seconds (None: no limit), not {timeout!r}")
     return max(1, int(timeout * 1000))
 
 
@@ -268,6 +296,23 @@ def _find_server(binary: Optional[str]) -> str:
     raise FileNotFoundError("th-server not found: pass binary=, set TH_SERVER_BINARY, or put it on PATH")
 
 
+def _die_with_parent() -> None:
+    # In the child, before exec: the server gets SIGTERM when this process dies, however it dies.
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 15)
+
+
+def _stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class Server:
     """A th-server as a child process (for tests and single-node jobs); stopped on close/exit.
 
@@ -277,6 +322,7 @@ class Server:
 
     def __init__(self, *, listen: str = "127.0.0.1:0", token: Optional[str] = None, binary: Optional[str] = None,
                  args: Iterable[str] = (), start_timeout: float = 30.0):
+        executable = _find_server(binary)  # first: nothing to clean up if it is missing
         self.token = token or secrets.token_hex(16)
         self._dir = tempfile.TemporaryDirectory(prefix="tensorhub-server-")
         token_file = os.path.join(self._dir.name, "token")
@@ -285,8 +331,10 @@ class Server:
         os.chmod(token_file, 0o600)
         self._log = open(os.path.join(self._dir.name, "log"), "w")
         self._process = subprocess.Popen(
-            [_find_server(binary), "--listen", listen, "--token-file", token_file, *args],
-            stdout=subprocess.PIPE, stderr=self._log, text=True)
+            [executable, "--listen", listen, "--token-file", token_file, *args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, preexec_fn=_die_with_parent)
+        # Stopped when this object goes, or at exit, if nobody closed it.
+        self._finalizer = weakref.finalize(self, _stop_server, self._process)
         self.address = self._read_address(start_timeout)
 
     def _read_address(self, timeout: float) -> str:
@@ -310,13 +358,8 @@ class Server:
             return ""
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        self._finalizer.detach()
+        _stop_server(self._process)
         if self._process.stdout:
             self._process.stdout.close()
         self._log.close()

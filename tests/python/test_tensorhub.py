@@ -205,7 +205,7 @@ def test_a_two_shard_replica_from_two_processes(server):
 
 def _slow_rollout(address, token):
     with tensorhub.Handle(servers=address, token=token, model="m", replica="slow", role="rollout",
-                          read_rate_bytes_per_s=2_000_000) as hub:
+                          read_rate_bytes_per_s=2_000_000, chunk_bytes=256 << 10) as hub:
         hub.register("w", torch.zeros(4_000_000, dtype=torch.uint8))
         hub.replicate("latest", timeout=60)
 
@@ -218,9 +218,10 @@ def test_a_rollout_killed_mid_read_disturbs_nobody(server):
         slow = SPAWN.Process(target=_slow_rollout, args=(server.address, server.token))
         slow.start()
         deadline = time.monotonic() + 60
-        while trainer.stats()["bytes_served"] == 0 and trainer.list()["replicas"] and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the slow rollout reads
-        time.sleep(0.3)
+        while trainer.stats()["bytes_served"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the slow rollout reads (256 KiB at a time, 2 MB/s: ~2 s in all)
+        served = trainer.stats()["bytes_served"]
+        assert 0 < served < weights.numel(), "killed mid-read"
         os.kill(slow.pid, signal.SIGKILL)
         slow.join()
         with handle(server, "other", role="rollout") as other:
@@ -301,3 +302,60 @@ def test_the_example_rl_loop(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rl_loop: ok" in result.stdout
     assert "bit-exact" in result.stdout and "DIFFERENT" not in result.stdout
+
+
+def test_two_threads_on_one_handle_get_a_clear_refusal_not_a_hang(server):
+    with handle(server, "r") as hub:
+        hub.register("w", torch.zeros(10))
+        waiting = threading.Thread(target=lambda: pytest.raises(tensorhub.Timeout, hub.wait, version=1, timeout=2))
+        waiting.start()
+        time.sleep(0.3)
+        with pytest.raises(tensorhub.InvalidArgument, match="another call is in progress"):
+            hub.wait(version=1, timeout=1)
+        waiting.join()
+        hub.list()  # and the handle goes on
+
+
+def test_a_tensor_whose_storage_was_replaced_is_refused(server):
+    with handle(server, "trainer") as trainer:
+        weights = torch.nn.Parameter(torch.zeros(1000))
+        trainer.register("w", weights)
+        weights.data = torch.ones(1000)  # the registered memory is not the tensor's any more
+        with pytest.raises(tensorhub.InvalidArgument, match="moved to other memory"):
+            trainer.publish(1)
+
+
+def test_wrong_option_types_and_timeouts_are_clear(server):
+    with pytest.raises(TypeError, match="shard"):
+        handle(server, "x", shard="0")
+    with handle(server, "r") as hub:
+        hub.register("w", torch.zeros(10))
+        for bad in (float("inf"), float("nan"), -1, 0):
+            with pytest.raises(tensorhub.InvalidArgument, match="timeout"):
+                hub.replicate("latest", timeout=bad)
+
+
+class DlpackOnly:
+    """An object that speaks only DLPack (as a JAX or CuPy array would)."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __dlpack__(self, stream=None):
+        return self._tensor.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._tensor.__dlpack_device__()
+
+
+def test_a_dlpack_object_is_written_in_place(server):
+    source = torch.arange(100, dtype=torch.float32)
+    target = torch.zeros(100)
+    with handle(server, "trainer") as trainer, handle(server, "rollout") as rollout:
+        trainer.register("w", source)
+        rollout.register("w", DlpackOnly(target))
+        trainer.publish(1)
+        rollout.replicate("latest", timeout=30)
+        assert torch.equal(target, source)
+        trainer.unpublish()
+        rollout.close()

@@ -295,8 +295,12 @@ struct RoguePeer {
     request.wr.rdma.rkey = key;
     EXPECT_EQ(ibv_post_send(qp.get(), &request, &bad), 0);
     ibv_wc completion{};
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (cq.poll(&completion, 1) == 0 && std::chrono::steady_clock::now() < deadline) cq.wait(20);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    while (cq.poll(&completion, 1) == 0) {
+      // No answer at all (the source destroyed its queue pair): that is no success either.
+      if (std::chrono::steady_clock::now() > deadline) return IBV_WC_RESP_TIMEOUT_ERR;
+      cq.wait(20);
+    }
     return completion.status;
   }
 };
@@ -331,9 +335,9 @@ TEST(RdmaPair, ARoguePeerReadsNothingItWasNotGranted) {
 }
 
 // Without memory windows (a device that has none, or they are turned off), the registration's key
-// is handed out and revoke() falls back to the reader's acknowledgement: it tells the reader, and
-// returns only once the reader has let go (its queue pair gone), so no late READ sees the memory.
-TEST(RdmaPair, WithoutWindowsRevokeWaitsForTheReaderToLetGo) {
+// is handed out; revoke() tells the reader and cuts its link, and returns once the link's queue
+// pair is destroyed: no byte the owner writes afterwards reaches the reader.
+TEST(RdmaPair, WithoutWindowsRevokeCutsTheReaderOff) {
   REQUIRE_DEVICE();
   RdmaOptions no_windows;
   no_windows.devices = {device_names()[0]};
@@ -347,19 +351,14 @@ TEST(RdmaPair, WithoutWindowsRevokeWaitsForTheReaderToLetGo) {
   auto regions = target.regions();
   auto options = pull_options();
   options.rate_bytes_per_s = 2 << 20;
-  std::atomic<bool> reader_returned{false};
-  std::atomic<bool> returned_before_revoke_did{false};
   std::thread revoker([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(800));
     source->revoke({1, 1});
-    returned_before_revoke_did = reader_returned.load();
     std::fill(shard.allocation.begin(), shard.allocation.end(), std::byte{0x5A});  // the owner's again
   });
   const net::PullOutcome outcome = reader->pull(source->endpoint(), {1, 1}, kSecret, regions, options);
-  reader_returned = true;
   revoker.join();
-  EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail;
-  EXPECT_TRUE(returned_before_revoke_did) << "revoke() returned while the reader still read";
+  EXPECT_EQ(outcome.error, net::ReadError::kRefused) << outcome.detail << " (the notice comes before the cut)";
   EXPECT_EQ(source->stats().windows_bound, 0u);
   for (std::size_t i = 0; i < target.allocation.size(); ++i) {
     ASSERT_TRUE(target.allocation[i] == original.allocation[i] || target.allocation[i] == std::byte{0xEE}) << i;

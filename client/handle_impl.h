@@ -6,7 +6,6 @@
 
 #include "tensorhub/client.h"
 
-#include <capnp/rpc-twoparty.h>
 #include <xxhash.h>
 
 #include <array>
@@ -26,6 +25,7 @@
 #include "net/data_plane.h"
 #include "net/transport.h"
 #include "net/event_loop.h"
+#include "net/frames.h"
 #include "net/heartbeat.h"
 #include "net/tls.h"
 #include "net/wire.h"
@@ -40,7 +40,6 @@ namespace client_impl {
 // Tensors below this size travel packed into one buffer per shard (paper §4.3.2): one request
 // instead of hundreds of tiny ones.
 constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
-constexpr std::uint32_t kSendsInFlightMax = 4;  // Session.send calls per server connection
 constexpr TimeMs kTickMs = 50;                  // how often the agent hears the clock
 constexpr TimeMs kReconnectBackoffInitialMs = 100;
 constexpr TimeMs kReconnectBackoffMaxMs = 2000;
@@ -122,7 +121,6 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 
  private:
   struct Link;
-  class SinkImpl;
   struct ReadJob {
     StartRead read;
     std::shared_ptr<std::atomic<bool>> cancelled;
@@ -140,9 +138,13 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void post(AgentInput input);  // step later (never re-enter the agent from its own effects)
   void send_to(std::uint32_t server, net::ToHubMessage message);
   void connect(std::uint32_t server);
+  // Writes the queued messages as frames (with an ack asked, if none is awaited).
   void flush(Link& link);
-  // One Session.send of the first `count` queued messages (0: a probe that the server is alive).
-  void send_batch(Link& link, std::size_t count);
+  // An empty frame asking for an ack: whether the server is alive (and a heartbeat there).
+  void probe(Link& link);
+  // Reads the server's frames until the connection ends.
+  kj::Promise<void> read_frames(std::uint32_t server, std::uint64_t generation);
+  void on_frame(Link& link, wire::ServerFrame::Reader frame);
   void lose(std::uint32_t server, std::uint64_t generation, const std::string& why);
   void serve(const ServeRead& grant);
   void start_read(const StartRead& read);
@@ -249,25 +251,28 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
 struct Handle::Impl::Link {
   std::uint32_t server = 0;
   std::uint64_t generation = 0;
-  kj::Maybe<kj::Promise<void>> connecting;  // TCP connect, TLS handshake, the connect call
-  bool connected = false;                    // the server answered the connect call
-  kj::Own<kj::AsyncIoStream> stream;
+  kj::Maybe<kj::Promise<void>> connecting;  // TCP connect, TLS handshake
+  bool connected = false;                    // the server welcomed our hello
   // The server's address as the socket reached it (heartbeat datagrams go there), read once the TCP
   // connection is up.
   std::optional<sockaddr_storage> peer;
-  kj::Own<capnp::TwoPartyClient> rpc;
-  kj::Maybe<wire::Session::Client> session;
-  std::vector<net::ToHubMessage> queue;
-  std::uint32_t sends_in_flight = 0;
+  // The framed connection (net/frames.h), once TCP (and TLS) are up: hello and the queue go at once.
+  kj::Own<net::FrameStream> frames;
+  kj::Maybe<kj::Promise<void>> reading;  // read_frames
+  std::vector<net::ToHubMessage> queue;  // until the connection is up
+  // The ack the last frame that asked for one named (0: none awaited). One at a time: it is the
+  // evidence that the server is alive and feeding the hub, not flow control (TCP is).
+  std::uint64_t ack_awaited = 0;
+  std::uint64_t acks_asked = 0;
   // Heartbeats as datagrams (net/heartbeat.h), once the server offered a channel at connect.
   std::unique_ptr<net::HeartbeatSender> heartbeats;
   net::HeartbeatKey heartbeat_key{};
   std::uint64_t heartbeat_count = 0;  // of the last datagram sent (the server refuses counts it saw)
-  // The server's last Session.send reply said it hears them: heartbeats stop going as calls.
+  // The server's last ack said it hears them: heartbeats stop going as messages.
   bool heartbeat_datagrams_heard = false;
   // A server that is alive answers; one that hangs (stopped, swapping, wedged) keeps the TCP
   // connection open and answers nothing. Since when something of ours has waited for an answer
-  // (the connect, or a send; 0: nothing waits), and when the server last answered.
+  // (the welcome, or an ack; 0: nothing waits), and when the server last sent a frame.
   TimeMs waiting_since_ms = 0;
   TimeMs heard_ms = 0;
 };

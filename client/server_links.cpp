@@ -1,5 +1,5 @@
-// libthclient's connections to th-server: one Cap'n Proto connection per server (TLS when the
-// options give a CA), opened on demand, with a bounded number of Session.send calls in flight;
+// libthclient's connections to th-server: one framed connection per server (net/frames.h; TLS when
+// the options give a CA), opened on demand, one write in flight and what comes meanwhile batched;
 // heartbeats as sealed UDP datagrams where the server hears them; a hung server detected by its
 // silence and a lost one failed over (see handle_impl.h for how the files divide the work).
 #include "client/handle_impl.h"
@@ -33,27 +33,6 @@ std::string hint_for(const std::string& why, bool tls, const std::string& addres
 
 }  // namespace
 
-class Handle::Impl::SinkImpl final : public wire::Sink::Server {
- public:
-  SinkImpl(Impl& impl, std::uint32_t server) : impl_(impl), server_(server) {}
-
-  kj::Promise<void> deliver(DeliverContext context) override {
-    for (auto effect : context.getParams().getEffects()) {
-      auto decoded = net::decode(effect);
-      if (!decoded.ok()) {
-        impl_.log("server " + std::to_string(server_) + " sent an invalid message: " + decoded.error().detail);
-        continue;
-      }
-      impl_.step(FromHub{server_, std::move(decoded).value()});
-    }
-    return kj::READY_NOW;
-  }
-
- private:
-  Impl& impl_;
-  std::uint32_t server_;
-};
-
 TimeMs Handle::Impl::server_timeout_ms() const {
   if (options_.server_timeout_ms > 0) return options_.server_timeout_ms;
   const TimeMs told = server_heartbeat_timeout_ms_.load();
@@ -74,10 +53,10 @@ void Handle::Impl::check_links() {
   for (auto& [server, link] : links_) {
     if (link->waiting_since_ms != 0) {
       if (now - link->waiting_since_ms > timeout_ms) hung.emplace_back(server, link->generation);
-    } else if (link->session != nullptr && now - link->heard_ms > probe_ms) {
+    } else if (link->connected && now - link->heard_ms > probe_ms) {
       // Nothing of ours waits (heartbeats go as datagrams, which nobody answers): ask something
       // of the server now and then, so that it is seen to hang while nothing else would tell.
-      send_batch(*link, 0);
+      probe(*link);
     }
   }
   for (const auto& [server, generation] : hung) {
@@ -136,116 +115,152 @@ void Handle::Impl::connect(std::uint32_t server) {
             if (tls_ == nullptr) return kj::mv(stream);
             return tls_->wrapClient(kj::mv(stream), net::tls_server_name(address, options_.tls_server_name));
           })
-          .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) -> kj::Promise<void> {
+          .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) {
             Link* link = find_link();
-            if (link == nullptr) return kj::READY_NOW;
-            link->stream = kj::mv(stream);
-            link->rpc = kj::heap<capnp::TwoPartyClient>(*link->stream);
-            tasks_->add(link->rpc->onDisconnect().then([this, server, generation, find_link] {
-              const Link* closed = find_link();
-              const bool unanswered = closed != nullptr && !closed->connected;
-              lose(server, generation,
-                   std::string("the server closed the connection") +
-                       (unanswered && tls_ == nullptr
-                            ? " before answering connect (if it runs with --tls-cert, give tls_ca_file)"
-                            : ""));
-            }));
-            auto request = link->rpc->bootstrap().castAs<wire::Hub>().connectRequest();
-            request.setToken(options_.token);
-            request.setSink(kj::heap<SinkImpl>(*this, server));
-            request.setClientName(options_.replica + "/" + std::to_string(options_.shard));
-            request.setClient(client_id_);
-            request.setClientSecret(kj::arrayPtr(client_secret_.data(), client_secret_.size()));
-            // Pipelined: the queued messages go out on the promised session at once, in the same
-            // flight as bootstrap and connect. On a busy server every round trip waits behind the
-            // other connections' calls, so an open that needs one round trip instead of three is
-            // answered that much sooner. A refused token fails those calls and this promise.
-            auto connected = request.send();
-            link->session = connected.getSession();
+            if (link == nullptr) return;
+            link->frames = kj::heap<net::FrameStream>(kj::mv(stream));
+            link->frames->on_written([this, find_link] {
+              if (Link* written = find_link(); written != nullptr) flush(*written);
+            });
+            link->frames->on_broken([this, server, generation](const kj::Exception& exception) {
+              const std::string why = std::string("the connection broke: ") + exception.getDescription().cStr();
+              tasks_->add(kj::evalLater([this, server, generation, why] { lose(server, generation, why); }));
+            });
+            // The magic, the hello and what is queued, in one write: on a busy server every round
+            // trip waits behind the other connections, so an open needs one, not two.
+            link->frames->append_bytes(kj::arrayPtr(net::kFramedMagic.data(), net::kFramedMagic.size()));
+            link->frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+              auto hello = frame.initHello();
+              hello.setToken(options_.token);
+              hello.setClientName(options_.replica + "/" + std::to_string(options_.shard));
+              hello.setClient(client_id_);
+              hello.setClientSecret(kj::arrayPtr(client_secret_.data(), client_secret_.size()));
+            });
             flush(*link);
-            return connected.then([this, server, find_link](auto response) {
-              Link* connected_link = find_link();
-              if (connected_link == nullptr) return;
-              connected_link->connected = true;
-              ever_connected_ = true;
-              reconnect_.erase(server);
-              connected_link->heard_ms = steady_now_ms();
-              connected_link->waiting_since_ms = connected_link->sends_in_flight > 0 ? connected_link->heard_ms : 0;
-              if (response.getHeartbeatTimeoutMs() > 0) {
-                server_heartbeat_timeout_ms_.store(response.getHeartbeatTimeoutMs());
-              }
-              const auto channel = response.getHeartbeats();
-              const auto key = net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
-              if (channel.getPort() == 0 || !key || !connected_link->peer) return;
-              try {
-                connected_link->heartbeats = std::make_unique<net::HeartbeatSender>(*connected_link->peer, channel.getPort());
-                connected_link->heartbeat_key = *key;
-              } catch (const net::SocketError& error) {
-                log(std::string("heartbeats go as calls: ") + error.what());
-              }
+            link->reading = read_frames(server, generation).eagerlyEvaluate([this, server, generation](kj::Exception&& exception) {
+              const std::string why = exception.getDescription().cStr();
+              lose(server, generation,
+                   "the connection broke: " + why + hint_for(why, tls_ != nullptr, options_.servers.at(server), options_.tls_server_name));
             });
           })
           .catch_([this, server, generation, address](kj::Exception&& exception) {
             const std::string why = exception.getDescription().cStr();
             const std::string hint = hint_for(why, tls_ != nullptr, address, options_.tls_server_name);
-            if (why.find("wrong cluster token") != std::string::npos) {
-              fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
-            } else if (tls_ != nullptr && net::is_certificate_refusal(why) && !ever_connected_) {
+            if (tls_ != nullptr && net::is_certificate_refusal(why) && !ever_connected_) {
               // A wrong CA file or server name, or an impostor, before any server took us: a
               // configuration error that retrying cannot mend, so open() says so at once. Later
               // (a certificate expired, a backup with another name, someone in the path) it is a
               // lost server like any other: retried, and logged, while the others serve.
               fail_everything(make_error(Errc::kPermissionDenied, "server " + address + ": TLS: " + why + hint));
             }
-            // (Refused because another connection holds our id with another secret: someone else
-            // uses it. Retried with backoff like any lost server; it succeeds once that one is gone.)
             lose(server, generation, "cannot reach server " + address + ": " + why + hint);
           })
           .eagerlyEvaluate(nullptr);
 }
 
 void Handle::Impl::flush(Link& link) {
-  if (link.session == nullptr) return;  // connecting: the queue goes once the session is there
-  while (link.sends_in_flight < kSendsInFlightMax && !link.queue.empty()) {
-    send_batch(link, std::min(link.queue.size(), net::kMessagesPerCallMax));
+  if (link.frames.get() == nullptr || link.queue.empty()) return;  // connecting: the queue goes once it is up
+  for (std::size_t done = 0; done < link.queue.size();) {
+    const std::size_t count = std::min(link.queue.size() - done, net::kMessagesPerCallMax);
+    const bool ask = link.ack_awaited == 0;
+    link.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+      auto list = frame.initMessages(static_cast<unsigned>(count));
+      for (std::size_t i = 0; i < count; ++i) net::encode(link.queue[done + i], list[static_cast<unsigned>(i)]);
+      if (ask) frame.setAck(link.ack_awaited = ++link.acks_asked);
+    });
+    done += count;
   }
+  link.queue.clear();
+  if (link.waiting_since_ms == 0) link.waiting_since_ms = steady_now_ms();
+  link.frames->flush();
 }
 
-void Handle::Impl::send_batch(Link& link, std::size_t count) {
-  TH_ASSERT(count <= link.queue.size());
-  KJ_IF_MAYBE(session, link.session) {
-    auto request = session->sendRequest();
-    auto list = request.initMessages(static_cast<unsigned>(count));
-    for (std::size_t i = 0; i < count; ++i) net::encode(link.queue[i], list[static_cast<unsigned>(i)]);
-    link.queue.erase(link.queue.begin(), link.queue.begin() + static_cast<long>(count));
-    ++link.sends_in_flight;
-    if (link.waiting_since_ms == 0) link.waiting_since_ms = steady_now_ms();
-    const std::uint32_t server = link.server;
-    const std::uint64_t generation = link.generation;
-    auto answered = [this](Link& sent) {
-      --sent.sends_in_flight;
-      sent.heard_ms = steady_now_ms();
-      sent.waiting_since_ms = sent.sends_in_flight > 0 ? sent.heard_ms : 0;
-      flush(sent);
-    };
-    tasks_->add(request.send().then(
-        [this, server, generation, answered](auto response) {
-          auto found = links_.find(server);
-          if (found == links_.end() || found->second->generation != generation) return;
-          Link& sent = *found->second;
-          sent.heartbeat_datagrams_heard = sent.heartbeats != nullptr && response.getHeartbeatDatagramsHeard();
-          answered(sent);
-        },
-        [this, server, generation, answered](kj::Exception&& exception) {
-          if (exception.getType() == kj::Exception::Type::DISCONNECTED) {
-            lose(server, generation, "the connection broke");
-          } else {
-            // Our own message was refused: a bug here or a server of another version.
-            log(std::string("the server refused a message: ") + exception.getDescription().cStr());
-            auto found = links_.find(server);
-            if (found != links_.end() && found->second->generation == generation) answered(*found->second);
-          }
-        }));
+void Handle::Impl::probe(Link& link) {
+  if (link.frames.get() == nullptr || !link.connected || link.ack_awaited != 0) return;
+  link.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+    frame.initMessages(0);
+    frame.setAck(link.ack_awaited = ++link.acks_asked);
+  });
+  link.waiting_since_ms = steady_now_ms();
+  link.frames->flush();
+}
+
+kj::Promise<void> Handle::Impl::read_frames(std::uint32_t server, std::uint64_t generation) {
+  auto found = links_.find(server);
+  if (found == links_.end() || found->second->generation != generation) return kj::READY_NOW;
+  return found->second->frames->read_some().then([this, server, generation](bool more) -> kj::Promise<void> {
+    for (;;) {
+      auto current = links_.find(server);
+      if (current == links_.end() || current->second->generation != generation) return kj::READY_NOW;
+      Link& link = *current->second;
+      if (!more) {
+        lose(server, generation,
+             link.connected ? "the server closed the connection"
+                            : std::string("the server closed the connection before answering the hello") +
+                                  (tls_ == nullptr ? " (if it runs with --tls-cert, give tls_ca_file)" : ""));
+        return kj::READY_NOW;
+      }
+      capnp::MessageReader* frame = link.frames->next_frame();
+      if (frame == nullptr) return read_frames(server, generation);
+      on_frame(link, frame->getRoot<wire::ServerFrame>());
+    }
+  });
+}
+
+void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
+  const std::uint32_t server = link.server;
+  const std::uint64_t generation = link.generation;
+  link.heard_ms = steady_now_ms();
+  if (frame.getAck() != 0 && frame.getAck() == link.ack_awaited) {
+    link.ack_awaited = 0;
+    link.waiting_since_ms = 0;
+    link.heartbeat_datagrams_heard = link.heartbeats != nullptr && frame.getHeartbeatDatagramsHeard();
+  }
+  switch (frame.which()) {
+    case wire::ServerFrame::WELCOME: {
+      if (link.connected) break;  // (a second one: ignored)
+      link.connected = true;
+      ever_connected_ = true;
+      reconnect_.erase(server);
+      link.waiting_since_ms = link.ack_awaited != 0 ? link.heard_ms : 0;
+      const auto welcome = frame.getWelcome();
+      if (welcome.getHeartbeatTimeoutMs() > 0) server_heartbeat_timeout_ms_.store(welcome.getHeartbeatTimeoutMs());
+      const auto channel = welcome.getHeartbeats();
+      const auto key = net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
+      if (channel.getPort() == 0 || !key || !link.peer) break;
+      try {
+        link.heartbeats = std::make_unique<net::HeartbeatSender>(*link.peer, channel.getPort());
+        link.heartbeat_key = *key;
+      } catch (const net::SocketError& error) {
+        log(std::string("heartbeats go as messages: ") + error.what());
+      }
+      break;
+    }
+    case wire::ServerFrame::REFUSED: {
+      const std::string why = frame.getRefused().cStr();
+      const std::string address = options_.servers.at(server);
+      if (why.find("wrong cluster token") != std::string::npos) {
+        fail_everything(make_error(Errc::kPermissionDenied, "server " + address + " refused the cluster token"));
+      }
+      // (Refused because another connection holds our id with another secret: someone else uses
+      // it. Retried with backoff like any lost server; it succeeds once that one is gone.)
+      lose(server, generation, "server " + address + " refused the hello: " + why);
+      return;
+    }
+    case wire::ServerFrame::EFFECTS:
+      for (auto effect : frame.getEffects()) {
+        auto decoded = net::decode(effect);
+        if (!decoded.ok()) {
+          log("server " + std::to_string(server) + " sent an invalid message: " + decoded.error().detail);
+          continue;
+        }
+        step(FromHub{server, std::move(decoded).value()});
+      }
+      break;
+    case wire::ServerFrame::NOTICE:
+      // Our own message was refused: a bug here or a server of another version.
+      log(std::string("the server refused a message: ") + frame.getNotice().cStr());
+      break;
   }
 }
 

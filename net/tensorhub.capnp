@@ -281,3 +281,44 @@ interface Hub {
   # Every model's listing and the server's counters (th-ctl). Same token as connect.
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);
 }
+
+# ---- Framed connections (net/frames.h) -----------------------------------------------------------
+# libthclient's control connection: after the 8 bytes of net::kFramedMagic, each side sends Cap'n
+# Proto messages in the standard stream framing, back to back, with no RPC and no per-message
+# return: sequence numbers already acknowledge and de-duplicate calls, and TCP orders and delivers
+# while the connection lives. Each side batches what one turn of its loop produced into one write.
+
+# What the client sends. The first frame is `hello`; then `messages` frames.
+struct ClientFrame {
+  union {
+    hello @0 :Hello;
+    messages @1 :List(ToHub);  # at most net::kMessagesPerCallMax; empty: a probe (see `ack`)
+  }
+  # Nonzero: answer with a ServerFrame carrying this `ack` once the frame has been fed to the hub.
+  # The client's evidence that the server is alive (an empty `messages` frame with an ack is a
+  # quiet client's probe, which the server also counts as a heartbeat).
+  ack @2 :UInt64;
+}
+
+struct Hello {
+  token @0 :Text;
+  clientName @1 :Text;
+  client @2 :UInt64;       # as Hub.connect
+  clientSecret @3 :Data;
+}
+
+# What the server sends. The first frame answers hello: `welcome`, or `refused` and the connection
+# closes.
+struct ServerFrame {
+  union {
+    welcome :group {
+      heartbeats @0 :HeartbeatChannel;
+      heartbeatTimeoutMs @1 :Int64;
+    }
+    refused @2 :Text;  # before welcome: why the hello was refused (then the server closes)
+    effects @3 :List(Effect);
+    notice @4 :Text;   # after welcome: a message of the last frames was refused (a bug or a version skew)
+  }
+  ack @5 :UInt64;                      # the client's latest `ack` fed to the hub (0: none)
+  heartbeatDatagramsHeard @6 :Bool;    # with an ack: as Session.send's reply
+}

@@ -1,4 +1,5 @@
 #include "server/hub_service.h"
+#include "server/connection.h"
 
 #include <capnp/rpc.h>
 
@@ -142,35 +143,6 @@ ClientId client_of(const net::ToHubMessage& message) {
 
 // ---- Connections -------------------------------------------------------------------------------------
 
-struct HubService::Connection {
-  std::uint64_t id = 0;
-  std::string peer = "?";  // the address it connects from
-  std::string name = "?";  // what the client calls itself (logs only; sanitised, once authenticated)
-  kj::Own<kj::AsyncIoStream> stream;  // null while the TLS handshake runs
-  kj::Maybe<kj::Promise<void>> handshake;  // the TLS handshake (cancelled if the connection goes first)
-  kj::Own<net::FairMessageStream> messages;
-  kj::Own<capnp::TwoPartyVatNetwork> network;
-  kj::Own<capnp::RpcSystem<capnp::rpc::twoparty::VatId>> rpc;
-  kj::Maybe<wire::Sink::Client> sink;  // set by connect
-  bool authenticated = false;          // presented the token (connect or inspect)
-  std::uint32_t wrong_tokens = 0;
-  TimeMs accepted_ms = 0;
-  TimeMs active_ms = 0;                // when it last sent a message or a heartbeat datagram came
-  std::uint64_t messages_seen = 0;     // messages->messages_read() at active_ms
-  ClientId client = 0;                 // the client it speaks for (0: none)
-  std::string client_secret;           // what the client proved it with
-  std::vector<Effect> backlog;         // effects not yet handed to deliver()
-  std::uint32_t delivers_in_flight = 0;
-  // The session of the client's last message: an empty Session.send (a quiet client's probe) counts
-  // as a heartbeat of that session, so that a client whose datagrams are lost is not evicted.
-  std::optional<std::uint64_t> client_session;
-  std::optional<net::HeartbeatKey> heartbeat_key;  // none: no datagram channel
-  std::uint64_t heartbeat_count = 0;               // the highest count accepted (replays are refused)
-  std::optional<TimeMs> heartbeat_datagram_ms;  // when the last datagram of its clients came
-
-  std::string describe() const { return "connection " + std::to_string(id) + " (" + name + " from " + peer + ")"; }
-};
-
 class HubService::SessionImpl final : public wire::Session::Server {
  public:
   SessionImpl(HubService& service, std::uint64_t connection) : service_(service), connection_(connection) {}
@@ -208,27 +180,16 @@ class HubService::HubImpl final : public wire::Hub::Server {
     if (found == service_.connections_.end()) return KJ_EXCEPTION(DISCONNECTED, "the connection is closing");
     Connection& connection = *found->second;
     auto params = context.getParams();
-    if (!service_.check_token(connection, params.getToken())) {
-      return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
-    }
     if (connection.sink != nullptr) return KJ_EXCEPTION(FAILED, "invalid-argument: connect called twice");
-    connection.name = sanitised(params.getClientName().cStr());
-    if (auto refused = service_.claim_client(connection, params.getClient(), params.getClientSecret())) {
+    if (auto refused = service_.admit(connection, params.getToken(), params.getClientName(), params.getClient(),
+                                      params.getClientSecret())) {
       return KJ_EXCEPTION(FAILED, *refused);
     }
     connection.sink = params.getSink();
-    service_.log(LogLevel::kDebug, connection.describe() + " authenticated");
     auto results = context.getResults();
     results.setSession(kj::heap<SessionImpl>(service_, connection_));
     results.setHeartbeatTimeoutMs(service_.config_.hub.heartbeat_timeout_ms);
-    if (service_.heartbeat_receiver_ != nullptr) {
-      connection.heartbeat_key = new_heartbeat_key();
-      connection.heartbeat_count = 0;
-      auto channel = results.initHeartbeats();
-      channel.setPort(service_.heartbeat_receiver_->port());
-      const auto key = net::key_bytes(*connection.heartbeat_key);
-      channel.setKey(kj::arrayPtr(key.data(), key.size()));
-    }
+    service_.describe_heartbeats(connection, results.initHeartbeats());
     return kj::READY_NOW;
   }
 
@@ -446,7 +407,9 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   unauthenticated_.push_back(id);
   ++unauthenticated_count_;
   if (tls_ == nullptr) {
-    start_rpc(added, kj::mv(stream));
+    added.handshake = start_protocol(id, kj::mv(stream)).eagerlyEvaluate([this, id](kj::Exception&& exception) {
+      close_connection(id, std::string("failed before it said anything: ") + exception.getDescription().cStr());
+    });
     return;
   }
   // A handshake costs the loop a key exchange and a signature: it starts only once the peer has
@@ -467,10 +430,7 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
             auto replayed = net::with_first_bytes(kj::heapArray<kj::byte>(first.begin(), got), kj::mv(stream));
             return handshake_turn()
                 .then([this, replayed = kj::mv(replayed)]() mutable { return tls_->wrapServer(kj::mv(replayed)); })
-                .then([this, id](kj::Own<kj::AsyncIoStream> secure) {
-                  auto found = connections_.find(id);
-                  if (found != connections_.end()) start_rpc(*found->second, kj::mv(secure));
-                });
+                .then([this, id](kj::Own<kj::AsyncIoStream> secure) { return start_protocol(id, kj::mv(secure)); });
           })
           .catch_([this, id](kj::Exception&& exception) {
             // Scanners, clear-text clients and wrong certificates: an attacker's to provoke at will,
@@ -531,6 +491,25 @@ kj::Promise<void> HubService::dispense_handshake_turns() {
   return timer_.afterDelay(std::max<std::int64_t>(wait_ms, 1) * kj::MILLISECONDS).then([this] {
     return dispense_handshake_turns();
   });
+}
+
+kj::Promise<void> HubService::start_protocol(std::uint64_t connection_id, kj::Own<kj::AsyncIoStream> stream) {
+  auto first = kj::heapArray<kj::byte>(net::kFramedMagic.size());
+  kj::AsyncIoStream& raw = *stream;
+  kj::byte* first_bytes = first.begin();
+  // evalNow: a peer that already reset makes the read throw here.
+  return kj::evalNow([&raw, first_bytes] { return raw.tryRead(first_bytes, net::kFramedMagic.size(), net::kFramedMagic.size()); })
+      .then([this, connection_id, stream = kj::mv(stream), first = kj::mv(first)](std::size_t got) mutable {
+        auto found = connections_.find(connection_id);
+        if (found == connections_.end()) return;
+        if (got == 0) {
+          close_connection(connection_id, "closed before it said anything");
+        } else if (got == first.size() && std::equal(first.begin(), first.end(), net::kFramedMagic.begin())) {
+          start_framed(*found->second, kj::mv(stream));
+        } else {
+          start_rpc(*found->second, net::with_first_bytes(kj::heapArray<kj::byte>(first.begin(), got), kj::mv(stream)));
+        }
+      });
 }
 
 void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream) {
@@ -597,8 +576,8 @@ void HubService::sweep_connections() {
   swept_ms_ = now;
   std::vector<std::pair<std::uint64_t, std::string>> expired;
   for (auto& [id, connection] : connections_) {
-    if (connection->messages.get() != nullptr && connection->messages->messages_read() != connection->messages_seen) {
-      connection->messages_seen = connection->messages->messages_read();
+    if (connection->messages_read() != connection->messages_seen) {
+      connection->messages_seen = connection->messages_read();
       connection->active_ms = now;
     }
     if (connection->heartbeat_datagram_ms) connection->active_ms = std::max(connection->active_ms, *connection->heartbeat_datagram_ms);
@@ -632,8 +611,12 @@ bool HubService::check_token(Connection& connection, capnp::Text::Reader token) 
       connection.authenticated = true;
       TH_ASSERT(unauthenticated_count_ > 0);
       --unauthenticated_count_;
-      connection.messages->set_message_words_max(UINT64_MAX);  // Cap'n Proto's own limit (64 MiB)
-      connection.messages->set_messages_max(UINT64_MAX);
+      if (connection.framed()) {
+        connection.frames->set_frame_words_max(net::FrameStream::kFrameWordsMaxDefault);
+      } else {
+        connection.messages->set_message_words_max(UINT64_MAX);  // Cap'n Proto's own limit (64 MiB)
+        connection.messages->set_messages_max(UINT64_MAX);
+      }
     }
     return true;
   }
@@ -648,6 +631,27 @@ bool HubService::check_token(Connection& connection, capnp::Text::Reader token) 
     }));
   }
   return false;
+}
+
+std::optional<std::string> HubService::admit(Connection& connection, capnp::Text::Reader token,
+                                             capnp::Text::Reader client_name, ClientId client,
+                                             kj::ArrayPtr<const kj::byte> secret) {
+  if (!check_token(connection, token)) return "permission denied: wrong cluster token";
+  connection.name = sanitised(client_name.cStr());
+  if (auto refused = claim_client(connection, client, secret)) return refused;
+  log(LogLevel::kDebug, connection.describe() + " authenticated");
+  if (heartbeat_receiver_ != nullptr) {
+    connection.heartbeat_key = new_heartbeat_key();
+    connection.heartbeat_count = 0;
+  }
+  return std::nullopt;
+}
+
+void HubService::describe_heartbeats(const Connection& connection, wire::HeartbeatChannel::Builder channel) const {
+  if (heartbeat_receiver_ == nullptr || !connection.heartbeat_key) return;  // port 0: calls only
+  channel.setPort(heartbeat_receiver_->port());
+  const auto key = net::key_bytes(*connection.heartbeat_key);
+  channel.setKey(kj::arrayPtr(key.data(), key.size()));
 }
 
 std::optional<std::string> HubService::claim_client(Connection& connection, ClientId client,
@@ -781,7 +785,12 @@ void HubService::route(const Effects& effects) {
   }
   for (std::uint64_t id : touched) {
     Connection& connection = *connections_.at(id);
-    if (connection.backlog.size() <= config_.effects_backlog_max) flush(connection);
+    if (connection.backlog.size() > config_.effects_backlog_max) continue;
+    if (connection.framed()) {
+      schedule_write(connection);
+    } else {
+      flush(connection);
+    }
   }
 }
 

@@ -118,8 +118,31 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   kj::Promise<void> dispense_handshake_turns();
   std::deque<kj::Own<kj::PromiseFulfiller<void>>> handshake_waiters_;
   bool dispensing_handshake_turns_ = false;
-  // Starts the RPC system of a connection on its (clear or TLS) stream.
+  // Reads a connection's first 8 bytes from its (clear or TLS) stream: net::kFramedMagic starts a
+  // framed connection, anything else Cap'n Proto RPC (the bytes replayed to it).
+  kj::Promise<void> start_protocol(std::uint64_t connection_id, kj::Own<kj::AsyncIoStream> stream);
+  // Starts the RPC system of a connection.
   void start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> stream);
+
+  // ---- Framed connections (server/framed_connections.cpp) ----
+  void start_framed(Connection& connection, kj::Own<kj::AsyncIoStream> stream);
+  // One read from the socket, then take_frames.
+  kj::Promise<void> read_frames(std::uint64_t connection_id);
+  // Feeds the frames read, a turn's share at a time (the TurnGate between shares).
+  kj::Promise<void> take_frames(std::uint64_t connection_id);
+  void on_frame(Connection& connection, wire::ClientFrame::Reader frame);
+  void on_hello(Connection& connection, wire::Hello::Reader hello);
+  // Answers the hello with `why`; the write side closes once it is written (the peer then closes,
+  // or the auth deadline or idle timeout does).
+  void refuse_hello(Connection& connection, const std::string& why);
+  // Marks the connection for write_dirty (at the end of this turn of the loop: what the turn
+  // produced for it leaves in one write).
+  void schedule_write(Connection& connection);
+  void write_dirty();
+  // Writes the connection's backlog, ack and notice as frames, unless a write is in flight.
+  void write_frames(Connection& connection);
+  std::vector<std::uint64_t> dirty_;
+  bool write_dirty_scheduled_ = false;
   void on_disconnect(std::uint64_t connection_id);
   // Closes a connection the server gives up on (its client, if any, is lost to the Hub).
   void close_connection(std::uint64_t connection_id, const std::string& why);
@@ -131,6 +154,11 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Checks a presented cluster token; the first right one authenticates the connection, and too
   // many wrong ones close it.
   bool check_token(Connection& connection, capnp::Text::Reader token);
+  // Connect (RPC) or hello (framed): the token, then the client's claim; the refusal's text, if any.
+  std::optional<std::string> admit(Connection& connection, capnp::Text::Reader token, capnp::Text::Reader client_name,
+                                   ClientId client, kj::ArrayPtr<const kj::byte> secret);
+  // The heartbeat channel admit() opened for the connection (none: left unset, port 0).
+  void describe_heartbeats(const Connection& connection, wire::HeartbeatChannel::Builder channel) const;
   // A client's claim at connect: binds it to the connection, or refuses with the reason.
   std::optional<std::string> claim_client(Connection& connection, ClientId client, kj::ArrayPtr<const kj::byte> secret);
   // Decodes and feeds a batch from one connection. Returns an error text for the caller if some

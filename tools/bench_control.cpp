@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -16,6 +17,7 @@
 
 #include "core/agent.h"
 #include "net/event_loop.h"
+#include "net/frames.h"
 #include "net/tls.h"
 #include "net/wire.h"
 
@@ -57,16 +59,22 @@ struct Client {
   std::uint32_t replica = 0;
   std::uint32_t shard = 0;
   std::unique_ptr<ShardAgent> agent;
+  // --rpc: a Cap'n Proto RPC connection, a bounded number of Session.send calls in flight.
   kj::Own<kj::AsyncIoStream> stream;
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<wire::Session::Client> session;
-  std::vector<net::ToHubMessage> queue;
   std::uint32_t sends_in_flight = 0;
+  // Else a framed one, as libthclient's.
+  kj::Own<net::FrameStream> frames;
+  kj::Maybe<kj::Promise<void>> reading;
+  std::uint64_t acks_asked = 0;
+  std::vector<net::ToHubMessage> queue;
   std::uint64_t round = 1;  // publishes 2 * round + replica % 2, as bench/hub_bench.cpp
   int phase = 0;            // 0 publish, 1 update, 2 unpublish
   std::uint64_t next_call_id = 1;
   double call_started_us = 0;
   bool opened = false;
+  bool trainer() const { return replica == 0; }
 };
 
 class SinkImpl final : public wire::Sink::Server {
@@ -92,6 +100,10 @@ class Load : private kj::TaskSet::ErrorHandler {
     if (failures_++ == 0) std::cerr << "th-bench control-load: " << exception.getDescription().cStr() << "\n";
   }
   void connect(Client& client, kj::NetworkAddress& address);
+  void connect_framed(Client& client);
+  kj::Promise<void> read_frames(Client& client);
+  void echo_frame(Client& client);
+  int run_burst();
   void apply(Client& client, const AgentEffect& effect);
   void post(Client& client, AgentInput input) {
     tasks_.add(kj::evalLater([this, &client, input = std::move(input)] { step(client, input); }));
@@ -115,6 +127,10 @@ class Load : private kj::TaskSet::ErrorHandler {
   std::string first_error_;
   std::uint64_t failures_ = 0;
   std::vector<double> latencies_us_;
+  // The burst: trainer shards whose publish was answered; update answers and the last one's time.
+  std::uint32_t published_ = 0;
+  std::uint64_t burst_answered_ = 0;
+  double burst_last_us_ = 0;
   kj::TaskSet tasks_;
 };
 
@@ -167,6 +183,16 @@ void Load::apply(Client& client, const AgentEffect& effect) {
             }
             client.opened = true;
             if (++ready_ == clients_.size()) std::cout << "control ready " << ready_ << std::endl;
+          } else if (options_.burst) {
+            if (client.trainer()) {
+              ++published_;
+            } else {
+              if (error != nullptr && first_error_.empty()) first_error_ = error->detail;
+              record(now_us() - client.call_started_us, error != nullptr);
+              ++burst_answered_;
+              burst_last_us_ = std::max(burst_last_us_, now_us());
+            }
+            return;
           } else {
             if (error != nullptr && first_error_.empty()) first_error_ = error->detail;
             record(now_us() - client.call_started_us, error != nullptr);
@@ -198,6 +224,16 @@ void Load::next_call(Client& client) {
 }
 
 void Load::flush(Client& client) {
+  if (client.frames.get() != nullptr) {
+    if (client.queue.empty()) return;
+    client.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+      auto list = frame.initMessages(static_cast<unsigned>(client.queue.size()));
+      for (std::size_t i = 0; i < client.queue.size(); ++i) net::encode(client.queue[i], list[static_cast<unsigned>(i)]);
+    });
+    client.queue.clear();
+    client.frames->flush();
+    return;
+  }
   KJ_IF_MAYBE(session, client.session) {
     while (client.sends_in_flight < kSendsInFlightMax && !client.queue.empty()) {
       const std::size_t count = std::min(client.queue.size(), net::kMessagesPerCallMax);
@@ -225,6 +261,10 @@ void Load::connect(Client& client, kj::NetworkAddress& address) {
     client.stream = tls_->wrapClient(kj::mv(client.stream), net::tls_server_name(options_.server, options_.tls_server_name))
                         .wait(loop_.wait_scope());
   }
+  if (!options_.rpc) {
+    connect_framed(client);
+    return;
+  }
   client.rpc = kj::heap<capnp::TwoPartyClient>(*client.stream);
   auto request = client.rpc->bootstrap().castAs<wire::Hub>().connectRequest();
   request.setToken(options_.token);
@@ -239,6 +279,62 @@ void Load::connect(Client& client, kj::NetworkAddress& address) {
   auto connected = request.send();
   client.session = connected.getSession();
   tasks_.add(connected.ignoreResult());
+}
+
+void Load::connect_framed(Client& client) {
+  client.frames = kj::heap<net::FrameStream>(kj::mv(client.stream));
+  client.frames->on_written([this, &client] { flush(client); });
+  client.frames->append_bytes(kj::arrayPtr(net::kFramedMagic.data(), net::kFramedMagic.size()));
+  client.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+    auto hello = frame.initHello();
+    hello.setToken(options_.token);
+    hello.setClientName("bench-" + std::to_string(client.replica) + "/" + std::to_string(client.shard));
+    const ClientId id = client_id_of(client);
+    kj::byte secret[16] = {};  // a benchmark's clients are not attacked
+    std::memcpy(secret, &id, sizeof id);
+    hello.setClient(id);
+    hello.setClientSecret(kj::arrayPtr(secret, sizeof secret));
+  });
+  client.frames->flush();
+  client.reading = read_frames(client).eagerlyEvaluate([this](kj::Exception&& exception) { taskFailed(kj::mv(exception)); });
+}
+
+kj::Promise<void> Load::read_frames(Client& client) {
+  return client.frames->read_some().then([this, &client](bool more) -> kj::Promise<void> {
+    if (!more) return KJ_EXCEPTION(DISCONNECTED, "the server closed a connection");
+    while (capnp::MessageReader* message = client.frames->next_frame()) {
+      auto frame = message->getRoot<wire::ServerFrame>();
+      if (frame.isRefused()) return KJ_EXCEPTION(FAILED, "refused", frame.getRefused().cStr());
+      if (frame.isNotice()) std::cerr << "th-bench control-load: notice: " << frame.getNotice().cStr() << "\n";
+      if (frame.isEffects()) {
+        for (auto effect : frame.getEffects()) {
+          auto decoded = net::decode(effect);
+          if (!decoded.ok()) {
+            std::cerr << "th-bench control-load: invalid effect: " << decoded.error().detail << "\n";
+            continue;
+          }
+          step(client, FromHub{0, std::move(decoded).value()});
+        }
+      }
+      if (options_.echo && frame.getAck() != 0 && frame.getAck() == client.acks_asked) {
+        record(now_us() - client.call_started_us, false);
+        echo_frame(client);
+      }
+    }
+    return read_frames(client);
+  });
+}
+
+void Load::echo_frame(Client& client) {
+  client.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
+    auto report = frame.initMessages(1)[0].initReport();
+    report.setClient(client.replica);
+    report.setSession(1);
+    report.getBody().setHeartbeat();
+    frame.setAck(++client.acks_asked);
+  });
+  client.call_started_us = now_us();
+  client.frames->flush();
 }
 
 kj::Promise<void> Load::tick_loop() {
@@ -320,11 +416,18 @@ int Load::run() {
       if (failures_ > 0) return 1;
     }
   }
+  if (options_.burst) return run_burst();
   wait_for_start().wait(loop_.wait_scope());
   measuring_ = true;
   const double started_us = now_us();
   if (options_.echo) {
-    for (auto& client : clients_) tasks_.add(echo_loop(*client));
+    for (auto& client : clients_) {
+      if (client->frames.get() != nullptr) {
+        echo_frame(*client);
+      } else {
+        tasks_.add(echo_loop(*client));
+      }
+    }
   }
   loop_.timer().afterDelay(static_cast<std::int64_t>(options_.seconds * 1000) * kj::MILLISECONDS).wait(loop_.wait_scope());
   measuring_ = false;
@@ -338,6 +441,61 @@ int Load::run() {
   if (!first_error_.empty()) std::cerr << "th-bench control-load: first error: " << first_error_ << "\n";
   std::cout.flush();
   std::_Exit(failures_ > 0 ? 1 : 0);  // 8,192 connections need no orderly goodbye
+}
+
+int Load::run_burst() {
+  constexpr double kBurstAnswerWaitUs = 60e6;  // a burst not answered by then is reported as such
+  constexpr double kStartLeadUs = 300'000;     // every process sees the start file well before it
+  std::vector<Client*> trainers;
+  for (auto& client : clients_) {
+    if (client->trainer()) trainers.push_back(client.get());
+  }
+  if (!trainers.empty()) {
+    for (Client* trainer : trainers) {
+      step(*trainer, UserCall{trainer->next_call_id++, PublishRequest{1, shape_.layouts[trainer->shard], shape_.checksums[trainer->shard]}});
+    }
+    while (published_ < trainers.size()) {
+      loop_.timer().afterDelay(1 * kj::MILLISECONDS).wait(loop_.wait_scope());
+      if (failures_ > 0) return 1;
+    }
+    std::cout << "control published " << std::fixed << std::setprecision(0) << now_us() + kStartLeadUs << std::endl;
+  }
+  wait_for_start().wait(loop_.wait_scope());
+  double start_us = 0;
+  {
+    std::ifstream start(options_.start_file);
+    start >> start_us;
+  }
+  if (start_us <= 0) {
+    std::cerr << "th-bench control-load: the start file names no start time\n";
+    return 2;
+  }
+  while (now_us() + 2000 < start_us) loop_.timer().afterDelay(1 * kj::MILLISECONDS).wait(loop_.wait_scope());
+  while (now_us() < start_us) {
+  }
+  measuring_ = true;
+  std::uint64_t calls = 0;
+  for (auto& client : clients_) {
+    if (client->trainer()) continue;
+    client->call_started_us = now_us();
+    step(*client, UserCall{client->next_call_id++, UpdateRequest{Selector::latest(), shape_.layouts[client->shard]}});
+    ++calls;
+  }
+  const double issued_us = now_us();
+  while (burst_answered_ < calls && now_us() - start_us < kBurstAnswerWaitUs && failures_ == 0) {
+    loop_.timer().afterDelay(1 * kj::MILLISECONDS).wait(loop_.wait_scope());
+  }
+  std::sort(latencies_us_.begin(), latencies_us_.end());
+  auto percentile = [&](double p) {
+    return latencies_us_.empty() ? 0.0 : latencies_us_[static_cast<std::size_t>(p * double(latencies_us_.size() - 1))];
+  };
+  std::cout << std::fixed << std::setprecision(1) << "RESULT burst_calls=" << calls << " burst_answered=" << burst_answered_
+            << " burst_issue_us=" << issued_us - start_us << " burst_last_us=" << burst_last_us_ - start_us
+            << " burst_p50_us=" << percentile(0.5) << " burst_p99_us=" << percentile(0.99) << " burst_errors=" << errors_
+            << std::endl;
+  if (!first_error_.empty()) std::cerr << "th-bench control-load: first error: " << first_error_ << "\n";
+  std::cout.flush();
+  std::_Exit(failures_ > 0 || burst_answered_ < calls ? 1 : 0);
 }
 
 // ---- The echo server ----------------------------------------------------------------------------
@@ -356,9 +514,91 @@ class EchoHub final : public wire::Hub::Server {
 };
 
 struct EchoConnection {
+  // RPC
   kj::Own<kj::AsyncIoStream> stream;
   kj::Own<capnp::TwoPartyVatNetwork> network;
   kj::Own<capnp::RpcSystem<capnp::rpc::twoparty::VatId>> rpc;
+  // Framed: every frame answered with its ack, what a loop turn owes in one write (as th-server).
+  kj::Own<net::FrameStream> frames;
+  kj::Maybe<kj::Promise<void>> reading;
+  std::uint64_t ack = 0;
+  bool dirty = false;
+};
+
+class EchoServer : private kj::TaskSet::ErrorHandler {
+ public:
+  explicit EchoServer(net::IoLoop& loop) : loop_(loop), tasks_(*this) {}
+
+  kj::Promise<void> accept(kj::ConnectionReceiver& listener) {
+    return listener.accept().then([this, &listener](kj::Own<kj::AsyncIoStream> stream) {
+      auto* connection = connections_.emplace_back(std::make_unique<EchoConnection>()).get();
+      auto first = kj::heapArray<kj::byte>(net::kFramedMagic.size());
+      auto& raw = *stream;
+      tasks_.add(raw.read(first.begin(), first.size())
+                     .then([this, connection, stream = kj::mv(stream), first = kj::mv(first)]() mutable {
+                       if (std::equal(first.begin(), first.end(), net::kFramedMagic.begin())) {
+                         connection->frames = kj::heap<net::FrameStream>(kj::mv(stream));
+                         connection->frames->on_written([this, connection] { write(*connection); });
+                         connection->reading = read(*connection).eagerlyEvaluate(nullptr);
+                         return;
+                       }
+                       connection->stream = net::with_first_bytes(kj::mv(first), kj::mv(stream));
+                       connection->network = kj::heap<capnp::TwoPartyVatNetwork>(*connection->stream,
+                                                                                capnp::rpc::twoparty::Side::SERVER);
+                       connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network, kj::heap<EchoHub>()));
+                     }));
+      return accept(listener);
+    });
+  }
+
+ private:
+  void taskFailed(kj::Exception&&) override {}  // a load process that exits
+
+  kj::Promise<void> read(EchoConnection& connection) {
+    return connection.frames->read_some().then([this, &connection](bool more) -> kj::Promise<void> {
+      if (!more) return kj::READY_NOW;
+      while (capnp::MessageReader* message = connection.frames->next_frame()) {
+        auto frame = message->getRoot<wire::ClientFrame>();
+        if (frame.isHello()) {
+          connection.frames->append<wire::ServerFrame>([](wire::ServerFrame::Builder answer) { answer.initWelcome(); });
+        } else if (frame.getAck() != 0) {
+          connection.ack = frame.getAck();
+        }
+        if (!connection.dirty) {
+          connection.dirty = true;
+          dirty_.push_back(&connection);
+          if (dirty_.size() == 1) tasks_.add(kj::evalLast([this] { write_dirty(); }));
+        }
+      }
+      return read(connection);
+    });
+  }
+
+  void write_dirty() {
+    std::vector<EchoConnection*> dirty;
+    dirty.swap(dirty_);
+    for (EchoConnection* connection : dirty) {
+      connection->dirty = false;
+      write(*connection);
+    }
+  }
+
+  void write(EchoConnection& connection) {
+    if (connection.frames->writing()) return;  // on_written comes back
+    if (connection.ack != 0) {
+      connection.frames->append<wire::ServerFrame>([&](wire::ServerFrame::Builder answer) {
+        answer.initEffects(0);
+        answer.setAck(connection.ack);
+      });
+      connection.ack = 0;
+    }
+    connection.frames->flush();
+  }
+
+  net::IoLoop& loop_;
+  std::vector<std::unique_ptr<EchoConnection>> connections_;
+  std::vector<EchoConnection*> dirty_;
+  kj::TaskSet tasks_;
 };
 
 }  // namespace
@@ -373,19 +613,8 @@ int run_echo_server(const std::string& listen) {
   net::IoLoop loop;
   auto listener = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope())->listen();
   std::cout << "echo listening on " << listen.substr(0, listen.rfind(':')) << ":" << listener->getPort() << std::endl;
-  std::vector<std::unique_ptr<EchoConnection>> connections;
-  std::function<kj::Promise<void>()> accept = [&]() -> kj::Promise<void> {
-    return listener->accept().then([&](kj::Own<kj::AsyncIoStream> stream) {
-      auto connection = std::make_unique<EchoConnection>();
-      connection->stream = kj::mv(stream);
-      connection->network =
-          kj::heap<capnp::TwoPartyVatNetwork>(*connection->stream, capnp::rpc::twoparty::Side::SERVER);
-      connection->rpc = kj::heap(capnp::makeRpcServer(*connection->network, kj::heap<EchoHub>()));
-      connections.push_back(std::move(connection));
-      return accept();
-    });
-  };
-  accept().wait(loop.wait_scope());
+  EchoServer server(loop);
+  server.accept(*listener).wait(loop.wait_scope());
   return 0;
 }
 

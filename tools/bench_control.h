@@ -20,17 +20,24 @@ struct ControlLoadOptions {
   double seconds = 10;           // measurement window, after every client opened and the start file exists
   std::string start_file;        // measure once this file exists ("" : at once)
   bool echo = false;             // round trips of one message against an echo server, no agents
+  bool rpc = false;              // Cap'n Proto RPC per message (Hub.connect, Session.send), the former design
+  // The step-boundary burst instead of the closed loop: replica 0 (in the process with
+  // --first-replica 0) publishes version 1 and prints "control published"; at the instant the
+  // start file names (CLOCK_MONOTONIC microseconds) every other shard calls update(latest), once.
+  bool burst = false;
   TimeMs retry_initial_ms = 10000;  // the agents' first retransmission (libthclient's)
   std::string tls_ca_file;       // TLS to a th-server run with --tls-cert ("": clear text)
   std::string tls_server_name;   // the name its certificate carries (default: the host of server)
 };
 
 // Prints "control ready N" once every client opened (echo: connected), then measures and prints
-// "RESULT control_ops=... control_seconds=... control_p50_us=... control_p99_us=... control_errors=...".
+// "RESULT control_ops=... control_seconds=... control_p50_us=... control_p99_us=... control_errors=...";
+// a burst prints "RESULT burst_calls=... burst_last_us=... burst_p50_us=... burst_p99_us=... burst_errors=...".
 int run_control_load(const ControlLoadOptions& options);
 
-// A server that answers every Session.send at once and does nothing else, over the same Cap'n Proto
-// RPC stack as th-server. Prints "echo listening on HOST:PORT"; runs until killed.
+// A server that answers at once and does nothing else, over the same two stacks as th-server: a
+// framed connection's every frame with an ack, an RPC connection's every Session.send. Prints
+// "echo listening on HOST:PORT"; runs until killed.
 int run_echo_server(const std::string& listen);
 
 }  // namespace th::bench

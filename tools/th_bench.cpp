@@ -421,13 +421,17 @@ int main(int argc, char** argv) {
   control->add_option("--seconds", load.seconds, "measurement window")->capture_default_str()->check(CLI::Range(0.1, 3600.0));
   control->add_option("--start-file", load.start_file, "start measuring once this file exists");
   control->add_flag("--echo", load.echo, "round trips against echo-server instead of hub calls");
+  control->add_flag("--rpc", load.rpc, "Cap'n Proto RPC per message (the design before framed connections)");
+  control->add_flag("--burst", load.burst,
+                    "the step-boundary burst: replica 0 publishes, then every other shard calls update once, at the "
+                    "CLOCK_MONOTONIC microsecond the start file names");
   control->add_option("--tls-ca", load.tls_ca_file, "TLS to a th-server run with --tls-cert: trust this CA file");
   control->add_option("--tls-server-name", load.tls_server_name, "TLS: the name the server's certificate carries");
   control->add_option("--retry-initial-ms", load.retry_initial_ms, "the agents' first retransmission")
       ->capture_default_str()
       ->check(CLI::Range(10, 60000));
 
-  auto* echo = app.add_subcommand("echo-server", "Answers every Session.send at once (control-load's reference)");
+  auto* echo = app.add_subcommand("echo-server", "Answers every frame (or RPC Session.send) at once (control-load's reference)");
   std::string echo_listen = "127.0.0.1:0";
   echo->add_option("--listen", echo_listen, "HOST:PORT")->capture_default_str();
 

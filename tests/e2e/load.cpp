@@ -1,8 +1,10 @@
 // th-e2e-load: many clients keeping a th-server busy, for the fairness test and benchmarks.
 //
-// Opens --connections Cap'n Proto connections on one thread and authenticates each. Then either
-//   (default) keeps --in-flight Session.send calls outstanding on every connection, each a batch of
-//   --batch heartbeats of a client id of its own: a server kept as busy as this process can make it;
+// Opens --connections framed connections (net/frames.h, as libthclient; --rpc: Cap'n Proto RPC, the
+// former design) on one thread and authenticates each. Then either
+//   (default) keeps --in-flight calls (frames asking for an ack, or Session.send calls) outstanding
+//   on every connection, each a batch of --batch heartbeats of a client id of its own: a server
+//   kept as busy as this process can make it;
 // or, with --heartbeat-interval-ms, behaves like that many idle workers: each connection opens a
 //   one-shard replica and then sends one heartbeat per interval (the cost of a large idle fleet),
 //   as a datagram once the server hears them, plus an empty call every 3/4 heartbeat timeout
@@ -20,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "net/frames.h"
 #include "net/heartbeat.h"
 #include "net/tls.h"
 #include "net/tensorhub.capnp.h"
@@ -37,6 +40,12 @@ struct Client {
   kj::Own<kj::AsyncIoStream> stream;
   kj::Own<capnp::TwoPartyClient> rpc;
   kj::Maybe<th::wire::Session::Client> session;
+  kj::Own<th::net::FrameStream> frames;  // framed (then stream and rpc are unused)
+  kj::Maybe<kj::Promise<void>> reading;
+  std::uint64_t acks_asked = 0;
+  std::uint64_t acked = 0;
+  bool welcomed = false;
+  unsigned index = 0;
   std::uint64_t id = 0;
   std::optional<th::net::HeartbeatKey> heartbeat_key;  // none: the server offered no datagram channel
   std::uint64_t heartbeat_count = 0;
@@ -65,6 +74,8 @@ int main(int argc, char** argv) {
   app.add_option("--in-flight", in_flight)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--heartbeat-interval-ms", heartbeat_interval_ms, "idle workers: one heartbeat per interval");
+  bool rpc = false;
+  app.add_flag("--rpc", rpc, "Cap'n Proto RPC connections (Session.send per batch) instead of framed ones");
   bool probes = true;
   app.add_flag("!--no-probes", probes, "idle workers: no empty calls while the datagrams are heard (libthclient probes)");
   CLI11_PARSE(app, argc, argv);
@@ -112,18 +123,39 @@ int main(int argc, char** argv) {
     return kj::READY_NOW;
   };
 
-  // As libthclient does: a datagram where the server offers a channel, and a call as well until
-  // the server says it hears the datagrams; once it does, an empty call (a probe that the server
-  // is alive) whenever no call went for 3/4 of the server's heartbeat timeout.
   std::unique_ptr<th::net::HeartbeatSender> datagrams;
   const auto now_ms = [] {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
   };
+  // ---- Framed connections ----
+  // A batch of heartbeats (none: a probe) in a frame asking for the next ack.
+  const auto send_frame = [&](Client& client, unsigned heartbeats_in_batch) {
+    client.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
+      auto messages = frame.initMessages(heartbeats_in_batch);
+      for (unsigned k = 0; k < heartbeats_in_batch; ++k) {
+        auto report = messages[k].initReport();
+        report.setClient(client.id);
+        report.setSession(1);
+        report.getBody().setHeartbeat();
+      }
+      frame.setAck(++client.acks_asked);
+    });
+    client.frames->flush();
+    client.last_call_ms = now_ms();
+  };
+  // As libthclient does: a datagram where the server offers a channel, and a call as well until
+  // the server says it hears the datagrams; once it does, an empty call (a probe that the server
+  // is alive) whenever no call went for 3/4 of the server's heartbeat timeout.
   std::function<kj::Promise<void>(Client&, unsigned)> heartbeats = [&](Client& client, unsigned delay_ms) {
     return io.provider->getTimer().afterDelay(delay_ms * kj::MILLISECONDS).then([&]() -> kj::Promise<void> {
       if (datagrams != nullptr && client.heartbeat_key) {
         if (datagrams->send(th::net::seal(client.id, 1, ++client.heartbeat_count, *client.heartbeat_key))) ++calls;
+      }
+      if (client.frames.get() != nullptr) {
+        const bool probe = client.heartbeat_datagrams_heard && probes &&
+                           now_ms() - client.last_call_ms >= client.heartbeat_timeout_ms * 3 / 4;
+        if (!client.heartbeat_datagrams_heard || probe) send_frame(client, probe ? 0 : 1);
       }
       KJ_IF_MAYBE(session, client.session) {
         const bool probe = client.heartbeat_datagrams_heard && probes &&
@@ -147,13 +179,89 @@ int main(int argc, char** argv) {
     });
   };
 
+  // Once welcomed: the pumps, or an idle worker's open and heartbeats.
+  const auto on_welcome = [&](Client& client, unsigned) {
+    if (++ready == connections) std::cout << "load ready " << connections << std::endl;
+    if (heartbeat_interval_ms == 0) {
+      for (unsigned k = 0; k < in_flight; ++k) send_frame(client, batch);
+      return;
+    }
+    client.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
+      auto message = frame.initMessages(1)[0].initRequest();
+      message.setClient(client.id);
+      message.setSeq(0);
+      message.setSession(1);
+      auto body = message.getBody().initOpen();
+      body.setModel("idle-fleet");
+      body.setReplica("worker-" + std::to_string(client.index));
+      body.setIncarnation(1);
+      body.setShard(0);
+      body.setNumShards(1);
+      body.setDatacenter("dc");
+    });
+    client.frames->flush();
+    tasks.add(heartbeats(client, (client.index * 7919u) % heartbeat_interval_ms));
+  };
+  std::function<kj::Promise<void>(Client&)> read_frames = [&](Client& client) -> kj::Promise<void> {
+    return client.frames->read_some().then([&](bool more) -> kj::Promise<void> {
+      if (!more) return KJ_EXCEPTION(DISCONNECTED, "the server closed a connection");
+      while (capnp::MessageReader* message = client.frames->next_frame()) {
+        auto frame = message->getRoot<th::wire::ServerFrame>();
+        if (frame.isRefused()) return KJ_EXCEPTION(FAILED, "refused", frame.getRefused().cStr());
+        if (frame.isWelcome() && !client.welcomed) {
+          client.welcomed = true;
+          auto welcome = frame.getWelcome();
+          if (welcome.getHeartbeatTimeoutMs() > 0) client.heartbeat_timeout_ms = welcome.getHeartbeatTimeoutMs();
+          const auto channel = welcome.getHeartbeats();
+          if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
+            client.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
+            if (datagrams == nullptr) {
+              datagrams = std::make_unique<th::net::HeartbeatSender>(
+                  th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});
+            }
+          }
+          on_welcome(client, channel.getPort());
+        }
+        if (frame.getAck() > client.acked) {
+          const std::uint64_t newly = frame.getAck() - client.acked;
+          client.acked = frame.getAck();
+          calls += newly;
+          client.heartbeat_datagrams_heard = frame.getHeartbeatDatagramsHeard();
+          if (heartbeat_interval_ms == 0) {
+            for (std::uint64_t k = 0; k < newly; ++k) send_frame(client, batch);  // keep in_flight outstanding
+          }
+        }
+      }
+      return read_frames(client);
+    });
+  };
+
   for (unsigned i = 0; i < connections; ++i) {
     auto client = std::make_unique<Client>();
     client->id = 0x10AD000000000000ull + i;
+    client->index = i;
     client->stream = address->connect().wait(io.waitScope);
     if (tls != nullptr) {
       client->stream =
           tls->wrapClient(kj::mv(client->stream), th::net::tls_server_name(server, tls_server_name)).wait(io.waitScope);
+    }
+    if (!rpc) {
+      Client& ref = *client;
+      ref.frames = kj::heap<th::net::FrameStream>(kj::mv(client->stream));
+      ref.frames->append_bytes(kj::arrayPtr(th::net::kFramedMagic.data(), th::net::kFramedMagic.size()));
+      ref.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
+        auto hello = frame.initHello();
+        hello.setToken(token);
+        hello.setClientName("load");
+        kj::byte secret[16] = {};  // a load generator's clients are not attacked
+        std::memcpy(secret, &ref.id, sizeof ref.id);
+        hello.setClient(ref.id);
+        hello.setClientSecret(kj::arrayPtr(secret, sizeof secret));
+      });
+      ref.frames->flush();
+      ref.reading = read_frames(ref).eagerlyEvaluate([&](kj::Exception&& exception) { errors.taskFailed(kj::mv(exception)); });
+      clients.push_back(std::move(client));
+      continue;
     }
     client->rpc = kj::heap<capnp::TwoPartyClient>(*client->stream);
     auto request = client->rpc->bootstrap().castAs<th::wire::Hub>().connectRequest();

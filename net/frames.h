@@ -1,0 +1,108 @@
+// Framed control connections: Cap'n Proto messages back to back on a byte stream, without RPC.
+//
+// Why (issue 14, bench/results/control-plane-*): with an RPC per message, every operation cost
+// th-server ~184 us of CPU — three or more calls, each with its own return, question table entry,
+// promise chain and write. Here a connection is a FrameStream: the reader takes whatever the socket
+// has in one read and hands out every complete frame in it; the writer appends frames to one buffer
+// and writes it with one call, while the previous write is in flight nothing else is written, so
+// what a loop turn produced for a peer leaves in one write. Frames are standard Cap'n Proto stream
+// messages (segment table, segments), so `capnp decode` reads a capture, and the schema stays
+// net/tensorhub.capnp (ClientFrame, ServerFrame).
+//
+// Limits: a frame is refused (the read fails) when its segment table declares more than
+// frame_words_max words, before any of it is buffered; the read buffer grows only to hold the frame
+// in progress and shrinks back once it is consumed.
+#pragma once
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/async-io.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace th::net {
+
+// The first 8 bytes of a framed connection (after TLS, if any). Read as a little-endian word, its
+// first half is far above Cap'n Proto's segment count limit, so a Cap'n Proto RPC peer's first
+// message can never start this way: th-server tells the two apart by these bytes.
+inline constexpr std::array<kj::byte, 8> kFramedMagic = {'T', 'H', 'F', 'R', 'A', 'M', 'E', '1'};
+
+class FrameStream final : private kj::TaskSet::ErrorHandler {
+ public:
+  // Cap'n Proto's own traversal limit: the largest message RPC took before (64 MiB).
+  static constexpr std::uint64_t kFrameWordsMaxDefault = 8u << 20;
+  // The read buffer's size while no large frame is in progress (x 8,192 connections on a server).
+  static constexpr std::size_t kReadBufferWordsMin = 512;  // 4 KiB
+  // Bytes taken from the socket per read at most, beyond what a frame in progress needs.
+  static constexpr std::size_t kReadChunkWordsMax = 8192;  // 64 KiB
+
+  explicit FrameStream(kj::Own<kj::AsyncIoStream> stream);
+  ~FrameStream();
+  FrameStream(const FrameStream&) = delete;
+  FrameStream& operator=(const FrameStream&) = delete;
+
+  kj::AsyncIoStream& stream() { return *stream_; }
+
+  // ---- Reading ----
+  // One read from the socket: resolves true once some bytes arrived, false at the end of the
+  // stream. Frames read are then taken with next_frame() (do so before reading again).
+  kj::Promise<bool> read_some();
+  // The next complete frame in what was read, or null. Valid until the next call of next_frame or
+  // read_some. Throws kj::Exception (FAILED) for a frame over frame_words_max or a malformed table.
+  capnp::MessageReader* next_frame();
+  // Bytes read and not yet taken as frames (part of a frame in progress).
+  std::size_t buffered_bytes() const { return end_bytes_ - begin_words_ * sizeof(capnp::word); }
+  void set_frame_words_max(std::uint64_t words) { frame_words_max_ = words; }
+  std::uint64_t frames_read() const { return frames_read_; }
+
+  // ---- Writing ----
+  // Appends one frame built by `fill` (called with the message's root of type Root). Encoding uses
+  // a scratch segment of the thread, so a small frame costs no allocation.
+  template <typename Root, typename Fill>
+  void append(Fill&& fill) {
+    capnp::MallocMessageBuilder message(scratch_segment());
+    fill(message.initRoot<Root>());
+    append(message);
+  }
+  void append(capnp::MessageBuilder& message);
+  // Raw bytes, a whole number of words (the magic).
+  void append_bytes(kj::ArrayPtr<const kj::byte> bytes);
+  // Starts writing what was appended, unless a write is in flight (then what was appended goes
+  // when it ends). `on_written` runs each time a write ends and nothing appended waits (the owner
+  // may append more then); `on_broken` once, when a write fails (the peer reset).
+  void flush();
+  bool writing() const { return writing_; }
+  // Appended and not yet fully written, in bytes (the one write in flight included).
+  std::size_t unwritten_bytes() const { return (pending_.size() + in_flight_.size()) * sizeof(capnp::word); }
+  void on_written(std::function<void()> callback) { on_written_ = std::move(callback); }
+  void on_broken(std::function<void(const kj::Exception&)> callback) { on_broken_ = std::move(callback); }
+
+ private:
+  static kj::ArrayPtr<capnp::word> scratch_segment();
+  void taskFailed(kj::Exception&& exception) override;
+  void start_write();
+
+  kj::Own<kj::AsyncIoStream> stream_;
+  // Read side: words [begin_words_, end_bytes_/8) hold unconsumed bytes (frames are whole words).
+  std::vector<capnp::word> buffer_;
+  std::size_t begin_words_ = 0;
+  std::size_t end_bytes_ = 0;
+  std::uint64_t frame_words_max_ = kFrameWordsMaxDefault;
+  std::uint64_t frames_read_ = 0;
+  std::optional<capnp::FlatArrayMessageReader> current_;
+  // Write side: appended frames, and the buffer of the write in flight (swapped, so no copy).
+  std::vector<capnp::word> pending_;
+  std::vector<capnp::word> in_flight_;
+  bool writing_ = false;
+  bool broken_ = false;
+  std::function<void()> on_written_;
+  std::function<void(const kj::Exception&)> on_broken_;
+  kj::TaskSet tasks_;  // the write in flight (cancelled with the stream)
+};
+
+}  // namespace th::net

@@ -15,8 +15,8 @@ FrameStream::~FrameStream() = default;
 kj::ArrayPtr<capnp::word> FrameStream::scratch_segment() {
   // Zeroed once; MallocMessageBuilder zeroes what it used when it is destroyed, as it requires.
   // 64 KiB: a batch of a few hundred effects fits; larger ones take heap segments.
-  thread_local std::vector<capnp::word> scratch(8192, capnp::word{});
-  return kj::arrayPtr(scratch.data(), scratch.size());
+  thread_local std::vector<std::uint64_t> scratch(8192, 0);
+  return kj::arrayPtr(reinterpret_cast<capnp::word*>(scratch.data()), scratch.size());
 }
 
 kj::Promise<bool> FrameStream::read_some() {
@@ -34,7 +34,7 @@ kj::Promise<bool> FrameStream::read_some() {
   const std::size_t whole_words = end_bytes_ / sizeof(capnp::word);
   std::size_t wanted_words = std::max(kReadBufferWordsMin, whole_words + 1);
   if (whole_words > 0) {
-    const std::size_t expected = capnp::expectedSizeInWordsFromPrefix(kj::arrayPtr(buffer_.data(), whole_words));
+    const std::size_t expected = capnp::expectedSizeInWordsFromPrefix(kj::arrayPtr(words(buffer_), whole_words));
     if (expected > frame_words_max_) {
       return KJ_EXCEPTION(FAILED, "a frame larger than the limit", expected, frame_words_max_);
     }
@@ -45,7 +45,7 @@ kj::Promise<bool> FrameStream::read_some() {
     const std::size_t doubled = std::min<std::size_t>(2 * buffer_.size(), frame_words_max_ + kReadBufferWordsMin);
     buffer_.resize(std::max(wanted_words, doubled));
   } else if (buffer_.size() > kReadChunkWordsMax && wanted_words == kReadBufferWordsMin) {
-    std::vector<capnp::word> smaller(kReadBufferWordsMin);
+    std::vector<std::uint64_t> smaller(kReadBufferWordsMin);
     std::memcpy(smaller.data(), buffer_.data(), end_bytes_);
     buffer_.swap(smaller);
   }
@@ -62,7 +62,7 @@ capnp::MessageReader* FrameStream::next_frame() {
   current_.reset();
   const std::size_t whole_words = end_bytes_ / sizeof(capnp::word) - begin_words_;
   if (whole_words == 0) return nullptr;
-  auto available = kj::arrayPtr(buffer_.data() + begin_words_, whole_words);
+  auto available = kj::arrayPtr(words(buffer_, begin_words_), whole_words);
   const std::size_t expected = capnp::expectedSizeInWordsFromPrefix(available);
   if (expected > frame_words_max_) {
     kj::throwFatalException(KJ_EXCEPTION(FAILED, "a frame larger than the limit", expected, frame_words_max_));
@@ -88,10 +88,10 @@ void FrameStream::append(capnp::MessageBuilder& message) {
   const std::size_t at = pending_.size();
   pending_.resize(at + table_words + body_words);
   auto* table = reinterpret_cast<std::uint32_t*>(pending_.data() + at);
-  std::memset(table, 0, table_words * sizeof(capnp::word));
+  std::memset(table, 0, table_words * sizeof(std::uint64_t));
   table[0] = static_cast<std::uint32_t>(segments.size() - 1);
   for (std::size_t i = 0; i < segments.size(); ++i) table[i + 1] = static_cast<std::uint32_t>(segments[i].size());
-  capnp::word* out = pending_.data() + at + table_words;
+  capnp::word* out = words(pending_, at + table_words);
   for (const auto& segment : segments) {
     std::memcpy(out, segment.begin(), segment.size() * sizeof(capnp::word));
     out += segment.size();

@@ -78,26 +78,30 @@ class FrameStream final : private kj::TaskSet::ErrorHandler {
   void flush();
   bool writing() const { return writing_; }
   // Appended and not yet fully written, in bytes (the one write in flight included).
-  std::size_t unwritten_bytes() const { return (pending_.size() + in_flight_.size()) * sizeof(capnp::word); }
+  std::size_t unwritten_bytes() const { return (pending_.size() + in_flight_.size()) * sizeof(std::uint64_t); }
   void on_written(std::function<void()> callback) { on_written_ = std::move(callback); }
   void on_broken(std::function<void(const kj::Exception&)> callback) { on_broken_ = std::move(callback); }
 
  private:
   static kj::ArrayPtr<capnp::word> scratch_segment();
+  capnp::word* words(std::vector<std::uint64_t>& buffer, std::size_t at = 0) {
+    return reinterpret_cast<capnp::word*>(buffer.data() + at);
+  }
   void taskFailed(kj::Exception&& exception) override;
   void start_write();
 
   kj::Own<kj::AsyncIoStream> stream_;
   // Read side: words [begin_words_, end_bytes_/8) hold unconsumed bytes (frames are whole words).
-  std::vector<capnp::word> buffer_;
+  // (Plain 64-bit words: capnp::word cannot be copied under every compiler.)
+  std::vector<std::uint64_t> buffer_;
   std::size_t begin_words_ = 0;
   std::size_t end_bytes_ = 0;
   std::uint64_t frame_words_max_ = kFrameWordsMaxDefault;
   std::uint64_t frames_read_ = 0;
   std::optional<capnp::FlatArrayMessageReader> current_;
   // Write side: appended frames, and the buffer of the write in flight (swapped, so no copy).
-  std::vector<capnp::word> pending_;
-  std::vector<capnp::word> in_flight_;
+  std::vector<std::uint64_t> pending_;
+  std::vector<std::uint64_t> in_flight_;
   bool writing_ = false;
   bool broken_ = false;
   std::function<void()> on_written_;

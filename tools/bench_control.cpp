@@ -183,6 +183,7 @@ void Load::apply(Client& client, const AgentEffect& effect) {
             }
             client.opened = true;
             if (++ready_ == clients_.size()) std::cout << "control ready " << ready_ << std::endl;
+            if (options_.burst) return;  // its one call comes at the burst
           } else if (options_.burst) {
             if (client.trainer()) {
               ++published_;

@@ -37,8 +37,8 @@ std::string env_or(const char* name, const std::string& fallback) {
   return value != nullptr ? std::string(value) : fallback;
 }
 
-// The load: `connections` clients split over `loads` processes, each keeping `in_flight`
-// Session.send calls of `batch` heartbeats outstanding at all times.
+// The load: `connections` clients split over `loads` processes, each keeping `in_flight` calls
+// (framed: frames asking for an ack; --rpc: Session.send calls) of `batch` heartbeats outstanding.
 struct Load {
   int connections = 1000;
   int loads = 2;
@@ -59,11 +59,13 @@ Measured measure_under_load(const std::filesystem::path& dir, const Load& load_s
   std::vector<std::unique_ptr<Process>> loads;
   for (int i = 0; i < load_shape.loads; ++i) {
     const int share = load_shape.connections / load_shape.loads + (i < load_shape.connections % load_shape.loads);
-    loads.push_back(std::make_unique<Process>(
-        std::vector<std::string>{TH_LOAD_PATH, "--server", address, "--token", kToken, "--connections",
-                                 std::to_string(share), "--in-flight", load_shape.in_flight, "--batch",
-                                 load_shape.batch},
-        (dir / ("load-" + std::to_string(i) + ".log")).string()));
+    std::vector<std::string> load_argv{TH_LOAD_PATH, "--server", address, "--token", kToken, "--connections",
+                                       std::to_string(share), "--in-flight", load_shape.in_flight, "--batch",
+                                       load_shape.batch};
+    // (TH_FAIRNESS_LOAD_ARGS="--rpc": the load over Cap'n Proto RPC, bench/run-fairness's comparison.)
+    std::istringstream load_extra(env_or("TH_FAIRNESS_LOAD_ARGS", ""));
+    for (std::string arg; load_extra >> arg;) load_argv.push_back(arg);
+    loads.push_back(std::make_unique<Process>(load_argv, (dir / ("load-" + std::to_string(i) + ".log")).string()));
   }
   for (auto& load : loads) {
     EXPECT_FALSE(load->wait_for("load ready", 120'000).empty()) << load->describe();

@@ -41,7 +41,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* target : {"fuzz_wire", "fuzz_heartbeat", "fuzz_data_request"}) fs::create_directories(root / target);
+  for (const char* target : {"fuzz_wire", "fuzz_heartbeat", "fuzz_data_request", "fuzz_frames"}) {
+    fs::create_directories(root / target);
+  }
   using th::net::ToHubMessage;
   const fs::path wire = root / "fuzz_wire";
   th::OpenRequest open;
@@ -93,6 +95,41 @@ int main(int argc, char** argv) {
     write(root / "fuzz_data_request" / ("frame-" + std::to_string(i)), &frames[i], sizeof frames[i]);
   }
   write(root / "fuzz_data_request" / "two-frames", frames, 2 * sizeof(Frame));
+  // Framed connections (net/frames.h): a piece-size byte, then a client's hello and messages frames
+  // back to back, and a server's welcome and effects.
+  {
+    std::string client(1, '\x07');
+    auto append = [](std::string& out, capnp::MessageBuilder& builder) {
+      const auto words = capnp::messageToFlatArray(builder);
+      out.append(reinterpret_cast<const char*>(words.begin()), words.size() * sizeof(capnp::word));
+    };
+    capnp::MallocMessageBuilder hello;
+    auto fields = hello.initRoot<th::wire::ClientFrame>().initHello();
+    fields.setToken("token");
+    fields.setClientName("r/0");
+    fields.setClient(7);
+    const std::string secret(16, 's');
+    fields.setClientSecret(kj::arrayPtr(reinterpret_cast<const kj::byte*>(secret.data()), secret.size()));
+    append(client, hello);
+    capnp::MallocMessageBuilder messages;
+    auto frame = messages.initRoot<th::wire::ClientFrame>();
+    auto list = frame.initMessages(2);
+    th::net::encode(ToHubMessage{th::Request{7, 0, open}}, list[0]);
+    th::net::encode(ToHubMessage{th::Report{7, th::Heartbeat{}, 1}}, list[1]);
+    frame.setAck(1);
+    append(client, messages);
+    write(root / "fuzz_frames" / "client", client.data(), client.size());
+    std::string server(1, '\x3f');
+    capnp::MallocMessageBuilder welcome;
+    welcome.initRoot<th::wire::ServerFrame>().initWelcome().setHeartbeatTimeoutMs(10000);
+    append(server, welcome);
+    capnp::MallocMessageBuilder effects;
+    auto answer = effects.initRoot<th::wire::ServerFrame>();
+    th::net::encode(th::Effect{7, read, 1}, answer.initEffects(1)[0]);
+    answer.setAck(1);
+    append(server, effects);
+    write(root / "fuzz_frames" / "server", server.data(), server.size());
+  }
   std::cout << "make_corpus: wrote seeds under " << root << "\n";
   return 0;
 }

@@ -118,7 +118,7 @@ void Handle::Impl::connect(std::uint32_t server) {
           .then([this, server, generation, find_link](kj::Own<kj::AsyncIoStream> stream) {
             Link* link = find_link();
             if (link == nullptr) return;
-            link->frames = kj::heap<net::FrameStream>(kj::mv(stream));
+            link->frames = kj::heap<net::FrameStream>(kj::mv(stream), tls_ == nullptr ? &loop_->port() : nullptr);
             link->frames->on_written([this, find_link] {
               if (Link* written = find_link(); written != nullptr) flush(*written);
             });

@@ -9,6 +9,12 @@
 // messages (segment table, segments), so `capnp decode` reads a capture, and the schema stays
 // net/tensorhub.capnp (ClientFrame, ServerFrame).
 //
+// I/O: given the loop's UnixEventPort and a plain socket, a FrameStream takes the socket over and
+// does its own non-blocking reads and writes: kj's stream reads again after every read, and the
+// second read of a drained socket is a wasted system call (EAGAIN) per message; here a short read
+// (with no end of stream seen) means the socket is drained, and the next read waits for epoll.
+// Without a port, or over TLS (no socket underneath), it uses the kj stream.
+//
 // Limits: a frame is refused (the read fails) when its segment table declares more than
 // frame_words_max words, before any of it is buffered; the read buffer grows only to hold the frame
 // in progress and shrinks back once it is consumed.
@@ -17,6 +23,7 @@
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 #include <kj/async-io.h>
+#include <kj/async-unix.h>
 
 #include <array>
 #include <cstdint>
@@ -38,15 +45,24 @@ class FrameStream final : private kj::TaskSet::ErrorHandler {
   static constexpr std::uint64_t kFrameWordsMaxDefault = 8u << 20;
   // The read buffer's size while no large frame is in progress (x 8,192 connections on a server).
   static constexpr std::size_t kReadBufferWordsMin = 512;  // 4 KiB
-  // Bytes taken from the socket per read at most, beyond what a frame in progress needs.
-  static constexpr std::size_t kReadChunkWordsMax = 8192;  // 64 KiB
+  // How far the read buffer grows ahead of the bytes that arrived (64 KiB), and the size past which
+  // it shrinks again once empty.
+  static constexpr std::size_t kReadChunkWordsMax = 8192;
+  // Segments per frame at most (Cap'n Proto's stream readers' limit).
+  static constexpr std::uint64_t kSegmentsMax = 512;
 
-  explicit FrameStream(kj::Own<kj::AsyncIoStream> stream);
+  // `port`: the event loop's, for the socket's own I/O (above); null: through `stream`. Only for
+  // a plain socket's stream: kj's TLS stream reports its socket's descriptor too, and reading that
+  // would bypass the decryption.
+  explicit FrameStream(kj::Own<kj::AsyncIoStream> stream, kj::UnixEventPort* port = nullptr);
   ~FrameStream();
   FrameStream(const FrameStream&) = delete;
   FrameStream& operator=(const FrameStream&) = delete;
 
-  kj::AsyncIoStream& stream() { return *stream_; }
+  // Whether it does its own socket I/O (else through the kj stream).
+  bool raw() const { return fd_ >= 0; }
+  // Closes the write side (the peer reads the end of the stream once what was written arrives).
+  void shutdown_write();
 
   // ---- Reading ----
   // One read from the socket: resolves true once some bytes arrived, false at the end of the
@@ -73,8 +89,9 @@ class FrameStream final : private kj::TaskSet::ErrorHandler {
   // Raw bytes, a whole number of words (the magic).
   void append_bytes(kj::ArrayPtr<const kj::byte> bytes);
   // Starts writing what was appended, unless a write is in flight (then what was appended goes
-  // when it ends). `on_written` runs each time a write ends and nothing appended waits (the owner
-  // may append more then); `on_broken` once, when a write fails (the peer reset).
+  // when it ends). `on_written` runs when a write that had to wait for the socket ends and nothing
+  // appended waits (the owner may append more then; a write that completes within flush() does
+  // not call it); `on_broken` once, when a write fails (the peer reset), possibly within flush().
   void flush();
   bool writing() const { return writing_; }
   // Appended and not yet fully written, in bytes (the one write in flight included).
@@ -89,8 +106,28 @@ class FrameStream final : private kj::TaskSet::ErrorHandler {
   }
   void taskFailed(kj::Exception&& exception) override;
   void start_write();
+  void write_done();
+  kj::Promise<bool> read_raw(kj::byte* into, std::size_t room_bytes);
+  void arm_readable();
+  // The words the frame at the read position declares (its table complete or not); throws past
+  // kSegmentsMax or frame_words_max_.
+  std::size_t declared_words(std::size_t whole_words) const;
+  void write_raw();
+  void broke(const kj::Exception& exception);
 
-  kj::Own<kj::AsyncIoStream> stream_;
+  kj::Own<kj::AsyncIoStream> stream_;  // null in raw mode
+  // Raw mode: the socket (a duplicate of the kj stream's, which is gone) and its epoll observer.
+  kj::AutoCloseFd fd_owned_;
+  int fd_ = -1;
+  kj::Own<kj::UnixEventPort::FdObserver> observer_;
+  // The socket was seen empty (a short read or EAGAIN) and readiness armed then; the next read
+  // waits for it unless it fired meanwhile.
+  bool drained_ = false;
+  bool readable_since_drained_ = false;
+  bool readable_armed_ = false;
+  kj::Maybe<kj::Promise<void>> readable_;
+  kj::Maybe<kj::Own<kj::PromiseFulfiller<void>>> read_waiter_;
+  std::size_t written_bytes_ = 0;  // of in_flight_, in raw mode
   // Read side: words [begin_words_, end_bytes_/8) hold unconsumed bytes (frames are whole words).
   // (Plain 64-bit words: capnp::word cannot be copied under every compiler.)
   std::vector<std::uint64_t> buffer_;

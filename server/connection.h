@@ -42,6 +42,7 @@ struct HubService::Connection {
   bool hello_seen = false;
   bool welcomed = false;
   bool refused = false;                  // its hello was refused: the write side closes after the answer
+  bool ended = false;                    // the peer closed its side: close once what it is owed is written
   bool write_scheduled = false;          // in HubService::dirty_
   std::uint64_t ack_pending = 0;         // the client's latest ack, fed and not yet answered
   std::string notice;                    // why a message of its last frames was refused (once per write)

@@ -16,6 +16,7 @@ EmbeddedServer::EmbeddedServer(ServiceConfig config, LogLevel log_level) {
     try {
       net::IoLoop loop;
       HubService service(config, loop.timer(), log_level);
+      service.use_event_port(loop.port());
       auto listener = loop.io().getNetwork().parseAddress("127.0.0.1:0").wait(loop.wait_scope())->listen();
       const auto listen_port = static_cast<std::uint16_t>(listener->getPort());
       service.serve_heartbeats(loop.port(), std::make_unique<net::HeartbeatReceiver>(net::Endpoint{"127.0.0.1", listen_port}));

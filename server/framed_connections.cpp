@@ -20,10 +20,16 @@
 #include "server/hub_service.h"
 
 namespace th::server {
+namespace {
+
+// How long a connection whose hello was refused may stay, for its peer to read the refusal.
+constexpr std::int64_t kRefusedLingerMs = 1000;
+
+}  // namespace
 
 void HubService::start_framed(Connection& connection, kj::Own<kj::AsyncIoStream> stream) {
   TH_ASSERT(!connection.framed() && connection.stream.get() == nullptr);
-  connection.frames = kj::heap<net::FrameStream>(kj::mv(stream));
+  connection.frames = kj::heap<net::FrameStream>(kj::mv(stream), tls_ == nullptr ? event_port_ : nullptr);
   connection.frames->set_frame_words_max(connection.authenticated ? net::FrameStream::kFrameWordsMaxDefault
                                                                   : config_.unauthenticated_message_words_max);
   connection.frames_allowed = net::FairMessageStream::kMessagesFirstTurn;
@@ -33,16 +39,11 @@ void HubService::start_framed(Connection& connection, kj::Own<kj::AsyncIoStream>
     if (found == connections_.end()) return;
     Connection& written = *found->second;
     if (written.refused) {
-      // The refusal is out: nothing more goes to this peer. (Closing the socket now could reset it
-      // before the peer read the refusal, if it sent more behind its hello.)
-      try {
-        written.frames->stream().shutdownWrite();
-      } catch (const kj::Exception&) {
-        // Already gone: its read side will see it.
-      }
+      written.frames->shutdown_write();
       return;
     }
     write_frames(written);  // what came while the write was in flight
+    if (written.ended && !written.frames->writing()) on_disconnect(id);  // answered; logged as any end
   });
   connection.frames->on_broken([this, id](const kj::Exception& exception) {
     // A peer that reset. Later: this runs inside the stream's own task.
@@ -63,7 +64,8 @@ kj::Promise<void> HubService::read_frames(std::uint64_t connection_id) {
   if (found == connections_.end()) return kj::READY_NOW;
   return found->second->frames->read_some().then([this, connection_id](bool more) -> kj::Promise<void> {
     if (!more) {
-      on_disconnect(connection_id);  // the peer closed: logged as an RPC connection's end
+      auto ended = connections_.find(connection_id);
+      if (ended != connections_.end()) on_framed_end(*ended->second);
       return kj::READY_NOW;
     }
     return take_frames(connection_id);
@@ -114,7 +116,10 @@ void HubService::on_frame(Connection& connection, wire::ClientFrame::Reader fram
       const auto messages = frame.getMessages();
       const std::uint64_t id = connection.id;
       if (messages.size() > net::kMessagesPerCallMax) {
+        // Not fed, so not acknowledged (an ack says the frame reached the hub).
         connection.notice = "invalid-argument: more than kMessagesPerCallMax messages in one frame";
+        schedule_write(connection);
+        return;
       } else {
         if (messages.size() == 0) on_probe(connection);
         std::string refused = on_messages(connection, messages);
@@ -144,6 +149,7 @@ void HubService::on_hello(Connection& connection, wire::Hello::Reader hello) {
     return;
   }
   connection.welcomed = true;
+  connection.frames->set_frame_words_max(net::FrameStream::kFrameWordsMaxDefault);
   connection.frames->append<wire::ServerFrame>([&](wire::ServerFrame::Builder frame) {
     auto welcome = frame.initWelcome();
     welcome.setHeartbeatTimeoutMs(config_.hub.heartbeat_timeout_ms);
@@ -156,7 +162,30 @@ void HubService::refuse_hello(Connection& connection, const std::string& why) {
   connection.refused = true;
   connection.frames->append<wire::ServerFrame>(
       [&](wire::ServerFrame::Builder frame) { frame.setRefused(why); });
-  connection.frames->flush();  // on_written closes the write side
+  connection.frames->flush();
+  // The refusal is out (or goes when the socket drains, and on_written closes then): nothing more
+  // goes to this peer. (Closing the socket now could reset it before the peer read the refusal, if
+  // it sent more behind its hello.)
+  if (!connection.frames->writing()) connection.frames->shutdown_write();
+  // And it goes soon whatever the peer does: its frames are not read any more, so they would keep
+  // it looking active to the idle sweep.
+  const std::uint64_t id = connection.id;
+  tasks_.add(timer_.afterDelay(kRefusedLingerMs * kj::MILLISECONDS).then([this, id] {
+    close_connection(id, "its hello was refused");
+  }));
+}
+
+void HubService::on_framed_end(Connection& connection) {
+  // A client that half-closes after its last frames still gets their answers (the welcome, acks,
+  // effects this turn produced), as an RPC client gets the returns of calls it made before.
+  connection.ended = true;
+  if (connection.refused) {
+    close_connection(connection.id, "closed by the peer after its refusal");
+    return;
+  }
+  write_frames(connection);
+  if (!connection.frames->writing()) on_disconnect(connection.id);  // logged as an RPC connection's end
+  // else on_written closes it once the answers are out (or the write fails).
 }
 
 void HubService::schedule_write(Connection& connection) {

@@ -611,9 +611,8 @@ bool HubService::check_token(Connection& connection, capnp::Text::Reader token) 
       connection.authenticated = true;
       TH_ASSERT(unauthenticated_count_ > 0);
       --unauthenticated_count_;
-      if (connection.framed()) {
-        connection.frames->set_frame_words_max(net::FrameStream::kFrameWordsMaxDefault);
-      } else {
+      // (A framed connection's limits are lifted once its whole hello is admitted: on_hello.)
+      if (!connection.framed()) {
         connection.messages->set_message_words_max(UINT64_MAX);  // Cap'n Proto's own limit (64 MiB)
         connection.messages->set_messages_max(UINT64_MAX);
       }
@@ -699,7 +698,9 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
   for (auto message : messages) {
     auto decoded = net::decode(message);
     if (!decoded.ok()) {
-      log(LogLevel::kWarn, connection.describe() + " sent an invalid message: " + decoded.error().detail);
+      // Summarised: a frame of 4,096 invalid messages must not write 4,096 lines.
+      log_summarised(invalid_messages_log_, LogLevel::kWarn, "invalid message(s) refused",
+                     connection.describe() + ": " + decoded.error().detail);
       if (refused.empty()) refused = decoded.error().detail;
       continue;
     }

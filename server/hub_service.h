@@ -96,6 +96,9 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // handshake counts as part of authentication (the auth deadline and the unauthenticated limit
   // bound it). Call before serve().
   void use_tls(kj::TlsContext& tls) { tls_ = &tls; }
+  // Framed connections over plain TCP do their own socket I/O on `port`, the loop's (net/frames.h).
+  // Call before serve(); without it they go through kj's streams.
+  void use_event_port(kj::UnixEventPort& port) { event_port_ = &port; }
 
 
  private:
@@ -141,6 +144,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   void write_dirty();
   // Writes the connection's backlog, ack and notice as frames, unless a write is in flight.
   void write_frames(Connection& connection);
+  // A framed connection's peer ended its side: what is owed to it goes out, then it closes.
+  void on_framed_end(Connection& connection);
   std::vector<std::uint64_t> dirty_;
   bool write_dirty_scheduled_ = false;
   void on_disconnect(std::uint64_t connection_id);
@@ -219,11 +224,13 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogSummary refused_connections_log_;
   LogSummary accept_errors_log_;
   LogSummary foreign_messages_log_;
+  LogSummary invalid_messages_log_;
   LogSummary claims_refused_log_;
   LogSummary tls_failures_log_;
   LogSummary heartbeat_budget_log_;
   LogSummary handshake_budget_log_;
   kj::TlsContext* tls_ = nullptr;  // owned by whoever called use_tls
+  kj::UnixEventPort* event_port_ = nullptr;  // the loop's, for framed connections' own I/O
 
   std::uint64_t next_connection_id_ = 1;
   std::deque<std::uint64_t> unauthenticated_;  // in accept order; closed or authenticated ones linger

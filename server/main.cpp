@@ -173,6 +173,7 @@ int main(int argc, char** argv) {
   kj::UnixEventPort::captureSignal(SIGTERM);
   th::net::IoLoop loop(turns_per_poll);
   th::server::HubService service(config, loop.timer(), *log_level);
+  service.use_event_port(loop.port());
   if (tls != nullptr) service.use_tls(*tls);
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());

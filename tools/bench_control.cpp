@@ -283,7 +283,7 @@ void Load::connect(Client& client, kj::NetworkAddress& address) {
 }
 
 void Load::connect_framed(Client& client) {
-  client.frames = kj::heap<net::FrameStream>(kj::mv(client.stream));
+  client.frames = kj::heap<net::FrameStream>(kj::mv(client.stream), tls_ == nullptr ? &loop_.port() : nullptr);
   client.frames->on_written([this, &client] { flush(client); });
   client.frames->append_bytes(kj::arrayPtr(net::kFramedMagic.data(), net::kFramedMagic.size()));
   client.frames->append<wire::ClientFrame>([&](wire::ClientFrame::Builder frame) {
@@ -538,7 +538,7 @@ class EchoServer : private kj::TaskSet::ErrorHandler {
       tasks_.add(raw.read(first.begin(), first.size())
                      .then([this, connection, stream = kj::mv(stream), first = kj::mv(first)]() mutable {
                        if (std::equal(first.begin(), first.end(), net::kFramedMagic.begin())) {
-                         connection->frames = kj::heap<net::FrameStream>(kj::mv(stream));
+                         connection->frames = kj::heap<net::FrameStream>(kj::mv(stream), &loop_.port());
                          connection->frames->on_written([this, connection] { write(*connection); });
                          connection->reading = read(*connection).eagerlyEvaluate(nullptr);
                          return;

@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
     }
     if (!rpc) {
       Client& ref = *client;
-      ref.frames = kj::heap<th::net::FrameStream>(kj::mv(client->stream));
+      ref.frames = kj::heap<th::net::FrameStream>(kj::mv(client->stream), tls == nullptr ? &io.unixEventPort : nullptr);
       ref.frames->append_bytes(kj::arrayPtr(th::net::kFramedMagic.data(), th::net::kFramedMagic.size()));
       ref.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
         auto hello = frame.initHello();

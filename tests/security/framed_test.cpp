@@ -4,8 +4,10 @@
 // with net::FrameStream, so that it can send what FrameStream never would.
 #include <capnp/message.h>
 #include <capnp/serialize.h>
+#include <sys/socket.h>
 
 #include <chrono>
+#include <memory>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -228,6 +230,67 @@ TEST_F(Security, FramedAPeerThatReadsNothingIsClosedWhenItFallsTooFarBehind) {
   ASSERT_TRUE(running(*servers_[0]));
   Process& trainer = worker({server}, "trainer", {}, {"publish:1"});
   expect(trainer, "publish ok 1");
+}
+
+// Attack review finds (issue 14): after the hello, a table declaring a 64 MiB frame made the server
+// reserve and zero it at once (16 bytes for 64 MiB, per connection), and one declaring millions of
+// segments cost a pass over the table per read. Now the buffer grows with the bytes that come, and
+// more than 512 segments close the connection.
+TEST_F(Security, FramedDeclaredSizesDoNotMakeTheServerReserveMemory) {
+  constexpr int kPeers = 40;
+  const std::string server = start_server();
+  const long rss_before_kb = status_field(servers_[0]->pid(), "VmRSS");
+  std::vector<std::unique_ptr<FramedPeer>> peers;
+  for (int i = 0; i < kPeers; ++i) {
+    peers.push_back(std::make_unique<FramedPeer>(server));
+    peers.back()->hello(kToken, 500 + static_cast<ClientId>(i), secret_of('m'));
+    ASSERT_TRUE(welcomed(*peers.back()));
+    const std::uint32_t table[4] = {0, (8u << 20) - 8, 0, 0};  // one segment of ~64 MiB, then one word of it
+    peers.back()->send_raw(table, sizeof table);
+  }
+  FramedPeer segments(server);
+  segments.hello(kToken, 600, secret_of('n'));
+  ASSERT_TRUE(welcomed(segments));
+  const std::uint32_t many[2] = {(8u << 20) - 1, 1};  // 8 M segments
+  segments.send_raw(many, sizeof many);
+  EXPECT_TRUE(segments.ended()) << "a table of 8 M segments was taken";
+  ctl(server);  // every peer's bytes have been read by the time it answers another connection
+  const long rss_after_kb = status_field(servers_[0]->pid(), "VmRSS");
+  EXPECT_LT(rss_after_kb - rss_before_kb, 200 * 1024) << kPeers << " declared 64 MiB frames grew the server by "
+                                                      << (rss_after_kb - rss_before_kb) / 1024 << " MiB";
+}
+
+// A refused claim (the right token, another's client id) closes soon even if the peer keeps sending
+// (its frames are not read, so they must not keep it alive); a client that half-closes after its
+// frames still gets their answers.
+TEST_F(Security, FramedARefusedPeerIsClosedAndAHalfClosingOneIsAnswered) {
+  const std::string server = start_server();
+  FramedPeer holder(server);
+  holder.hello(kToken, 700, secret_of('h'));
+  ASSERT_TRUE(welcomed(holder));
+  FramedPeer thief(server);
+  thief.hello(kToken, 700, secret_of('t'));
+  for (int i = 0; i < 30; ++i) {
+    try {
+      thief.messages({}, 1);
+    } catch (const net::SocketError&) {
+      break;  // closed
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(thief.ended()) << "a refused peer that keeps sending was kept open";
+
+  FramedPeer brief(server);
+  brief.hello(kToken, 701, secret_of('b'));
+  brief.messages({}, 9);
+  ASSERT_EQ(::shutdown(brief.socket().get(), SHUT_WR), 0);
+  bool welcome = false;
+  bool acked = false;
+  while (brief.read() == FramedPeer::Read::kFrame) {
+    welcome = welcome || brief.frame().isWelcome();
+    acked = acked || brief.frame().getAck() == 9;
+  }
+  EXPECT_TRUE(welcome && acked) << "welcome " << welcome << ", ack " << acked;
 }
 
 // A framed peer's probe (an empty frame asking for an ack) is answered, and a Cap'n Proto RPC peer

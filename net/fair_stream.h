@@ -13,7 +13,8 @@
 // made it minutes (every poll did a whole round of work, and a new connection needs ~60 polls to
 // reach the head of the ready list). With the gate below (4 messages, 4 wakeups): 8-24 ms median.
 //
-// So: a connection reads at most `messages_per_turn` messages, then waits on the TurnGate, which
+// So: a connection reads at most `messages_per_turn` messages (framed connections: frames, in
+// server/framed_connections.cpp), then waits on the TurnGate, which
 // wakes at most `wakeups_per_poll` waiting connections after each kernel poll, oldest first. The
 // work between two polls is then bounded by (16 + wakeups_per_poll) x messages_per_turn messages,
 // whatever the number of busy connections, and a new one is reached within a bounded time.

@@ -1,8 +1,12 @@
-// The th-server shell: Cap'n Proto RPC connections in, the core Hub in the middle, effects out.
+// The th-server shell: connections in, the core Hub in the middle, effects out.
 //
-// One thread, one IoLoop. Every message that arrives is decoded (net/wire), fed to the Hub with the
-// server's clock, and the Hub's effects are routed to the connections of the clients they name and
-// delivered in batches. The shell adds no protocol logic; what it owns is logistics:
+// One thread, one IoLoop. A connection speaks one of two protocols over the same port, told apart
+// by its first 8 bytes: framed (net/frames.h; libthclient's: Cap'n Proto messages back to back,
+// batched both ways, server/framed_connections.cpp) or Cap'n Proto RPC (th-ctl's inspect, older
+// clients: Hub.connect, Session.send, Sink.deliver). Every message that arrives is decoded
+// (net/wire), fed to the Hub with the server's clock, and the Hub's effects are routed to the
+// connections of the clients they name and delivered in batches. The shell adds no protocol logic;
+// what it owns is logistics:
 //   - authentication: a connection must present the cluster token before it gets a Session, within
 //     a deadline, in small messages, and a few wrong tokens close it; unauthenticated connections
 //     are capped apart from the others (the oldest goes first), so silent ones cannot fill the
@@ -10,8 +14,9 @@
 //   - client binding: a connection speaks for the one client it named at connect; the id moves to
 //     another connection only with the secret it was first claimed with (a reconnecting handle);
 //     when a connection closes, the Hub hears ConnectionLost for its client;
-//   - flow control: each connection has a bounded number of Sink.deliver calls in flight and a
-//     bounded backlog of effects; a client that falls behind further is disconnected;
+//   - flow control: each connection has one write (framed) or a bounded number of Sink.deliver
+//     calls (RPC) in flight and a bounded backlog of effects; a client that falls behind further
+//     is disconnected;
 //   - time: a timer feeds Tick so that heartbeat expiry, barriers and call deadlines fire;
 //   - heartbeat datagrams (net/heartbeat.h): each connection gets a secret at connect; a datagram
 //     naming a client bound to that connection, with that secret, is the client's Heartbeat report.

@@ -54,6 +54,31 @@ struct Client {
   bool heartbeat_datagrams_heard = false;
 };
 
+// Fills `messages` with heartbeat reports of `client` (session 1).
+void heartbeats_into(capnp::List<th::wire::ToHub>::Builder messages, std::uint64_t client) {
+  for (auto message : messages) {
+    auto report = message.initReport();
+    report.setClient(client);
+    report.setSession(1);
+    report.getBody().setHeartbeat();
+  }
+}
+
+// An idle worker's open: a one-shard replica of its own.
+void idle_open_into(th::wire::ToHub::Builder into, std::uint64_t client, unsigned index) {
+  auto message = into.initRequest();
+  message.setClient(client);
+  message.setSeq(0);
+  message.setSession(1);
+  auto body = message.getBody().initOpen();
+  body.setModel("idle-fleet");
+  body.setReplica("worker-" + std::to_string(index));
+  body.setIncarnation(1);
+  body.setShard(0);
+  body.setNumShards(1);
+  body.setDatacenter("dc");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -108,13 +133,7 @@ int main(int argc, char** argv) {
   std::function<kj::Promise<void>(Client&)> pump = [&](Client& client) -> kj::Promise<void> {
     KJ_IF_MAYBE(session, client.session) {
       auto request = session->sendRequest();
-      auto messages = request.initMessages(batch);
-      for (unsigned i = 0; i < batch; ++i) {
-        auto report = messages[i].initReport();
-        report.setClient(client.id);
-        report.setSession(1);
-        report.getBody().setHeartbeat();
-      }
+      heartbeats_into(request.initMessages(batch), client.id);
       return request.send().ignoreResult().then([&] {
         ++calls;
         return pump(client);
@@ -128,17 +147,22 @@ int main(int argc, char** argv) {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
         .count();
   };
+  // What connect (RPC) or the welcome (framed) tells: the server's heartbeat timeout and channel.
+  const auto take_channel = [&](Client& client, std::int64_t timeout_ms, th::wire::HeartbeatChannel::Reader channel) {
+    if (timeout_ms > 0) client.heartbeat_timeout_ms = timeout_ms;
+    if (channel.getPort() == 0 || heartbeat_interval_ms == 0) return;
+    client.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
+    if (datagrams == nullptr) {
+      datagrams = std::make_unique<th::net::HeartbeatSender>(
+          th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});
+    }
+  };
+
   // ---- Framed connections ----
   // A batch of heartbeats (none: a probe) in a frame asking for the next ack.
   const auto send_frame = [&](Client& client, unsigned heartbeats_in_batch) {
     client.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
-      auto messages = frame.initMessages(heartbeats_in_batch);
-      for (unsigned k = 0; k < heartbeats_in_batch; ++k) {
-        auto report = messages[k].initReport();
-        report.setClient(client.id);
-        report.setSession(1);
-        report.getBody().setHeartbeat();
-      }
+      heartbeats_into(frame.initMessages(heartbeats_in_batch), client.id);
       frame.setAck(++client.acks_asked);
     });
     client.frames->flush();
@@ -187,17 +211,7 @@ int main(int argc, char** argv) {
       return;
     }
     client.frames->append<th::wire::ClientFrame>([&](th::wire::ClientFrame::Builder frame) {
-      auto message = frame.initMessages(1)[0].initRequest();
-      message.setClient(client.id);
-      message.setSeq(0);
-      message.setSession(1);
-      auto body = message.getBody().initOpen();
-      body.setModel("idle-fleet");
-      body.setReplica("worker-" + std::to_string(client.index));
-      body.setIncarnation(1);
-      body.setShard(0);
-      body.setNumShards(1);
-      body.setDatacenter("dc");
+      idle_open_into(frame.initMessages(1)[0], client.id, client.index);
     });
     client.frames->flush();
     tasks.add(heartbeats(client, (client.index * 7919u) % heartbeat_interval_ms));
@@ -211,16 +225,8 @@ int main(int argc, char** argv) {
         if (frame.isWelcome() && !client.welcomed) {
           client.welcomed = true;
           auto welcome = frame.getWelcome();
-          if (welcome.getHeartbeatTimeoutMs() > 0) client.heartbeat_timeout_ms = welcome.getHeartbeatTimeoutMs();
-          const auto channel = welcome.getHeartbeats();
-          if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
-            client.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
-            if (datagrams == nullptr) {
-              datagrams = std::make_unique<th::net::HeartbeatSender>(
-                  th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});
-            }
-          }
-          on_welcome(client, channel.getPort());
+          take_channel(client, welcome.getHeartbeatTimeoutMs(), welcome.getHeartbeats());
+          on_welcome(client, welcome.getHeartbeats().getPort());
         }
         if (frame.getAck() > client.acked) {
           const std::uint64_t newly = frame.getAck() - client.acked;
@@ -276,15 +282,7 @@ int main(int argc, char** argv) {
     Client& ref = *client;
     tasks.add(request.send().then([&, i](auto response) {
       ref.session = response.getSession();
-      if (response.getHeartbeatTimeoutMs() > 0) ref.heartbeat_timeout_ms = response.getHeartbeatTimeoutMs();
-      const auto channel = response.getHeartbeats();
-      if (channel.getPort() != 0 && heartbeat_interval_ms != 0) {
-        ref.heartbeat_key = th::net::key_from_bytes({channel.getKey().begin(), channel.getKey().size()});
-        if (datagrams == nullptr) {
-          datagrams = std::make_unique<th::net::HeartbeatSender>(
-              th::net::Endpoint{th::net::parse_endpoint(server).host, channel.getPort()});
-        }
-      }
+      take_channel(ref, response.getHeartbeatTimeoutMs(), response.getHeartbeats());
       if (++ready == connections) std::cout << "load ready " << connections << std::endl;
       if (heartbeat_interval_ms == 0) {
         for (unsigned k = 0; k < in_flight; ++k) tasks.add(pump(ref));
@@ -293,17 +291,7 @@ int main(int argc, char** argv) {
       // An idle worker: open a one-shard replica, then heartbeat (first beats spread over the interval).
       KJ_IF_MAYBE(session, ref.session) {
         auto open = session->sendRequest();
-        auto message = open.initMessages(1)[0].initRequest();
-        message.setClient(ref.id);
-        message.setSeq(0);
-        message.setSession(1);
-        auto body = message.getBody().initOpen();
-        body.setModel("idle-fleet");
-        body.setReplica("worker-" + std::to_string(i));
-        body.setIncarnation(1);
-        body.setShard(0);
-        body.setNumShards(1);
-        body.setDatacenter("dc");
+        idle_open_into(open.initMessages(1)[0], ref.id, i);
         tasks.add(open.send().ignoreResult());
       }
       tasks.add(heartbeats(ref, (i * 7919u) % heartbeat_interval_ms));

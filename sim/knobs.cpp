@@ -116,6 +116,16 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   if (knobs.remote_rollouts > 1 && rng.chance(0.25)) {
     knobs.remote_datacenters = static_cast<std::uint32_t>(rng.range(2, 3));
   }
+  // Drawn after everything else (the knobs above stay what each seed drew before it); it matters
+  // only where crashes happen (drawn, or a harsh-crash profile).
+  knobs.rack_crashes = rng.chance(0.3);
+  // Now and then a remote datacenter as large as the paper's (many rollouts behind one slow link):
+  // with several sources per datacenter, losing some leaves chains of waiting readers there.
+  if (knobs.workload == Workload::kCrossDc && rng.chance(0.3)) {
+    const auto extra = static_cast<std::uint32_t>(rng.range(4, 8));
+    knobs.rollouts += extra;
+    knobs.remote_rollouts += extra;
+  }
   return knobs;
 }
 
@@ -131,7 +141,8 @@ bool parse_number(std::string_view text, T& value) {
 
 std::string fault_keys() {
   return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
-         "storm (0/1), server-crash (0/1), read-failure, straggler (fraction), skew (ppm); and the hub "
+         "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
+         "read-failure, straggler (fraction), skew (ppm); and the hub "
          "option offload-seeding (0/1)";
 }
 
@@ -144,7 +155,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
     if (item == "none") {
       knobs.drop = knobs.duplicate = knobs.clog_per_s = knobs.partition_per_s = 0;
       knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = 0;
-      knobs.preemption_storm = knobs.server_crash = false;
+      knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
       knobs.clock_skew_ppm = 0;
       knobs.delay_mean_ms = 1;
       continue;
@@ -172,6 +183,8 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       if (knobs.partition_ms == 0) knobs.partition_ms = 3000;
     } else if (key == "crash") {
       knobs.crash_per_s = number;
+    } else if (key == "rack") {
+      knobs.rack_crashes = number != 0;
     } else if (key == "storm") {
       knobs.preemption_storm = number != 0;
     } else if (key == "server-crash") {
@@ -219,7 +232,7 @@ std::string describe(const Knobs& knobs) {
       << "ms drop=" << knobs.drop << " duplicate=" << knobs.duplicate << " delay=" << knobs.delay_min_ms
       << "+" << knobs.delay_mean_ms << "ms clog=" << knobs.clog_per_s << "/s*" << knobs.clog_ms
       << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms
-      << "ms crash=" << knobs.crash_per_s << "/s storm=" << knobs.preemption_storm
+      << "ms crash=" << knobs.crash_per_s << "/s rack=" << knobs.rack_crashes << " storm=" << knobs.preemption_storm
       << " server-crash=" << knobs.server_crash << " read-failure=" << knobs.read_failure
       << " straggler=" << knobs.straggler_fraction << " skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";

@@ -57,6 +57,10 @@ struct Knobs {
   TimeMs partition_ms = 0;
   // Process and data-plane faults.
   double crash_per_s = 0;            // a rollout replica crashes (mid-transfer when it can)
+  // A crash takes its rack along: every other rollout replica of its datacenter that serves a
+  // transfer at that moment crashes with it (correlated failures: a top-of-rack switch, a power
+  // feed). Several sources of one datacenter lost at once leave several waiting readers there.
+  bool rack_crashes = false;
   bool preemption_storm = false;     // many spot replicas at once
   bool server_crash = false;         // the primary server dies once; clients fail over
   double read_failure = 0;           // a read fails for no reason on the source's side

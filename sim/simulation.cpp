@@ -1320,7 +1320,26 @@ class Simulation {
     const int replica = candidates[rng_.below(candidates.size())];
     if (replicas_[replica].crashed) return;
     // Mostly back within seconds; sometimes (a spot instance reclaimed for a while) much later.
-    crash(replica, rng_.chance(0.2) ? rng_.range(10'000, 30'000) : rng_.range(1000, 6000));
+    const TimeMs restart_after_ms = rng_.chance(0.2) ? rng_.range(10'000, 30'000) : rng_.range(1000, 6000);
+    crash(replica, restart_after_ms);
+    if (knobs_.rack_crashes) crash_rack_of(replica, restart_after_ms);
+  }
+
+  // The other rollout replicas of `replica`'s datacenter that serve a transfer now go with it.
+  void crash_rack_of(int replica, TimeMs restart_after_ms) {
+    std::set<int> serving;
+    for (const auto& [key, flow] : flows_) {
+      if (flow.source < 0) continue;
+      const int r = workers_[flow.source].replica;
+      if (r != replica && !replicas_[r].trainer && !replicas_[r].crashed &&
+          replicas_[r].datacenter == replicas_[replica].datacenter) {
+        serving.insert(r);
+      }
+    }
+    if (options_.verbose && !serving.empty()) {
+      std::cerr << now_ << " ms: " << replicas_[replica].name << "'s rack goes too (" << serving.size() << " replicas)\n";
+    }
+    for (int r : serving) crash(r, restart_after_ms);
   }
 
   void storm() {

@@ -3,12 +3,14 @@
 mutant of catalogue.txt and reports how many each kills (ctest -L mutants).
 
 A mutant is killed by the property test if the test binary fails (or hangs past its timeout) with
-TH_MUTANT=N; the th-sim block runs only for the mutants the property test left alive, and kills one
-with a violation (or a hang). The targets: the property test alone kills at least 90%, property
+TH_MUTANT=N; the th-sim block (and, with --regression-seeds, the named seeds of
+tests/sim/regression-seeds.txt) runs only for the mutants the property test left alive, and kills
+one with a violation (or a hang). The targets: the property test alone kills at least 90%, property
 test and simulator together kill all. The property test runs with a fixed RapidCheck seed, so the
 score is the same on every machine; TH_MUTANT_SEED changes it (a look at other cases).
 
-    run.py --list mutants.tsv --property BIN --sim BIN [--unit BIN] [--report FILE] [--jobs N]
+    run.py --list mutants.tsv --property BIN --sim BIN [--unit BIN] [--regression-seeds FILE]
+           [--report FILE] [--jobs N]
            [--cases N] [--only NAME,...] [--property-target 0.9] [--combined-target 1.0]
 
 With --unit, the hub's unit tests (core_hub_test built against the mutants) also run against the
@@ -27,7 +29,20 @@ import time
 WORKLOADS = ["colocated", "standalone", "elastic", "cross-dc", "off-by-k", "multi-model", "mixed"]
 SIM_BLOCK = [["--seeds", "1..2000"]] + [
     ["--seeds", "3001..3500", "--workload", workload, "--profile", profile]
-    for profile in ("harsh-net", "harsh-crash") for workload in WORKLOADS]
+    for profile in ("harsh-net", "harsh-crash") for workload in WORKLOADS] + [
+    ["--seeds", "5001..5500", "--workload", workload, "--profile", "harsh-crash", "--faults", "rack=1"]
+    for workload in ("cross-dc", "mixed")]
+
+
+def regression_seeds(path):
+    """The named seeds of tests/sim/regression-seeds.txt, as th-sim argument lists."""
+    blocks = []
+    with open(path, encoding="utf-8") as listing:
+        for line in listing:
+            words = line.split("#", 1)[0].split()
+            if words:
+                blocks.append(["--seed"] + words)
+    return blocks
 PROPERTY_TIMEOUT_S = 300
 SIM_TIMEOUT_S = 300
 
@@ -75,7 +90,7 @@ def judge(args, number, name):
     if status != "pass":
         return result
     sim_seconds = 0.0
-    for block in SIM_BLOCK:
+    for block in SIM_BLOCK + args.regression_blocks:
         status, seconds, output = run([args.sim] + block, {"TH_MUTANT": str(number)}, SIM_TIMEOUT_S)
         sim_seconds += seconds
         if status != "pass":
@@ -102,6 +117,8 @@ def main():
     parser.add_argument("--property", required=True)
     parser.add_argument("--sim", required=True)
     parser.add_argument("--unit", default="")
+    parser.add_argument("--regression-seeds", default="",
+                        help="tests/sim/regression-seeds.txt: the named seeds run after the block")
     parser.add_argument("--report")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", type=int, default=2000)
@@ -110,6 +127,7 @@ def main():
     parser.add_argument("--property-target", type=float, default=0.9)
     parser.add_argument("--combined-target", type=float, default=1.0)
     args = parser.parse_args()
+    args.regression_blocks = regression_seeds(args.regression_seeds) if args.regression_seeds else []
 
     mutants = []
     with open(args.list, encoding="utf-8") as listing:

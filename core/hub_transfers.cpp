@@ -201,11 +201,15 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   std::vector<DcId> downstream_dcs;
   if (several_dcs) {
     downstream_dcs.push_back(dc);
-    for (const Copy* copy : record.copies) {
-      if (has_downstream && copy != &reader && is_downstream(*copy, reader, model.copies.size()) &&
-          std::find(downstream_dcs.begin(), downstream_dcs.end(), copy->owner->dc) ==
-              downstream_dcs.end()) {
-        downstream_dcs.push_back(copy->owner->dc);
+    // (Only a reader that serves others has copies downstream: the walk over every copy of the
+    // version is skipped otherwise, which is nearly always; hub_bench 2048 x 4 spent a quarter of
+    // its time here.)
+    if (has_downstream) {
+      for (const Copy* copy : record.copies) {
+        if (copy != &reader && is_downstream(*copy, reader, model.copies.size()) &&
+            std::find(downstream_dcs.begin(), downstream_dcs.end(), copy->owner->dc) == downstream_dcs.end()) {
+          downstream_dcs.push_back(copy->owner->dc);
+        }
       }
     }
   }

@@ -99,7 +99,8 @@ kj::Promise<bool> FrameStream::read_raw(kj::byte* into, std::size_t room_bytes) 
   const ssize_t got = ::recv(fd_, into, room_bytes, MSG_DONTWAIT);
   if (got == 0) return false;
   if (got < 0) {
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    if (errno == EINTR) return read_raw(into, room_bytes);  // (a signal: the bytes may be there)
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
       return KJ_EXCEPTION(DISCONNECTED, "read failed", strerror(errno));
     }
     arm_readable();

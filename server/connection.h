@@ -39,7 +39,6 @@ struct HubService::Connection {
   kj::Own<net::FrameStream> frames;
   kj::Maybe<kj::Promise<void>> reading;  // the loop that reads its frames
   std::uint32_t frames_allowed = 0;      // frames it may still take in this turn (the TurnGate)
-  bool hello_seen = false;
   bool welcomed = false;
   bool refused = false;                  // its hello was refused: the write side closes after the answer
   bool ended = false;                    // the peer closed its side: close once what it is owed is written

@@ -101,11 +101,10 @@ void HubService::on_frame(Connection& connection, wire::ClientFrame::Reader fram
   if (connection.refused) return;  // its answer is out; it should have closed
   switch (frame.which()) {
     case wire::ClientFrame::HELLO:
-      if (connection.hello_seen) {
+      if (connection.welcomed) {  // (a refused one's frames are not read: above)
         close_connection(connection.id, "a second hello");
         return;
       }
-      connection.hello_seen = true;
       on_hello(connection, frame.getHello());
       return;  // an ack of a hello is its welcome
     case wire::ClientFrame::MESSAGES: {

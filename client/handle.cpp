@@ -122,7 +122,10 @@ Handle::Impl::Impl(ClientOptions options)
       }()),
       agent_(agent_config_of(options_, client_id_)) {}
 
-Handle::Impl::~Impl() { shutdown(); }
+Handle::Impl::~Impl() {
+  if (metrics_ != nullptr) client::ClientMetrics::instance().detach(metrics_.get());
+  shutdown();
+}
 
 void Handle::Impl::taskFailed(kj::Exception&& exception) {
   log(std::string("internal task failed: ") + exception.getDescription().cStr());
@@ -134,6 +137,13 @@ void Handle::Impl::log(const std::string& line) const {
 }
 
 Status Handle::Impl::start() {
+  if (!options_.metrics_listen.empty()) {
+    if (Status serving = client::ClientMetrics::instance().serve(options_.metrics_listen); !serving.ok()) {
+      return serving;
+    }
+  }
+  metrics_ = std::make_shared<client::HandleMetrics>(options_, [this] { return stats(); });
+  client::ClientMetrics::instance().attach(metrics_);
   if (!options_.tls_ca_file.empty()) {
     auto tls = net::make_client_tls(options_.tls_ca_file);
     if (!tls.ok()) return tls.error();
@@ -531,6 +541,28 @@ Status as_status(Outcome outcome) {
   if (Error* error = std::get_if<Error>(&outcome)) return std::move(*error);
   return Unit{};
 }
+
+using Call = client::HandleMetrics::Call;
+
+template <typename T>
+std::string result_label(const Result<T>& result) {
+  if (!result.ok()) return std::string(errc_name(result.error().code));
+  if constexpr (std::is_same_v<T, UpdateInfo>) {
+    if (result.value().status != UpdateStatus::kUpdated) return std::string(update_status_name(result.value().status));
+  }
+  return "ok";
+}
+
+// Runs a public call's body, and records how long it held the caller and its result.
+template <typename Body>
+auto recorded(const std::shared_ptr<client::HandleMetrics>& metrics, Call call, const Body& body) {
+  const auto started = std::chrono::steady_clock::now();
+  auto result = body();
+  metrics->record(call, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+                  result_label(result));
+  return result;
+}
+
 }  // namespace
 
 Handle::Handle(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -560,66 +592,75 @@ Status Handle::unregister_tensor(std::string_view name) {
 Result<Version> Handle::publish(Version version) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return impl_->publish(version);
+  return recorded(impl_->metrics_, Call::kPublish, [&] { return impl_->publish(version); });
 }
 Status Handle::unpublish() {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return as_status(impl_->call(UnpublishRequest{}));
+  return recorded(impl_->metrics_, Call::kUnpublish, [&] { return as_status(impl_->call(UnpublishRequest{})); });
 }
 
 Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  auto parsed = parse_selector(selector);
-  if (!parsed.ok()) return parsed.error();
-  if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
-    return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
-  }
-  const Plan plan = impl_->plan_copy();
-  if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before replicating");
-  auto answer = as_result<ReplicateOk>(impl_->call(ReplicateRequest{parsed.value(), plan.layout, timeout_ms}));
-  if (!answer.ok()) return answer.error();
-  return ReplicateInfo{answer.value().version, answer.value().source_replica};
+  return recorded(impl_->metrics_, Call::kReplicate, [&]() -> Result<ReplicateInfo> {
+    auto parsed = parse_selector(selector);
+    if (!parsed.ok()) return parsed.error();
+    if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
+      return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
+    }
+    const Plan plan = impl_->plan_copy();
+    if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before replicating");
+    auto answer = as_result<ReplicateOk>(impl_->call(ReplicateRequest{parsed.value(), plan.layout, timeout_ms}));
+    if (!answer.ok()) return answer.error();
+    return ReplicateInfo{answer.value().version, answer.value().source_replica};
+  });
 }
 
 Result<UpdateInfo> Handle::update(std::string_view selector) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  auto parsed = parse_selector(selector);
-  if (!parsed.ok()) return parsed.error();
-  const Plan plan = impl_->plan_copy();
-  if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before updating");
-  auto answer = as_result<UpdateOk>(impl_->call(UpdateRequest{parsed.value(), plan.layout}));
-  if (!answer.ok()) return answer.error();
-  return UpdateInfo{answer.value().status, answer.value().version, answer.value().source_replica};
+  return recorded(impl_->metrics_, Call::kUpdate, [&]() -> Result<UpdateInfo> {
+    auto parsed = parse_selector(selector);
+    if (!parsed.ok()) return parsed.error();
+    const Plan plan = impl_->plan_copy();
+    if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before updating");
+    auto answer = as_result<UpdateOk>(impl_->call(UpdateRequest{parsed.value(), plan.layout}));
+    if (!answer.ok()) return answer.error();
+    return UpdateInfo{answer.value().status, answer.value().version, answer.value().source_replica};
+  });
 }
 
 Result<ListSnapshot> Handle::list() {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  auto answer = as_result<ListOk>(impl_->call(ListRequest{}));
-  if (!answer.ok()) return answer.error();
-  return *answer.value().snapshot;
+  return recorded(impl_->metrics_, Call::kList, [&]() -> Result<ListSnapshot> {
+    auto answer = as_result<ListOk>(impl_->call(ListRequest{}));
+    if (!answer.ok()) return answer.error();
+    return *answer.value().snapshot;
+  });
 }
 
 Status Handle::wait(const WaitPredicate& predicate, TimeMs timeout_ms) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
-    return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
-  }
-  return as_status(impl_->call(WaitRequest{predicate, timeout_ms}));
+  return recorded(impl_->metrics_, Call::kWait, [&]() -> Status {
+    if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
+      return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
+    }
+    return as_status(impl_->call(WaitRequest{predicate, timeout_ms}));
+  });
 }
 
 Status Handle::close() {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return as_status(impl_->call(CloseRequest{}));
+  return recorded(impl_->metrics_, Call::kClose, [&] { return as_status(impl_->call(CloseRequest{})); });
 }
 void Handle::interrupt(const std::string& why) { impl_->interrupt(why); }
 std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
 std::uint64_t Handle::client_id() const { return impl_->client_id(); }
 HandleStats Handle::stats() const { return impl_->stats(); }
+std::string Handle::metrics_address() { return client::ClientMetrics::instance().address(); }
 
 }  // namespace th

@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 
+#include "client/metrics.h"
 #include "core/agent.h"
 #include "net/data_plane.h"
 #include "net/transport.h"
@@ -106,6 +107,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   Status start();  // threads up, open answered
   // Set while an application call runs (see OneCallAtATime).
   std::atomic<bool> user_call_busy_{false};
+  // This handle's section of the process's metrics (attached from start() until ~Impl).
+  std::shared_ptr<client::HandleMetrics> metrics_;
   Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
   Status unregister_tensor(std::string_view name);

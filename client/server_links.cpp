@@ -272,6 +272,10 @@ void Handle::Impl::lose(std::uint32_t server, std::uint64_t generation, const st
     std::lock_guard lock(calls_mutex_);
     last_server_error_ = options_.servers.at(server) + ": " + why;
   }
+  {
+    std::lock_guard lock(stats_mutex_);
+    ++stats_.servers_lost;
+  }
   std::unique_ptr<Link> link = std::move(found->second);
   links_.erase(found);
   auto& [not_before, backoff] = reconnect_[server];

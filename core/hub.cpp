@@ -208,6 +208,20 @@ HubActivity Hub::activity() const {
   return activity;
 }
 
+std::optional<ClientIdentity> Hub::identify(ClientId client) const {
+  const detail::Binding* binding = clients_.find(client);
+  if (binding == nullptr) return std::nullopt;
+  const Replica& replica = *binding->replica;
+  const Model& model = *replica.model;
+  TH_ASSERT(binding->shard < replica.num_shards, "a binding names a shard of its replica");
+  ClientIdentity identity{model.name, replica.name, replica.incarnation, binding->shard, replica.datacenter,
+                          replica.role, 0};
+  if (binding->shard < model.layouts.size() && model.layouts[binding->shard] != nullptr) {
+    identity.shard_bytes = model.layouts[binding->shard]->total_bytes();
+  }
+  return identity;
+}
+
 bool Hub::retained(std::string_view model, Version version) const {
   auto found = models_.find(model);
   return found != models_.end() && is_retained(*found->second, version);

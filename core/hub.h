@@ -63,6 +63,19 @@ struct HubStats {
   std::uint64_t evictions = 0;
 };
 
+// Who a client is (th-server's transfer timeline and metrics).
+struct ClientIdentity {
+  std::string model;
+  std::string replica;
+  std::uint64_t incarnation = 0;
+  std::uint32_t shard = 0;
+  std::string datacenter;
+  std::string role;
+  // What a transfer of this shard moves: the model's layout of the shard once a version of it
+  // completed somewhere; 0 before.
+  std::uint64_t shard_bytes = 0;
+};
+
 // What is in flight right now (th-ctl, liveness checks).
 struct HubActivity {
   std::size_t transfers_gathering = 0;  // waiting for the reader's shards to call
@@ -97,6 +110,7 @@ class Hub {
   HubActivity activity() const;
   std::size_t client_count() const { return clients_.size(); }
   bool has_client(ClientId client) const { return clients_.find(client) != nullptr; }
+  std::optional<ClientIdentity> identify(ClientId client) const;
   // Whether `client` is open in `session` (its reports of that session count).
   bool has_session(ClientId client, std::uint64_t session) const;
 

@@ -3,6 +3,15 @@
 
 namespace th {
 
+std::string_view read_failure_name(ReadFailure failure) {
+  switch (failure) {
+    case ReadFailure::kSourceUnreachable: return "source-unreachable";
+    case ReadFailure::kChecksumMismatch: return "checksum-mismatch";
+    case ReadFailure::kSourceRefused: return "source-refused";
+  }
+  return "unknown-failure";
+}
+
 std::string_view op_name(OpKind kind) {
   switch (kind) {
     case OpKind::kPublish: return "publish";

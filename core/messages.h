@@ -197,6 +197,7 @@ struct Request {
 // ---- Reports: data-plane facts, idempotent, not part of transactions ---------------------------------
 
 enum class ReadFailure : std::uint8_t { kSourceUnreachable, kChecksumMismatch, kSourceRefused };
+std::string_view read_failure_name(ReadFailure failure);  // "source-unreachable", ...
 
 struct Heartbeat {};
 struct TransferDone {

@@ -280,6 +280,10 @@ interface Hub {
 
   # Every model's listing and the server's counters (th-ctl). Same token as connect.
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);
+
+  # The transfer timeline (th-ctl timeline): the last transfers the server keeps, as Chrome Trace
+  # Event JSON (server/chrome_trace.h). Same token as connect.
+  timeline @2 (token :Text) -> (json :Text);
 }
 
 # ---- Framed connections (net/frames.h) -----------------------------------------------------------

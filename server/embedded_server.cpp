@@ -22,6 +22,7 @@ EmbeddedServer::EmbeddedServer(ServiceConfig config, LogLevel log_level) {
       service.serve_heartbeats(loop.port(), std::make_unique<net::HeartbeatReceiver>(net::Endpoint{"127.0.0.1", listen_port}));
       auto stop = kj::newPromiseAndFulfiller<void>();
       executor_ = &kj::getCurrentThreadExecutor();
+      service_ = &service;
       stop_ = kj::mv(stop.fulfiller);
       auto serving = service.serve(*listener).eagerlyEvaluate(nullptr);
       port.set_value(listen_port);
@@ -41,6 +42,12 @@ EmbeddedServer::EmbeddedServer(ServiceConfig config, LogLevel log_level) {
     thread_.join();
     throw;
   }
+}
+
+std::string EmbeddedServer::timeline_json() const {
+  std::string json;
+  executor_->executeSync([this, &json] { json = service_->timeline_json(); });
+  return json;
 }
 
 EmbeddedServer::~EmbeddedServer() {

@@ -20,11 +20,14 @@ class EmbeddedServer {
   EmbeddedServer& operator=(const EmbeddedServer&) = delete;
 
   const std::string& address() const { return address_; }  // "127.0.0.1:PORT"
+  // The server's transfer timeline (HubService::timeline_json), taken on its thread.
+  std::string timeline_json() const;
 
  private:
   std::thread thread_;
   std::string address_;
   const kj::Executor* executor_ = nullptr;
+  const HubService* service_ = nullptr;  // lives on thread_ while it serves
   kj::Own<kj::PromiseFulfiller<void>> stop_;
 };
 

@@ -16,6 +16,7 @@
 
 #include "net/tls.h"
 #include "net/wire.h"
+#include "server/chrome_trace.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
 // them through kj::Own, which deletes the most-derived type, so the warning does not apply.
@@ -45,14 +46,6 @@ Status validate(const ServiceConfig& config) {
   return Unit{};
 }
 
-std::optional<LogLevel> parse_log_level(std::string_view name) {
-  if (name == "error") return LogLevel::kError;
-  if (name == "warn") return LogLevel::kWarn;
-  if (name == "info") return LogLevel::kInfo;
-  if (name == "debug") return LogLevel::kDebug;
-  return std::nullopt;
-}
-
 namespace {
 
 // How often connections are checked against their auth deadline and idle timeout.
@@ -69,16 +62,6 @@ constexpr std::size_t kClientSecretBytesMax = 64;
 // How long heartbeat datagrams gather in the socket's buffer between two reads while they keep
 // coming. Far below any heartbeat timeout; at 8,192 beats/s, ~80 datagrams per read.
 constexpr std::int64_t kHeartbeatGatherMs = 10;
-
-std::string_view level_name(LogLevel level) {
-  switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
-  }
-  return "?";
-}
 
 // Token comparison that takes the same time wherever the first difference is.
 bool same_token(std::string_view a, std::string_view b) {
@@ -222,6 +205,18 @@ class HubService::HubImpl final : public wire::Hub::Server {
         (service_.heartbeat_receiver_ != nullptr ? service_.heartbeat_receiver_->malformed() : 0));
     return kj::READY_NOW;
   }
+  kj::Promise<void> timeline(TimelineContext context) override {
+    auto found = service_.connections_.find(connection_);
+    if (found == service_.connections_.end()) return KJ_EXCEPTION(DISCONNECTED, "the connection is closing");
+    if (!service_.check_token(*found->second, context.getParams().getToken())) {
+      return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
+    }
+    context.getResults().setJson(service_.timeline_json());
+    return kj::READY_NOW;
+  }
+
+
+
 
  private:
   HubService& service_;
@@ -246,6 +241,7 @@ ServiceConfig with_server_secrets(ServiceConfig config) {
 
 HubService::HubService(ServiceConfig config, kj::Timer& timer, LogLevel log_level)
     : config_(with_server_secrets(std::move(config))), timer_(timer), log_level_(log_level), hub_(config_.hub),
+      metrics_(config_.timeline_transfers_max),
       turn_gate_(timer, config_.wakeups_per_poll), tasks_(*this) {
   TH_REQUIRE(validate(config_).ok(), "invalid service config");
 }
@@ -298,7 +294,7 @@ kj::Promise<void> HubService::heartbeat_loop() {
                      "time(s) heartbeat datagrams came faster than the read budget; the excess was left unread "
                      "(a flood? see --heartbeat-datagrams-per-s-max)",
                      std::to_string(heartbeat_datagrams_per_s()) + " a second for " +
-                         std::to_string(connections_.size()) + " connections");
+                         std::to_string(connections_.size()) + " connections", "heartbeat");
       return timer_.afterDelay(kHeartbeatGatherMs * kj::MILLISECONDS).then([this] { return heartbeat_loop(); });
     }
     heartbeat_batch_.clear();
@@ -307,7 +303,7 @@ kj::Promise<void> HubService::heartbeat_loop() {
       read = heartbeat_receiver_->receive(
           heartbeat_batch_, std::min<std::size_t>(net::HeartbeatReceiver::kBatch, static_cast<std::size_t>(heartbeat_budget_.available)));
     } catch (const net::SocketError& error) {
-      log(LogLevel::kError, std::string("reading heartbeat datagrams: ") + error.what());
+      log(LogLevel::kError, std::string("reading heartbeat datagrams: ") + error.what(), "heartbeat");
       break;
     }
     heartbeat_budget_.available -= static_cast<double>(read);
@@ -339,7 +335,7 @@ void HubService::on_heartbeat_datagram(const net::HeartbeatDatagram& datagram) {
     if (now - heartbeat_refusal_logged_ms_ >= 10'000) {
       log(LogLevel::kWarn, "refused " + std::to_string(heartbeat_refusals_unlogged_) +
                                " heartbeat datagram(s) (unknown client, wrong MAC or a count seen before), the last for client " +
-                               std::to_string(datagram.client));
+                               std::to_string(datagram.client), "heartbeat");
       heartbeat_refusals_unlogged_ = 0;
       heartbeat_refusal_logged_ms_ = now;
     }
@@ -365,7 +361,7 @@ kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
         // the accept loop, and with it the server.
         KJ_IF_MAYBE(exception, kj::runCatchingExceptions([&] { on_connection(kj::mv(stream)); })) {
           log_summarised(accept_errors_log_, LogLevel::kWarn, "connection(s) dropped as they were accepted",
-                         exception->getDescription().cStr());
+                         exception->getDescription().cStr(), "conn");
         }
         return accept_loop(listener);
       },
@@ -375,7 +371,7 @@ kj::Promise<void> HubService::accept_loop(kj::ConnectionReceiver& listener) {
         // accepting, or exits, would end the training job.
         shed_oldest_unauthenticated();
         log_summarised(accept_errors_log_, LogLevel::kError, "accept failure(s), retrying",
-                       exception.getDescription().cStr());
+                       exception.getDescription().cStr(), "conn");
         return timer_.afterDelay(kAcceptRetryDelayMs * kj::MILLISECONDS).then([this, &listener] {
           return accept_loop(listener);
         });
@@ -394,7 +390,7 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
   if (connections_.size() >= config_.connections_max && !shed_oldest_unauthenticated()) {
     log_summarised(refused_connections_log_, LogLevel::kWarn,
                    "connection(s) refused at the limit of " + std::to_string(config_.connections_max),
-                   "from " + peer_of(*stream));
+                   "from " + peer_of(*stream), "conn");
     return;  // dropping the stream closes it
   }
   if (unauthenticated_count_ >= config_.unauthenticated_max) shed_oldest_unauthenticated();
@@ -438,7 +434,7 @@ void HubService::on_connection(kj::Own<kj::AsyncIoStream> stream) {
             auto found = connections_.find(id);
             const std::string from = found != connections_.end() ? found->second->peer : "?";
             log_summarised(tls_failures_log_, LogLevel::kWarn, "TLS handshake(s) failed",
-                           "from " + from + ": " + sanitised(exception.getDescription().cStr()));
+                           "from " + from + ": " + sanitised(exception.getDescription().cStr()), "auth");
             close_connection(id, "TLS handshake failed");
           })
           .eagerlyEvaluate(nullptr);
@@ -456,7 +452,7 @@ kj::Promise<void> HubService::handshake_turn() {
   // any unauthenticated connection, which drops its place in the queue).
   log_summarised(handshake_budget_log_, LogLevel::kWarn,
                  "TLS handshake(s) waited for a turn: they came faster than --tls-handshakes-per-s-max",
-                 std::to_string(config_.tls_handshakes_per_s_max) + " a second");
+                 std::to_string(config_.tls_handshakes_per_s_max) + " a second", "auth");
   if (handshake_waiters_.size() > 2 * config_.unauthenticated_max) {
     // Places of connections that went meanwhile (each waiter is an unauthenticated connection).
     std::erase_if(handshake_waiters_, [](auto& waiter) { return !waiter->isWaiting(); });
@@ -535,7 +531,7 @@ void HubService::on_disconnect(std::uint64_t connection_id) {
   }
   const bool client_lost = connection->client != 0;
   log(client_lost ? LogLevel::kInfo : LogLevel::kDebug,
-      connection->describe() + " closed" + (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""));
+      connection->describe() + " closed" + (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""), "conn");
   if (client_lost) {
     const ClientId client = std::exchange(connection->client, 0);  // it speaks for nobody now
     client_connection_.erase(client);
@@ -550,7 +546,7 @@ void HubService::close_connection(std::uint64_t connection_id, const std::string
   auto found = connections_.find(connection_id);
   if (found == connections_.end()) return;
   log(found->second->authenticated ? LogLevel::kInfo : LogLevel::kDebug,
-      "closing " + found->second->describe() + ": " + why);
+      "closing " + found->second->describe() + ": " + why, "auth");
   on_disconnect(connection_id);  // destroying its RPC system and stream closes the socket
 }
 
@@ -621,7 +617,7 @@ bool HubService::check_token(Connection& connection, capnp::Text::Reader token) 
   }
   ++connection.wrong_tokens;
   log_summarised(wrong_tokens_log_, LogLevel::kWarn, "call(s) with a wrong cluster token refused",
-                 "from " + connection.peer);
+                 "from " + connection.peer, "auth");
   if (connection.wrong_tokens >= config_.wrong_tokens_per_connection_max) {
     // After the refusal goes out; the call that brought us here is still on the stack.
     const std::uint64_t id = connection.id;
@@ -638,7 +634,7 @@ std::optional<std::string> HubService::admit(Connection& connection, capnp::Text
   if (!check_token(connection, token)) return "permission denied: wrong cluster token";
   connection.name = sanitised(client_name.cStr());
   if (auto refused = claim_client(connection, client, secret)) return refused;
-  log(LogLevel::kDebug, connection.describe() + " authenticated");
+  log(LogLevel::kDebug, connection.describe() + " authenticated", "auth");
   if (heartbeat_receiver_ != nullptr) {
     connection.heartbeat_key = new_heartbeat_key();
     connection.heartbeat_count = 0;
@@ -668,7 +664,7 @@ std::optional<std::string> HubService::claim_client(Connection& connection, Clie
       log_summarised(claims_refused_log_, LogLevel::kWarn,
                      "connect(s) naming a client held by another connection, with another secret, refused",
                      "client " + std::to_string(client) + " claimed by " + connection.describe() +
-                         " while reserved for its handle's reconnect");
+                         " while reserved for its handle's reconnect", "auth");
       return "permission denied: client " + std::to_string(client) + " belongs to another connection";
     }
     remembered_claims_.erase(remembered);  // its handle is back, or it expired
@@ -679,13 +675,13 @@ std::optional<std::string> HubService::claim_client(Connection& connection, Clie
       log_summarised(claims_refused_log_, LogLevel::kWarn,
                      "connect(s) naming a client held by another connection, with another secret, refused",
                      "client " + std::to_string(client) + " claimed by " + connection.describe() + ", held by " +
-                         holder.describe());
+                         holder.describe(), "auth");
       return "permission denied: client " + std::to_string(client) + " belongs to another connection";
     }
     // The handle reconnected before its old connection was seen to close: it speaks here now.
     holder.client = 0;
     log(LogLevel::kInfo, "client " + std::to_string(client) + " moved from " + holder.describe() + " to " +
-                             connection.describe());
+                             connection.describe(), "conn");
   }
   connection.client = client;
   connection.client_secret.assign(reinterpret_cast<const char*>(secret.begin()), secret.size());
@@ -700,7 +696,7 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
     if (!decoded.ok()) {
       // Summarised: a frame of 4,096 invalid messages must not write 4,096 lines.
       log_summarised(invalid_messages_log_, LogLevel::kWarn, "invalid message(s) refused",
-                     connection.describe() + ": " + decoded.error().detail);
+                     connection.describe() + ": " + decoded.error().detail, "conn");
       if (refused.empty()) refused = decoded.error().detail;
       continue;
     }
@@ -711,7 +707,7 @@ std::string HubService::on_messages(Connection& connection, capnp::List<wire::To
                                   ? std::string("this connection named no client at connect")
                                   : "this connection speaks for client " + std::to_string(connection.client);
       log_summarised(foreign_messages_log_, LogLevel::kWarn, "message(s) naming another connection's client refused",
-                     connection.describe() + " named client " + std::to_string(client));
+                     connection.describe() + " named client " + std::to_string(client), "conn");
       if (refused.empty()) refused = "a message names client " + std::to_string(client) + ": " + why;
       continue;
     }
@@ -755,7 +751,9 @@ void HubService::on_probe(Connection& connection) {
 
 void HubService::feed(const Input& input) {
   Effects effects;
-  hub_.step(input, now_ms(), effects);
+  const std::int64_t step_start_us = now_us();
+  hub_.step(input, step_start_us / 1000, effects);
+  metrics_.observe(hub_, input, effects, step_start_us, now_us());
   route(effects);
 }
 
@@ -767,7 +765,7 @@ void HubService::route(const Effects& effects) {
       // that just closed, or a late heartbeat): routine, not an eviction.
       log(evicted->reason == Errc::kUnknownClient ? LogLevel::kDebug : LogLevel::kInfo,
           "client " + std::to_string(effect.client) + " evicted (" +
-                               std::string(errc_name(evicted->reason)) + "): " + evicted->detail);
+                               std::string(errc_name(evicted->reason)) + "): " + evicted->detail, "hub");
     }
     auto bound = client_connection_.find(effect.client);
     if (bound == client_connection_.end()) continue;  // the client is gone; the Hub will learn it
@@ -778,7 +776,7 @@ void HubService::route(const Effects& effects) {
     if (connection.backlog.size() == config_.effects_backlog_max + 1) {
       const std::uint64_t id = connection.id;
       log(LogLevel::kWarn, connection.describe() + " fell more than " + std::to_string(config_.effects_backlog_max) +
-                               " effects behind: disconnecting it");
+                               " effects behind: disconnecting it", "conn");
       // Later: the call that fed the hub may be this connection's own, still on the stack, and the
       // hub must not be re-entered while its effects are handed out.
       tasks_.add(kj::evalLater([this, id] { close_connection(id, "too far behind"); }));
@@ -825,21 +823,87 @@ TimeMs HubService::now_ms() const {
 }
 
 void HubService::log_summarised(LogSummary& summary, LogLevel level, const std::string& what,
-                                const std::string& last) {
+                                const std::string& last, std::string_view component) {
   ++summary.unlogged;
   const TimeMs now = now_ms();
   if (now - summary.logged_ms < kSummaryLogMs) return;
-  log(level, std::to_string(summary.unlogged) + " " + what + " (the last: " + sanitised(last) + ")");
+  log(level, std::to_string(summary.unlogged) + " " + what + " (the last: " + sanitised(last) + ")", component);
   summary.unlogged = 0;
   summary.logged_ms = now;
 }
 
-void HubService::log(LogLevel level, const std::string& line) const {
+void HubService::log(LogLevel level, const std::string& line, std::string_view component) const {
   if (level > log_level_) return;
-  const std::time_t now = std::time(nullptr);
-  char stamp[32];
-  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  std::cerr << stamp << " th-server " << level_name(level) << ": " << line << "\n";
+  LogOutput::write(level, component, line);
+}
+
+std::int64_t HubService::now_us() const {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started_).count();
+}
+
+void HubService::serve_metrics(kj::ConnectionReceiver& listener) {
+  TH_REQUIRE(metrics_http_ == nullptr, "serve_metrics is called once");
+  metrics_http_ = std::make_unique<net::MetricsHttpServer>(timer_, [this] { return render_metrics(); });
+  metrics_serving_ = metrics_http_->serve(listener).eagerlyEvaluate([this](kj::Exception&& exception) {
+    log(LogLevel::kError, std::string("metrics endpoint stopped: ") + exception.getDescription().cStr(), "metrics");
+  });
+}
+
+std::string HubService::render_metrics() const {
+  ShellFigures shell;
+  shell.connections = connections_.size();
+  shell.heartbeat_datagrams = heartbeat_datagrams_;
+  shell.heartbeat_calls = heartbeat_calls_;
+  shell.heartbeat_datagrams_refused =
+      heartbeat_datagrams_refused_ + (heartbeat_receiver_ != nullptr ? heartbeat_receiver_->malformed() : 0);
+  shell.uptime_seconds = static_cast<double>(now_us()) / 1e6;
+  shell.draining = draining_;
+  return metrics_.render(hub_, shell);
+}
+
+std::string HubService::timeline_json() const {
+  const TransferLedger& ledger = metrics_.ledger();
+  return chrome_trace_json(ledger.records(), now_us(), ledger.dropped());
+}
+
+kj::Promise<void> HubService::drain(std::int64_t timeout_ms) {
+  TH_REQUIRE(timeout_ms >= 0, "a drain has a deadline");
+  draining_ = true;
+  log(LogLevel::kInfo,
+      "draining: telling " + std::to_string(connections_.size()) + " connection(s) to fail over, " +
+          std::to_string(hub_.client_count()) + " client shard(s) open",
+      "lifecycle");
+  std::vector<std::uint64_t> ids;
+  ids.reserve(connections_.size());
+  for (const auto& [id, connection] : connections_) ids.push_back(id);
+  for (std::uint64_t id : ids) {
+    auto found = connections_.find(id);
+    if (found == connections_.end()) continue;
+    Connection& connection = *found->second;
+    if (connection.framed() && connection.welcomed && !connection.ended) {
+      // Nothing more is read; what the hub owes it (answers, instructions) and the notice go out
+      // in one last write, then the connection closes.
+      connection.reading = nullptr;
+      connection.notice = "th-server is shutting down: fail over to the next server";
+      on_framed_end(connection);
+    } else {
+      close_connection(id, "th-server is shutting down");
+    }
+  }
+  return wait_drained(now_ms() + timeout_ms);
+}
+
+kj::Promise<void> HubService::wait_drained(TimeMs deadline_ms) {
+  if (connections_.empty()) {
+    log(LogLevel::kInfo, "drained: every connection closed", "lifecycle");
+    return kj::READY_NOW;
+  }
+  if (now_ms() >= deadline_ms) {
+    log(LogLevel::kWarn, std::to_string(connections_.size()) + " connection(s) still writing at the drain deadline",
+        "lifecycle");
+    return kj::READY_NOW;
+  }
+  return timer_.afterDelay(10 * kj::MILLISECONDS).then([this, deadline_ms] { return wait_drained(deadline_ms); });
 }
 
 }  // namespace th::server

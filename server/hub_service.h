@@ -39,9 +39,12 @@
 #include <vector>
 
 #include "core/hub.h"
+#include "net/metrics_http.h"
 #include "net/fair_stream.h"
 #include "net/heartbeat.h"
 #include "net/tensorhub.capnp.h"
+#include "server/log.h"
+#include "server/service_metrics.h"
 
 namespace th::server {
 
@@ -79,11 +82,11 @@ struct ServiceConfig {
   // Messages one connection may read before the loop looks at the kernel again (net/fair_stream.h).
   std::uint32_t messages_per_turn = net::FairMessageStream::kMessagesPerTurnDefault;
   std::uint32_t wakeups_per_poll = net::TurnGate::kWakeupsPerPollDefault;
+  // The transfer timeline keeps the last this many shard reads (th-server --timeline, th-ctl timeline).
+  std::size_t timeline_transfers_max = TransferLedger::kFinishedMaxDefault;
 };
 Status validate(const ServiceConfig& config);
 
-enum class LogLevel : std::uint8_t { kError, kWarn, kInfo, kDebug };
-std::optional<LogLevel> parse_log_level(std::string_view name);
 
 class HubService final : private kj::TaskSet::ErrorHandler {
  public:
@@ -104,6 +107,18 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Framed connections over plain TCP do their own socket I/O on `port`, the loop's (net/frames.h).
   // Call before serve(); without it they go through kj's streams.
   void use_event_port(kj::UnixEventPort& port) { event_port_ = &port; }
+  // Serves Prometheus metrics (GET /metrics) on `listener`, on this loop, until destroyed.
+  void serve_metrics(kj::ConnectionReceiver& listener);
+  std::string render_metrics() const;
+  // The transfer timeline as Chrome Trace Event JSON (server/chrome_trace.h).
+  std::string timeline_json() const;
+  std::uint64_t timeline_revision() const { return metrics_.ledger().revision(); }
+  // Stops for good: every connection is told (framed: a notice) and closed once what is owed to it
+  // is written, so that clients fail over to their next server now rather than at a timeout.
+  // Resolves when every connection has closed or after `timeout_ms`. The caller stops accepting
+  // first (drops serve()'s promise and its listener).
+  kj::Promise<void> drain(std::int64_t timeout_ms);
+  bool draining() const { return draining_; }
 
 
  private:
@@ -182,12 +197,18 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   void route(const Effects& effects);
   void flush(Connection& connection);
   TimeMs now_ms() const;
-  void log(LogLevel level, const std::string& line) const;
+  void log(LogLevel level, const std::string& line, std::string_view component = "server") const;
+  std::int64_t now_us() const;
+  kj::Promise<void> wait_drained(TimeMs deadline_ms);
 
   ServiceConfig config_;
   kj::Timer& timer_;
   LogLevel log_level_;
   Hub hub_;
+  ServiceMetrics metrics_;
+  std::unique_ptr<net::MetricsHttpServer> metrics_http_;
+  kj::Maybe<kj::Promise<void>> metrics_serving_;
+  bool draining_ = false;
   net::TurnGate turn_gate_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 
@@ -224,7 +245,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
     TimeMs logged_ms = -1'000'000;
   };
   static constexpr TimeMs kSummaryLogMs = 10'000;
-  void log_summarised(LogSummary& summary, LogLevel level, const std::string& what, const std::string& last);
+  void log_summarised(LogSummary& summary, LogLevel level, const std::string& what, const std::string& last,
+                      std::string_view component = "server");
   LogSummary wrong_tokens_log_;
   LogSummary refused_connections_log_;
   LogSummary accept_errors_log_;

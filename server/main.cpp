@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdio>
+#include <fstream>
 #include <iostream>
 
 #include "net/event_loop.h"
@@ -33,6 +35,18 @@ std::size_t connections_that_fit() {
   return limit.rlim_cur > 2 * kFdsReserved ? limit.rlim_cur - kFdsReserved : limit.rlim_cur / 2;
 }
 
+// Writes `text` to `path` whole or not at all (a temporary file renamed over it): a reader of the
+// timeline never sees half a file.
+bool write_file_atomically(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out.flush()) return false;
+  }
+  return std::rename(temporary.c_str(), path.c_str()) == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,7 +54,10 @@ int main(int argc, char** argv) {
       "th-server: the TensorHub reference server of one training job.\n"
       "It stores no weights: it keeps references to the workers (libthclient handles) that hold each\n"
       "version and tells readers which peer to pull from. Clients authenticate with the cluster token.\n"
-      "Prints 'th-server listening on HOST:PORT' once it accepts connections; stops on SIGINT/SIGTERM."};
+      "Prints 'th-server listening on HOST:PORT' once it accepts connections.\n"
+      "SIGTERM or SIGINT: drain (stop accepting, answer what is in flight, tell every client to fail over to\n"
+      "its next server, exit 0 once all have closed or --drain-timeout-ms passed); a second one stops at once.\n"
+      "SIGHUP: reopen --log-file (after logrotate moved it) and rewrite --timeline."};
   std::string listen = "0.0.0.0:7400";
   std::string token_file;
   std::string log_level_name = "info";
@@ -96,6 +113,30 @@ int main(int argc, char** argv) {
   app.add_option("--tick-ms", config.tick_ms, "How often expiry, barriers and deadlines are checked")
       ->capture_default_str();
   app.add_option("--log-level", log_level_name, "error, warn, info or debug")->capture_default_str();
+  std::string log_file;
+  app.add_option("--log-file", log_file,
+                 "Append log lines (time, level, component, text) to this file instead of stderr; reopened on SIGHUP");
+  std::string metrics_listen;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "Serve Prometheus metrics (GET /metrics) on HOST:PORT (port 0: any free port; printed as "
+                 "'th-server metrics on HOST:PORT'). Off by default");
+  std::string timeline_file;
+  app.add_option("--timeline", timeline_file,
+                 "Write the transfer timeline (Chrome Trace Event JSON: open in ui.perfetto.dev, or draw with "
+                 "tools/timeline-plot) to this file every --timeline-interval-ms while it changes, and at exit");
+  std::int64_t timeline_interval_ms = 10'000;
+  app.add_option("--timeline-interval-ms", timeline_interval_ms, "How often --timeline is rewritten")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{100}, std::int64_t{3'600'000}));
+  app.add_option("--timeline-transfers-max", config.timeline_transfers_max,
+                 "Shard reads the timeline keeps (the last ones; ~1 KiB each)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 22));
+  std::int64_t drain_timeout_ms = 5'000;
+  app.add_option("--drain-timeout-ms", drain_timeout_ms,
+                 "On SIGTERM, how long to wait for connections to take their last answers before exiting")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{600'000}));
   app.add_option("--connections-max", config.connections_max,
                  "Connections open at once (lowered to fit the descriptor limit, which th-server raises to "
                  "its hard limit; see ulimit -Hn)")
@@ -139,6 +180,12 @@ int main(int argc, char** argv) {
     std::cerr << "th-server: --log-level must be error, warn, info or debug, not '" << log_level_name << "'\n";
     return 2;
   }
+  if (!log_file.empty()) {
+    if (auto opened = th::server::LogOutput::use_file(log_file); !opened.ok()) {
+      std::cerr << "th-server: " << opened.error().detail << "\n";
+      return 2;
+    }
+  }
   config.hub.pipeline = !no_pipeline;
   config.hub.smart_skipping = !no_smart_skipping;
   auto token = th::net::read_token_file(token_file);
@@ -171,10 +218,23 @@ int main(int argc, char** argv) {
 
   kj::UnixEventPort::captureSignal(SIGINT);
   kj::UnixEventPort::captureSignal(SIGTERM);
+  kj::UnixEventPort::captureSignal(SIGHUP);
   th::net::IoLoop loop(turns_per_poll);
   th::server::HubService service(config, loop.timer(), *log_level);
   service.use_event_port(loop.port());
   if (tls != nullptr) service.use_tls(*tls);
+  auto log = [&](th::server::LogLevel level, const std::string& text) {
+    if (level <= *log_level) th::server::LogOutput::write(level, "lifecycle", text);
+  };
+  std::uint64_t timeline_written = ~std::uint64_t{0};
+  auto write_timeline = [&] {
+    if (timeline_file.empty() || service.timeline_revision() == timeline_written) return;
+    if (write_file_atomically(timeline_file, service.timeline_json())) {
+      timeline_written = service.timeline_revision();
+    } else {
+      log(th::server::LogLevel::kWarn, "cannot write the timeline to " + timeline_file);
+    }
+  };
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());
     auto listener = address->listen();
@@ -190,8 +250,23 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+    kj::Own<kj::ConnectionReceiver> metrics_listener;
+    if (!metrics_listen.empty()) {
+      try {
+        metrics_listener = loop.io().getNetwork().parseAddress(metrics_listen).wait(loop.wait_scope())->listen();
+      } catch (const kj::Exception& exception) {
+        std::cerr << "th-server: --metrics-listen " << metrics_listen << ": " << exception.getDescription().cStr()
+                  << "\n";
+        return 2;
+      }
+      service.serve_metrics(*metrics_listener);
+    }
     std::cout << "th-server listening on " << listen.substr(0, listen.rfind(':')) << ":" << listener->getPort()
               << std::endl;
+    if (metrics_listener.get() != nullptr) {
+      std::cout << "th-server metrics on " << metrics_listen.substr(0, metrics_listen.rfind(':')) << ":"
+                << metrics_listener->getPort() << std::endl;
+    }
     // Serving never ends by itself (accept failures are retried); if it ever does, that is a failure.
     bool serving_failed = false;
     auto serving = service.serve(*listener).then(
@@ -202,17 +277,48 @@ int main(int argc, char** argv) {
         [&serving_failed](kj::Exception&& exception) {
           std::cerr << "th-server: accepting connections failed: " << exception.getDescription().cStr() << "\n";
           serving_failed = true;
-        }).eagerlyEvaluate(nullptr);
-    auto on_signal = [](siginfo_t info) {
-      std::cerr << "th-server: signal " << info.si_signo << ", stopping\n";
+        });
+    // SIGHUP, for as long as the server runs: reopen the log file, rewrite the timeline.
+    std::function<kj::Promise<void>()> on_hangups = [&]() -> kj::Promise<void> {
+      return loop.port().onSignal(SIGHUP).then([&](siginfo_t) {
+        if (auto reopened = th::server::LogOutput::reopen(); !reopened.ok()) {
+          std::cerr << "th-server: " << reopened.error().detail << "\n";
+        }
+        log(th::server::LogLevel::kInfo, "SIGHUP: log file reopened");
+        timeline_written = ~std::uint64_t{0};
+        write_timeline();
+        return on_hangups();
+      });
     };
-    loop.port()
-        .onSignal(SIGINT)
-        .exclusiveJoin(loop.port().onSignal(SIGTERM))
-        .then(on_signal)
-        .exclusiveJoin(kj::mv(serving))
-        .wait(loop.wait_scope());
+    auto hangups = on_hangups().eagerlyEvaluate(nullptr);
+    std::function<kj::Promise<void>()> timeline_loop = [&]() -> kj::Promise<void> {
+      return loop.timer().afterDelay(timeline_interval_ms * kj::MILLISECONDS).then([&] {
+        write_timeline();
+        return timeline_loop();
+      });
+    };
+    kj::Promise<void> timeline_writes =
+        timeline_file.empty() ? kj::Promise<void>(kj::NEVER_DONE) : timeline_loop().eagerlyEvaluate(nullptr);
+    int stop_signal = 0;
+    auto stop_requested = loop.port()
+                              .onSignal(SIGINT)
+                              .exclusiveJoin(loop.port().onSignal(SIGTERM))
+                              .then([&stop_signal](siginfo_t info) { stop_signal = info.si_signo; });
+    // (Once this returns, the accept loop is gone with the joined promise.)
+    stop_requested.exclusiveJoin(kj::mv(serving)).wait(loop.wait_scope());
     if (serving_failed) return 1;
+    // Drain: stop accepting (the listener closes, so a reconnecting client is refused at once and
+    // tries its next server), then tell every connection and let it take its last answers.
+    log(th::server::LogLevel::kInfo, "signal " + std::to_string(stop_signal) + ": draining (at most " +
+                                         std::to_string(drain_timeout_ms) + " ms; a second signal stops at once)");
+    listener = nullptr;
+    service.drain(drain_timeout_ms)
+        .exclusiveJoin(loop.port().onSignal(SIGINT).exclusiveJoin(loop.port().onSignal(SIGTERM)).then([&](siginfo_t) {
+          log(th::server::LogLevel::kWarn, "second signal: stopping without waiting for the drain");
+        }))
+        .wait(loop.wait_scope());
+    write_timeline();
+    log(th::server::LogLevel::kInfo, "stopped");
   } catch (const kj::Exception& exception) {
     std::cerr << "th-server: " << exception.getDescription().cStr() << "\n";
     return 1;

@@ -16,6 +16,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <optional>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -23,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "net/token.h"
 #include "server/embedded_server.h"
 #include "tensorhub/client.h"
 
@@ -78,12 +81,29 @@ struct Model {
 
 // ---- Workers (child processes) -----------------------------------------------------------------
 
-int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes, std::uint32_t rollouts) {
+// What a worker does besides its job: tell the demo where it serves metrics, and stay up a while
+// after its last call so that a scraper sees the final figures.
+struct WorkerExtras {
+  bool metrics = false;
+  std::int64_t linger_ms = 0;
+};
+
+void announce_metrics(const WorkerExtras& extras) {
+  if (extras.metrics) std::cout << "METRICS " << th::Handle::metrics_address() << std::endl;
+}
+
+void linger(const WorkerExtras& extras) {
+  if (extras.linger_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(extras.linger_ms));
+}
+
+int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes, std::uint32_t rollouts,
+                const WorkerExtras& extras) {
   options.role = "trainer";
   options.retention.keep_latest = 0;  // the latest version stays readable (offloaded if need be)
   auto opened = th::Handle::open(options);
   if (!opened.ok()) die("trainer open", opened.error());
   auto handle = std::move(opened).value();
+  announce_metrics(extras);
   Model model(shard_bytes);
   if (auto status = model.register_with(*handle); !status.ok()) die("trainer register", status.error());
   // Start once every rollout replica is there, so that each of them sees every version. (Every
@@ -106,14 +126,16 @@ int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     if (auto status = handle->unpublish(); !status.ok()) die("unpublish", status.error());
   }
   if (auto status = handle->close(); !status.ok()) die("trainer close", status.error());
+  linger(extras);
   return 0;
 }
 
-int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes) {
+int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t shard_bytes, const WorkerExtras& extras) {
   options.role = "rollout";
   auto opened = th::Handle::open(options);
   if (!opened.ok()) die("rollout open", opened.error());
   auto handle = std::move(opened).value();
+  announce_metrics(extras);
   Model model(shard_bytes);
   if (auto status = model.register_with(*handle); !status.ok()) die("rollout register", status.error());
   std::uint64_t held = 0;
@@ -150,6 +172,7 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     if (status.error().code != th::Errc::kLastRetainedCopy || attempt == 1200) die("rollout close", status.error());
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  linger(extras);
   return 0;
 }
 
@@ -180,6 +203,20 @@ Child spawn(const std::vector<std::string>& args, const std::string& name) {
   return Child{pid, ::fdopen(out[0], "r"), name};
 }
 
+// Prometheus file_sd: [{"targets": [...], "labels": {...}}], written whole (renamed into place).
+bool write_targets(const std::string& path, const std::vector<std::string>& targets) {
+  std::string json = "[{\"targets\":[";
+  for (std::size_t i = 0; i < targets.size(); ++i) json += (i == 0 ? "\"" : ",\"") + targets[i] + "\"";
+  json += "],\"labels\":{\"th_job\":\"th-demo\"}}]\n";
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    out << json;
+    if (!out.flush()) return false;
+  }
+  return std::rename(temporary.c_str(), path.c_str()) == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,6 +236,11 @@ int main(int argc, char** argv) {
   std::string replica;
   std::uint32_t shard = 0;
   std::string transport = "auto";
+  std::string token_file;
+  std::string timeline_file;
+  std::string metrics_targets_file;
+  std::int64_t linger_ms = 0;
+  bool worker_metrics = false;
   app.add_option("--steps", steps, "training steps (versions published)")->capture_default_str()->check(CLI::Range(1, 1000));
   app.add_option("--shards", shards, "shards per replica (processes per replica)")->capture_default_str()->check(CLI::Range(1, 16));
   app.add_option("--rollouts", rollouts, "rollout replicas")->capture_default_str()->check(CLI::Range(1, 32));
@@ -208,43 +250,82 @@ int main(int argc, char** argv) {
                  "a device), tcp")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "rdma", "tcp"}));
+  auto* server_option = app.add_option("--server", server,
+                                       "run the job against this running th-server (HOST:PORT) instead of an embedded "
+                                       "one; needs --token-file");
+  app.add_option("--token-file", token_file, "the cluster token of --server's th-server")
+                           ->check(CLI::ExistingFile);
+  app.add_option("--timeline", timeline_file,
+                 "at the end, write the embedded server's transfer timeline here (Chrome Trace Event JSON: "
+                 "ui.perfetto.dev, or tools/timeline-plot FILE -o PNG); with --server use th-ctl timeline")
+      ->excludes(server_option);
+  app.add_option("--client-metrics-targets", metrics_targets_file,
+                 "every worker serves its libthclient metrics on 127.0.0.1 (a free port); write their addresses to "
+                 "this file as Prometheus file_sd targets (JSON)");
+  app.add_option("--linger-ms", linger_ms,
+                 "workers stay up this long after their last call (so that a scraper sees the final figures)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{600'000}));
   app.add_option("--worker", worker, "(internal) run as a worker: trainer or rollout")->group("");
-  app.add_option("--server", server, "(internal)")->group("");
   app.add_option("--replica", replica, "(internal)")->group("");
   app.add_option("--shard", shard, "(internal)")->group("");
+  app.add_flag("--worker-metrics", worker_metrics, "(internal)")->group("");
   CLI11_PARSE(app, argc, argv);
   const std::uint64_t shard_bytes = shard_mb << 20;
+  std::string token = kToken;
+  if (!token_file.empty()) {
+    auto read = th::net::read_token_file(token_file);
+    if (!read.ok()) {
+      std::cerr << "th-demo: " << read.error().detail << "\n";
+      return 2;
+    }
+    token = std::move(read).value();
+  }
 
   if (!worker.empty()) {
     th::ClientOptions options;
     options.servers = {server};
-    options.token = kToken;
+    options.token = token;
     options.model = "demo";
     options.replica = replica;
     options.shard = shard;
     options.num_shards = shards;
     options.transport = transport;
-    if (worker == "trainer") return run_trainer(options, steps, shard_bytes, rollouts);
-    if (worker == "rollout") return run_rollout(options, steps, shard_bytes);
+    const WorkerExtras extras{worker_metrics, linger_ms};
+    if (worker_metrics) options.metrics_listen = "127.0.0.1:0";
+    if (worker == "trainer") return run_trainer(options, steps, shard_bytes, rollouts, extras);
+    if (worker == "rollout") return run_rollout(options, steps, shard_bytes, extras);
     std::cerr << "th-demo: unknown worker kind " << worker << "\n";
     return 2;
   }
 
+  if (!server.empty() && token_file.empty()) {
+    std::cerr << "th-demo: --server needs --token-file (the cluster token of that th-server)\n";
+    return 2;
+  }
   ::signal(SIGPIPE, SIG_IGN);
-  th::server::ServiceConfig config;
-  config.token = kToken;
-  // TH_DEMO_LOG=debug shows every call the server sees.
-  const char* level = std::getenv("TH_DEMO_LOG");
-  th::server::EmbeddedServer embedded(config, th::server::parse_log_level(level ? level : "warn")
-                                                  .value_or(th::server::LogLevel::kWarn));
-  std::cout << "th-demo: th-server on " << embedded.address() << "; trainer + " << rollouts << " rollout replicas x "
-            << shards << " shards, " << shard_mb << " MiB per shard, " << steps << " steps" << std::endl;
+  std::optional<th::server::EmbeddedServer> embedded;
+  if (server.empty()) {
+    th::server::ServiceConfig config;
+    config.token = token;
+    // TH_DEMO_LOG=debug shows every call the server sees.
+    const char* level = std::getenv("TH_DEMO_LOG");
+    embedded.emplace(config, th::server::parse_log_level(level ? level : "warn").value_or(th::server::LogLevel::kWarn));
+    server = embedded->address();
+  }
+  std::cout << "th-demo: th-server on " << server << (embedded ? " (embedded)" : "") << "; trainer + " << rollouts
+            << " rollout replicas x " << shards << " shards, " << shard_mb << " MiB per shard, " << steps << " steps"
+            << std::endl;
   std::vector<Child> children;
   auto common = [&](const std::string& kind, const std::string& name, std::uint32_t index) {
-    return std::vector<std::string>{"th-demo", "--worker", kind, "--server", embedded.address(), "--replica", name,
-                                    "--shard", std::to_string(index), "--shards", std::to_string(shards),
-                                    "--steps", std::to_string(steps), "--shard-mb", std::to_string(shard_mb),
-                                    "--rollouts", std::to_string(rollouts), "--transport", transport};
+    std::vector<std::string> args{"th-demo", "--worker", kind, "--server", server, "--replica", name,
+                                  "--shard", std::to_string(index), "--shards", std::to_string(shards),
+                                  "--steps", std::to_string(steps), "--shard-mb", std::to_string(shard_mb),
+                                  "--rollouts", std::to_string(rollouts), "--transport", transport,
+                                  "--linger-ms", std::to_string(linger_ms)};
+    if (!token_file.empty()) args.insert(args.end(), {"--token-file", token_file});
+    if (!metrics_targets_file.empty()) args.push_back("--worker-metrics");
+    return args;
   };
   for (std::uint32_t s = 0; s < shards; ++s) children.push_back(spawn(common("trainer", "trainer", s), "trainer/" + std::to_string(s)));
   for (std::uint32_t r = 0; r < rollouts; ++r) {
@@ -266,6 +347,7 @@ int main(int argc, char** argv) {
   std::mutex mutex;
   std::map<std::pair<std::uint64_t, std::string>, std::vector<Shard>> rows;
   std::vector<std::string> failures;
+  std::vector<std::string> metrics_targets;
   std::vector<std::thread> readers;
   for (Child& child : children) {
     readers.emplace_back([&, child] {
@@ -284,6 +366,14 @@ int main(int argc, char** argv) {
           fields >> version >> name >> index >> row.source >> row.bytes >> row.read_s >> row.stall_s >> ok >> row.via;
           row.ok = ok == "ok";
           rows[{version, name}].push_back(row);
+        } else if (tag == "METRICS") {
+          std::string address;
+          fields >> address;
+          metrics_targets.push_back(address);
+          // Once every worker said where it serves, the scraper learns them all at once.
+          if (metrics_targets.size() == children.size() && !write_targets(metrics_targets_file, metrics_targets)) {
+            failures.push_back("cannot write " + metrics_targets_file);
+          }
         } else {
           failures.push_back(child.name + ": " + line);
         }
@@ -333,6 +423,17 @@ int main(int argc, char** argv) {
     failures.push_back("expected " + std::to_string(steps * rollouts) + " rows, got " + std::to_string(rows.size()));
   }
   for (const std::string& failure : failures) std::cout << "FAILURE " << failure << "\n";
+  if (!timeline_file.empty()) {
+    std::ofstream out(timeline_file, std::ios::trunc);
+    out << embedded->timeline_json();
+    if (!out.flush()) {
+      all_ok = false;
+      std::cout << "FAILURE cannot write the timeline to " << timeline_file << "\n";
+    } else {
+      std::cout << "th-demo: transfer timeline in " << timeline_file
+                << " (ui.perfetto.dev, or tools/timeline-plot " << timeline_file << " -o timeline.png)\n";
+    }
+  }
   std::cout << (all_ok ? "th-demo: ok" : "th-demo: FAILED") << std::endl;
   return all_ok ? 0 : 1;
 }

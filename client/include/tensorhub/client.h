@@ -83,6 +83,11 @@ struct ClientOptions {
   // text. A certificate that fails the check fails open() with kPermissionDenied, like a wrong token.
   std::string tls_ca_file;
   std::string tls_server_name;
+  // Serve Prometheus metrics of this process's handles (GET /metrics) on HOST:PORT (port 0: any
+  // free port; Handle::metrics_address() says which). One endpoint per process: every handle shows
+  // on it, whichever opened it; a handle naming another address fails open(). Empty: none
+  // (handles still count; a later handle may start the endpoint).
+  std::string metrics_listen;
 };
 
 struct ReplicateInfo {
@@ -110,6 +115,7 @@ struct HandleStats {
   std::uint64_t pulls_tcp = 0;        // reads over TCP
   std::uint64_t pulls_fell_back = 0;  // of those, because the source could not do RDMA
   std::uint64_t memory_registrations = 0;  // NIC registrations made (per allocation, not per version)
+  std::uint64_t servers_lost = 0;          // control connections lost (each followed by a failover or reconnect)
 };
 
 class Handle {
@@ -161,6 +167,9 @@ class Handle {
   // The id the server knows this handle by (th-server's logs name clients by it).
   std::uint64_t client_id() const;
   HandleStats stats() const;
+  // Where this process serves its metrics (ClientOptions::metrics_listen), with the port chosen;
+  // "" if it does not.
+  static std::string metrics_address();
 
   class Impl;
 

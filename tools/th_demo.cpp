@@ -81,8 +81,8 @@ struct Model {
 
 // ---- Workers (child processes) -----------------------------------------------------------------
 
-// What a worker does besides its job: tell the demo where it serves metrics, and stay up a while
-// after its last call so that a scraper sees the final figures.
+// What a worker does besides its job: tell the demo where it serves metrics, and stay up (open) a
+// while after its last transfer so that a scraper sees the final figures.
 struct WorkerExtras {
   bool metrics = false;
   std::int64_t linger_ms = 0;
@@ -125,8 +125,8 @@ int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     if (auto waited = handle->wait(all_rollouts, 120'000); !waited.ok()) die("wait for rollouts", waited.error());
     if (auto status = handle->unpublish(); !status.ok()) die("unpublish", status.error());
   }
-  if (auto status = handle->close(); !status.ok()) die("trainer close", status.error());
   linger(extras);
+  if (auto status = handle->close(); !status.ok()) die("trainer close", status.error());
   return 0;
 }
 
@@ -164,6 +164,7 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
               << stall_s << " " << (exact && stats.checksum_failures == 0 ? "ok" : "BAD") << " "
               << (stats.pulls_rdma > rdma_before ? "rdma" : "tcp") << std::endl;
   }
+  linger(extras);
   // The last copy of a version the trainer's rule keeps may not leave while the trainer is open:
   // the hub refuses the close (kLastRetainedCopy) until the trainer has closed.
   for (int attempt = 0;; ++attempt) {
@@ -172,7 +173,6 @@ int run_rollout(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
     if (status.error().code != th::Errc::kLastRetainedCopy || attempt == 1200) die("rollout close", status.error());
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  linger(extras);
   return 0;
 }
 

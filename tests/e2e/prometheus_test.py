@@ -284,13 +284,20 @@ scrape_configs:
 """)
 
 
-def checks():
+def table_bytes(demo_output):
+    """The bytes column of th-demo's table (one row per version and rollout replica): what each
+    rollout received, by th-demo's own count. Returns the list of values."""
+    rows = re.findall(r"^\d+\s+rollout-\d+\s+\S+\s+(\d+)\s", demo_output, re.MULTILINE)
+    return [int(value) for value in rows]
+
+
+def checks(model_bytes):
     """(expression, comparison, expected, what it stands for). Client metrics go through
-    max_over_time: th-demo's workers are gone (their series stale) by the time we ask."""
-    shard_bytes = SHARD_MB * MIB
-    model_bytes = SHARDS * shard_bytes
+    max_over_time: th-demo's workers are gone (their series stale) by the time we ask.
+    model_bytes: one replica's bytes (all shards), as th-demo's table shows them."""
     moved = STEPS * model_bytes * ROLLOUTS  # versions x model size x readers
     workers = (ROLLOUTS + 1) * SHARDS  # the trainer's shards and each rollout's
+    reads = STEPS * ROLLOUTS * SHARDS  # shard reads: versions x readers x shards
     return [
         ("sum(th_server_transfer_bytes_total)", "==", moved,
          "bytes moved = versions x model size x readers"),
@@ -298,16 +305,20 @@ def checks():
          "bytes the rollouts received"),
         ('sum(th_server_operations_total{op="publish",result="ok"})', "==", STEPS * SHARDS,
          "publishes = versions x shards"),
-        ('sum(th_server_operations_total{op="update",result="ok"})', ">=", STEPS * ROLLOUTS * SHARDS,
-         "ok updates >= versions x readers x shards"),
-        ("sum(th_server_transfers_completed_total)", "==", STEPS * ROLLOUTS * SHARDS,
-         "transfers = versions x readers x shards"),
+        ('sum(th_server_operations_total{op="replicate",result="ok"})', "==", ROLLOUTS * SHARDS,
+         "replicates = readers x shards (each rollout's first version)"),
+        ('sum(th_server_operations_total{op="update",result="ok"})', ">=", (STEPS - 1) * ROLLOUTS * SHARDS,
+         "ok updates >= later versions x readers x shards"),
+        ("sum(th_server_transfers_completed_total)", "==", STEPS * ROLLOUTS,
+         "replica transfers = versions x readers"),
+        ('sum(th_server_shard_reads_total{outcome="done"})', "==", reads,
+         "shard reads = versions x readers x shards"),
         ("sum(max_over_time(th_client_checksum_failures_total[5m]))", "==", 0,
          "no checksum failure (the counter exported, at 0)"),
         ("count(max_over_time(th_client_stall_seconds_count[5m]))", ">=", ROLLOUTS * SHARDS,
          "stall histograms >= readers x shards"),
-        ('sum(max_over_time(th_client_stall_seconds_count{op="update"}[5m]))', ">=",
-         STEPS * ROLLOUTS * SHARDS, "update stalls >= versions x readers x shards"),
+        ("sum(max_over_time(th_client_stall_seconds_count[5m]))", ">=", reads,
+         "replicate/update stalls >= versions x readers x shards"),
         ("max(max_over_time(th_server_clients[5m]))", ">=", workers,
          "clients at the peak >= (rollouts+1) x shards"),
         ('up{job="th-server"}', "==", 1, "th-server scraped"),
@@ -330,12 +341,12 @@ def show(value):
     return value
 
 
-def run_checks(prometheus, deadline):
+def run_checks(prometheus, deadline, model_bytes):
     """Query every check until all hold or deadline; returns (all ok, rows)."""
     rows = []
     while True:
         rows = []
-        for expression, op, expected, meaning in checks():
+        for expression, op, expected, meaning in checks(model_bytes):
             value = prometheus.query(expression)
             rows.append((expression, op, expected, value, compare(value, op, expected), meaning))
         if all(row[4] for row in rows) or time.monotonic() >= deadline:
@@ -408,7 +419,10 @@ def run_demo(args, prometheus, port, token_path, targets_path, deadline, process
                       f"{'' if 'th-demo: ok' in demo.stdout() else ' without printing th-demo: ok'}")
     if file_at is None and not os.path.exists(targets_path):
         raise Failure(f"th-demo wrote no {targets_path} (--client-metrics-targets)")
-    return timing
+    sizes = table_bytes(demo.stdout())
+    if len(sizes) != STEPS * ROLLOUTS or len(set(sizes)) != 1:
+        raise Failure(f"th-demo's table should have {STEPS * ROLLOUTS} rows of one model size; bytes column: {sizes}")
+    return timing, sizes[0]
 
 
 def main():
@@ -424,7 +438,10 @@ def main():
     # The children run in the work dir: relative paths are taken from here.
     args.th_server, args.th_demo = os.path.abspath(args.th_server), os.path.abspath(args.th_demo)
 
-    binary = os.path.abspath(args.prometheus or shutil.which("prometheus") or "/usr/bin/prometheus")
+    # tools/install-deps --test unpacks Debian's package there (no system service).
+    unpacked = "/opt/tensorhub-test/prometheus/usr/bin/prometheus"
+    binary = os.path.abspath(args.prometheus or shutil.which("prometheus") or
+                             (unpacked if os.path.exists(unpacked) else "/usr/bin/prometheus"))
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
         print(f"SKIP: no prometheus binary ({binary}); "
               "apt-get install -y --no-install-recommends prometheus", flush=True)
@@ -488,9 +505,9 @@ def main():
         # Otherwise th-server's figures during the job (th_server_clients' peak) could go unseen.
         prometheus.wait_scraped("th-server", 1, min(deadline, time.monotonic() + SCRAPED_S))
 
-        timing = run_demo(args, prometheus, port, token_path, targets_path, deadline, processes)
+        timing, model_bytes = run_demo(args, prometheus, port, token_path, targets_path, deadline, processes)
 
-        ok, rows = run_checks(prometheus, min(deadline, time.monotonic() + QUERY_DEADLINE_S))
+        ok, rows = run_checks(prometheus, min(deadline, time.monotonic() + QUERY_DEADLINE_S), model_bytes)
         print_table(rows)
         failed = [row for row in rows if not row[4]]
         print(f"checks: {len(rows) - len(failed)} passed, {len(failed)} failed", flush=True)

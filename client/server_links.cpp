@@ -261,6 +261,11 @@ void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
       // Our own message was refused: a bug here or a server of another version.
       log(std::string("the server refused a message: ") + frame.getNotice().cStr());
       break;
+    case wire::ServerFrame::GOING_AWAY:
+      // A draining server: its last answers came before this; fail over now rather than when the
+      // connection closes (and do not come back to it before the reconnect backoff).
+      lose(server, generation, std::string("the server is going away: ") + frame.getGoingAway().cStr());
+      return;
   }
 }
 

@@ -128,8 +128,9 @@ Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::s
 }
 
 MetricsHttpThread::~MetricsHttpThread() {
-  executor_->executeSync([this] { stop_->fulfill(); });
-  thread_.join();
+  // (A start that failed joined the thread and never set the executor.)
+  if (executor_ != nullptr) executor_->executeSync([this] { stop_->fulfill(); });
+  if (thread_.joinable()) thread_.join();
 }
 
 }  // namespace th::net

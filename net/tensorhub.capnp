@@ -322,6 +322,8 @@ struct ServerFrame {
     refused @2 :Text;  # before welcome: why the hello was refused (then the server closes)
     effects @3 :List(Effect);
     notice @4 :Text;   # after welcome: a message of the last frames was refused (a bug or a version skew)
+    goingAway @7 :Text;  # the server is shutting down (why): fail over to the next server now; the
+                         # connection closes after this frame
   }
   ack @5 :UInt64;                      # the client's latest `ack` fed to the hub (0: none)
   heartbeatDatagramsHeard @6 :Bool;    # with an ack: as Session.send's reply

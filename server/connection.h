@@ -45,6 +45,7 @@ struct HubService::Connection {
   bool write_scheduled = false;          // in HubService::dirty_
   std::uint64_t ack_pending = 0;         // the client's latest ack, fed and not yet answered
   std::string notice;                    // why a message of its last frames was refused (once per write)
+  std::string going_away;                // draining: said in the connection's last frame
   // The session of the client's last message: an empty Session.send (a quiet client's probe) counts
   // as a heartbeat of that session, so that a client whose datagrams are lost is not evicted.
   std::optional<std::uint64_t> client_session;

@@ -236,6 +236,11 @@ void HubService::write_frames(Connection& connection) {
         [&](wire::ServerFrame::Builder frame) { frame.setNotice(connection.notice); });
     connection.notice.clear();
   }
+  if (!connection.going_away.empty()) {
+    connection.frames->append<wire::ServerFrame>(
+        [&](wire::ServerFrame::Builder frame) { frame.setGoingAway(connection.going_away); });
+    connection.going_away.clear();
+  }
   connection.frames->flush();
 }
 

@@ -884,7 +884,7 @@ kj::Promise<void> HubService::drain(std::int64_t timeout_ms) {
       // Nothing more is read; what the hub owes it (answers, instructions) and the notice go out
       // in one last write, then the connection closes.
       connection.reading = nullptr;
-      connection.notice = "th-server is shutting down: fail over to the next server";
+      connection.going_away = "th-server is shutting down (drain)";
       on_framed_end(connection);
     } else {
       close_connection(id, "th-server is shutting down");

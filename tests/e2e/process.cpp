@@ -102,6 +102,8 @@ void Process::send_line(const std::string& line) {
   }
 }
 
+void Process::signal(int signal_number) { ::kill(pid_, signal_number); }
+
 void Process::kill9() {
   ::kill(pid_, SIGKILL);
   wait_exit(10'000);

@@ -24,11 +24,13 @@ class Process {
   void read_available();
   void send_line(const std::string& line);
   void kill9();
+  void signal(int signal_number);  // sends it, does not wait
   // Waits for the exit; returns the exit status, or -1 on timeout (the process is then killed).
   int wait_exit(int timeout_ms);
 
   const std::vector<std::string>& lines() const { return lines_; }
-  std::string describe() const;  // its command, the lines seen and the tail of its stderr
+  std::string describe() const;
+  const std::string& log_path() const { return log_path_; }  // its stderr  // its command, the lines seen and the tail of its stderr
   int pid() const { return pid_; }
 
  private:

@@ -1,0 +1,147 @@
+// The Prometheus exposition text and the HTTP endpoint that serves it.
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "core/assert.h"
+#include "net/metrics.h"
+#include "net/metrics_http.h"
+#include "net/socket.h"
+
+namespace th::net {
+namespace {
+
+using Type = MetricsText::Type;
+
+TEST(MetricsText, WritesFamiliesWithHelpTypeAndEscapedLabels) {
+  MetricsText out;
+  out.family("th_test_total", Type::kCounter, "Things counted");
+  out.sample({{"replica", "a\"b\\c\nd"}}, 3);
+  out.sample({}, 12345678901234.0);
+  out.family("th_gauge", Type::kGauge, "A gauge");
+  out.sample({{"x", "1"}, {"y", "2"}}, 0.25);
+  EXPECT_EQ(out.text(),
+            "# HELP th_test_total Things counted\n# TYPE th_test_total counter\n"
+            "th_test_total{replica=\"a\\\"b\\\\c\\nd\"} 3\nth_test_total 12345678901234\n"
+            "# HELP th_gauge A gauge\n# TYPE th_gauge gauge\nth_gauge{x=\"1\",y=\"2\"} 0.25\n");
+}
+
+TEST(MetricsText, HistogramBucketsAreCumulativeWithInfSumAndCount) {
+  const double bounds[] = {0.1, 1.0};
+  Histogram histogram(bounds);
+  for (double value : {0.05, 0.1, 0.5, 7.0}) histogram.observe(value);
+  MetricsText out;
+  out.family("th_seconds", Type::kHistogram, "Durations");
+  out.histogram({{"op", "update"}}, histogram);
+  EXPECT_EQ(out.text(),
+            "# HELP th_seconds Durations\n# TYPE th_seconds histogram\n"
+            "th_seconds_bucket{op=\"update\",le=\"0.1\"} 2\nth_seconds_bucket{op=\"update\",le=\"1\"} 3\n"
+            "th_seconds_bucket{op=\"update\",le=\"+Inf\"} 4\nth_seconds_sum{op=\"update\"} 7.65\n"
+            "th_seconds_count{op=\"update\"} 4\n");
+  Histogram other(bounds);
+  other.observe(0.2);
+  histogram.merge(other);
+  EXPECT_EQ(histogram.count(), 5u);
+  EXPECT_EQ(histogram.bucket_counts()[1], 2u);
+}
+
+TEST(MetricsText, RefusesWhatWouldMakeAnInvalidExposition) {
+  MetricsText out;
+  EXPECT_THROW(out.sample({}, 1), RequirementFailure);  // a sample without its family
+  EXPECT_THROW(out.family("9starts_with_a_digit", Type::kGauge, "x"), RequirementFailure);
+  EXPECT_THROW(out.family("th_x", Type::kGauge, "two\nlines"), RequirementFailure);
+  out.family("th_x", Type::kGauge, "x");
+  EXPECT_THROW(out.family("th_x", Type::kGauge, "again"), RequirementFailure);
+  EXPECT_THROW(out.sample({{"bad-label", "v"}}, 1), RequirementFailure);
+  EXPECT_TRUE(valid_metric_name("th_server:ops_total"));
+  EXPECT_FALSE(valid_metric_name(""));
+}
+
+// A plain HTTP/1.1 exchange over a fresh connection: the status line and body.
+struct Answer {
+  std::string status;
+  std::string head;
+  std::string body;
+};
+
+Answer http(const std::string& address, const std::string& request) {
+  Fd socket = connect_tcp(parse_endpoint(address), 5000);
+  set_io_timeout(socket, 5000);
+  const std::string text = request + "Host: test\r\n\r\n";
+  send_all(socket, text.data(), text.size());
+  // Read the head, then as many body bytes as Content-Length says (the server keeps the
+  // connection open for the next scrape, as Prometheus uses it).
+  std::string reply;
+  char byte = 0;
+  while (reply.find("\r\n\r\n") == std::string::npos && recv_all_or_eof(socket, &byte, 1)) reply += byte;
+  Answer answer;
+  answer.head = reply.substr(0, reply.find("\r\n\r\n"));
+  answer.status = reply.substr(0, reply.find("\r\n"));
+  const auto length_at = answer.head.find("Content-Length: ");
+  if (length_at != std::string::npos) {
+    answer.body.resize(std::stoul(answer.head.substr(length_at + 16)));
+    recv_all(socket, answer.body.data(), answer.body.size());
+  }
+  return answer;
+}
+
+TEST(MetricsHttp, ServesTheRenderedTextOnMetricsAndNothingElse) {
+  std::atomic<int> renders{0};
+  auto started = MetricsHttpThread::start("127.0.0.1:0", [&renders] {
+    ++renders;
+    return std::string("th_up 1\n");
+  });
+  ASSERT_TRUE(started.ok()) << started.error().detail;
+  const std::string address = started.value()->address();
+  const Answer metrics = http(address, "GET /metrics HTTP/1.1\r\n");
+  EXPECT_EQ(metrics.status, "HTTP/1.1 200 OK");
+  EXPECT_NE(metrics.head.find("Content-Type: text/plain; version=0.0.4"), std::string::npos) << metrics.head;
+  EXPECT_EQ(metrics.body, "th_up 1\n");
+  EXPECT_EQ(http(address, "GET /metrics?x=1 HTTP/1.1\r\n").body, "th_up 1\n");
+  EXPECT_EQ(http(address, "GET /secrets HTTP/1.1\r\n").status, "HTTP/1.1 404 Not Found");
+  EXPECT_EQ(http(address, "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n").status,
+            "HTTP/1.1 405 Method Not Allowed");
+  EXPECT_EQ(renders.load(), 2);  // only the two scrapes rendered
+}
+
+TEST(MetricsHttp, IdleConnectionsBeyondTheLimitAreClosedAndScrapesGoOnAfterwards) {
+  auto started = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string("th_up 1\n"); });
+  ASSERT_TRUE(started.ok());
+  const std::string address = started.value()->address();
+  std::vector<Fd> idle;
+  for (std::size_t i = 0; i < MetricsHttpServer::kConnectionsMaxDefault; ++i) {
+    idle.push_back(connect_tcp(parse_endpoint(address), 5000));
+  }
+  // One more: accepted and closed at once (recv sees the end), not left hanging.
+  Fd extra = connect_tcp(parse_endpoint(address), 5000);
+  timeval timeout{5, 0};
+  ::setsockopt(extra.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  char byte = 0;
+  EXPECT_EQ(::recv(extra.get(), &byte, 1, 0), 0);
+  idle.clear();  // the idle ones leave
+  // Their slots come back as the server sees them close.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    if (http(address, "GET /metrics HTTP/1.1\r\n").body == "th_up 1\n") return;
+    ::usleep(20'000);
+  }
+  ADD_FAILURE() << "no scrape succeeded after the idle connections closed";
+}
+
+TEST(MetricsHttp, AnAddressThatCannotBeBoundIsAClearError) {
+  auto first = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string(); });
+  ASSERT_TRUE(first.ok());
+  auto taken = MetricsHttpThread::start(first.value()->address(), [] { return std::string(); });
+  ASSERT_FALSE(taken.ok());
+  EXPECT_EQ(taken.error().code, Errc::kInvalidArgument);
+  EXPECT_NE(taken.error().detail.find("cannot serve metrics on"), std::string::npos) << taken.error().detail;
+  EXPECT_FALSE(MetricsHttpThread::start("not an address", [] { return std::string(); }).ok());
+}
+
+}  // namespace
+}  // namespace th::net

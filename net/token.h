@@ -3,12 +3,18 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/result.h"
 
 namespace th::net {
 
-// The file's contents without trailing whitespace; kInvalidArgument if unreadable or empty.
+// A token file holds one token per line (trailing whitespace ignored, empty lines skipped). A client
+// presents the first; th-server accepts any of them, so that a token can be rotated: add the new
+// line, SIGHUP th-server, move the clients over, remove the old line, SIGHUP again.
+// kInvalidArgument if the file is unreadable or holds no token.
+Result<std::vector<std::string>> read_token_lines(const std::string& path);
+// The first token of the file (what a client presents).
 Result<std::string> read_token_file(const std::string& path);
 
 }  // namespace th::net

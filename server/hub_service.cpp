@@ -601,8 +601,18 @@ void HubService::remember_claim(ClientId client, std::string secret) {
   remembered_claims_[client] = RememberedClaim{std::move(secret), now_ms() + 2 * config_.hub.heartbeat_timeout_ms};
 }
 
+void HubService::set_tokens(std::vector<std::string> tokens) {
+  TH_REQUIRE(!tokens.empty(), "a server accepts at least one token");
+  for (const std::string& token : tokens) TH_REQUIRE(!token.empty(), "no token is empty");
+  config_.token = std::move(tokens.front());
+  config_.more_tokens.assign(std::make_move_iterator(tokens.begin() + 1), std::make_move_iterator(tokens.end()));
+}
+
 bool HubService::check_token(Connection& connection, capnp::Text::Reader token) {
-  if (same_token(token.cStr(), config_.token)) {
+  // Every accepted token is compared (in constant time each), so timing tells nothing about which.
+  bool accepted = same_token(token.cStr(), config_.token);
+  for (const std::string& more : config_.more_tokens) accepted |= same_token(token.cStr(), more);
+  if (accepted) {
     if (!connection.authenticated) {
       connection.authenticated = true;
       TH_ASSERT(unauthenticated_count_ > 0);

@@ -51,6 +51,7 @@ namespace th::server {
 struct ServiceConfig {
   HubSettings hub;
   std::string token;            // the cluster token every connection must present
+  std::vector<std::string> more_tokens;  // also accepted (a rotation in progress)
   std::int64_t tick_ms = 100;   // how often the Hub hears the clock
   std::uint32_t delivers_in_flight_max = 8;      // Sink.deliver calls per connection
   std::size_t effects_backlog_max = 1 << 16;     // undelivered effects per connection
@@ -119,6 +120,9 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // first (drops serve()'s promise and its listener).
   kj::Promise<void> drain(std::int64_t timeout_ms);
   bool draining() const { return draining_; }
+  // Accepts these tokens from now on (SIGHUP after the token file changed); connections already
+  // authenticated stay. At least one, none empty.
+  void set_tokens(std::vector<std::string> tokens);
 
 
  private:

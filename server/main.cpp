@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   bool no_heartbeat_datagrams = false;
   app.add_option("--listen", listen, "Address to listen on, HOST:PORT (port 0: any free port)")
       ->capture_default_str();
-  app.add_option("--token-file", token_file, "File holding the cluster token clients must present")
+  app.add_option("--token-file", token_file, "File holding the cluster token clients must present: one per line, any accepted (a rotation: add a line, SIGHUP, move the clients, remove the old line, SIGHUP)")
       ->required()
       ->check(CLI::ExistingFile);
   std::string tls_certificate_file;
@@ -188,12 +188,13 @@ int main(int argc, char** argv) {
   }
   config.hub.pipeline = !no_pipeline;
   config.hub.smart_skipping = !no_smart_skipping;
-  auto token = th::net::read_token_file(token_file);
-  if (!token.ok()) {
-    std::cerr << "th-server: " << token.error().detail << "\n";
+  auto tokens = th::net::read_token_lines(token_file);
+  if (!tokens.ok()) {
+    std::cerr << "th-server: " << tokens.error().detail << "\n";
     return 2;
   }
-  config.token = std::move(token).value();
+  config.token = tokens.value().front();
+  config.more_tokens.assign(tokens.value().begin() + 1, tokens.value().end());
   if (const std::size_t fit = connections_that_fit(); config.connections_max > fit) {
     std::cerr << "th-server: --connections-max " << config.connections_max << " lowered to " << fit
               << " to fit the descriptor limit (raise it with ulimit -n)\n";
@@ -285,6 +286,15 @@ int main(int argc, char** argv) {
           std::cerr << "th-server: " << reopened.error().detail << "\n";
         }
         log(th::server::LogLevel::kInfo, "SIGHUP: log file reopened");
+        // A token rotation: the file's tokens are the ones accepted from now on.
+        if (auto reread = th::net::read_token_lines(token_file); reread.ok()) {
+          const std::size_t count = reread.value().size();
+          service.set_tokens(std::move(reread).value());
+          log(th::server::LogLevel::kInfo, "SIGHUP: " + std::to_string(count) + " cluster token(s) accepted from " +
+                                               token_file);
+        } else {
+          log(th::server::LogLevel::kError, "SIGHUP: " + reread.error().detail + "; the tokens stay as they were");
+        }
         timeline_written = ~std::uint64_t{0};
         write_timeline();
         return on_hangups();

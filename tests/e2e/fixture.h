@@ -65,8 +65,10 @@ class ProcessTest : public ::testing::Test {
   // Starts a th-server; returns its "127.0.0.1:PORT". With `fds`, the process may hold at most that
   // many descriptors (soft and hard limit).
   std::string start_server(std::vector<std::string> extra = {}, int fds = 0) {
-    std::vector<std::string> argv = {TH_SERVER_PATH, "--listen", "127.0.0.1:0", "--token-file",
-                                     (dir_ / "token").string()};
+    std::vector<std::string> argv = {TH_SERVER_PATH, "--listen", "127.0.0.1:0"};
+    if (std::find(extra.begin(), extra.end(), "--token-file") == extra.end()) {
+      argv.insert(argv.end(), {"--token-file", (dir_ / "token").string()});
+    }
     if (fds > 0) argv.insert(argv.begin(), {"/bin/sh", "-c", "ulimit -n " + std::to_string(fds) + " && exec \"$0\" \"$@\""});
     // Defaults unless `extra` sets them (an option given twice is refused).
     for (const auto& [option, value] : {std::pair{"--log-level", "debug"}, {"--heartbeat-timeout-ms", "3000"}}) {

@@ -97,5 +97,42 @@ TEST_F(Lifecycle, SighupReopensTheLogFileThatLogrotateMoved) {
   EXPECT_EQ(old.find("SIGHUP"), std::string::npos) << old;
 }
 
+// A token rotation without a restart: both tokens for a while, then only the new one.
+TEST_F(Lifecycle, SighupTakesTheTokenFileAgainSoThatATokenCanBeRotated) {
+  const auto tokens = dir_ / "server-tokens";
+  const auto old_token = dir_ / "old-token";
+  const auto new_token = dir_ / "new-token";
+  std::ofstream(old_token) << kToken << "\n";
+  std::ofstream(new_token) << "the-new-cluster-token-2026\n";
+  std::ofstream(tokens) << kToken << "\n";
+  const std::string server = start_server({"--token-file", tokens.string()});
+  auto ctl_exit = [&](const std::filesystem::path& token) {
+    Process& ctl = spawn({TH_CTL_PATH, "--server", server, "--token-file", token.string()}, "ctl");
+    return ctl.wait_exit(kStepMs);
+  };
+  auto sighup_and_wait = [&](std::size_t accepted) {
+    servers_[0]->signal(SIGHUP);
+    const std::string said = std::to_string(accepted) + " cluster token(s) accepted";
+    EXPECT_NE(wait_for_text(servers_[0]->log_path(), said).find(said), std::string::npos) << servers_[0]->describe();
+  };
+  EXPECT_EQ(ctl_exit(old_token), 0);
+  EXPECT_EQ(ctl_exit(new_token), 1);  // not yet
+  std::ofstream(tokens, std::ios::trunc) << kToken << "\nthe-new-cluster-token-2026\n";
+  sighup_and_wait(2);
+  EXPECT_EQ(ctl_exit(old_token), 0);
+  EXPECT_EQ(ctl_exit(new_token), 0);
+  std::ofstream(tokens, std::ios::trunc) << "the-new-cluster-token-2026\n";
+  sighup_and_wait(1);
+  EXPECT_EQ(ctl_exit(old_token), 1);
+  EXPECT_EQ(ctl_exit(new_token), 0);
+  // An emptied file is a mistake, not "accept nothing": the tokens stay.
+  std::ofstream(tokens, std::ios::trunc) << "\n";
+  servers_[0]->signal(SIGHUP);
+  EXPECT_NE(wait_for_text(servers_[0]->log_path(), "the tokens stay as they were").find("stay as they were"),
+            std::string::npos)
+      << servers_[0]->describe();
+  EXPECT_EQ(ctl_exit(new_token), 0);
+}
+
 }  // namespace
 }  // namespace th::e2e

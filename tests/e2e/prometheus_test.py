@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """End to end with a real Prometheus: th-server and th-demo's workers, scraped, must add up.
 
-Starts th-server (with --metrics-listen), a Prometheus server of its own (Debian's
-/usr/bin/prometheus, in a temporary directory, on a free loopback port, never the system service)
+Starts th-server (with --metrics-listen), a Prometheus server of its own (Debian's 2.42, as
+tools/install-deps --test unpacks it into /opt/tensorhub-test/prometheus, or one on PATH; run in a
+temporary directory, on a free loopback port, never as a system service)
 that scrapes th-server statically and th-demo's workers through the file_sd file th-demo writes,
 runs a small th-demo job against th-server, then asks Prometheus' HTTP API for the figures and
 checks them against what the job did:
 
-  model size = shards x shard-mb MiB, readers = rollouts, versions = steps,
-  bytes moved = versions x model size x readers.
+  model size = one replica's bytes in th-demo's table (every row the same), readers = rollouts,
+  versions = steps; bytes moved = versions x model size x readers, on the server and as the
+  rollouts counted them; operations, transfers and shard reads by count; no checksum failure;
+  stall histograms for every reader shard; every worker scraped.
 
 Usage: prometheus_test.py --th-server PATH --th-demo PATH [--keep DIR] [--prometheus PATH]
 
 Exit status: 0 passed, 1 failed (with what was expected and what Prometheus returned),
-77 skipped (no prometheus binary: apt-get install -y --no-install-recommends prometheus).
+77 skipped (no prometheus binary: tools/install-deps --test).
 Python standard library only. Every process it starts is stopped (SIGTERM to its process group,
 then SIGKILL after a bound), also on failure; the whole run is bounded by GLOBAL_TIMEOUT_S.
 """
@@ -444,7 +447,7 @@ def main():
                              (unpacked if os.path.exists(unpacked) else "/usr/bin/prometheus"))
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
         print(f"SKIP: no prometheus binary ({binary}); "
-              "apt-get install -y --no-install-recommends prometheus", flush=True)
+              "tools/install-deps --test unpacks Debian's", flush=True)
         return EXIT_SKIP
     for flag, path in (("--th-server", args.th_server), ("--th-demo", args.th_demo)):
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):

@@ -498,8 +498,10 @@ TEST_F(Security, ADataPortServesOnlyGrantHoldersAndOutlastsSilentConnections) {
 // re-opens with what it holds (its layout and checksums: over 64 KiB for thousands of tensors);
 // that message must pass.
 TEST_F(Security, AResumeWithALargeLayoutPassesThePreAuthenticationLimit) {
-  const std::string primary = start_server();
-  const std::string backup = start_server();
+  // Registering 5,000 tensors takes a starved CI machine seconds (the RDMA guest shares its two
+  // cores): heartbeats are not what this test is about, so the timeout is generous.
+  const std::string primary = start_server({"--heartbeat-timeout-ms", "15000"});
+  const std::string backup = start_server({"--heartbeat-timeout-ms", "15000"});
   const std::vector<std::string> model = {"--tensors", "1", "--small-tensors", "4000"};
   Process& trainer = worker({primary, backup}, "trainer", model, {"publish:1", "wait-line", "list", "wait-line"});
   expect(trainer, "publish ok 1");

@@ -60,12 +60,22 @@ std::size_t count(const std::string& text, const std::string& needle) {
 
 bool has_line(const std::string& text, const std::string& line) { return text.find("\n" + line + "\n") != std::string::npos; }
 
-TEST(TransferLedger, RecordsEveryShardReadOfAPipelineChainWithItsSourceAndBytes) {
+// A hub observed as th-server observes it, with a trainer that published version 1.
+struct PublishedJob {
+  explicit PublishedJob(std::size_t finished_max = TransferLedger::kFinishedMaxDefault) : feed(driver, finished_max) {
+    driver.set_watcher(&feed);
+    trainer = driver.open_replica(replica("trainer", "trainer"));
+    driver.publish(trainer, 1);
+  }
   Driver driver;
-  Feed feed(driver, TransferLedger::kFinishedMaxDefault);
-  driver.set_watcher(&feed);
-  const auto trainer = driver.open_replica(replica("trainer", "trainer"));
-  driver.publish(trainer, 1);
+  Feed feed;
+  std::vector<ClientId> trainer;
+};
+
+TEST(TransferLedger, RecordsEveryShardReadOfAPipelineChainWithItsSourceAndBytes) {
+  PublishedJob job;
+  Driver& driver = job.driver;
+  Feed& feed = job.feed;
   const auto first = driver.open_replica(replica("r0", "rollout"));
   const auto second = driver.open_replica(replica("r1", "rollout", "dc1"));
   replicate(driver, first);
@@ -125,11 +135,9 @@ TEST(TransferLedger, RecordsEveryShardReadOfAPipelineChainWithItsSourceAndBytes)
 }
 
 TEST(TransferLedger, AFailedReadThenAnotherSourceShowsBothWithTheFailureCounted) {
-  Driver driver;
-  Feed feed(driver, TransferLedger::kFinishedMaxDefault);
-  driver.set_watcher(&feed);
-  const auto trainer = driver.open_replica(replica("trainer", "trainer"));
-  driver.publish(trainer, 1);
+  PublishedJob job;
+  Driver& driver = job.driver;
+  Feed& feed = job.feed;
   const auto backup = driver.open_replica(replica("backup", "rollout"));
   replicate(driver, backup);
   driver.finish_reads(backup);
@@ -167,11 +175,9 @@ TEST(TransferLedger, AFailedReadThenAnotherSourceShowsBothWithTheFailureCounted)
 }
 
 TEST(TransferLedger, KeepsOnlyTheLastFinishedReadsAndCountsTheRest) {
-  Driver driver;
-  Feed feed(driver, 3);
-  driver.set_watcher(&feed);
-  const auto trainer = driver.open_replica(replica("trainer", "trainer"));
-  driver.publish(trainer, 1);
+  PublishedJob job(3);
+  Driver& driver = job.driver;
+  Feed& feed = job.feed;
   for (int i = 0; i < 3; ++i) {
     const auto reader = driver.open_replica(replica("r" + std::to_string(i), "rollout"));
     replicate(driver, reader);
@@ -188,11 +194,10 @@ TEST(TransferLedger, KeepsOnlyTheLastFinishedReadsAndCountsTheRest) {
 }
 
 TEST(ServiceMetrics, AnOperationRetransmittedAfterItsAnswerIsCountedOnce) {
-  Driver driver;
-  Feed feed(driver, 16);
-  driver.set_watcher(&feed);
-  const auto trainer = driver.open_replica(replica("trainer", "trainer"));
-  driver.publish(trainer, 1);
+  PublishedJob job(16);
+  Driver& driver = job.driver;
+  Feed& feed = job.feed;
+  const auto& trainer = job.trainer;
   // The same publish again (a client that did not hear the answer): answered again, counted once.
   const std::uint64_t seq = driver.next_seq(trainer[0]) - 1;
   driver.set_next_seq(trainer[0], seq);

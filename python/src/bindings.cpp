@@ -168,6 +168,7 @@ class PyHandle {
     out["pulls_tcp"] = s.pulls_tcp;
     out["pulls_fell_back"] = s.pulls_fell_back;
     out["memory_registrations"] = s.memory_registrations;
+    out["servers_lost"] = s.servers_lost;
     return out;
   }
   std::string data_endpoint() const { return live().data_endpoint(); }
@@ -338,6 +339,7 @@ th::ClientOptions options_from(const py::kwargs& kwargs) {
     else if (key == "server_timeout_ms") options.server_timeout_ms = py::cast<th::TimeMs>(value);
     else if (key == "tls_ca_file") options.tls_ca_file = py::cast<std::string>(value);
     else if (key == "tls_server_name") options.tls_server_name = py::cast<std::string>(value);
+    else if (key == "metrics_listen") options.metrics_listen = py::cast<std::string>(value);
     else throw py::type_error("Handle() got an unexpected keyword argument '" + key + "'");
     } catch (const py::cast_error&) {
       throw py::type_error("Handle(): " + key + "=" + py::cast<std::string>(py::repr(value)) +
@@ -356,6 +358,8 @@ PYBIND11_MODULE(_core, module) {
   // Never destroyed: it would outlive the interpreter at exit.
   static auto* error_factory = new py::object();
   module.def("set_error_factory", [](py::object factory) { *error_factory = std::move(factory); });
+  module.def("metrics_address", &th::Handle::metrics_address,
+             "Where this process serves Prometheus metrics (a handle's metrics_listen), or \"\"");
   py::register_local_exception_translator([](std::exception_ptr pointer) {
     try {
       if (pointer) std::rethrow_exception(pointer);

@@ -32,13 +32,14 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 from . import errors
 from ._core import Handle as _CoreHandle
+from ._core import metrics_address
 from ._core import set_error_factory as _set_error_factory
 from .errors import *  # noqa: F401,F403  (the exception classes, as tensorhub.VersionUnavailable etc.)
 from .errors import InvalidArgument, TensorHubError
 
 _set_error_factory(errors.error_of)
 
-__all__ = ["Handle", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError"] + [
+__all__ = ["Handle", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError", "metrics_address"] + [
     name for name in dir(errors) if isinstance(getattr(errors, name), type)
     and issubclass(getattr(errors, name), TensorHubError) and name != "TensorHubError"]
 
@@ -141,7 +142,8 @@ class Handle:
     (retention), ``incarnation``, ``data_listen``, ``data_advertise``, ``transport`` ("auto",
     "rdma", "tcp"), ``rdma_device``, ``rdma_gid_index``, ``heartbeat_interval_ms``,
     ``open_timeout_ms``, ``chunk_bytes``, ``read_rate_bytes_per_s``, ``data_streams``,
-    ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``.
+    ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``,
+    ``metrics_listen`` ("host:port": this process serves Prometheus metrics of its handles there).
 
     Use it as a context manager: it closes on exit (on an exception, it leaves without waiting).
     """

@@ -359,3 +359,24 @@ def test_a_dlpack_object_is_written_in_place(server):
         assert torch.equal(target, source)
         trainer.unpublish()
         rollout.close()
+
+
+def test_a_process_serves_prometheus_metrics_of_its_handles(server):
+    import urllib.request
+    state = mixed_state_dict(3)
+    with handle(server, "trainer", role="trainer", metrics_listen="127.0.0.1:0") as trainer:
+        trainer.register_state_dict(state)
+        trainer.publish(1)
+        with handle(server, "rollout") as rollout:  # shown on the same endpoint (one per process)
+            received = zeros_like(state)
+            rollout.register_state_dict(received)
+            rollout.replicate("latest")
+            address = tensorhub.metrics_address()
+            assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    assert 'th_client_operations_total{model="m",replica="trainer",shard="0",op="publish",result="ok"} 1' in text
+    assert 'th_client_stall_seconds_count{model="m",replica="rollout",shard="0",op="replicate"} 1' in text
+    received_bytes = [line for line in text.splitlines()
+                      if line.startswith('th_client_received_bytes_total{model="m",replica="rollout"')]
+    assert len(received_bytes) == 1 and int(received_bytes[0].split()[-1]) > 0
+

@@ -88,8 +88,8 @@ Status check_held_copy(const HeldCopy& held) {
 Status validate(const OpenRequest& open) {
   if (!valid_name(open.model, false) || !valid_name(open.replica, false) ||
       !valid_name(open.datacenter, true) || !valid_name(open.role, true)) {
-    return make_error(Errc::kInvalidArgument, "model and replica names need 1 to 256 bytes; datacenter and "
-                                              "role at most 256");
+    return make_error(Errc::kInvalidArgument, "model and replica names need 1 to 256 bytes, datacenter and "
+                                              "role at most 256, all UTF-8 text without control characters");
   }
   if (open.data_endpoint.size() > limits::kEndpointBytesMax) {
     return make_error(Errc::kInvalidArgument, "data endpoint longer than 512 bytes");

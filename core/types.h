@@ -27,9 +27,13 @@ using GrantSecret = std::array<std::uint64_t, 2>;
 // One bit per shard of a replica.
 using ShardSet = std::bitset<limits::kShardsMax>;
 
-// Model, replica, datacenter, role and tensor names: at most kNameBytesMax bytes; empty only where
-// the field is optional.
+// Model, replica, datacenter, role and tensor names: at most kNameBytesMax bytes of UTF-8 text
+// without control characters; empty only where the field is optional. (Names show in logs, in
+// th-ctl's tables and JSON, in the timeline's JSON and in Prometheus labels, which all need text.)
 bool valid_name(std::string_view name, bool may_be_empty);
+// Well-formed UTF-8 (no overlong forms, no surrogates, at most U+10FFFF) without C0 control
+// characters or DEL.
+bool printable_utf8(std::string_view text);
 
 // ---- Version selectors: `N`, `latest`, `latest-k` -------------------------------------------------
 

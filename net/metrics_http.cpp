@@ -1,7 +1,9 @@
 #include "net/metrics_http.h"
 
+#include <algorithm>
 #include <future>
 
+#include "core/assert.h"
 #include "net/event_loop.h"
 
 namespace th::net {
@@ -12,16 +14,16 @@ kj::HttpServerSettings scrape_settings() {
   kj::HttpServerSettings settings;
   // A scraper sends its request at once; a connection that does not is holding a slot.
   settings.headerTimeout = 5 * kj::SECONDS;
-  settings.pipelineTimeout = 30 * kj::SECONDS;  // Prometheus keeps its connection between scrapes
+  settings.pipelineTimeout = 5 * kj::SECONDS;
   return settings;
 }
 
-constexpr std::string_view kIndex =
-    "TensorHub metrics: GET /metrics (Prometheus text exposition format 0.0.4)\n";
+constexpr std::string_view kIndex = "TensorHub metrics: GET /metrics (Prometheus text exposition format 0.0.4)\n";
 
 }  // namespace
 
-// kj::HttpService has no virtual destructor; this class is only ever destroyed as itself.
+// kj::HttpService and kj::HttpServerErrorHandler have no virtual destructors; these classes are
+// only ever destroyed as themselves.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
 class MetricsHttpServer::Service final : public kj::HttpService {
@@ -30,28 +32,59 @@ class MetricsHttpServer::Service final : public kj::HttpService {
 
   kj::Promise<void> request(kj::HttpMethod method, kj::StringPtr url, const kj::HttpHeaders&,
                             kj::AsyncInputStream&, Response& response) override {
-    kj::HttpHeaders headers(owner_.header_table_);
-    if (method != kj::HttpMethod::GET && method != kj::HttpMethod::HEAD) {
-      return response.sendError(405, "Method Not Allowed", headers);
-    }
+    // (url is only valid until the first suspension: decide what to answer now.)
     const std::string_view path(url.cStr(), url.size());
     const std::string_view bare = path.substr(0, path.find('?'));
-    std::string body;
-    if (bare == "/metrics") {
-      ++owner_.scrapes_;
-      body = owner_.render_();
-      headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8");
-    } else if (bare == "/") {
-      body = kIndex;
-      headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; charset=utf-8");
-    } else {
-      return response.sendError(404, "Not Found", headers);
+    const bool allowed = method == kj::HttpMethod::GET || method == kj::HttpMethod::HEAD;
+    const bool head = method == kj::HttpMethod::HEAD;
+    enum class What : std::uint8_t { kMetrics, kIndex, kNotFound, kNotAllowed };
+    const What what = !allowed ? What::kNotAllowed : bare == "/metrics" ? What::kMetrics
+                                                    : bare == "/"       ? What::kIndex
+                                                                        : What::kNotFound;
+    return owner_.request_turn().then([this, what, head, &response]() -> kj::Promise<void> {
+      kj::HttpHeaders headers(owner_.header_table_);
+      if (what == What::kNotAllowed) return response.sendError(405, "Method Not Allowed", headers);
+      if (what == What::kNotFound) return response.sendError(404, "Not Found", headers);
+      std::string body;
+      if (what == What::kMetrics) {
+        ++owner_.scrapes_;
+        body = owner_.render_();
+        headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8");
+      } else {
+        body = kIndex;
+        headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; charset=utf-8");
+      }
+      auto stream = response.send(200, "OK", headers, body.size());
+      if (head) return kj::READY_NOW;
+      auto text = kj::heapString(body.data(), body.size());
+      auto written = stream->write(text.begin(), text.size());
+      return written.attach(kj::mv(stream), kj::mv(text));
+    });
+  }
+
+ private:
+  MetricsHttpServer& owner_;
+};
+
+// Malformed requests are answered 400 and counted: anyone can send them, so they are not logged
+// (kj's default handler logs each with a stack trace).
+class MetricsHttpServer::Errors final : public kj::HttpServerErrorHandler {
+ public:
+  explicit Errors(MetricsHttpServer& owner) : owner_(owner) {}
+  kj::Promise<void> handleClientProtocolError(kj::HttpHeaders::ProtocolError,
+                                              kj::HttpService::Response& response) override {
+    ++owner_.bad_requests_;
+    kj::HttpHeaders headers(owner_.header_table_);
+    return response.sendError(400, "Bad Request", headers);
+  }
+  kj::Promise<void> handleApplicationError(kj::Exception, kj::Maybe<kj::HttpService::Response&> response) override {
+    // (No response: the connection is gone, e.g. closed for a newer one; nothing to count.)
+    KJ_IF_MAYBE(answer, response) {
+      ++owner_.bad_requests_;
+      kj::HttpHeaders headers(owner_.header_table_);
+      return answer->sendError(400, "Bad Request", headers);
     }
-    auto stream = response.send(200, "OK", headers, body.size());
-    if (method == kj::HttpMethod::HEAD) return kj::READY_NOW;
-    auto text = kj::heapString(body.data(), body.size());
-    auto written = stream->write(text.begin(), text.size());
-    return written.attach(kj::mv(stream), kj::mv(text));
+    return kj::READY_NOW;
   }
 
  private:
@@ -59,52 +92,82 @@ class MetricsHttpServer::Service final : public kj::HttpService {
 };
 #pragma GCC diagnostic pop
 
-MetricsHttpServer::MetricsHttpServer(kj::Timer& timer, Render render, std::size_t connections_max)
-    : render_(std::move(render)),
-      connections_max_(connections_max),
+MetricsHttpServer::MetricsHttpServer(kj::Timer& timer, Render render, MetricsHttpLimits limits)
+    : timer_(timer),
+      render_(std::move(render)),
+      limits_(limits),
+      tokens_(limits.requests_per_s_max),
+      refilled_(timer.now()),
       service_(std::make_unique<Service>(*this)),
-      http_(timer, header_table_, *service_, scrape_settings()),
+      errors_(std::make_unique<Errors>(*this)),
+      http_(timer, header_table_, *service_,
+            [this] {
+              auto settings = scrape_settings();
+              settings.errorHandler = *errors_;
+              return settings;
+            }()),
       tasks_(*this) {
-  TH_REQUIRE(connections_max_ > 0, "a metrics endpoint takes at least one connection");
+  TH_REQUIRE(limits_.connections_max > 0, "a metrics endpoint takes at least one connection");
+  TH_REQUIRE(limits_.requests_per_s_max >= 1, "a metrics endpoint answers at least a request a second");
 }
 
 MetricsHttpServer::~MetricsHttpServer() = default;
 
 kj::Promise<void> MetricsHttpServer::serve(kj::ConnectionReceiver& listener) { return accept_loop(listener); }
 
+kj::Promise<void> MetricsHttpServer::request_turn() {
+  const kj::TimePoint now = timer_.now();
+  tokens_ = std::min(limits_.requests_per_s_max,
+                     tokens_ + limits_.requests_per_s_max * static_cast<double>((now - refilled_) / kj::NANOSECONDS) / 1e9);
+  refilled_ = now;
+  // A token may go negative: each request waits for the token it took (requests queue in order).
+  tokens_ -= 1;
+  if (tokens_ >= 0) return kj::READY_NOW;
+  ++requests_delayed_;
+  const auto wait_ns = static_cast<std::int64_t>(-tokens_ / limits_.requests_per_s_max * 1e9);
+  return timer_.afterDelay(wait_ns * kj::NANOSECONDS);
+}
+
 kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listener) {
   return listener.accept().then(
       [this, &listener](kj::Own<kj::AsyncIoStream> stream) {
-        if (connections_ >= connections_max_) {
-          ++connections_refused_;  // closed at once: the stream goes out of scope
-        } else {
-          ++connections_;
-          tasks_.add(http_.listenHttp(kj::mv(stream)).attach(kj::defer([this] { --connections_; })));
+        if (connections_.size() >= limits_.connections_max) {
+          connections_.erase(connections_.begin());  // the oldest: its connection closes
+          ++connections_evicted_;
         }
+        const std::uint64_t id = next_connection_++;
+        // When it ends, it leaves the map later (not from inside its own continuation).
+        connections_.emplace(id, http_.listenHttp(kj::mv(stream)).then(
+                                     [this, id] { tasks_.add(kj::evalLater([this, id] { connections_.erase(id); })); },
+                                     [this, id](kj::Exception&&) {
+                                       tasks_.add(kj::evalLater([this, id] { connections_.erase(id); }));
+                                     }).eagerlyEvaluate(nullptr));
+        TH_ASSERT(connections_.size() <= limits_.connections_max, "connections stay within their bound");
         return accept_loop(listener);
       },
       [this, &listener](kj::Exception&&) {
-        // An accept can fail for lack of descriptors; try again shortly rather than stop serving.
-        return accept_loop(listener);
+        // An accept can fail for lack of descriptors; pause rather than spin, then go on serving.
+        return timer_.afterDelay(100 * kj::MILLISECONDS).then([this, &listener] { return accept_loop(listener); });
       });
 }
 
 void MetricsHttpServer::taskFailed(kj::Exception&&) {
-  // A scraper that sent garbage or vanished: its connection is gone, nothing else is affected.
+  // (Only the deferred map erasures run here; they do not fail.)
 }
 
 Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::string& address,
-                                                                  MetricsHttpServer::Render render) {
+                                                                  MetricsHttpServer::Render render,
+                                                                  MetricsHttpLimits limits) {
   std::unique_ptr<MetricsHttpThread> self(new MetricsHttpThread());
   std::promise<std::string> bound;
   auto chosen = bound.get_future();
   MetricsHttpThread* raw = self.get();
-  self->thread_ = std::thread([raw, &bound, address, render = std::move(render)]() mutable {
+  self->thread_ = std::thread([raw, &bound, address, limits, render = std::move(render)]() mutable {
     bool started = false;
     try {
       IoLoop loop;
       auto listener = loop.io().getNetwork().parseAddress(address).wait(loop.wait_scope())->listen();
-      MetricsHttpServer server(loop.timer(), std::move(render));
+      MetricsHttpServer server(loop.timer(), std::move(render), limits);
       auto stop = kj::newPromiseAndFulfiller<void>();
       raw->executor_ = &kj::getCurrentThreadExecutor();
       raw->stop_ = kj::mv(stop.fulfiller);

@@ -1,12 +1,17 @@
 // The HTTP endpoint Prometheus scrapes: GET /metrics answers with the text a callback renders.
 //
-// kj-http does the HTTP (no parser of ours). What this adds is the bound a server exposed on a
-// port needs: at most `connections_max` scrapers at once (a further connection is closed at
-// accept), a request must arrive within the header timeout, and only GET/HEAD of /metrics and /
-// are answered (404 otherwise). Rendering runs on the serving loop, so the callback reads the
-// owner's state without locks (th-server: its one thread); MetricsHttpThread runs a loop of its
-// own for a process that has none to offer (libthclient), and then the callback must be
-// thread-safe.
+// kj-http does the HTTP (no parser of ours). What this adds is the bounds a port exposed to a
+// network needs, since it runs on the owner's event loop (th-server's one thread: the control
+// plane must not starve behind it):
+//   - requests: at most `requests_per_s_max` answered a second (a burst of one second's worth);
+//     a request past it waits for its turn on a timer, so a flood of pipelined requests costs
+//     the loop that many renders a second and leaves it idle in between;
+//   - connections: at most `connections_max`; a new one closes the oldest (a scraper that holds a
+//     connection idle cannot lock the others out); a request must arrive within 5 s;
+//   - only GET/HEAD of /metrics and / are answered (404, 405 otherwise); malformed requests get 400
+//     and are counted, not logged.
+// MetricsHttpThread runs one on a thread and loop of its own for a process that has none to offer
+// (libthclient); then the callback must be thread-safe.
 #pragma once
 
 #include <kj/async-io.h>
@@ -14,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,34 +28,53 @@
 
 namespace th::net {
 
+struct MetricsHttpLimits {
+  std::size_t connections_max = 16;
+  double requests_per_s_max = 20;
+};
+
 class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
  public:
   using Render = std::function<std::string()>;
-  static constexpr std::size_t kConnectionsMaxDefault = 16;
 
-  MetricsHttpServer(kj::Timer& timer, Render render, std::size_t connections_max = kConnectionsMaxDefault);
+  MetricsHttpServer(kj::Timer& timer, Render render, MetricsHttpLimits limits = {});
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
   // Accepts scrapers on `listener` until the promise is dropped (accept errors are retried).
   kj::Promise<void> serve(kj::ConnectionReceiver& listener);
+
   std::uint64_t scrapes() const { return scrapes_; }
-  std::uint64_t connections_refused() const { return connections_refused_; }
+  std::uint64_t connections_evicted() const { return connections_evicted_; }
+  std::uint64_t requests_delayed() const { return requests_delayed_; }
+  std::uint64_t bad_requests() const { return bad_requests_; }
 
  private:
   class Service;
+  class Errors;
   kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener);
+  // Resolves when a request may be answered (the request budget).
+  kj::Promise<void> request_turn();
   void taskFailed(kj::Exception&& exception) override;
 
+  kj::Timer& timer_;
   Render render_;
-  std::size_t connections_max_;
-  std::size_t connections_ = 0;
+  MetricsHttpLimits limits_;
   std::uint64_t scrapes_ = 0;
-  std::uint64_t connections_refused_ = 0;
+  std::uint64_t connections_evicted_ = 0;
+  std::uint64_t requests_delayed_ = 0;
+  std::uint64_t bad_requests_ = 0;
+  // The request budget: tokens, refilled at requests_per_s_max, at most one second's worth.
+  double tokens_;
+  kj::TimePoint refilled_;
   kj::HttpHeaderTable header_table_;
   std::unique_ptr<Service> service_;
+  std::unique_ptr<Errors> errors_;
   kj::HttpServer http_;
+  // Connections being served, oldest first (ids rise); dropping a promise closes its connection.
+  std::map<std::uint64_t, kj::Promise<void>> connections_;
+  std::uint64_t next_connection_ = 1;
   kj::TaskSet tasks_;
 };
 
@@ -58,7 +83,8 @@ class MetricsHttpThread {
  public:
   // Listens on `address` (HOST:PORT, port 0: any free port); fails with kInvalidArgument if the
   // address does not parse or cannot be bound.
-  static Result<std::unique_ptr<MetricsHttpThread>> start(const std::string& address, MetricsHttpServer::Render render);
+  static Result<std::unique_ptr<MetricsHttpThread>> start(const std::string& address, MetricsHttpServer::Render render,
+                                                          MetricsHttpLimits limits = {});
   ~MetricsHttpThread();  // stops serving and joins the thread
   MetricsHttpThread(const MetricsHttpThread&) = delete;
   MetricsHttpThread& operator=(const MetricsHttpThread&) = delete;

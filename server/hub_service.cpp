@@ -868,6 +868,12 @@ std::string HubService::render_metrics() const {
       heartbeat_datagrams_refused_ + (heartbeat_receiver_ != nullptr ? heartbeat_receiver_->malformed() : 0);
   shell.uptime_seconds = static_cast<double>(now_us()) / 1e6;
   shell.draining = draining_;
+  if (metrics_http_ != nullptr) {
+    shell.scrapes = metrics_http_->scrapes();
+    shell.scrape_connections_evicted = metrics_http_->connections_evicted();
+    shell.scrape_requests_delayed = metrics_http_->requests_delayed();
+    shell.scrape_bad_requests = metrics_http_->bad_requests();
+  }
   return metrics_.render(hub_, shell);
 }
 
@@ -880,7 +886,7 @@ kj::Promise<void> HubService::drain(std::int64_t timeout_ms) {
   TH_REQUIRE(timeout_ms >= 0, "a drain has a deadline");
   draining_ = true;
   log(LogLevel::kInfo,
-      "draining: telling " + std::to_string(connections_.size()) + " connection(s) to fail over, " +
+      "draining: closing " + std::to_string(connections_.size()) + " connection(s) (clients told to fail over), " +
           std::to_string(hub_.client_count()) + " client shard(s) open",
       "lifecycle");
   std::vector<std::uint64_t> ids;

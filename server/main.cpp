@@ -3,6 +3,7 @@
 #include <kj/async-unix.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
@@ -38,13 +39,21 @@ std::size_t connections_that_fit() {
 // Writes `text` to `path` whole or not at all (a temporary file renamed over it): a reader of the
 // timeline never sees half a file.
 bool write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string temporary = path + ".tmp";
+  // (Named per process: a primary and a backup started with the same path must not share it.)
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     out << text;
-    if (!out.flush()) return false;
+    if (!out.flush()) {
+      std::remove(temporary.c_str());
+      return false;
+    }
   }
-  return std::rename(temporary.c_str(), path.c_str()) == 0;
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -129,9 +138,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{100}, std::int64_t{3'600'000}));
   app.add_option("--timeline-transfers-max", config.timeline_transfers_max,
-                 "Shard reads the timeline keeps (the last ones; ~1 KiB each)")
+                 "Shard reads the timeline keeps (the last ones; ~1 KiB of JSON each, rendered whole at every "
+                 "rewrite and th-ctl timeline, so at most 32768)")
       ->capture_default_str()
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 22));
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 15));
   std::int64_t drain_timeout_ms = 5'000;
   app.add_option("--drain-timeout-ms", drain_timeout_ms,
                  "On SIGTERM, how long to wait for connections to take their last answers before exiting")
@@ -228,14 +238,23 @@ int main(int argc, char** argv) {
     if (level <= *log_level) th::server::LogOutput::write(level, "lifecycle", text);
   };
   std::uint64_t timeline_written = ~std::uint64_t{0};
+  bool timeline_failing = false;  // logged once per failure, and once when it works again
   auto write_timeline = [&] {
     if (timeline_file.empty() || service.timeline_revision() == timeline_written) return;
     if (write_file_atomically(timeline_file, service.timeline_json())) {
       timeline_written = service.timeline_revision();
-    } else {
-      log(th::server::LogLevel::kWarn, "cannot write the timeline to " + timeline_file);
+      if (timeline_failing) log(th::server::LogLevel::kInfo, "the timeline is written to " + timeline_file + " again");
+      timeline_failing = false;
+    } else if (!timeline_failing) {
+      timeline_failing = true;
+      log(th::server::LogLevel::kWarn, "cannot write the timeline to " + timeline_file + " (will keep trying)");
     }
   };
+  // A path that cannot be written is a mistake to report now, not every 10 s for ever.
+  if (!timeline_file.empty() && !write_file_atomically(timeline_file, service.timeline_json())) {
+    std::cerr << "th-server: --timeline " << timeline_file << ": cannot write it\n";
+    return 2;
+  }
   try {
     auto address = loop.io().getNetwork().parseAddress(listen).wait(loop.wait_scope());
     auto listener = address->listen();
@@ -283,9 +302,10 @@ int main(int argc, char** argv) {
     std::function<kj::Promise<void>()> on_hangups = [&]() -> kj::Promise<void> {
       return loop.port().onSignal(SIGHUP).then([&](siginfo_t) {
         if (auto reopened = th::server::LogOutput::reopen(); !reopened.ok()) {
-          std::cerr << "th-server: " << reopened.error().detail << "\n";
+          log(th::server::LogLevel::kError, "SIGHUP: " + reopened.error().detail + "; logging on to the old file");
+        } else {
+          log(th::server::LogLevel::kInfo, "SIGHUP: log file reopened");
         }
-        log(th::server::LogLevel::kInfo, "SIGHUP: log file reopened");
         // A token rotation: the file's tokens are the ones accepted from now on.
         if (auto reread = th::net::read_token_lines(token_file); reread.ok()) {
           const std::size_t count = reread.value().size();

@@ -27,6 +27,11 @@ struct ShellFigures {
   std::uint64_t heartbeat_datagrams_refused = 0;
   double uptime_seconds = 0;
   bool draining = false;
+  // The metrics endpoint itself (net/metrics_http.h).
+  std::uint64_t scrapes = 0;
+  std::uint64_t scrape_connections_evicted = 0;
+  std::uint64_t scrape_requests_delayed = 0;
+  std::uint64_t scrape_bad_requests = 0;
 };
 
 class ServiceMetrics {

@@ -121,7 +121,11 @@ void TransferLedger::close(std::map<Key, TransferRecord>::iterator open, Transfe
 
 std::vector<TransferRecord> TransferLedger::records() const {
   std::vector<TransferRecord> records(finished_.begin(), finished_.end());
-  for (const auto& [key, record] : open_) records.push_back(record);
+  // Open reads too, as many as the ring holds at most (a timeline's size stays bounded by it).
+  for (const auto& [key, record] : open_) {
+    if (records.size() >= 2 * finished_max_) break;
+    records.push_back(record);
+  }
   return records;
 }
 

@@ -55,7 +55,7 @@ class TransferLedger {
   // After each Hub::step: the input it took and the effects it produced, at `now_us`.
   void observe(const Hub& hub, const Input& input, const Effects& effects, std::int64_t now_us);
 
-  // The finished records in the ring (oldest first), then the open ones.
+  // The finished records in the ring (oldest first), then open ones (at most finished_max of them).
   std::vector<TransferRecord> records() const;
   std::size_t finished_max() const { return finished_max_; }
   std::uint64_t dropped() const { return dropped_; }  // closed records pushed out of the ring, or never kept

@@ -40,29 +40,31 @@ struct Listing {
 
 class ServerConnection {
  public:
+  // Connecting, the TLS handshake and each call give up after `timeout_ms` (set_timeout changes it).
   ServerConnection(kj::AsyncIoContext& io, const std::string& server, const std::string& token, kj::TlsContext* tls,
-                   const std::string& tls_server_name)
-      : io_(io), token_(token) {
-    auto timer = [&] { return kCallTimeoutMs * kj::MILLISECONDS; };
+                   const std::string& tls_server_name, long timeout_ms)
+      : io_(io), token_(token), timeout_ms_(timeout_ms) {
     stream_ = io.provider->getTimer()
-                  .timeoutAfter(timer(), io.provider->getNetwork().parseAddress(server).then(
-                                             [](kj::Own<kj::NetworkAddress> address) { return address->connect(); }))
+                  .timeoutAfter(timeout_ms_ * kj::MILLISECONDS,
+                                io.provider->getNetwork().parseAddress(server).then(
+                                    [](kj::Own<kj::NetworkAddress> address) { return address->connect(); }))
                   .wait(io.waitScope);
     if (tls != nullptr) {
       stream_ = io.provider->getTimer()
-                    .timeoutAfter(kTlsHandshakeTimeoutMs * kj::MILLISECONDS,
+                    .timeoutAfter(std::min(kTlsHandshakeTimeoutMs, timeout_ms_) * kj::MILLISECONDS,
                                   tls->wrapClient(kj::mv(stream_), th::net::tls_server_name(server, tls_server_name)))
                     .wait(io.waitScope);
     }
     rpc_ = kj::heap<capnp::TwoPartyClient>(*stream_);
     hub_ = rpc_->bootstrap().castAs<th::wire::Hub>();
   }
+  void set_timeout(long timeout_ms) { timeout_ms_ = timeout_ms; }
 
   // Every model's listing and the server's counters; kj::Exception on failure.
   Listing inspect() {
     auto request = hub_.inspectRequest();
     request.setToken(token_);
-    auto response = io_.provider->getTimer().timeoutAfter(kCallTimeoutMs * kj::MILLISECONDS, request.send())
+    auto response = io_.provider->getTimer().timeoutAfter(timeout_ms_ * kj::MILLISECONDS, request.send())
                         .wait(io_.waitScope);
     Listing listing;
     for (auto wire_model : response.getModels()) {
@@ -101,7 +103,7 @@ class ServerConnection {
   std::string timeline() {
     auto request = hub_.timelineRequest();
     request.setToken(token_);
-    auto response = io_.provider->getTimer().timeoutAfter(kCallTimeoutMs * kj::MILLISECONDS, request.send())
+    auto response = io_.provider->getTimer().timeoutAfter(timeout_ms_ * kj::MILLISECONDS, request.send())
                         .wait(io_.waitScope);
     return response.getJson();
   }
@@ -109,10 +111,20 @@ class ServerConnection {
  private:
   kj::AsyncIoContext& io_;
   std::string token_;
+  long timeout_ms_;
   kj::Own<kj::AsyncIoStream> stream_;
   kj::Own<capnp::TwoPartyClient> rpc_;
   th::wire::Hub::Client hub_ = nullptr;
 };
+
+// Names as a terminal shows them: control characters (which could move the cursor or retitle the
+// window) become '?'. (th-server refuses such names; this guards against any other server.)
+std::string printable(std::string text) {
+  for (char& c : text) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) c = '?';
+  }
+  return text;
+}
 
 std::string joined(const std::vector<th::Version>& versions) {
   std::string text;
@@ -150,7 +162,7 @@ std::string model_json(const th::ListSnapshot& model) {
 }
 
 void print_model(const th::ListSnapshot& model) {
-  std::cout << "model " << model.model << "  latest "
+  std::cout << "model " << printable(model.model) << "  latest "
             << (model.latest ? std::to_string(*model.latest) : std::string("none")) << "\n";
   std::cout << "  versions:\n    " << std::left << std::setw(10) << "version" << std::setw(10) << "complete"
             << std::setw(9) << "partial" << std::setw(10) << "retained" << "offloaded\n";
@@ -164,10 +176,10 @@ void print_model(const th::ListSnapshot& model) {
             << std::setw(12) << "state" << std::setw(9) << "version" << std::setw(9) << "serving"
             << "offloads\n";
   for (const auto& replica : model.replicas) {
-    std::cout << "    " << std::setw(18) << replica.name << std::setw(6) << replica.incarnation << std::setw(12)
-              << replica.datacenter << std::setw(6) << (replica.spot ? "yes" : "no") << std::setw(10)
-              << (replica.role.empty() ? "-" : replica.role) << std::setw(8) << replica.num_shards << std::setw(12)
-              << replica.state << std::setw(9)
+    std::cout << "    " << std::setw(18) << printable(replica.name) << std::setw(6) << replica.incarnation
+              << std::setw(12) << printable(replica.datacenter) << std::setw(6) << (replica.spot ? "yes" : "no")
+              << std::setw(10) << (replica.role.empty() ? "-" : printable(replica.role)) << std::setw(8) << replica.num_shards << std::setw(12)
+              << printable(replica.state) << std::setw(9)
               << (replica.version ? std::to_string(*replica.version) : std::string("-")) << std::setw(9)
               << replica.serving << joined(replica.offloads) << "\n";
   }
@@ -273,7 +285,9 @@ int main(int argc, char** argv) {
   }
   const std::string& token = token_read.value();
   auto io = kj::setupAsyncIo();
-  auto connect = [&] { return std::make_unique<ServerConnection>(io, server, token, tls.get(), tls_server_name); };
+  auto connect = [&](long timeout_ms) {
+    return std::make_unique<ServerConnection>(io, server, token, tls.get(), tls_server_name, timeout_ms);
+  };
 
   if (*wait) {
     // A job script's barrier: connection failures are retried (the server may be restarting or
@@ -285,7 +299,12 @@ int main(int argc, char** argv) {
     std::size_t seen = 0;
     for (;;) {
       try {
-        if (connection == nullptr) connection = connect();
+        // Never past the deadline, however the server behaves (a stopped one accepts and says nothing).
+        const long left_ms = std::max<long>(
+            1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count());
+        const long call_ms = std::min(kCallTimeoutMs, left_ms);
+        if (connection == nullptr) connection = connect(call_ms);
+        connection->set_timeout(call_ms);
         const Listing listing = connection->inspect();
         last_problem = "no model " + wait_model;
         for (const auto& model : listing.models) {
@@ -325,24 +344,30 @@ int main(int argc, char** argv) {
     return kExitTimeout;
   }
 
-  try {
-    auto connection = connect();
-    if (*timeline) {
-      const std::string trace = connection->timeline();
+  if (*timeline) {
+    try {
+      const std::string trace = connect(kCallTimeoutMs)->timeline();
       if (timeline_out.empty()) {
         std::cout << trace << std::flush;
-      } else {
-        std::ofstream out(timeline_out, std::ios::trunc);
-        out << trace;
-        if (!out.flush()) {
-          std::cerr << "th-ctl: cannot write " << timeline_out << "\n";
-          return kExitUsage;
-        }
-        if (!json) std::cerr << "th-ctl: timeline written to " << timeline_out << "\n";
+        return kExitOk;
       }
+      std::ofstream out(timeline_out, std::ios::trunc);
+      out << trace;
+      if (!out.flush()) {
+        std::cerr << "th-ctl: cannot write " << timeline_out << "\n";
+        return kExitUsage;
+      }
+      if (!json) std::cerr << "th-ctl: timeline written to " << timeline_out << "\n";
       return kExitOk;
+    } catch (const kj::Exception& exception) {
+      std::cerr << "th-ctl: " << server << ": " << exception.getDescription().cStr() << "\n";
+      return kExitServer;
     }
-    for (;;) {
+  }
+  std::unique_ptr<ServerConnection> connection;
+  for (;;) {
+    try {
+      if (connection == nullptr) connection = connect(kCallTimeoutMs);
       const Listing listing = connection->inspect();
       std::vector<const th::ListSnapshot*> shown;
       for (const auto& model : listing.models) {
@@ -357,14 +382,15 @@ int main(int argc, char** argv) {
         if (watch) std::cout << "\x1b[2J\x1b[H";  // clear the terminal
         std::cout << "th-server " << server << ": " << listing.stats_line << "\n";
         for (const auto* model : shown) print_model(*model);
-        if (shown.empty()) std::cout << (model_filter.empty() ? "no models\n" : "no model " + model_filter + "\n");
+        if (shown.empty()) std::cout << (model_filter.empty() ? "no models\n" : "no model " + printable(model_filter) + "\n");
         std::cout << std::flush;
       }
       if (!watch) return shown.empty() && !model_filter.empty() ? kExitNotFound : kExitOk;
-      std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
+    } catch (const kj::Exception& exception) {
+      std::cerr << "th-ctl: " << server << ": " << exception.getDescription().cStr() << "\n";
+      if (!watch) return kExitServer;
+      connection.reset();  // --watch rides out a restarting server: try again at the next refresh
     }
-  } catch (const kj::Exception& exception) {
-    std::cerr << "th-ctl: " << server << ": " << exception.getDescription().cStr() << "\n";
-    return kExitServer;
+    std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
   }
 }

@@ -104,6 +104,13 @@ int run_trainer(th::ClientOptions options, std::uint64_t steps, std::uint64_t sh
   if (!opened.ok()) die("trainer open", opened.error());
   auto handle = std::move(opened).value();
   announce_metrics(extras);
+  // A long-lived server may know this model from an earlier run: its versions would satisfy the
+  // rollouts' waits before this run published anything.
+  if (auto listed = handle->list(); listed.ok() && listed.value().latest) {
+    die("trainer open", th::make_error(th::Errc::kInvalidArgument,
+                                       "model '" + options.model + "' already has versions on this server (latest " +
+                                           std::to_string(*listed.value().latest) + "): give this run another --model"));
+  }
   Model model(shard_bytes);
   if (auto status = model.register_with(*handle); !status.ok()) die("trainer register", status.error());
   // Start once every rollout replica is there, so that each of them sees every version. (Every
@@ -241,6 +248,7 @@ int main(int argc, char** argv) {
   std::string metrics_targets_file;
   std::int64_t linger_ms = 0;
   bool worker_metrics = false;
+  std::string model_name = "demo";
   app.add_option("--steps", steps, "training steps (versions published)")->capture_default_str()->check(CLI::Range(1, 1000));
   app.add_option("--shards", shards, "shards per replica (processes per replica)")->capture_default_str()->check(CLI::Range(1, 16));
   app.add_option("--rollouts", rollouts, "rollout replicas")->capture_default_str()->check(CLI::Range(1, 32));
@@ -262,6 +270,8 @@ int main(int argc, char** argv) {
   app.add_option("--client-metrics-targets", metrics_targets_file,
                  "every worker serves its libthclient metrics on 127.0.0.1 (a free port); write their addresses to "
                  "this file as Prometheus file_sd targets (JSON)");
+  app.add_option("--model", model_name, "the model's name (a run against a long-lived --server needs a new one)")
+      ->capture_default_str();
   app.add_option("--linger-ms", linger_ms,
                  "workers stay up this long after their last call (so that a scraper sees the final figures)")
       ->capture_default_str()
@@ -286,7 +296,7 @@ int main(int argc, char** argv) {
     th::ClientOptions options;
     options.servers = {server};
     options.token = token;
-    options.model = "demo";
+    options.model = model_name;
     options.replica = replica;
     options.shard = shard;
     options.num_shards = shards;
@@ -322,7 +332,7 @@ int main(int argc, char** argv) {
                                   "--shard", std::to_string(index), "--shards", std::to_string(shards),
                                   "--steps", std::to_string(steps), "--shard-mb", std::to_string(shard_mb),
                                   "--rollouts", std::to_string(rollouts), "--transport", transport,
-                                  "--linger-ms", std::to_string(linger_ms)};
+                                  "--linger-ms", std::to_string(linger_ms), "--model", model_name};
     if (!token_file.empty()) args.insert(args.end(), {"--token-file", token_file});
     if (!metrics_targets_file.empty()) args.push_back("--worker-metrics");
     return args;
@@ -381,15 +391,28 @@ int main(int argc, char** argv) {
       std::fclose(child.output);
     });
   }
+  // Once one worker fails, the others would wait for it (up to minutes): stop them too.
   bool all_exited_cleanly = true;
-  for (Child& child : children) {
+  std::size_t running = children.size();
+  while (running > 0) {
     int status = 0;
-    ::waitpid(child.pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      all_exited_cleanly = false;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    auto child = std::find_if(children.begin(), children.end(), [pid](const Child& c) { return c.pid == pid; });
+    if (child == children.end()) continue;
+    --running;
+    child->pid = -1;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    {
       std::lock_guard lock(mutex);
-      failures.push_back(child.name + " exited with status " + std::to_string(status));
+      failures.push_back(child->name + " exited with status " + std::to_string(status));
     }
+    if (all_exited_cleanly) {
+      for (const Child& other : children) {
+        if (other.pid > 0) ::kill(other.pid, SIGTERM);
+      }
+    }
+    all_exited_cleanly = false;
   }
   for (std::thread& reader : readers) reader.join();
 

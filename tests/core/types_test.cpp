@@ -100,3 +100,28 @@ TEST(SipHash128, MatchesTheReferenceVectors) {
   EXPECT_EQ(th::siphash128(key, {message, 2}),
             words({0x81, 0x77, 0x22, 0x8d, 0xa4, 0xa4, 0x5d, 0xc7, 0xfc, 0xa3, 0x8b, 0xde, 0xf6, 0x0a, 0xff, 0xe4}));
 }
+
+namespace th {
+namespace {
+
+TEST(Names, AreUtf8TextWithoutControlCharacters) {
+  EXPECT_TRUE(valid_name("rollout-17", false));
+  EXPECT_TRUE(valid_name("数据中心-東", false));                 // 3-byte characters
+  EXPECT_TRUE(valid_name("r\xF0\x9F\x9A\x80", false));            // U+1F680, 4 bytes
+  EXPECT_TRUE(valid_name("", true));
+  EXPECT_FALSE(valid_name("", false));
+  EXPECT_FALSE(valid_name(std::string(limits::kNameBytesMax + 1, 'a'), false));
+  EXPECT_FALSE(valid_name("tab\there", false));
+  EXPECT_FALSE(valid_name("esc\x1b[2J", false));                  // terminal escapes
+  EXPECT_FALSE(valid_name("del\x7f", false));
+  EXPECT_FALSE(valid_name("ro\xff", false));                      // not UTF-8
+  EXPECT_FALSE(valid_name("tr\xc3\x28", false));                  // a lead without its continuation
+  EXPECT_FALSE(valid_name("\xc0\xaf", false));                    // overlong '/'
+  EXPECT_FALSE(valid_name("\xe0\x80\xaf", false));                // overlong, 3 bytes
+  EXPECT_FALSE(valid_name("\xed\xa0\x80", false));                // a surrogate
+  EXPECT_FALSE(valid_name("\xf4\x90\x80\x80", false));            // past U+10FFFF
+  EXPECT_FALSE(valid_name("cut\xe6\x95", false));                 // truncated at the end
+}
+
+}  // namespace
+}  // namespace th

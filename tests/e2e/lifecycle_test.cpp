@@ -56,7 +56,7 @@ TEST_F(Lifecycle, SigtermDrainsTheServerAndItsClientsFailOverToTheBackupAtOnce) 
   EXPECT_EQ(servers_[0]->wait_exit(kStepMs), 0) << servers_[0]->describe();
   const std::string said = read_file(log);
   EXPECT_NE(said.find(" info  lifecycle: signal 15: draining"), std::string::npos) << said;
-  EXPECT_NE(said.find("lifecycle: draining: telling 2 connection(s) to fail over"), std::string::npos) << said;
+  EXPECT_NE(said.find("lifecycle: draining: closing 2 connection(s) (clients told to fail over)"), std::string::npos) << said;
   EXPECT_NE(said.find("lifecycle: drained: every connection closed"), std::string::npos) << said;
   EXPECT_NE(said.find("lifecycle: stopped"), std::string::npos) << said;
   // Each client heard why, rather than finding a closed connection.

@@ -110,27 +110,52 @@ TEST(MetricsHttp, ServesTheRenderedTextOnMetricsAndNothingElse) {
   EXPECT_EQ(renders.load(), 2);  // only the two scrapes rendered
 }
 
-TEST(MetricsHttp, IdleConnectionsBeyondTheLimitAreClosedAndScrapesGoOnAfterwards) {
-  auto started = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string("th_up 1\n"); });
+TEST(MetricsHttp, ANewConnectionPastTheLimitClosesTheOldestSoIdleOnesCannotLockScrapersOut) {
+  const MetricsHttpLimits limits{4, 20};
+  auto started = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string("th_up 1\n"); }, limits);
   ASSERT_TRUE(started.ok());
   const std::string address = started.value()->address();
   std::vector<Fd> idle;
-  for (std::size_t i = 0; i < MetricsHttpServer::kConnectionsMaxDefault; ++i) {
+  for (std::size_t i = 0; i < limits.connections_max; ++i) {
     idle.push_back(connect_tcp(parse_endpoint(address), 5000));
+    set_io_timeout(idle.back(), 5000);
   }
-  // One more: accepted and closed at once (recv sees the end), not left hanging.
-  Fd extra = connect_tcp(parse_endpoint(address), 5000);
-  timeval timeout{5, 0};
-  ::setsockopt(extra.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  // A scraper gets in (the oldest idle connection is closed for it) ...
+  EXPECT_EQ(http(address, "GET /metrics HTTP/1.1\r\n").body, "th_up 1\n");
   char byte = 0;
-  EXPECT_EQ(::recv(extra.get(), &byte, 1, 0), 0);
-  idle.clear();  // the idle ones leave
-  // Their slots come back as the server sees them close.
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    if (http(address, "GET /metrics HTTP/1.1\r\n").body == "th_up 1\n") return;
-    ::usleep(20'000);
+  EXPECT_FALSE(recv_all_or_eof(idle.front(), &byte, 1)) << "the oldest idle connection was closed";
+  // ... and the newest idle ones are still served.
+  const std::string request = "GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n";
+  send_all(idle.back(), request.data(), request.size());
+  std::string head;
+  while (head.find("\r\n\r\n") == std::string::npos && recv_all_or_eof(idle.back(), &byte, 1)) head += byte;
+  EXPECT_EQ(head.substr(0, head.find("\r\n")), "HTTP/1.1 200 OK");
+}
+
+TEST(MetricsHttp, RequestsPastTheBudgetWaitTheirTurnAndAreAllAnswered) {
+  int renders = 0;  // (rendered on the endpoint's thread; read after it stopped)
+  {
+    auto started = MetricsHttpThread::start("127.0.0.1:0", [&renders] {
+      ++renders;
+      return std::string("th_up 1\n");
+    }, MetricsHttpLimits{16, 4});
+    ASSERT_TRUE(started.ok());
+    // Eight requests pipelined on one connection, twice the budget's burst: all answered, in order.
+    Fd socket = connect_tcp(parse_endpoint(started.value()->address()), 5000);
+    set_io_timeout(socket, 10'000);
+    std::string requests;
+    for (int i = 0; i < 8; ++i) requests += "GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n";
+    send_all(socket, requests.data(), requests.size());
+    int answered = 0;
+    std::string reply;
+    char byte = 0;
+    while (answered < 8 && recv_all_or_eof(socket, &byte, 1)) {
+      reply += byte;
+      if (reply.size() >= 8 && reply.compare(reply.size() - 8, 8, "th_up 1\n") == 0) ++answered;
+    }
+    EXPECT_EQ(answered, 8);
   }
-  ADD_FAILURE() << "no scrape succeeded after the idle connections closed";
+  EXPECT_EQ(renders, 8);
 }
 
 TEST(MetricsHttp, AnAddressThatCannotBeBoundIsAClearError) {

@@ -39,6 +39,10 @@ bool printable_utf8(std::string_view text) {
     const bool overlong = (length == 3 && code < 0x800) || (length == 4 && code < 0x10000);
     const bool surrogate = code >= 0xD800 && code <= 0xDFFF;
     if (overlong || surrogate || code > 0x10FFFF) return false;
+    const bool c1_control = code >= 0x80 && code <= 0x9F;
+    const bool invisible_or_bidi = (code >= 0x200B && code <= 0x200F) || (code >= 0x2028 && code <= 0x202E) ||
+                                   (code >= 0x2066 && code <= 0x2069) || code == 0xFEFF;
+    if (c1_control || invisible_or_bidi) return false;
     i += length;
   }
   return true;

@@ -31,8 +31,9 @@ using ShardSet = std::bitset<limits::kShardsMax>;
 // without control characters; empty only where the field is optional. (Names show in logs, in
 // th-ctl's tables and JSON, in the timeline's JSON and in Prometheus labels, which all need text.)
 bool valid_name(std::string_view name, bool may_be_empty);
-// Well-formed UTF-8 (no overlong forms, no surrogates, at most U+10FFFF) without C0 control
-// characters or DEL.
+// Well-formed UTF-8 (no overlong forms, no surrogates, at most U+10FFFF) without control
+// characters (C0, DEL, C1), line or paragraph separators, bidirectional formatting characters
+// (which make a name read as another) or the zero-width no-break space / byte order mark.
 bool printable_utf8(std::string_view text);
 
 // ---- Version selectors: `N`, `latest`, `latest-k` -------------------------------------------------

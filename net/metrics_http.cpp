@@ -41,8 +41,9 @@ class MetricsHttpServer::Service final : public kj::HttpService {
     const What what = !allowed ? What::kNotAllowed : bare == "/metrics" ? What::kMetrics
                                                     : bare == "/"       ? What::kIndex
                                                                         : What::kNotFound;
-    return owner_.request_turn().then([this, what, head, &response]() -> kj::Promise<void> {
+    return owner_.request_turn().then([this, what, head, &response](bool admitted) -> kj::Promise<void> {
       kj::HttpHeaders headers(owner_.header_table_);
+      if (!admitted) return response.sendError(503, "Service Unavailable", headers);
       if (what == What::kNotAllowed) return response.sendError(405, "Method Not Allowed", headers);
       if (what == What::kNotFound) return response.sendError(404, "Not Found", headers);
       std::string body;
@@ -115,17 +116,52 @@ MetricsHttpServer::~MetricsHttpServer() = default;
 
 kj::Promise<void> MetricsHttpServer::serve(kj::ConnectionReceiver& listener) { return accept_loop(listener); }
 
-kj::Promise<void> MetricsHttpServer::request_turn() {
+void MetricsHttpServer::refill() {
   const kj::TimePoint now = timer_.now();
   tokens_ = std::min(limits_.requests_per_s_max,
                      tokens_ + limits_.requests_per_s_max * static_cast<double>((now - refilled_) / kj::NANOSECONDS) / 1e9);
   refilled_ = now;
-  // A token may go negative: each request waits for the token it took (requests queue in order).
-  tokens_ -= 1;
-  if (tokens_ >= 0) return kj::READY_NOW;
+}
+
+kj::Promise<bool> MetricsHttpServer::request_turn() {
+  refill();
+  if (waiters_.empty() && tokens_ >= 1) {
+    tokens_ -= 1;
+    return true;
+  }
+  if (waiters_.size() >= limits_.connections_max) {
+    // Requests whose connection went (closed for a newer one) hold no place.
+    std::erase_if(waiters_, [](auto& waiter) { return !waiter->isWaiting(); });
+    if (waiters_.size() >= limits_.connections_max) {
+      ++requests_shed_;
+      return false;
+    }
+  }
   ++requests_delayed_;
-  const auto wait_ns = static_cast<std::int64_t>(-tokens_ / limits_.requests_per_s_max * 1e9);
-  return timer_.afterDelay(wait_ns * kj::NANOSECONDS);
+  auto turn = kj::newPromiseAndFulfiller<void>();
+  waiters_.push_back(kj::mv(turn.fulfiller));
+  if (!dispensing_) {
+    dispensing_ = true;
+    tasks_.add(dispense_turns());
+  }
+  return turn.promise.then([] { return true; });
+}
+
+kj::Promise<void> MetricsHttpServer::dispense_turns() {
+  refill();
+  while (!waiters_.empty() && (tokens_ >= 1 || !waiters_.front()->isWaiting())) {
+    auto waiter = kj::mv(waiters_.front());
+    waiters_.pop_front();
+    if (!waiter->isWaiting()) continue;  // its connection went: it takes no turn
+    tokens_ -= 1;
+    waiter->fulfill();
+  }
+  if (waiters_.empty()) {
+    dispensing_ = false;
+    return kj::READY_NOW;
+  }
+  const auto wait_ns = static_cast<std::int64_t>((1 - tokens_) / limits_.requests_per_s_max * 1e9) + 1;
+  return timer_.afterDelay(wait_ns * kj::NANOSECONDS).then([this] { return dispense_turns(); });
 }
 
 kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listener) {
@@ -152,7 +188,8 @@ kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listene
 }
 
 void MetricsHttpServer::taskFailed(kj::Exception&&) {
-  // (Only the deferred map erasures run here; they do not fail.)
+  // (Only the deferred map erasures and the turn dispenser run here; neither fails.)
+  dispensing_ = false;
 }
 
 Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::string& address,

@@ -4,8 +4,11 @@
 // network needs, since it runs on the owner's event loop (th-server's one thread: the control
 // plane must not starve behind it):
 //   - requests: at most `requests_per_s_max` answered a second (a burst of one second's worth);
-//     a request past it waits for its turn on a timer, so a flood of pipelined requests costs
-//     the loop that many renders a second and leaves it idle in between;
+//     a request past it waits for its turn, first come first served, so a flood of pipelined
+//     requests costs the loop that many renders a second and leaves it idle in between. A turn
+//     is taken only when the request is answered (one whose connection went meanwhile takes
+//     none), and at most `connections_max` wait: past that a request is answered 503 at once, so
+//     no burst can build a queue that outlives it;
 //   - connections: at most `connections_max`; a new one closes the oldest (a scraper that holds a
 //     connection idle cannot lock the others out); a request must arrive within 5 s;
 //   - only GET/HEAD of /metrics and / are answered (404, 405 otherwise); malformed requests get 400
@@ -18,6 +21,7 @@
 #include <kj/compat/http.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -49,13 +53,16 @@ class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
   std::uint64_t connections_evicted() const { return connections_evicted_; }
   std::uint64_t requests_delayed() const { return requests_delayed_; }
   std::uint64_t bad_requests() const { return bad_requests_; }
+  std::uint64_t requests_shed() const { return requests_shed_; }  // answered 503: too many waiting
 
  private:
   class Service;
   class Errors;
   kj::Promise<void> accept_loop(kj::ConnectionReceiver& listener);
-  // Resolves when a request may be answered (the request budget).
-  kj::Promise<void> request_turn();
+  // Resolves when a request may be answered (true), or at once with false when too many wait.
+  kj::Promise<bool> request_turn();
+  kj::Promise<void> dispense_turns();
+  void refill();
   void taskFailed(kj::Exception&& exception) override;
 
   kj::Timer& timer_;
@@ -65,6 +72,9 @@ class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
   std::uint64_t connections_evicted_ = 0;
   std::uint64_t requests_delayed_ = 0;
   std::uint64_t bad_requests_ = 0;
+  std::uint64_t requests_shed_ = 0;
+  std::deque<kj::Own<kj::PromiseFulfiller<void>>> waiters_;  // requests waiting for a turn, in order
+  bool dispensing_ = false;
   // The request budget: tokens, refilled at requests_per_s_max, at most one second's worth.
   double tokens_;
   kj::TimePoint refilled_;

@@ -9,7 +9,8 @@
 
 namespace th::net {
 
-// A token file holds one token per line (trailing whitespace ignored, empty lines skipped). A client
+// A token file (a regular file) holds one token per line (blanks around it, a byte order mark and
+// empty lines ignored). A client
 // presents the first; th-server accepts any of them, so that a token can be rotated: add the new
 // line, SIGHUP th-server, move the clients over, remove the old line, SIGHUP again.
 // kInvalidArgument if the file is unreadable or holds no token.

@@ -873,6 +873,7 @@ std::string HubService::render_metrics() const {
     shell.scrape_connections_evicted = metrics_http_->connections_evicted();
     shell.scrape_requests_delayed = metrics_http_->requests_delayed();
     shell.scrape_bad_requests = metrics_http_->bad_requests();
+    shell.scrape_requests_shed = metrics_http_->requests_shed();
   }
   return metrics_.render(hub_, shell);
 }

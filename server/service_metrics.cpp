@@ -131,10 +131,11 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.family("th_server_uptime_seconds", Type::kGauge, "Seconds since th-server started");
   out.sample({}, shell.uptime_seconds);
   out.family("th_server_metrics_requests_total", Type::kCounter,
-             "Requests to this endpoint: scrapes answered, delayed past the request budget, malformed");
+             "Requests to this endpoint: scrapes answered, delayed past the request budget, malformed, shed (503: too many waiting)");
   out.sample({{"kind", "scrape"}}, static_cast<double>(shell.scrapes));
   out.sample({{"kind", "delayed"}}, static_cast<double>(shell.scrape_requests_delayed));
   out.sample({{"kind", "malformed"}}, static_cast<double>(shell.scrape_bad_requests));
+  out.sample({{"kind", "shed"}}, static_cast<double>(shell.scrape_requests_shed));
   out.family("th_server_metrics_connections_evicted_total", Type::kCounter,
              "Connections to this endpoint closed to admit a newer one (more than 16 at once)");
   out.sample({}, static_cast<double>(shell.scrape_connections_evicted));

@@ -32,6 +32,7 @@ struct ShellFigures {
   std::uint64_t scrape_connections_evicted = 0;
   std::uint64_t scrape_requests_delayed = 0;
   std::uint64_t scrape_bad_requests = 0;
+  std::uint64_t scrape_requests_shed = 0;
 };
 
 class ServiceMetrics {

@@ -121,6 +121,13 @@ TEST(Names, AreUtf8TextWithoutControlCharacters) {
   EXPECT_FALSE(valid_name("\xed\xa0\x80", false));                // a surrogate
   EXPECT_FALSE(valid_name("\xf4\x90\x80\x80", false));            // past U+10FFFF
   EXPECT_FALSE(valid_name("cut\xe6\x95", false));                 // truncated at the end
+  EXPECT_FALSE(valid_name("nel\xc2\x85", false));                // U+0085, a C1 control
+  EXPECT_FALSE(valid_name("csi\xc2\x9b", false));                // U+009B
+  EXPECT_FALSE(valid_name("a\xe2\x80\xa8" "b", false));             // U+2028 line separator
+  EXPECT_FALSE(valid_name("evil\xe2\x80\xaegnp", false));        // U+202E right-to-left override
+  EXPECT_FALSE(valid_name("zero\xe2\x80\x8bwidth", false));      // U+200B
+  EXPECT_FALSE(valid_name("\xef\xbb\xbf" "bom", false));            // U+FEFF
+  EXPECT_TRUE(valid_name("caf\xc3\xa9", false));                 // U+00E9 is text
 }
 
 }  // namespace

@@ -108,6 +108,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Framed connections over plain TCP do their own socket I/O on `port`, the loop's (net/frames.h).
   // Call before serve(); without it they go through kj's streams.
   void use_event_port(kj::UnixEventPort& port) { event_port_ = &port; }
+  // ---- Operations (server/operations.cpp) ----
   // Serves Prometheus metrics (GET /metrics) on `listener`, on this loop, until destroyed.
   void serve_metrics(kj::ConnectionReceiver& listener);
   std::string render_metrics() const;

@@ -78,7 +78,7 @@ void ServiceMetrics::on_request(const Request& request, double step_seconds, std
     pending_.clear();
     return;
   }
-  pending_[request.client] = Pending{request.seq, op, arrival_us, step_seconds, false};
+  pending->second = Pending{request.seq, op, arrival_us, step_seconds, false};  // a new call
 }
 
 void ServiceMetrics::on_reply(ClientId client, const Reply& reply, std::int64_t now_us) {

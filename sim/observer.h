@@ -97,6 +97,7 @@ class Observer {
   bool retained(const std::string& model, Version version) const;
   std::size_t safe_holders(const std::string& model, Version version, const ReplicaInfo* except) const;
   void drop_grants_of(ClientId client);
+  std::map<Grant, ServeRead>::iterator first_grant_of(ClientId client);
   // A shard left (close, eviction). When the last one leaves, the hub forgets the replica, and a
   // later open with the same name and incarnation starts a new one: its answers start afresh.
   void leave(ClientId client);

@@ -11,6 +11,7 @@
 #include <queue>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 #include <vector>
 
 #include "core/agent.h"
@@ -34,6 +35,7 @@ constexpr TimeMs kGrantGraceMs = 2000;
 constexpr std::size_t kTensorBytes[] = {40, 24};  // the real buffer of a shard: two tensors
 constexpr std::size_t kBufferBytes = 64;
 constexpr std::uint64_t kEventsMax = 200'000'000;  // a run that needs more has a bug
+constexpr TimeMs kNeverMs = TimeMs{1} << 60;  // a preempted plan replica's "restart"
 
 // The byte at `offset` of shard `shard` of `version` of model `model`: a mix-up of any of them shows.
 std::uint8_t content(int model, Version version, std::uint32_t shard, std::size_t offset) {
@@ -82,6 +84,7 @@ struct Replica {
   Version next_version = 1;         // trainers: what a restarted trainer publishes next
   std::optional<Version> final_target;  // trainers, liveness phase: stop once this is published
   std::vector<ClientId> dead_clients;   // while crashed: the clients its processes had
+  std::uint32_t join_batch = 0;         // plan: a spot replica that joins later (0: from the start)
 };
 
 // The program of one simulated worker. Trainers publish, (sometimes wait for their rollouts or
@@ -110,6 +113,9 @@ struct App {
   TimeMs replicate_timeout_ms = 0;
   bool waiting_for_peers = false;    // the collective after the last call has not completed
   std::optional<Version> final_target;  // liveness: a trainer stops once it published this
+  // A plan's rollout: the next version is out (update now), and the update time spent on it so far.
+  bool plan_version_out = false;
+  TimeMs plan_stall_ms = 0;
 };
 
 // A number every shard of a replica computes alike at the same place of its program (SPMD), to
@@ -144,6 +150,8 @@ struct Worker {
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
   // The host and its network.
   bool straggler = false;
+  double nic_factor = 1;      // plan: this GPU's share of its NIC rate (nic_jitter)
+  std::uint32_t node = 0;     // the machine it runs on (its NIC across datacenters is shared)
   TimeMs clogged_until = 0;
   TimeMs cut_up_until = 0;    // messages to the server are lost
   TimeMs cut_down_until = 0;  // messages from the server are lost
@@ -219,7 +227,8 @@ class Simulation {
         knobs_(options.knobs),
         rng_(options.seed ^ 0x5DEECE66DULL),
         trace_(!options.trace_path.empty()),
-        observer_(knobs_.fanout) {
+        observer_(knobs_.fanout),
+        plan_(options_.plan ? &*options_.plan : nullptr) {
     HubSettings settings;
     settings.heartbeat_timeout_ms = knobs_.heartbeat_timeout_ms;
     settings.barrier_timeout_ms = kBarrierTimeoutMs;
@@ -234,16 +243,28 @@ class Simulation {
 
   SimResult run() {
     try {
+      if (plan_ != nullptr) {
+        TH_ASSERT(plan_->versions >= 1 && plan_->gpus_per_node >= 1 && plan_->check_every >= 1);
+        TH_ASSERT(knobs_.models == 1, "a plan is of one model");
+        faults_on_ = false;  // a plan measures; it injects nothing (the knobs' faults are unused)
+      }
       build_fleet();
-      schedule(knobs_.safety_ms, Event(EventKind::kHeal));
-      schedule(knobs_.safety_ms + knobs_.liveness_ms, Event(EventKind::kEnd));
+      if (plan_ != nullptr) {
+        // The bound: every version's cycle, then the liveness phase for the last transfers.
+        schedule(static_cast<TimeMs>(plan_->versions) * (plan_->hold_ms + plan_->train_ms) +
+                     knobs_.liveness_ms,
+                 Event(EventKind::kEnd));
+      } else {
+        schedule(knobs_.safety_ms, Event(EventKind::kHeal));
+        schedule(knobs_.safety_ms + knobs_.liveness_ms, Event(EventKind::kEnd));
+        schedule(kFaultTickMs, Event(EventKind::kFaultTick));
+      }
       schedule(kHubTickMs, Event(EventKind::kHubTick, 0));
       schedule(kHubTickMs, Event(EventKind::kHubTick, 1));
-      schedule(kFaultTickMs, Event(EventKind::kFaultTick));
-      if (knobs_.server_crash) {
+      if (knobs_.server_crash && plan_ == nullptr) {
         server_crash_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms / 2);
       }
-      if (knobs_.preemption_storm) {
+      if (knobs_.preemption_storm && plan_ == nullptr) {
         storm_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms / 2);
       }
       while (!heap_.empty() && !finished_) {
@@ -265,6 +286,13 @@ class Simulation {
     }
     result_.virtual_ms = now_;
     result_.trace_hash = trace_.hash();
+    if (plan_ != nullptr) {
+      result_.plan.replicas.reserve(replicas_.size());
+      for (std::size_t r = 0; r < replicas_.size(); ++r) {
+        result_.plan.replicas.push_back(
+            {replicas_[r].name, replicas_[r].datacenter, replicas_[r].trainer, replicas_[r].spot});
+      }
+    }
     if (!options_.trace_path.empty()) {
       const Status written = trace_.write(options_.trace_path);
       if (!written.ok() && result_.ok) fail(written.error().detail);
@@ -352,10 +380,11 @@ class Simulation {
         replica.name = model + "-trainer" + std::to_string(t);
         replica.datacenter = "dc0";
         replica.trainer = true;
+        if (plan_ != nullptr) replica.final_target = plan_->versions;
         // Trainers keep what rollouts follow: latest-k when they lag by k, else latest or nothing.
         if (knobs_.off_by > 0) {
           replica.retention.keep_latest = knobs_.off_by;
-        } else if (rng_.chance(0.6)) {
+        } else if (plan_ == nullptr && rng_.chance(0.6)) {
           replica.retention.keep_latest = static_cast<std::uint64_t>(rng_.range(0, 1));
         }
         add_replica(std::move(replica));
@@ -369,6 +398,9 @@ class Simulation {
             r >= knobs_.rollouts - knobs_.remote_rollouts
                 ? "dc" + std::to_string(1 + r % knobs_.remote_datacenters)
                 : "dc0";
+        if (plan_ != nullptr && replica.spot && plan_->spot_join_every > 0) {
+          replica.join_batch = 1 + r / std::max<std::uint32_t>(1, plan_->spot_join_batch);
+        }
         add_replica(std::move(replica));
       }
     }
@@ -376,10 +408,19 @@ class Simulation {
 
   void add_replica(Replica replica) {
     const int index = static_cast<int>(replicas_.size());
+    // Machines: a replica's shards fill GPUs in order; a new role or datacenter takes a new machine.
+    const std::uint32_t gpus_per_node = plan_ != nullptr ? plan_->gpus_per_node : 1;
+    if (!replicas_.empty() && (replicas_.back().trainer != replica.trainer ||
+                               replicas_.back().datacenter != replica.datacenter)) {
+      gpus_placed_ = (gpus_placed_ + gpus_per_node - 1) / gpus_per_node * gpus_per_node;
+    }
+    replica_index_.emplace(replica.name, index);
     for (std::uint32_t shard = 0; shard < knobs_.shards; ++shard) {
       Worker worker;
       worker.replica = index;
       worker.shard = shard;
+      worker.node = gpus_placed_++ / gpus_per_node;
+      if (plan_ != nullptr) worker.nic_factor = plan_nic_factor(options_.seed, workers_.size(), plan_->nic_jitter);
       worker.straggler = rng_.chance(knobs_.straggler_fraction);
       worker.skew_ppm = knobs_.clock_skew_ppm == 0 ? 0 : rng_.range(-knobs_.clock_skew_ppm, knobs_.clock_skew_ppm);
       worker.clock_offset_ms = rng_.range(0, 100'000);
@@ -390,12 +431,20 @@ class Simulation {
                             ", " + replica.datacenter + ")");
       workers_.push_back(std::move(worker));
     }
+    nodes_ = std::max(nodes_, (gpus_placed_ + gpus_per_node - 1) / gpus_per_node);
+    const bool joins_later = replica.join_batch > 0;
     replicas_.push_back(std::move(replica));
+    if (plan_ != nullptr) {
+      if (!joins_later) start_replica(index, 0);  // a plan starts everyone together (a burst)
+      return;
+    }
     start_replica(index, rng_.range(0, 2000));
   }
 
   void start_replica(int index, TimeMs delay_ms) {
-    for (int w : replicas_[index].workers) start_worker(w, delay_ms + rng_.range(0, 200));
+    for (int w : replicas_[index].workers) {
+      start_worker(w, delay_ms + (plan_ != nullptr ? 0 : rng_.range(0, 200)));
+    }
   }
 
   // A new process for the worker: a fresh agent (under a new client id) and a fresh program.
@@ -680,7 +729,9 @@ class Simulation {
     const auto* report = std::get_if<Report>(&input);
     const bool heartbeat_only = report != nullptr && std::holds_alternative<Heartbeat>(report->body) &&
                                 hub_effects_.empty();
-    if (!heartbeat_only) hub.check_invariants();
+    if (!heartbeat_only && (plan_ == nullptr || ++hub_checks_skipped_ % plan_->check_every == 0)) {
+      hub.check_invariants();
+    }
     // The observer follows the server that serves: the primary, then the backup after a failover.
     const bool active = server == (servers_alive_[0] ? 0 : 1);
     if (active) {
@@ -748,18 +799,17 @@ class Simulation {
   // The process that serves shard `shard` of this incarnation of the replica, if it still runs.
   std::optional<int> clients_of_replica(const std::string& name, std::uint64_t incarnation,
                                         std::uint32_t shard) const {
-    for (const Replica& replica : replicas_) {
-      if (replica.name != name) continue;
-      const int w = replica.workers[shard];
-      const Worker& worker = workers_[w];
-      if (!worker.alive || worker.agent->incarnation() != incarnation) return std::nullopt;
-      return w;
-    }
-    return std::nullopt;
+    auto found = replica_index_.find(name);
+    if (found == replica_index_.end()) return std::nullopt;
+    const int w = replicas_[found->second].workers[shard];
+    const Worker& worker = workers_[w];
+    if (!worker.alive || worker.agent->incarnation() != incarnation) return std::nullopt;
+    return w;
   }
 
-  std::uint64_t bandwidth(const Worker& worker) const {
-    return worker.straggler ? knobs_.nic_bytes_per_ms / 10 : knobs_.nic_bytes_per_ms;
+  double bandwidth(const Worker& worker) const {
+    const std::uint64_t nic = worker.straggler ? knobs_.nic_bytes_per_ms / 10 : knobs_.nic_bytes_per_ms;
+    return static_cast<double>(nic) * worker.nic_factor;
   }
 
   void data_tick() {
@@ -767,20 +817,26 @@ class Simulation {
       data_tick_scheduled_ = false;
       return;
     }
-    std::map<int, int> uploads;
-    std::map<int, int> downloads;
-    int remote = 0;
+    // Every flow's share of each NIC it crosses, counted at the start of the tick.
+    uploads_.assign(workers_.size(), 0);
+    downloads_.assign(workers_.size(), 0);
+    remote_up_.assign(nodes_, 0);
+    remote_down_.assign(nodes_, 0);
+    remote_flows_ = 0;
+    tick_keys_.clear();
     for (const auto& [key, flow] : flows_) {
-      ++uploads[flow.source];
-      ++downloads[flow.reader];
-      remote += flow.remote ? 1 : 0;
+      tick_keys_.push_back(key);
+      if (flow.source >= 0) ++uploads_[flow.source];
+      ++downloads_[flow.reader];
+      if (!flow.remote) continue;
+      ++remote_flows_;
+      if (flow.source >= 0) ++remote_up_[workers_[flow.source].node];
+      ++remote_down_[workers_[flow.reader].node];
     }
-    std::vector<std::pair<int, TransferId>> keys;
-    for (const auto& [key, flow] : flows_) keys.push_back(key);
-    for (const auto& key : keys) {
+    for (const auto& key : tick_keys_) {
       auto found = flows_.find(key);
       if (found == flows_.end()) continue;
-      advance_flow(found->second, uploads, downloads, remote);
+      advance_flow(found->second);
     }
     schedule(now_ + kDataTickMs, Event(EventKind::kDataTick));
   }
@@ -802,11 +858,22 @@ class Simulation {
                     R"(,"partial_source":)" + (read.source.partial ? "true" : "false") +
                     R"(,"failed":)" + (failure ? "true" : "false") + "}");
     trace_.mix(read.transfer << 16 | read.epoch << 1 | (failure ? 1 : 0));
+    if (plan_ != nullptr && !failure) {
+      (flow.remote ? result_.plan.bytes_cross : result_.plan.bytes_local) += knobs_.shard_bytes;
+      if (!flow.remote && read.source.kind == CopyKind::kOffload) {
+        result_.plan.bytes_offload_local += knobs_.shard_bytes;
+      }
+      if (auto source = replica_index_.find(read.source.replica); source != replica_index_.end()) {
+        result_.plan.reads.push_back({read.version, static_cast<std::uint32_t>(source->second),
+                                      static_cast<std::uint32_t>(workers_[reader].replica), read.shard,
+                                      flow.remote,
+                                      read.source.kind == CopyKind::kOffload});
+      }
+    }
     agent_step(reader, ReadFinished{read.transfer, read.epoch, failure});
   }
 
-  void advance_flow(Flow& flow, std::map<int, int>& uploads, std::map<int, int>& downloads,
-                    int remote) {
+  void advance_flow(Flow& flow) {
     Worker& reader = workers_[flow.reader];
     if (!reader.alive) {
       flows_.erase({flow.reader, flow.read.transfer});
@@ -839,9 +906,21 @@ class Simulation {
       flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
       return;
     }
-    double rate = std::min(static_cast<double>(bandwidth(source)) / uploads[flow.source],
-                           static_cast<double>(bandwidth(reader)) / downloads[flow.reader]);
-    if (flow.remote) rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote);
+    double rate = std::min(bandwidth(source) / uploads_[flow.source],
+                           bandwidth(reader) / downloads_[flow.reader]);
+    if (flow.remote && knobs_.remote_bytes_per_ms > 0) {
+      rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote_flows_);
+    }
+    if (flow.remote && plan_ != nullptr && plan_->node_remote_bytes_per_ms > 0) {
+      const auto node_rate = static_cast<double>(plan_->node_remote_bytes_per_ms);
+      rate = std::min({rate, node_rate / remote_up_[source.node], node_rate / remote_down_[reader.node]});
+    }
+    if (flow.remote && plan_ != nullptr && plan_->remote_flow_bytes_per_ms > 0) {
+      rate = std::min(rate, static_cast<double>(plan_->remote_flow_bytes_per_ms));
+    }
+    if (flow.source == flow.reader && plan_ != nullptr && plan_->local_copy_bytes_per_ms > 0) {
+      rate = static_cast<double>(plan_->local_copy_bytes_per_ms);  // over PCIe, not the NIC
+    }
     // What the source can give: all of an offload copy; of its buffers, the prefix it holds of the
     // version (a partial source: what it has received so far). A buffer that holds another version
     // gives its bytes too, as a real one-sided read would: the checks below catch that.
@@ -1006,6 +1085,7 @@ class Simulation {
         call(w, UnpublishRequest{}, "unpublish");
         return;
       case App::Next::kUpdate:
+        if (plan_ != nullptr) return plan_rollout_call(w);
         rollout_call(w);
         return;
       case App::Next::kReplicate:
@@ -1185,17 +1265,20 @@ class Simulation {
       if (error == nullptr || announced) {
         // Published (after a failover the copy may have been announced already).
         ++result_.versions;
+        if (plan_ != nullptr && app.version > published_[replica.model]) plan_published(app.version);
         replica.next_version = std::max(replica.next_version, app.version + 1);
         published_[replica.model] = std::max(published_[replica.model], app.version);
         if (app.final_target && app.version >= *app.final_target) {
           app.next = App::Next::kDone;  // liveness: hold the final version published
+          if (plan_ != nullptr) plan_check_finished();
           return;
         }
         // Now and then (while faults are on) a query first; the same on every shard.
         const std::uint64_t choice = program_choice(worker.replica, replica_of(w).incarnation,
                                                     worker.agent->starts(), worker.agent->last_seq());
         app.next = faults_on_ && choice % 4 == 0 ? App::Next::kQuery : App::Next::kUnpublish;
-        wake_app(w, jitter(w, knobs_.colocated ? 1000 : 300, knobs_.colocated ? 4000 : 2000));
+        wake_app(w, plan_ != nullptr ? plan_->hold_ms
+                                     : jitter(w, knobs_.colocated ? 1000 : 300, knobs_.colocated ? 4000 : 2000));
       } else if (error->code == Errc::kAlreadyHolding) {
         app.next = App::Next::kUnpublish;  // the hub lists another version of ours: drop it first
         wake_app(w, jitter(w, 200, 1000));
@@ -1212,13 +1295,109 @@ class Simulation {
       wake_app(w, jitter(w, 200, 1000));
       return;
     }
+    if (plan_ != nullptr) {
+      // The trainer's stall for this version: its unpublish waits for reads still draining.
+      result_.plan.stalls.push_back({app.version, static_cast<std::uint32_t>(worker.replica),
+                                     worker.shard, now_ - app.call_started_ms});
+    }
     ++app.version;
     write_version(w, app.version);
     app.next = App::Next::kPublish;
-    wake_app(w, jitter(w, 300, 2000));
+    wake_app(w, plan_ != nullptr ? plan_->train_ms : jitter(w, 300, 2000));
+  }
+
+  // ---- a capacity plan's loop (PlanLoop) ----
+
+  // A version is out for the first time: the spot batches due now join, or all spot rollouts go.
+  void plan_published(Version version) {
+    if (result_.plan.published_ms.size() <= version) result_.plan.published_ms.resize(version + 1, 0);
+    result_.plan.published_ms[version] = now_;
+    for (std::size_t r = 0; r < replicas_.size(); ++r) {
+      Replica& replica = replicas_[r];
+      if (replica.join_batch > 0 && 1 + replica.join_batch * plan_->spot_join_every <= version) {
+        replica.join_batch = 0;
+        if (plan_->spot_leave_version > 0 && version >= plan_->spot_leave_version) {
+          replica.crashed = true;  // its machine went before it came: it never starts
+          continue;
+        }
+        start_replica(static_cast<int>(r), 0);
+      }
+      if (plan_->spot_leave_version == version && replica.spot && !replica.crashed &&
+          replica.join_batch == 0) {
+        crash(static_cast<int>(r), kNeverMs, /*fault=*/false);  // preempted: it does not come back
+      }
+    }
+  }
+
+  // Wait for the next version (not stall: generation would wait for the trainer anyway), then
+  // update until it arrives.
+  void plan_rollout_call(int w) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    const Version held = app.told.value_or(0);
+    const Version last = plan_->versions > knobs_.off_by ? plan_->versions - knobs_.off_by : 1;
+    if (held >= last) {
+      app.next = App::Next::kDone;
+      plan_check_finished();
+      return;
+    }
+    if (!app.plan_version_out) {
+      call(w, WaitRequest{{WaitPredicate::Kind::kVersionAtLeast, held + 1 + knobs_.off_by, 1, ""}, 0},
+           "wait for v" + std::to_string(held + 1 + knobs_.off_by));
+      return;
+    }
+    call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+  }
+
+  void plan_rollout_done(int w, const Outcome& outcome) {
+    Worker& worker = workers_[w];
+    App& app = worker.app;
+    app.next = App::Next::kUpdate;
+    if (const auto* error = std::get_if<Error>(&outcome)) {
+      // A plan injects no faults: a failed call is a finding, not weather.
+      throw Violation("plan: " + replica_of(w).name + "/" + std::to_string(worker.shard) + "'s " +
+                      app.call_name + " failed: " + std::string(errc_name(error->code)) + " (" +
+                      error->detail + ")");
+    }
+    if (app.call_kind == OpKind::kWait) {
+      app.plan_version_out = true;
+      wake_app(w, 0);
+      return;
+    }
+    TH_ASSERT(app.call_kind == OpKind::kUpdate, "a plan's rollout only waits and updates");
+    const auto& updated = std::get<UpdateOk>(outcome);
+    app.plan_stall_ms += now_ - app.call_started_ms;
+    told(w, updated.version, "update");
+    if (updated.status != UpdateStatus::kUpdated) {
+      wake_app(w, plan_->poll_ms);  // "not yet": it generates with what it has, then asks again
+      return;
+    }
+    result_.plan.stalls.push_back({*updated.version, static_cast<std::uint32_t>(worker.replica),
+                                   worker.shard, app.plan_stall_ms});
+    app.plan_stall_ms = 0;
+    app.plan_version_out = false;
+    wake_app(w, 0);
+  }
+
+  // The plan ends once every trainer published the last version and every rollout that runs (and
+  // every one still to join) holds it.
+  void plan_check_finished() {
+    for (const Replica& replica : replicas_) {
+      if (replica.join_batch > 0) return;
+      if (replica.crashed) continue;
+      for (int w : replica.workers) {
+        if (workers_[w].alive && workers_[w].app.next != App::Next::kDone) return;
+      }
+    }
+    check_liveness();
+    for (int server = 0; server < 2; ++server) {
+      if (servers_alive_[server]) servers_[server]->check_invariants();
+    }
+    finished_ = true;
   }
 
   void rollout_done(int w, const Outcome& outcome) {
+    if (plan_ != nullptr) return plan_rollout_done(w, outcome);
     Worker& worker = workers_[w];
     App& app = worker.app;
     const OpKind kind = app.call_kind;
@@ -1541,6 +1720,18 @@ class Simulation {
   Effects hub_effects_;
   AgentEffects agent_effects_;
   std::set<std::pair<std::size_t, std::uint64_t>> seed_copies_;  // (server, copy) seen seeding
+  const PlanLoop* plan_;   // a capacity plan's loop (options_.plan), or none
+  std::unordered_map<std::string, int> replica_index_;  // by name
+  std::uint64_t hub_checks_skipped_ = 0;
+  std::uint32_t gpus_placed_ = 0;  // GPUs (workers) placed on machines so far
+  std::uint32_t nodes_ = 0;
+  // The data tick's scratch: flows per NIC (workers: up, down; machines: across datacenters).
+  std::vector<std::uint32_t> uploads_;
+  std::vector<std::uint32_t> downloads_;
+  std::vector<std::uint32_t> remote_up_;
+  std::vector<std::uint32_t> remote_down_;
+  std::uint32_t remote_flows_ = 0;
+  std::vector<std::pair<int, TransferId>> tick_keys_;
 };
 
 }  // namespace
@@ -1556,6 +1747,16 @@ std::string SimResult::summary() const {
       << " seeds, " << messages
       << " messages (" << messages_lost << " lost), trace hash " << std::hex << trace_hash << std::dec;
   return out.str();
+}
+
+double plan_nic_factor(std::uint64_t seed, std::uint64_t gpu, double jitter) {
+  if (jitter <= 0) return 1;
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ULL ^ (gpu + 1) * 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ULL;
+  x ^= x >> 32;
+  const double unit = static_cast<double>(x >> 11) * 0x1.0p-53;
+  return 1 - jitter * unit;
 }
 
 SimResult simulate(const SimOptions& options) {

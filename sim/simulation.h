@@ -18,18 +18,76 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "core/hub.h"
 #include "sim/knobs.h"
 
 namespace th::sim {
 
+// A capacity plan's RL loop (th-plan, sim/plan.h): the same simulator with every fault off and a
+// fixed program instead of a drawn one, measured rather than attacked. Trainers publish version v,
+// serve it for hold_ms (their colocated rollouts), unpublish (waiting for reads still draining),
+// train for train_ms and publish v + 1, up to `versions`. Rollouts wait for the next version
+// (generation is not stall: they would wait for the trainer anyway), then update(latest); the
+// update calls until one delivers the version are the GPU's stall for it. A rollout told "not yet"
+// (smart skipping, offload seeding) goes on generating with what it has and asks again after
+// poll_ms; that call's time counts, the time between does not.
+struct PlanLoop {
+  std::uint32_t versions = 20;
+  TimeMs hold_ms = 20'000;
+  TimeMs train_ms = 20'000;
+  TimeMs poll_ms = 500;
+  std::uint32_t gpus_per_node = 8;             // shards are packed onto nodes in fleet order
+  std::uint64_t node_remote_bytes_per_ms = 0;  // each node's NIC across datacenters; 0: none
+  double nic_jitter = 0;             // each GPU's NIC runs at a rate drawn from [1 - j, 1] x nic
+  std::uint32_t spot_join_every = 0;  // spot rollouts join in batches, one every this many versions
+  std::uint32_t spot_join_batch = 1;  // ... of this many replicas (0 every: all start at once)
+  Version spot_leave_version = 0;     // every spot rollout is preempted when this is published
+  std::uint32_t check_every = 64;     // Hub::check_invariants on every Nth hub step (and the last)
+  std::uint64_t remote_flow_bytes_per_ms = 0;  // one TCP flow across datacenters at most; 0: no cap
+  std::uint64_t local_copy_bytes_per_ms = 0;   // a GPU reading its own CPU offload copy (PCIe); 0: NIC
+};
+
+// What a plan measured.
+struct PlanSample {
+  Version version = 0;
+  std::uint32_t replica = 0;  // index into PlanStats::replicas
+  std::uint32_t shard = 0;
+  TimeMs stall_ms = 0;        // rollouts: update time until the version arrived; trainers: unpublish
+};
+struct PlanReplica {
+  std::string name;
+  std::string datacenter;
+  bool trainer = false;
+  bool spot = false;
+};
+struct PlanRead {            // a completed shard read
+  Version version = 0;
+  std::uint32_t source = 0;  // replica indices
+  std::uint32_t reader = 0;
+  std::uint32_t shard = 0;
+  bool remote = false;       // across datacenters
+  bool offload = false;      // from a CPU offload copy
+};
+struct PlanStats {
+  std::vector<PlanSample> stalls;
+  std::vector<PlanReplica> replicas;
+  std::vector<PlanRead> reads;
+  std::vector<TimeMs> published_ms;     // [v]: when version v was first published (0: not)
+  std::uint64_t bytes_local = 0;        // shard bytes read within a datacenter
+  std::uint64_t bytes_cross = 0;        // ... across datacenters
+  std::uint64_t bytes_offload_local = 0;  // of bytes_local: from CPU offload copies
+};
+
 struct SimOptions {
   std::uint64_t seed = 1;
   Knobs knobs;
   bool verbose = false;
   std::string trace_path;  // write a Chrome trace here, if not empty
+  std::optional<PlanLoop> plan;  // run a capacity plan's loop instead of the drawn program
 };
 
 struct SimResult {
@@ -50,10 +108,16 @@ struct SimResult {
   std::uint64_t seeds = 0;          // offload seeding: CPU copies read across datacenters
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;
+  PlanStats plan;                   // with SimOptions::plan
 
   std::string summary() const;
 };
 
 SimResult simulate(const SimOptions& options);
+
+// The share of its NIC rate GPU `gpu` (in fleet order: trainers, then rollouts, shard by shard) runs
+// at in a plan with `jitter`: in [1 - jitter, 1], drawn from the seed alone, so that the planner's
+// baseline models see the same machines as the simulation.
+double plan_nic_factor(std::uint64_t seed, std::uint64_t gpu, double jitter);
 
 }  // namespace th::sim

@@ -15,41 +15,10 @@
 
 namespace th {
 
-enum class UpdateStatus : std::uint8_t { kUpdated, kNoNewerVersion, kNotYet };
-std::string_view update_status_name(UpdateStatus status);
 
 // ---- Answers ---------------------------------------------------------------------------------------
 
 enum class CopyKind : std::uint8_t { kPrimary, kOffload };
-
-struct ListSnapshot {
-  struct VersionInfo {
-    Version version = 0;
-    std::uint32_t complete = 0;  // complete copies (primary and offload)
-    std::uint32_t partial = 0;   // copies being published or received
-    bool retained = false;
-    bool offloaded = false;
-    friend bool operator==(const VersionInfo&, const VersionInfo&) = default;
-  };
-  struct ReplicaInfo {
-    std::string name;
-    std::uint64_t incarnation = 0;
-    std::string datacenter;
-    bool spot = false;
-    std::string role;
-    std::uint32_t num_shards = 0;
-    std::string state;  // "empty", "publishing", "receiving", "waiting", "complete", "draining", …
-    std::optional<Version> version;
-    std::uint32_t serving = 0;  // transfers this replica's copies serve now
-    std::vector<Version> offloads;
-    friend bool operator==(const ReplicaInfo&, const ReplicaInfo&) = default;
-  };
-  std::string model;
-  std::optional<Version> latest;
-  std::vector<VersionInfo> versions;
-  std::vector<ReplicaInfo> replicas;
-  friend bool operator==(const ListSnapshot&, const ListSnapshot&) = default;
-};
 
 struct OpenOk {
   std::uint32_t num_shards = 0;
@@ -83,21 +52,6 @@ using Outcome = std::variant<Error, OpenOk, PublishOk, UnpublishOk, ReplicateOk,
 bool same_answer(const Outcome& a, const Outcome& b);
 
 // ---- Requests: numbered per shard, matched across the shards of a replica ---------------------------
-
-struct WaitPredicate {
-  enum class Kind : std::uint8_t {
-    kVersionAtLeast,  // some version >= `version` has been published
-    kReplicasHold,    // at least `replicas_min` replicas hold `version` completely
-    kRoleHolds,       // some replica has role `role`, and every one that is open (not closing)
-                      // holds a complete version >= `version`
-  };
-  Kind kind = Kind::kVersionAtLeast;
-  Version version = 0;
-  std::uint32_t replicas_min = 1;
-  std::string role;
-
-  friend bool operator==(const WaitPredicate&, const WaitPredicate&) = default;
-};
 
 enum class OpKind : std::uint8_t {
   kPublish, kUnpublish, kReplicate, kUpdate, kList, kWait, kClose,

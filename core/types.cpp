@@ -53,6 +53,14 @@ bool valid_name(std::string_view name, bool may_be_empty) {
   return name.size() <= limits::kNameBytesMax && printable_utf8(name);
 }
 
+namespace detail {
+void result_misuse(const char* what, std::optional<Errc> code) {
+  if (code) TH_ASSERT(false, what, errc_name(*code));
+  TH_ASSERT(false, what);
+  __builtin_unreachable();
+}
+}  // namespace detail
+
 std::string_view errc_name(Errc code) {
   switch (code) {
     case Errc::kInvalidArgument: return "invalid-argument";

@@ -12,15 +12,13 @@
 
 #include "core/limits.h"
 #include "core/result.h"
+#include "tensorhub/types.h"
 
 namespace th {
 
 // A client is one shard handle, named by the shell (a connection may carry several handles).
 using ClientId = std::uint64_t;
-using Version = std::uint64_t;
 using TransferId = std::uint64_t;
-// Milliseconds on the clock of whoever drives the state machine (virtual in the simulator).
-using TimeMs = std::int64_t;
 // A data-plane grant's capability (ServeRead::secret): 128 bits.
 using GrantSecret = std::array<std::uint64_t, 2>;
 
@@ -55,13 +53,6 @@ std::string format_selector(const Selector& selector);
 
 // ---- Tensor layouts ---------------------------------------------------------------------------------
 
-enum class DType : std::uint8_t {
-  kFloat32, kFloat16, kBFloat16, kFloat8E4M3, kFloat8E5M2, kFloat64,
-  kInt8, kUInt8, kInt16, kInt32, kInt64, kBool,
-};
-inline constexpr int kDTypeCount = 12;
-std::string_view dtype_name(DType dtype);
-std::optional<DType> parse_dtype(std::string_view name);
 
 struct TensorSpec {
   std::string name;
@@ -95,17 +86,6 @@ using LayoutRef = std::shared_ptr<const ShardLayout>;
 // One checksum per tensor of a shard, in layout order (computed by the publishing client).
 using Checksums = std::vector<std::uint64_t>;
 using ChecksumsRef = std::shared_ptr<const Checksums>;
-
-// ---- Retention --------------------------------------------------------------------------------------
-
-// What one open asks the hub to keep available. The hub keeps the union of the rules of every open
-// shard of a model. `keep_latest = k` keeps versions latest-k … latest (so `latest-k` stays readable).
-struct Retention {
-  std::optional<std::uint64_t> keep_latest;
-  std::vector<Version> pinned;
-
-  friend bool operator==(const Retention&, const Retention&) = default;
-};
 
 // ---- Hub settings -----------------------------------------------------------------------------------
 

@@ -7,6 +7,18 @@ source_dir=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 cmake --install "$build_dir" --prefix "$scratch/prefix" > /dev/null
+# The public surface is tensorhub/ alone: no core/ (or any other) headers are installed.
+headers=$(cd "$scratch/prefix/include" && find . -type f | sed 's|^\./||' | sort)
+echo "installed headers:" $headers
+expected="tensorhub/client.h tensorhub/result.h tensorhub/types.h"
+if [ "$(echo $headers)" != "$expected" ]; then
+  echo "check_install: installed headers are not exactly: $expected" >&2
+  exit 1
+fi
+# A consumer compiled with -I<prefix>/include alone (no CMake, no source tree) builds and links.
+c++ -std=c++20 -I"$scratch/prefix/include" "$source_dir/consumer/consumer.cpp" \
+    -L"$scratch/prefix/lib" -lthclient -o "$scratch/consumer-plain"
+LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/consumer-plain"
 cmake -S "$source_dir/consumer" -B "$scratch/build" -G Ninja -DCMAKE_PREFIX_PATH="$scratch/prefix" > /dev/null
 cmake --build "$scratch/build" > /dev/null
 LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/build/consumer"

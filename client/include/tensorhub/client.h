@@ -12,8 +12,9 @@
 //   handle->replicate("latest");    // rollout: bring the latest version into my buffers
 //   handle->update("latest");       // rollout: move to a newer version if there is one
 //
-// Errors are values (th::Result / th::Status, codes in core/result.h); nothing here throws except
-// for bugs (std::logic_error from a failed assertion).
+// Errors are values (th::Result / th::Status, codes in tensorhub/result.h); nothing here throws
+// except for bugs (std::logic_error from a failed assertion). Everything this header uses is in
+// tensorhub/ (types.h, result.h): the installed package has no other headers.
 //
 // Threads: a handle runs one I/O thread (control protocol, heartbeats), one data-server thread per
 // reader connection and one reader thread. Calls on one handle must come from one thread at a time.
@@ -26,9 +27,8 @@
 #include <string_view>
 #include <vector>
 
-#include "core/messages.h"
-#include "core/result.h"
-#include "core/types.h"
+#include "tensorhub/result.h"
+#include "tensorhub/types.h"
 
 namespace th {
 

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <sstream>
 #include <tuple>
 
 #include "core/assert.h"
+#include "core/limits.h"
 
 namespace th::sim {
 
@@ -19,6 +21,11 @@ constexpr TimeMs kPollMs = 500;
 constexpr TimeMs kPlanLivenessMs = 600'000;  // after the last cycle, for the last transfers
 constexpr std::uint32_t kVersionsMax = 1000;
 constexpr std::uint32_t kGpusMax = 65'536;
+// GPUs x versions: a plan's events grow with both (about 80 per GPU and version), and the
+// simulator stops a run past 200 M events as hung.
+constexpr std::uint64_t kGpuVersionsMax = 1'000'000;
+constexpr double kBytesPerMsMin = 1000;  // 8 Mbit/s: the simulator counts whole bytes per ms
+constexpr double kSecondsMax = 1e6;      // hold, train
 
 double percentile(std::vector<double> values, double fraction) {
   TH_ASSERT(!values.empty());
@@ -51,8 +58,8 @@ struct FleetReplica {
   bool spot = false;
   bool remote = false;
   std::uint32_t join_version = 1;  // spot: when its batch starts
-  std::uint32_t first_gpu = 0;
-  std::uint32_t first_node = 0;
+  std::uint32_t first_gpu = 0;   // in fleet order (plan_nic_factor's index)
+  std::uint32_t first_slot = 0;  // GPU slot on the machines: machine = slot / GPUs per machine
 };
 
 std::vector<FleetReplica> fleet_of(const PlanSpec& spec) {
@@ -74,7 +81,7 @@ std::vector<FleetReplica> fleet_of(const PlanSpec& spec) {
       placed = (placed + spec.gpus_per_node - 1) / spec.gpus_per_node * spec.gpus_per_node;
     }
     replica.first_gpu = gpu;
-    replica.first_node = placed / spec.gpus_per_node;
+    replica.first_slot = placed;
     gpu += spec.shards;
     placed += spec.shards;
     fleet.push_back(replica);
@@ -89,9 +96,8 @@ bool present(const PlanSpec& spec, const FleetReplica& replica, std::uint32_t ve
 }
 
 std::uint32_t node_of(const PlanSpec& spec, const FleetReplica& replica, std::uint32_t shard) {
-  // Shards fill machines in order from the replica's first GPU (see the simulator's add_replica).
-  const std::uint32_t offset = replica.first_gpu % spec.gpus_per_node;  // within its first machine
-  return replica.first_node + (offset + shard) / spec.gpus_per_node;
+  // Shards fill machines in order from the replica's first slot (see the simulator's add_replica).
+  return (replica.first_slot + shard) / spec.gpus_per_node;
 }
 
 double gpu_rate(const PlanSpec& spec, std::uint32_t gpu) {  // bytes per ms, before efficiency
@@ -99,6 +105,26 @@ double gpu_rate(const PlanSpec& spec, std::uint32_t gpu) {  // bytes per ms, bef
 }
 
 double step_ms(const PlanSpec& spec) { return (spec.hold_s + spec.train_s) * 1000; }
+
+// Without pipeline replication, every reader may read a complete copy at once (th-server's
+// --no-pipeline with a large --fanout-max, as bench/run-fanout runs it).
+std::uint32_t fanout_used(const PlanSpec& spec, bool pipeline) {
+  return pipeline ? spec.fanout : std::max<std::uint32_t>(64, spec.rollouts);
+}
+
+// How long the simulation may run past the last cycle before it is called stuck: generous room
+// for the slowest read, queued behind every other reader of a trainer, once per version (a trainer's
+// unpublish waits for its reads, so slow reads stretch every cycle).
+TimeMs liveness_ms(const PlanSpec& spec) {
+  double slowest = spec.gpu_bytes_per_ms() * spec.efficiency * (1 - spec.nic_jitter);
+  if (spec.remote > 0) {
+    slowest = std::min(slowest, spec.cross_dc_gbps * kBytesPerMsPerGbps / spec.gpus_per_node);
+    if (spec.tcp_flow_gbps > 0) slowest = std::min(slowest, spec.tcp_flow_gbps * kBytesPerMsPerGbps);
+  }
+  const double read_ms = static_cast<double>(spec.shard_bytes) / slowest;
+  const double readers = std::ceil(static_cast<double>(spec.rollouts) / spec.trainers) + 1;
+  return kPlanLivenessMs + static_cast<TimeMs>(std::ceil(spec.versions * (readers + 1) * read_ms));
+}
 
 // ---- TensorHub, in the simulator ----
 
@@ -116,9 +142,7 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.remote_datacenters = 1;
   knobs.colocated = spec.colocated;
   knobs.pipeline = pipeline;
-  // Without pipeline replication, every reader may read a complete copy at once (th-server's
-  // --no-pipeline with a large --fanout-max, as bench/run-fanout runs it).
-  knobs.fanout = pipeline ? spec.fanout : std::max<std::uint32_t>(64, spec.rollouts);
+  knobs.fanout = fanout_used(spec, pipeline);
   knobs.smart_skipping = spec.smart_skipping;
   knobs.offload_seeding = spec.offload_seeding;
   knobs.heartbeat_timeout_ms = 10'000;  // th-server's default
@@ -126,18 +150,18 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.delay_mean_ms = 0;
   knobs.shard_bytes = spec.shard_bytes;
   knobs.nic_bytes_per_ms =
-      std::max<std::uint64_t>(1, static_cast<std::uint64_t>(spec.gpu_bytes_per_ms() * spec.efficiency));
+      static_cast<std::uint64_t>(std::llround(spec.gpu_bytes_per_ms() * spec.efficiency));
   knobs.remote_bytes_per_ms = 0;  // no shared link: each machine's VPC NIC (below)
-  knobs.liveness_ms = kPlanLivenessMs;
+  knobs.liveness_ms = liveness_ms(spec);
   PlanLoop loop;
   loop.versions = spec.versions;
   loop.hold_ms = std::llround(spec.hold_s * 1000);
   loop.train_ms = std::llround(spec.train_s * 1000);
   loop.poll_ms = kPollMs;
   loop.gpus_per_node = spec.gpus_per_node;
-  loop.node_remote_bytes_per_ms = static_cast<std::uint64_t>(spec.cross_dc_gbps * kBytesPerMsPerGbps);
-  loop.remote_flow_bytes_per_ms = static_cast<std::uint64_t>(spec.tcp_flow_gbps * kBytesPerMsPerGbps);
-  loop.local_copy_bytes_per_ms = static_cast<std::uint64_t>(spec.pcie_gbps * kBytesPerMsPerGbps);
+  loop.node_remote_bytes_per_ms = static_cast<std::uint64_t>(std::llround(spec.cross_dc_gbps * kBytesPerMsPerGbps));
+  loop.remote_flow_bytes_per_ms = static_cast<std::uint64_t>(std::llround(spec.tcp_flow_gbps * kBytesPerMsPerGbps));
+  loop.local_copy_bytes_per_ms = static_cast<std::uint64_t>(std::llround(spec.pcie_gbps * kBytesPerMsPerGbps));
   loop.nic_jitter = spec.nic_jitter;
   // A check of the whole hub costs in proportion to the fleet: check as often per client as a
   // small fleet is checked every 64 steps.
@@ -156,7 +180,7 @@ SystemPlan tensorhub_plan(const PlanSpec& spec, const SimResult& result, std::st
   system.assumptions = std::move(assumptions);
   const PlanStats& stats = result.plan;
   std::map<std::uint32_t, std::vector<double>> rollout_s;
-  std::map<std::uint32_t, std::pair<double, std::uint32_t>> trainer_s;  // sum, GPUs
+  std::map<std::uint32_t, std::pair<double, std::uint32_t>> trainer_s;  // sum, samples
   for (const PlanSample& sample : stats.stalls) {
     const auto version = static_cast<std::uint32_t>(sample.version);
     const double seconds = static_cast<double>(sample.stall_ms) / 1000;
@@ -167,9 +191,10 @@ SystemPlan tensorhub_plan(const PlanSpec& spec, const SimResult& result, std::st
       rollout_s[version].push_back(seconds);
     }
   }
+  // Every version, every trainer GPU (one that did not wait, as for the last version, which is
+  // never unpublished, waited 0 s): the same rows as the baselines'.
   for (std::uint32_t v = 1; v <= spec.versions; ++v) {
-    if (!rollout_s.contains(v) && !trainer_s.contains(v)) continue;
-    system.versions.push_back(summarize(v, rollout_s[v], trainer_s[v].first, trainer_s[v].second));
+    system.versions.push_back(summarize(v, rollout_s[v], trainer_s[v].first, spec.trainers * spec.shards));
   }
   if (!rollout_s.empty()) system.last_version_gpu_s = rollout_s.rbegin()->second;
   return system;
@@ -220,8 +245,9 @@ SystemPlan nccl_plan(const PlanSpec& spec, const std::vector<FleetReplica>& flee
         if (spec.tcp_flow_gbps > 0) cross = std::min(cross, spec.tcp_flow_gbps * kBytesPerMsPerGbps);
         rate = std::min(rate, cross);
       }
+      const double step_bytes = std::min(spec.nccl_chunk_bytes, static_cast<double>(spec.shard_bytes));
       const double ring_ms = (static_cast<double>(spec.shard_bytes) +
-                              static_cast<double>(members - 1) * spec.nccl_chunk_bytes) / rate;
+                              static_cast<double>(members - 1) * step_bytes) / rate;
       stage_ms = std::max(stage_ms, members > 1 ? ring_ms : 0.0);
     }
     const double stage_s = (stage_ms + spec.coordination_ms) / 1000;
@@ -346,7 +372,9 @@ SystemPlan ucx_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fleet
 SystemPlan ideal_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fleet) {
   SystemPlan system;
   system.name = "RDMA ideal";
-  system.assumptions = "each rollout GPU reads its shard at its NIC's full rate; no coordination, no contention";
+  system.assumptions =
+      "each rollout GPU reads its shard at its NIC's full rate; no coordination, no contention (a "
+      "reader of a CPU offload copy on its own machine reads over PCIe, which can be faster)";
   for (std::uint32_t v = 1; v <= spec.versions; ++v) {
     std::vector<double> rollout_s;
     for (const FleetReplica& replica : fleet) {
@@ -365,8 +393,16 @@ SystemPlan ideal_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fle
 std::string json_string(const std::string& text) {
   std::string out = "\"";
   for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(c));
+      out += escaped;
+    } else {
+      out += c;
+    }
   }
   return out + "\"";
 }
@@ -375,24 +411,46 @@ std::string json_string(const std::string& text) {
 
 Status PlanSpec::validate() const {
   auto bad = [](std::string what) { return Status(make_error(Errc::kInvalidArgument, std::move(what))); };
-  if (shards == 0 || gpus_per_node == 0 || nics_per_node == 0) return bad("shards, GPUs per node and NICs per node must be at least 1");
-  if (nic_gbps <= 0) return bad("the NIC rate must be above 0");
-  if (shard_bytes == 0) return bad("the shard size must be above 0");
+  // Written so that NaN fails every test (a comparison with NaN is false).
+  auto in = [](double value, double low, double high) { return value >= low && value <= high; };
+  if (shards == 0 || shards > limits::kShardsMax) {
+    return bad("shards per replica must be in 1.." + std::to_string(limits::kShardsMax) + " (the hub's limit)");
+  }
+  if (gpus_per_node == 0 || nics_per_node == 0) return bad("GPUs per node and NICs per node must be at least 1");
+  if (!in(nic_gbps, 1e-3, 1e5)) return bad("the NIC rate must be in 0.001..100000 Gbit/s");
+  if (shard_bytes == 0) return bad("the shard size must be at least one byte");
   if (trainers == 0) return bad("a plan needs at least one trainer replica");
   if (rollouts == 0) return bad("a plan needs at least one rollout replica");
   if (spot > rollouts || remote > rollouts) return bad("spot and remote rollouts are counted among the rollouts: at most --rollouts each");
   if (spot + remote > rollouts) return bad("a rollout is spot or remote, not both: spot + remote must not exceed rollouts");
-  if (remote > 0 && cross_dc_gbps <= 0) return bad("remote rollouts need a cross-datacenter rate above 0");
+  if (remote > 0 && !(cross_dc_gbps > 0)) return bad("remote rollouts need a cross-datacenter rate above 0");
   if (versions == 0 || versions > kVersionsMax) return bad("versions must be in 1.." + std::to_string(kVersionsMax));
   if (gpus() > kGpusMax) return bad("at most " + std::to_string(kGpusMax) + " GPUs");
-  if (hold_s < 0 || train_s < 0 || hold_s + train_s <= 0) return bad("hold and train times must be >= 0, and not both 0");
-  if (efficiency <= 0 || efficiency > 1 || nccl_efficiency <= 0 || nccl_efficiency > 1 ||
-      ucx_efficiency <= 0 || ucx_efficiency > 1) {
+  if (static_cast<std::uint64_t>(gpus()) * versions > kGpuVersionsMax) {
+    return bad("GPUs x versions must be at most " + std::to_string(kGpuVersionsMax) +
+               " (a 4,096-GPU plan: up to 244 versions)");
+  }
+  // A trainer serves each version at least a second: with less, a version can be gone before a
+  // rollout told of it asks for it (TensorHub keeps what retention asks for, and a plan asks none).
+  if (!in(hold_s, 1, kSecondsMax)) return bad("the hold time must be in 1..1000000 s");
+  if (!in(train_s, 0, kSecondsMax)) return bad("the train time must be in 0..1000000 s");
+  if (!in(efficiency, 1e-6, 1) || !in(nccl_efficiency, 1e-6, 1) || !in(ucx_efficiency, 1e-6, 1)) {
     return bad("efficiencies are fractions of the line rate, in (0, 1]");
   }
-  if (nic_jitter < 0 || nic_jitter >= 1) return bad("NIC jitter must be in [0, 1)");
-  if (latency_ms < 0 || coordination_ms < 0 || tcp_flow_gbps < 0 || pcie_gbps < 0 || cross_dc_gbps < 0) {
-    return bad("rates and times must not be negative");
+  if (!in(nic_jitter, 0, 0.99)) return bad("NIC jitter must be in 0..0.99");
+  if (!in(latency_ms, 0, 1e4)) return bad("the latency must be in 0..10000 ms");
+  if (!in(coordination_ms, 0, 1e7)) return bad("the coordination time must be in 0..10000000 ms");
+  if (!in(nccl_chunk_bytes, 1, 1e12)) return bad("NCCL's step must be at least one byte");
+  // Rates reach the simulator in whole bytes per millisecond: below 8 Mbit/s that rounding would
+  // be a visible error (and 0 would mean "no limit").
+  const double slowest_gpu = gpu_bytes_per_ms() * std::min({efficiency, nccl_efficiency, ucx_efficiency}) *
+                             (1 - nic_jitter);
+  if (!(slowest_gpu >= kBytesPerMsMin)) return bad("each GPU's NIC share (times efficiency and jitter) must be at least 8 Mbit/s");
+  for (const auto& [rate, name] : {std::pair{cross_dc_gbps, "cross-datacenter"}, std::pair{tcp_flow_gbps, "TCP flow"},
+                                   std::pair{pcie_gbps, "PCIe"}}) {
+    if (!(rate == 0 || in(rate * kBytesPerMsPerGbps, kBytesPerMsMin, 1e5 * kBytesPerMsPerGbps))) {
+      return bad(std::string("the ") + name + " rate must be 0 (none) or in 0.008..100000 Gbit/s");
+    }
   }
   if (join_batch == 0) return bad("a join batch must be at least 1 replica");
   if (fanout == 0) return bad("fan-out must be at least 1");
@@ -441,7 +499,7 @@ Result<PlanReport> plan(const PlanSpec& spec) {
   if (!result.ok) report.violation = result.violation;
   std::ostringstream th_says;
   th_says << "the real Hub and shard agents in virtual time (th-sim's simulator), pipeline "
-          << (spec.pipeline ? "on" : "off") << ", fan-out " << spec.fanout << ", smart skipping "
+          << (spec.pipeline ? "on" : "off") << ", fan-out " << fanout_used(spec, spec.pipeline) << ", smart skipping "
           << (spec.smart_skipping ? "on" : "off") << ", offload seeding "
           << (spec.offload_seeding ? "on" : "off") << "; data plane at x" << spec.efficiency
           << " of the NIC rate; stall = the rollout's update time until the version arrived, and a "
@@ -469,8 +527,9 @@ Result<PlanReport> plan(const PlanSpec& spec) {
     if (!flat.ok && report.violation.empty()) report.violation = "without pipeline: " + flat.violation;
     report.systems.push_back(tensorhub_plan(
         spec, flat, "TensorHub (no pipeline)",
-        "the same simulation with pipeline replication off: readers read complete copies only, as many "
-        "at once as ask (th-server --no-pipeline --fanout-max 64)"));
+        "the same simulation with pipeline replication off: readers read complete copies only, up to " +
+            std::to_string(fanout_used(spec, false)) + " at once from one copy (th-server --no-pipeline --fanout-max " +
+            std::to_string(fanout_used(spec, false)) + ")"));
   }
   report.systems.push_back(nccl_plan(spec, fleet));
   report.systems.push_back(ucx_plan(spec, fleet, report.ucx_bytes_cross));

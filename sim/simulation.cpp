@@ -1383,8 +1383,9 @@ class Simulation {
   // every one still to join) holds it.
   void plan_check_finished() {
     for (const Replica& replica : replicas_) {
-      if (replica.join_batch > 0) return;
-      if (replica.crashed) continue;
+      // A spot batch due after the last version never joins: nothing to wait for.
+      if (replica.join_batch > 0 && 1 + replica.join_batch * plan_->spot_join_every <= plan_->versions) return;
+      if (replica.crashed || replica.join_batch > 0) continue;
       for (int w : replica.workers) {
         if (workers_[w].alive && workers_[w].app.next != App::Next::kDone) return;
       }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace th::sim {
 namespace {
@@ -172,6 +173,69 @@ TEST(Plan, NicJitterSlowsTheRingToItsSlowestMember) {
   EXPECT_DOUBLE_EQ(system(again, "TensorHub").mean_total_gpu_s(), system(report, "TensorHub").mean_total_gpu_s());
 }
 
+TEST(Plan, UcxPlacesShardsOnTheirMachines) {
+  // Six shards on four-GPU machines: each replica fills one machine and two GPUs of the next, and
+  // a role or datacenter starts a new machine. Across datacenters a machine's VPC NIC (25 GB/s) is
+  // split among its reads: four of 1 GB at 6.25 GB/s, two at 12.5 GB/s.
+  PlanSpec spec;
+  spec.gpus_per_node = 4;
+  spec.nics_per_node = 4;
+  spec.nic_gbps = 200;
+  spec.shards = 6;
+  spec.shard_bytes = static_cast<std::uint64_t>(kGB);
+  spec.rollouts = 1;
+  spec.remote = 1;
+  spec.versions = 1;
+  spec.run_no_pipeline = false;
+  const PlanReport report = must_plan(spec);
+  const SystemPlan& ucx = system(report, "UCX point-to-point");
+  EXPECT_NEAR(ucx.versions[0].rollout_gpu_s, 4 * 0.16 + 2 * 0.08, 1e-9);
+  EXPECT_EQ(report.ucx_bytes_cross, 6 * spec.shard_bytes);
+}
+
+TEST(Plan, EverySystemCountsEveryVersionAndTrainer) {
+  // Every rollout is spot and gone from version 3 on; the last version is never unpublished. Each
+  // system still has a row per version with every trainer GPU in it, so their means compare.
+  PlanSpec spec = one_gpu_hosts(2);
+  spec.spot = 2;
+  spec.versions = 5;
+  spec.leave_version = 3;
+  spec.run_no_pipeline = false;
+  const PlanReport report = must_plan(spec);
+  for (const SystemPlan& s : report.systems) {
+    ASSERT_EQ(s.versions.size(), 5U) << s.name;
+    EXPECT_EQ(s.versions[4].rollout_gpus, 0U) << s.name;
+    if (s.name != "RDMA ideal") {
+      EXPECT_EQ(s.versions[4].gpus, 1U) << s.name;  // the trainer
+    }
+  }
+}
+
+TEST(Plan, SpotBatchesDueAfterTheLastVersionAreNotWaitedFor) {
+  PlanSpec spec = one_gpu_hosts(2);
+  spec.spot = 1;
+  spec.join_every = 5;  // the batch would join at version 6
+  spec.versions = 4;
+  spec.run_no_pipeline = false;
+  const PlanReport report = must_plan(spec);
+  // The plan ends once the standalone holds version 4: about four cycles, not the liveness bound.
+  EXPECT_LT(report.virtual_s, 4 * (spec.hold_s + spec.train_s) + 10);
+}
+
+TEST(Plan, SlowReadsStretchTheCyclesWithoutFailing) {
+  // A read takes 400 s, twenty times the hold: the trainer's unpublish waits for it every cycle,
+  // and three cycles run past any fixed margin after the nominal 3 x 21 s.
+  PlanSpec spec = one_gpu_hosts(2);
+  spec.shard_bytes = static_cast<std::uint64_t>(400 * kGB);
+  spec.hold_s = 20;
+  spec.versions = 3;
+  spec.run_no_pipeline = false;
+  const PlanReport report = must_plan(spec);
+  const SystemPlan& th = system(report, "TensorHub");
+  EXPECT_GE(th.max_s(), 400.0);
+  EXPECT_GT(th.versions[0].total_gpu_s - th.versions[0].rollout_gpu_s, 300.0);  // the trainer waited
+}
+
 TEST(Plan, BadInputIsNamed) {
   auto refused = [](auto change, const std::string& words) {
     PlanSpec spec = one_gpu_hosts(2);
@@ -190,6 +254,18 @@ TEST(Plan, BadInputIsNamed) {
   refused([](PlanSpec& s) { s.nic_jitter = 1; }, "jitter");
   refused([](PlanSpec& s) { s.remote = 1; s.cross_dc_gbps = 0; }, "cross-datacenter");
   refused([](PlanSpec& s) { s.trainers = 40'000; s.rollouts = 40'000; }, "GPUs");
+  refused([](PlanSpec& s) { s.shards = 300; }, "hub's limit");
+  refused([](PlanSpec& s) { s.hold_s = 0; }, "hold");
+  refused([](PlanSpec& s) { s.hold_s = std::nan(""); }, "hold");
+  refused([](PlanSpec& s) { s.train_s = 1e300; }, "train");
+  refused([](PlanSpec& s) { s.coordination_ms = INFINITY; }, "coordination");
+  refused([](PlanSpec& s) { s.nic_gbps = std::nan(""); }, "NIC rate");
+  refused([](PlanSpec& s) { s.efficiency = std::nan(""); }, "efficienc");
+  refused([](PlanSpec& s) { s.nic_jitter = std::nan(""); }, "jitter");
+  refused([](PlanSpec& s) { s.remote = 1; s.cross_dc_gbps = 1e-6; }, "cross-datacenter rate");
+  refused([](PlanSpec& s) { s.tcp_flow_gbps = 1e-6; }, "TCP flow");
+  refused([](PlanSpec& s) { s.nic_gbps = 0.001; s.gpus_per_node = 64; }, "8 Mbit/s");
+  refused([](PlanSpec& s) { s.trainers = 2048; s.rollouts = 2048; s.versions = 300; }, "GPUs x versions");
 }
 
 TEST(Plan, ReportsAreComplete) {

@@ -72,7 +72,7 @@ Status validate(const ClientOptions& options) {
   }
   try {
     for (const std::string& server : options.servers) net::parse_endpoint(server);
-    net::parse_endpoint(options.data_listen);
+    if (!options.data_listen.empty()) net::parse_endpoint(options.data_listen);
   } catch (const net::SocketError& error) {
     return make_error(Errc::kInvalidArgument, error.what());
   }
@@ -153,9 +153,22 @@ Status Handle::Impl::start() {
     return make_error(Errc::kInvalidArgument,
                       "transport '" + options_.transport + "' is not one of auto, rdma, tcp");
   }
+  std::string host_towards_server;  // where peers dial this shard's data port, if it listens on all
   try {
     net::DataServerConfig data;
-    data.listen = net::parse_endpoint(options_.data_listen);
+    data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
+    // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.
+    if (options_.data_advertise.empty() && net::is_wildcard_host(data.listen.host)) {
+      try {
+        host_towards_server = net::local_address_towards(net::parse_endpoint(options_.servers.front()));
+      } catch (const net::SocketError& error) {
+        return make_error(Errc::kInvalidArgument,
+                          std::string("data plane: cannot tell which address of this host peers should dial (") +
+                              error.what() + "); set data_advertise, or data_listen to a specific address");
+      }
+      // Listen in the family of the address peers will dial.
+      if (options_.data_listen.empty() && host_towards_server.find(':') != std::string::npos) data.listen.host = "::";
+    }
 #ifdef TH_HAVE_RDMA
     if (options_.transport != "tcp") {
       try {
@@ -187,7 +200,13 @@ Status Handle::Impl::start() {
   } catch (const net::SocketError& error) {
     return make_error(Errc::kInvalidArgument, std::string("data plane: ") + error.what());
   }
-  advertised_ = options_.data_advertise.empty() ? transport_->endpoint().to_string() : options_.data_advertise;
+  if (!options_.data_advertise.empty()) {
+    advertised_ = options_.data_advertise;
+  } else if (!host_towards_server.empty()) {
+    advertised_ = net::Endpoint{host_towards_server, transport_->endpoint().port}.to_string();
+  } else {
+    advertised_ = transport_->endpoint().to_string();
+  }
 
   std::promise<void> ready;
   auto up = ready.get_future();

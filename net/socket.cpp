@@ -103,6 +103,26 @@ Endpoint parse_endpoint(std::string_view text) {
   return Endpoint{std::string(host), static_cast<std::uint16_t>(port)};
 }
 
+std::string local_address_towards(const Endpoint& peer) {
+  auto info = resolve(peer, SOCK_DGRAM, false);
+  Fd probe(::socket(info->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) fail("socket");
+  if (::connect(probe.get(), info->ai_addr, info->ai_addrlen) != 0) {
+    throw SocketError("no route from this host to " + peer.to_string() + ": " + std::strerror(errno));
+  }
+  sockaddr_storage local{};
+  socklen_t length = sizeof local;
+  if (::getsockname(probe.get(), reinterpret_cast<sockaddr*>(&local), &length) != 0) fail("getsockname");
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* address = local.ss_family == AF_INET6
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+  if (::inet_ntop(local.ss_family, address, text, sizeof text) == nullptr) fail("inet_ntop");
+  return text;
+}
+
+bool is_wildcard_host(std::string_view host) { return host.empty() || host == "0.0.0.0" || host == "::"; }
+
 Fd listen_tcp(const Endpoint& endpoint, int backlog) {
   auto info = resolve(endpoint, SOCK_STREAM, true);
   Fd socket(::socket(info->ai_family, info->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, info->ai_protocol));

@@ -52,6 +52,12 @@ struct Endpoint {
 };
 // Parses "host:port" (IPv4 dotted quad or a name that resolves; "[v6]:port" for IPv6).
 Endpoint parse_endpoint(std::string_view text);
+// The address of this host's interface that reaches `peer` (a UDP socket connected to it, which
+// sends nothing: the kernel's route lookup picks the source address). Throws SocketError naming
+// the peer if it does not resolve or no route reaches it.
+std::string local_address_towards(const Endpoint& peer);
+// "0.0.0.0", "::" or "": an address that listens on every interface (and that no peer can dial).
+bool is_wildcard_host(std::string_view host);
 
 // Name resolution for TCP (SOCK_STREAM) or UDP (SOCK_DGRAM) sockets; passive: for bind().
 // Throws SocketError naming the endpoint if it does not resolve.

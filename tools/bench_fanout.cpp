@@ -32,7 +32,7 @@ int run_fanout_node(const FanoutNodeOptions& options) {
   client.replica = options.replica;
   client.role = options.role;
   client.datacenter = options.datacenter;
-  client.data_listen = options.data_ip + ":0";
+  if (!options.data_ip.empty()) client.data_listen = options.data_ip + ":0";
   const std::uint64_t bytes = options.mib << 20;
   BigBuffer memory(bytes);
   std::memset(memory.get(), 0, bytes);  // memory in use, as a worker's tensors are
@@ -55,7 +55,7 @@ int run_fanout_node(const FanoutNodeOptions& options) {
       std::cerr << "th-bench fanout-node: publish: " << published.error().detail << "\n";
       return 1;
     }
-    std::cout << "node ready" << std::endl;
+    std::cout << "node ready data_endpoint=" << handle->data_endpoint() << std::endl;
     if (two_versions) {
       wait_for_file(options.second_version_file);
       if (auto unpublished = handle->unpublish(); !unpublished.ok()) {
@@ -115,7 +115,7 @@ int run_fanout_node(const FanoutNodeOptions& options) {
     }
     std::cout << std::fixed << std::setprecision(3) << "RESULT fanout_seconds=" << seconds
               << " source=" << replicated.value().source_replica << " checksum_failures="
-              << handle->stats().checksum_failures << std::endl;
+              << handle->stats().checksum_failures << " data_endpoint=" << handle->data_endpoint() << std::endl;
   }
   wait_for_file(options.stop_file);
   return 0;

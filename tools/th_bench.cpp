@@ -442,7 +442,9 @@ int main(int argc, char** argv) {
   fanout->add_option("--token", node.token, "cluster token");
   fanout->add_option("--replica", node.replica, "replica name")->required();
   fanout->add_option("--datacenter", node.datacenter)->capture_default_str();
-  fanout->add_option("--data-ip", node.data_ip, "this host's address for the data plane")->required();
+  fanout->add_option("--data-ip", node.data_ip,
+                     "this host's address for the data plane (default: libthclient's, which listens on every "
+                     "interface and advertises the one that reaches the server)");
   fanout->add_option("--mib", node.mib, "tensor size, MiB")->capture_default_str()->check(CLI::Range(1, 65536));
   fanout->add_option("--start-file", node.start_file, "rollout: replicate once this file exists");
   fanout->add_option("--stop-file", node.stop_file, "exit once this file exists")->required();

@@ -590,6 +590,16 @@ TEST(DataPlane, ParsesEndpoints) {
   EXPECT_THROW(parse_endpoint("h:7x"), SocketError);
 }
 
+// libthclient's default data address (issue 18): the interface that reaches the server.
+TEST(DataPlane, FindsTheLocalAddressTowardsAPeer) {
+  EXPECT_EQ(local_address_towards(parse_endpoint("127.0.0.1:7400")), "127.0.0.1");
+  EXPECT_EQ(local_address_towards(parse_endpoint("127.3.4.5:1")), "127.0.0.1");  // lo answers 127/8
+  EXPECT_TRUE(is_wildcard_host("0.0.0.0"));
+  EXPECT_TRUE(is_wildcard_host("::"));
+  EXPECT_TRUE(is_wildcard_host(""));
+  EXPECT_FALSE(is_wildcard_host("10.0.0.1"));
+}
+
 // Fuzzing find (tests/fuzz/regressions/fuzz_data_request): a read of a partial source's second
 // region, beyond what is ready, tripped an assertion and took the source down. It gets an empty
 // answer, and the connection goes on.

@@ -48,9 +48,15 @@ struct ClientOptions {
   bool spot = false;                 // may vanish without notice: never counted on for retention
   std::string role;                  // free label ("trainer", "rollout") for wait(kRoleHolds)
   Retention retention;               // what this replica asks the server to keep readable
-  // Where this shard serves its tensors to peers, and the address peers use for it (default: the
-  // listen address with the port the kernel chose).
-  std::string data_listen = "127.0.0.1:0";
+  // Where this shard serves its tensors to peers, and the address peers dial for it.
+  // Default (both empty): listen on every interface, on a port the kernel chooses, and advertise
+  // the address of this host's interface that reaches the first server (the route the control
+  // connection takes), so that readers on other hosts can dial it; open() fails with
+  // kInvalidArgument if no route reaches the server. A data_listen on a wildcard address
+  // ("0.0.0.0:P", "[::]:P") is advertised the same way; any other is advertised as it is, with the
+  // port the kernel chose. data_advertise overrides all of this (NAT, several interfaces). The data
+  // port serves only readers the server granted a read (a 128-bit secret per transfer).
+  std::string data_listen;
   std::string data_advertise;
   // How bytes move between peers: "auto" uses one-sided RDMA reads where this host has an RDMA
   // device with an active port and the source does too, else TCP (chosen per source, logged,

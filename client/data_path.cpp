@@ -60,7 +60,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
   if (grant.kind == CopyKind::kOffload) {
     auto found = offloads_.find(grant.version);
     if (found == offloads_.end()) {
-      log("asked to serve offload copy of version " + std::to_string(grant.version) + ", which is not here");
+      log(LogLevel::kWarning, "data", "asked to serve offload copy of version " + std::to_string(grant.version) + ", which is not here");
       return;  // the reader is refused and reports it; the server picks another source
     }
     offload_grants_[key] = found->second;
@@ -68,7 +68,7 @@ void Handle::Impl::serve(const ServeRead& grant) {
     return;
   }
   if (!buffers_version_ || *buffers_version_ != grant.version || buffers_progress_ == nullptr) {
-    log("asked to serve version " + std::to_string(grant.version) + ", which the buffers do not hold");
+    log(LogLevel::kWarning, "data", "asked to serve version " + std::to_string(grant.version) + ", which the buffers do not hold");
     return;
   }
   const Plan& current = plan();  // first: it may rebuild packed_
@@ -104,7 +104,7 @@ void Handle::Impl::start_seed_read(const StartRead& read) {
   auto copy = std::make_shared<OffloadCopy>();
   offloads_[read.version] = copy;
   auto fail = [this, read](const std::string& why) {
-    log("seed of version " + std::to_string(read.version) + ": " + why);
+    log(LogLevel::kWarning, "data", "seed of version " + std::to_string(read.version) + ": " + why);
     post(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
   };
   if (threads_closed_) return;  // closing: nobody waits for it
@@ -119,7 +119,7 @@ void Handle::Impl::start_seed_read(const StartRead& read) {
         run_read(job);
       } catch (const std::bad_alloc&) {
         on_io([this, read] {
-          log("seed of version " + std::to_string(read.version) + ": no memory for the CPU copy");
+          log(LogLevel::kWarning, "data", "seed of version " + std::to_string(read.version) + ": no memory for the CPU copy");
           step(ReadFinished{read.transfer, read.epoch, ReadFailure::kSourceUnreachable});
         });
       }
@@ -196,7 +196,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return;
   std::optional<ReadFailure> failure;
   if (!outcome.ok()) {
-    log(outcome.detail);
+    log(LogLevel::kWarning, "data", outcome.detail);
     failure = outcome.error == net::ReadError::kRefused ? ReadFailure::kSourceRefused
                                                          : ReadFailure::kSourceUnreachable;
   } else {
@@ -212,7 +212,7 @@ void Handle::Impl::run_read(ReadJob& job) {
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (expected == nullptr || expected->size() != tensors.size() ||
           checksum(plan.tensor_data[i], tensors[i].bytes) != (*expected)[i]) {
-        log("tensor '" + tensors[i].name + "' of version " + std::to_string(job.read.version) + " from " +
+        log(LogLevel::kError, "data", "tensor '" + tensors[i].name + "' of version " + std::to_string(job.read.version) + " from " +
             job.read.source.replica + " does not match its checksum");
         failure = ReadFailure::kChecksumMismatch;
         break;
@@ -237,7 +237,7 @@ void Handle::Impl::run_read(ReadJob& job) {
 
 void Handle::Impl::start_offload(Version version) {
   if (!buffers_version_ || *buffers_version_ != version) {
-    log("asked to offload version " + std::to_string(version) + ", which the buffers do not hold");
+    log(LogLevel::kWarning, "data", "asked to offload version " + std::to_string(version) + ", which the buffers do not hold");
     return;  // the server times the offload out and carries on
   }
   // Copy on a thread of its own: gigabytes must not stall heartbeats. The buffers do not change

@@ -128,12 +128,28 @@ Handle::Impl::~Impl() {
 }
 
 void Handle::Impl::taskFailed(kj::Exception&& exception) {
-  log(std::string("internal task failed: ") + exception.getDescription().cStr());
+  log(LogLevel::kError, "handle", std::string("internal task failed: ") + exception.getDescription().cStr());
 }
 
-void Handle::Impl::log(const std::string& line) const {
+void Handle::Impl::log(LogLevel level, std::string_view component, const std::string& line) const {
+  if (level < options_.log_level) return;
+  if (options_.log) {
+    options_.log(level, component, line);
+    return;
+  }
   // One write per line: the shards of a job often share one terminal or log file.
-  std::cerr << ("thclient " + options_.replica + "/" + std::to_string(options_.shard) + ": " + line + "\n");
+  std::cerr << ("thclient " + options_.replica + "/" + std::to_string(options_.shard) + " " +
+                std::string(log_level_name(level)) + " " + std::string(component) + ": " + line + "\n");
+}
+
+std::string_view log_level_name(LogLevel level) {
+  switch (level) {
+    case LogLevel::kDebug: return "debug";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kWarning: return "warning";
+    case LogLevel::kError: return "error";
+  }
+  return "?";
 }
 
 Status Handle::Impl::start() {
@@ -156,6 +172,7 @@ Status Handle::Impl::start() {
   std::string host_towards_server;  // where peers dial this shard's data port, if it listens on all
   try {
     net::DataServerConfig data;
+    data.log = [this](const std::string& line) { log(LogLevel::kWarning, "data", "data server: " + line); };
     data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
     // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.
     if (options_.data_advertise.empty() && net::is_wildcard_host(data.listen.host)) {
@@ -181,14 +198,16 @@ Status Handle::Impl::start() {
         }
         rdma_options.gid_index = options_.rdma_gid_index;
         auto rdma = std::make_unique<rdma::RdmaTransport>(data, rdma_options);
-        log("data plane: RDMA on " + rdma->device_names() + " (TCP with sources that have none)");
+        log(LogLevel::kInfo, "rdma", "data plane: RDMA on " + rdma->device_names() + " (TCP with sources that have none)");
         transport_ = std::move(rdma);
       } catch (const rdma::VerbsError& error) {
         if (options_.transport == "rdma") {
           return make_error(Errc::kInvalidArgument, std::string("transport rdma: ") + error.what());
         }
         // "auto" on a host without RDMA is the common case: say so only if it has a device.
-        if (!rdma::device_names().empty()) log(std::string("data plane: TCP, RDMA failed: ") + error.what());
+        if (!rdma::device_names().empty()) {
+          log(LogLevel::kWarning, "rdma", std::string("data plane: TCP, RDMA failed: ") + error.what());
+        }
       }
     }
 #else

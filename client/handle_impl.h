@@ -166,7 +166,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_read(ReadJob& job);
   void complete_call(std::uint64_t call_id, Outcome outcome);
   void fail_everything(Error error);
-  void log(const std::string& line) const;
+  void log(LogLevel level, std::string_view component, const std::string& line) const;
 
   ClientOptions options_;
   ClientId client_id_;

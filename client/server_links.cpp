@@ -232,7 +232,7 @@ void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
         link.heartbeats = std::make_unique<net::HeartbeatSender>(*link.peer, channel.getPort());
         link.heartbeat_key = *key;
       } catch (const net::SocketError& error) {
-        log(std::string("heartbeats go as messages: ") + error.what());
+        log(LogLevel::kInfo, "control", std::string("heartbeats go as messages: ") + error.what());
       }
       break;
     }
@@ -251,7 +251,7 @@ void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
       for (auto effect : frame.getEffects()) {
         auto decoded = net::decode(effect);
         if (!decoded.ok()) {
-          log("server " + std::to_string(server) + " sent an invalid message: " + decoded.error().detail);
+          log(LogLevel::kError, "control", "server " + std::to_string(server) + " sent an invalid message: " + decoded.error().detail);
           continue;
         }
         step(FromHub{server, std::move(decoded).value()});
@@ -259,7 +259,7 @@ void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
       break;
     case wire::ServerFrame::NOTICE:
       // Our own message was refused: a bug here or a server of another version.
-      log(std::string("the server refused a message: ") + frame.getNotice().cStr());
+      log(LogLevel::kWarning, "control", std::string("the server refused a message: ") + frame.getNotice().cStr());
       break;
     case wire::ServerFrame::GOING_AWAY:
       // A draining server: its last answers came before this; fail over now rather than when the
@@ -272,7 +272,7 @@ void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
 void Handle::Impl::lose(std::uint32_t server, std::uint64_t generation, const std::string& why) {
   auto found = links_.find(server);
   if (found == links_.end() || found->second->generation != generation) return;
-  log("lost server " + options_.servers.at(server) + ": " + why);
+  log(LogLevel::kWarning, "control", "lost server " + options_.servers.at(server) + ": " + why);
   {
     std::lock_guard lock(calls_mutex_);
     last_server_error_ = options_.servers.at(server) + ": " + why;

@@ -132,9 +132,10 @@ Deadline response_deadline(const DataServerConfig& config, std::uint64_t bytes) 
 
 class DataServer::Log {
  public:
-  explicit Log(int interval_ms) : interval_(std::chrono::milliseconds(interval_ms)) {}
+  Log(int interval_ms, std::function<void(const std::string&)> sink)
+      : interval_(std::chrono::milliseconds(interval_ms)), sink_(std::move(sink)) {}
   ~Log() {
-    if (held_back_ > 0) std::cerr << "th data server: " << held_back_ << " more lines were held back\n";
+    if (held_back_ > 0) write(std::to_string(held_back_) + " more lines were held back");
   }
   void line(const std::string& text) {
     std::lock_guard lock(mutex_);
@@ -143,15 +144,23 @@ class DataServer::Log {
       ++held_back_;
       return;
     }
-    std::cerr << "th data server: " << text;
-    if (held_back_ > 0) std::cerr << " (and " << held_back_ << " lines held back since the last one)";
-    std::cerr << "\n";
+    write(held_back_ == 0 ? text
+                          : text + " (and " + std::to_string(held_back_) + " lines held back since the last one)");
     held_back_ = 0;
     written_ = now;
   }
 
  private:
+  void write(const std::string& text) const {
+    if (sink_) {
+      sink_(text);
+    } else {
+      std::cerr << ("th data server: " + text + "\n");  // one write per line
+    }
+  }
+
   const Clock::duration interval_;
+  const std::function<void(const std::string&)> sink_;
   std::mutex mutex_;
   std::optional<Clock::time_point> written_;
   std::uint64_t held_back_ = 0;
@@ -179,7 +188,7 @@ struct DataServer::Connection {
 };
 
 DataServer::DataServer(DataServerConfig config)
-    : config_(std::move(config)), log_(std::make_unique<Log>(config_.log_interval_ms)) {
+    : config_(std::move(config)), log_(std::make_unique<Log>(config_.log_interval_ms, config_.log)) {
   TH_REQUIRE(config_.connections_max > 0);
   TH_REQUIRE(config_.progress_wait_ms_max > 0);
   TH_REQUIRE(config_.grant_wait_ms_max >= 0);

@@ -152,6 +152,8 @@ struct DataServerConfig {
   // A server writes at most one line per interval about failing readers and connections (the
   // lines held back are counted on the next): a flood of bad connections must not flood the log.
   int log_interval_ms = 10'000;
+  // Where those lines go (libthclient passes its log hook); empty: stderr, "th data server: ...".
+  std::function<void(const std::string&)> log = nullptr;
   // Serves the connections that speak another protocol on this port (none: they are closed).
   std::shared_ptr<DataPortExtension> extension = nullptr;
 };

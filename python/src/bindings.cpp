@@ -308,6 +308,14 @@ class PyHandle {
   std::atomic<bool> interrupted_{false};
 };
 
+// libthclient's lines below this level are dropped; the rest go to stderr (ClientOptions::log_level).
+th::LogLevel log_level_from(const std::string& name) {
+  for (th::LogLevel level : {th::LogLevel::kDebug, th::LogLevel::kInfo, th::LogLevel::kWarning, th::LogLevel::kError}) {
+    if (th::log_level_name(level) == name) return level;
+  }
+  throw py::value_error("Handle(): log_level must be one of 'debug', 'info', 'warning', 'error', not '" + name + "'");
+}
+
 th::ClientOptions options_from(const py::kwargs& kwargs) {
   th::ClientOptions options;
   for (const auto& [key_object, value] : kwargs) {
@@ -340,6 +348,7 @@ th::ClientOptions options_from(const py::kwargs& kwargs) {
     else if (key == "tls_ca_file") options.tls_ca_file = py::cast<std::string>(value);
     else if (key == "tls_server_name") options.tls_server_name = py::cast<std::string>(value);
     else if (key == "metrics_listen") options.metrics_listen = py::cast<std::string>(value);
+    else if (key == "log_level") options.log_level = log_level_from(py::cast<std::string>(value));
     else throw py::type_error("Handle() got an unexpected keyword argument '" + key + "'");
     } catch (const py::cast_error&) {
       throw py::type_error("Handle(): " + key + "=" + py::cast<std::string>(py::repr(value)) +

@@ -143,7 +143,10 @@ class Handle:
     "rdma", "tcp"), ``rdma_device``, ``rdma_gid_index``, ``heartbeat_interval_ms``,
     ``open_timeout_ms``, ``chunk_bytes``, ``read_rate_bytes_per_s``, ``data_streams``,
     ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``,
-    ``metrics_listen`` ("host:port": this process serves Prometheus metrics of its handles there).
+    ``metrics_listen`` ("host:port": this process serves Prometheus metrics of its handles there),
+    ``log_level`` ("debug", "info" (the default), "warning", "error": libthclient's lines below it
+    are dropped, the rest go to stderr). Without ``data_listen`` the handle listens on every
+    interface and advertises the address of the interface that reaches the first server.
 
     Use it as a context manager: it closes on exit (on an exception, it leaves without waiting).
     """

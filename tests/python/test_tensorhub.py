@@ -163,6 +163,10 @@ def test_what_cannot_be_registered_is_refused_clearly(server):
         assert hub.tensors["fine"] is kept and "ok" in hub.tensors, "what was registered stays registered, alive"
         with pytest.raises(TypeError, match="unexpected keyword"):
             handle(server, "x", replcia="typo")
+        with pytest.raises(ValueError, match="log_level must be one of"):
+            handle(server, "x", log_level="loud")
+    with handle(server, "quiet", log_level="error") as quiet:  # accepted
+        assert quiet.data_endpoint.startswith("127.0.0.1:"), "advertised: the interface that reaches the server"
     with pytest.raises(tensorhub.PermissionDenied):
         tensorhub.Handle(servers=server.address, token="wrong", model="m", replica="x", open_timeout_ms=5000)
 

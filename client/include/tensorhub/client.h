@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,6 +36,16 @@ namespace th {
 // Where a registered tensor lives. CUDA memory arrives with the RDMA/CUDA transport; until then
 // registering kCuda memory is refused with kInvalidArgument.
 enum class MemoryKind : std::uint8_t { kCpu, kCuda };
+
+// How serious a line of libthclient's log is.
+enum class LogLevel : std::uint8_t { kDebug, kInfo, kWarning, kError };
+std::string_view log_level_name(LogLevel level);  // "debug", "info", "warning", "error"
+
+// Receives libthclient's log lines: the level, the part of the library ("handle", "control": the
+// server connections, "data": reads and the data server, "rdma") and the text, one line without a
+// newline. Called from the library's threads (I/O, reader, data server), possibly at once, so it
+// must be thread-safe; it must not call back into the handle, and should return promptly.
+using LogHook = std::function<void(LogLevel level, std::string_view component, std::string_view message)>;
 
 struct ClientOptions {
   std::vector<std::string> servers;  // "host:port" of th-server: the primary, then backups in order
@@ -94,6 +105,10 @@ struct ClientOptions {
   // on it, whichever opened it; a handle naming another address fails open(). Empty: none
   // (handles still count; a later handle may start the endpoint).
   std::string metrics_listen;
+  // Where log lines go: lines below log_level are dropped; the rest go to `log`, or, without one,
+  // to stderr as "thclient REPLICA/SHARD LEVEL COMPONENT: MESSAGE" (one write per line).
+  LogLevel log_level = LogLevel::kInfo;
+  LogHook log;
 };
 
 struct ReplicateInfo {

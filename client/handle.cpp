@@ -105,6 +105,7 @@ Status validate(const ClientOptions& options) {
 
 Handle::Impl::Impl(ClientOptions options)
     : options_(std::move(options)),
+      log_sink_(options_.log, options_.log_level, "thclient " + options_.replica + "/" + std::to_string(options_.shard)),
       client_id_([] {
         std::random_device entropy;  // a handle id unique in the job: 64 random bits (never 0)
         std::uint64_t id = 0;
@@ -132,14 +133,7 @@ void Handle::Impl::taskFailed(kj::Exception&& exception) {
 }
 
 void Handle::Impl::log(LogLevel level, std::string_view component, const std::string& line) const {
-  if (level < options_.log_level) return;
-  if (options_.log) {
-    options_.log(level, component, line);
-    return;
-  }
-  // One write per line: the shards of a job often share one terminal or log file.
-  std::cerr << ("thclient " + options_.replica + "/" + std::to_string(options_.shard) + " " +
-                std::string(log_level_name(level)) + " " + std::string(component) + ": " + line + "\n");
+  log_sink_.log(level, component, line);
 }
 
 std::string_view log_level_name(LogLevel level) {
@@ -176,15 +170,37 @@ Status Handle::Impl::start() {
     data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
     // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.
     if (options_.data_advertise.empty() && net::is_wildcard_host(data.listen.host)) {
-      try {
-        host_towards_server = net::local_address_towards(net::parse_endpoint(options_.servers.front()));
-      } catch (const net::SocketError& error) {
-        return make_error(Errc::kInvalidArgument,
-                          std::string("data plane: cannot tell which address of this host peers should dial (") +
-                              error.what() + "); set data_advertise, or data_listen to a specific address");
+      // The servers in order (a primary that is down or unresolvable leaves the backups).
+      std::string why;
+      for (const std::string& server : options_.servers) {
+        try {
+          host_towards_server = net::local_address_towards(net::parse_endpoint(server));
+          break;
+        } catch (const net::SocketError& error) {
+          why += std::string(why.empty() ? "" : "; ") + error.what();
+        }
       }
-      // Listen in the family of the address peers will dial.
-      if (options_.data_listen.empty() && host_towards_server.find(':') != std::string::npos) data.listen.host = "::";
+      if (host_towards_server.empty()) {
+        // Like a server that does not answer: perhaps for now (DNS, routes), so kUnavailable.
+        return make_error(Errc::kUnavailable,
+                          "data plane: cannot tell which address of this host peers should dial (" + why +
+                              "); set data_advertise, or data_listen to a specific address");
+      }
+      if (net::is_link_local(host_towards_server)) {
+        return make_error(Errc::kInvalidArgument,
+                          "data plane: the server is reached over the link-local address " + host_towards_server +
+                              ", which peers cannot dial without its interface; set data_advertise");
+      }
+      const bool v6 = host_towards_server.find(':') != std::string::npos;
+      if (options_.data_listen.empty()) {
+        data.listen.host = v6 ? "::" : "0.0.0.0";  // the family of the address peers will dial
+      } else if (v6 != (data.listen.host.find(':') != std::string::npos)) {
+        return make_error(Errc::kInvalidArgument,
+                          "data plane: data_listen " + options_.data_listen + " is IPv" + (v6 ? "4" : "6") +
+                              " but the server is reached over IPv" + (v6 ? "6" : "4") + " (as " +
+                              host_towards_server + "); listen on " + (v6 ? "[::]" : "0.0.0.0") +
+                              ", or set data_advertise");
+      }
     }
 #ifdef TH_HAVE_RDMA
     if (options_.transport != "tcp") {

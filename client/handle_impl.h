@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 
+#include "client/log_sink.h"
 #include "client/metrics.h"
 #include "core/agent.h"
 #include "net/data_plane.h"
@@ -169,6 +170,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void log(LogLevel level, std::string_view component, const std::string& line) const;
 
   ClientOptions options_;
+  // Declared early: destroyed after every thread that logs (reader, I/O, data server) stopped.
+  mutable client::LogSink log_sink_;
   ClientId client_id_;
   // The server's heartbeat timeout, told at connect (0: not yet): bounds the waits on peers.
   std::atomic<TimeMs> server_heartbeat_timeout_ms_{0};

@@ -54,10 +54,13 @@ bool valid_name(std::string_view name, bool may_be_empty) {
 }
 
 namespace detail {
-void result_misuse(const char* what, std::optional<Errc> code) {
-  if (code) TH_ASSERT(false, what, errc_name(*code));
-  TH_ASSERT(false, what);
-  __builtin_unreachable();
+void result_misuse(const char* what, const Error* error) {
+  std::string message = what;
+  if (error != nullptr) {
+    message += ": " + std::string(errc_name(error->code));
+    if (!error->detail.empty()) message += ": " + error->detail;
+  }
+  throw AssertionFailure(message);
 }
 }  // namespace detail
 

@@ -121,7 +121,20 @@ std::string local_address_towards(const Endpoint& peer) {
   return text;
 }
 
-bool is_wildcard_host(std::string_view host) { return host.empty() || host == "0.0.0.0" || host == "::"; }
+bool is_wildcard_host(std::string_view host) {
+  if (host.empty()) return true;
+  const std::string text(host);
+  in_addr v4{};
+  if (::inet_aton(text.c_str(), &v4) != 0) return v4.s_addr == htonl(INADDR_ANY);  // "0", "0.0.0.0"
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, text.c_str(), &v6) == 1 && IN6_IS_ADDR_UNSPECIFIED(&v6);
+}
+
+bool is_link_local(std::string_view host) {
+  const std::string text(host);
+  in6_addr v6{};
+  return ::inet_pton(AF_INET6, text.c_str(), &v6) == 1 && IN6_IS_ADDR_LINKLOCAL(&v6);
+}
 
 Fd listen_tcp(const Endpoint& endpoint, int backlog) {
   auto info = resolve(endpoint, SOCK_STREAM, true);
@@ -129,6 +142,11 @@ Fd listen_tcp(const Endpoint& endpoint, int backlog) {
   if (!socket.valid()) fail("socket");
   const int on = 1;
   ::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  if (info->ai_family == AF_INET6 && is_wildcard_host(endpoint.host)) {
+    // "[::]" listens for IPv4 too, whatever net.ipv6.bindv6only says.
+    const int off = 0;
+    ::setsockopt(socket.get(), IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof off);
+  }
   if (::bind(socket.get(), info->ai_addr, info->ai_addrlen) != 0) fail("bind " + endpoint.to_string());
   if (::listen(socket.get(), backlog) != 0) fail("listen " + endpoint.to_string());
   return socket;

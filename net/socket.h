@@ -56,8 +56,11 @@ Endpoint parse_endpoint(std::string_view text);
 // sends nothing: the kernel's route lookup picks the source address). Throws SocketError naming
 // the peer if it does not resolve or no route reaches it.
 std::string local_address_towards(const Endpoint& peer);
-// "0.0.0.0", "::" or "": an address that listens on every interface (and that no peer can dial).
+// An address that listens on every interface (and that no peer can dial): "", or any spelling
+// of 0.0.0.0 or :: ("0", "::0", ...).
 bool is_wildcard_host(std::string_view host);
+// An IPv6 link-local address (fe80::/10): dialled only with its interface, which it does not carry.
+bool is_link_local(std::string_view host);
 
 // Name resolution for TCP (SOCK_STREAM) or UDP (SOCK_DGRAM) sockets; passive: for bind().
 // Throws SocketError naming the endpoint if it does not resolve.

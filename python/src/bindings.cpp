@@ -5,6 +5,7 @@
 //     the GIL, waking every 100 ms to let Python handle signals: Ctrl-C raises KeyboardInterrupt
 //     within ~0.1 s, and the handle then interrupts the call (Handle::interrupt) and is done;
 //   - errors come back as (code name, detail): tensorhub raises the exception class of that code.
+#include <cctype>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -309,11 +310,15 @@ class PyHandle {
 };
 
 // libthclient's lines below this level are dropped; the rest go to stderr (ClientOptions::log_level).
-th::LogLevel log_level_from(const std::string& name) {
+// Any case; "warn" as th-server's --log-level spells it.
+th::LogLevel log_level_from(const std::string& given) {
+  std::string name;
+  for (char c : given) name += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (name == "warn") return th::LogLevel::kWarning;
   for (th::LogLevel level : {th::LogLevel::kDebug, th::LogLevel::kInfo, th::LogLevel::kWarning, th::LogLevel::kError}) {
     if (th::log_level_name(level) == name) return level;
   }
-  throw py::value_error("Handle(): log_level must be one of 'debug', 'info', 'warning', 'error', not '" + name + "'");
+  throw py::value_error("Handle(): log_level must be one of 'debug', 'info', 'warning' ('warn'), 'error', not '" + given + "'");
 }
 
 th::ClientOptions options_from(const py::kwargs& kwargs) {

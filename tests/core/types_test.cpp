@@ -6,6 +6,20 @@
 namespace th {
 namespace {
 
+// A Result read the wrong way throws a std::logic_error that says what the error was (an
+// adopter's Handle::open(options).value() on a failed open shows why it failed).
+TEST(Result, MisuseThrowsALogicErrorNamingTheError) {
+  const Result<int> failed = make_error(Errc::kTimeout, "no server answered");
+  try {
+    (void)failed.value();
+    FAIL() << "value() of an error returned";
+  } catch (const std::logic_error& error) {
+    EXPECT_STREQ(error.what(), "Result::value() of an error: timeout: no server answered");
+  }
+  const Result<int> fine = 7;
+  EXPECT_THROW((void)fine.error(), std::logic_error);
+}
+
 TEST(Selector, ParsesTheThreeForms) {
   EXPECT_EQ(parse_selector("latest").value(), Selector::latest());
   EXPECT_EQ(parse_selector("latest-3").value(), Selector::latest(3));

@@ -594,10 +594,16 @@ TEST(DataPlane, ParsesEndpoints) {
 TEST(DataPlane, FindsTheLocalAddressTowardsAPeer) {
   EXPECT_EQ(local_address_towards(parse_endpoint("127.0.0.1:7400")), "127.0.0.1");
   EXPECT_EQ(local_address_towards(parse_endpoint("127.3.4.5:1")), "127.0.0.1");  // lo answers 127/8
-  EXPECT_TRUE(is_wildcard_host("0.0.0.0"));
-  EXPECT_TRUE(is_wildcard_host("::"));
-  EXPECT_TRUE(is_wildcard_host(""));
-  EXPECT_FALSE(is_wildcard_host("10.0.0.1"));
+  // Every spelling of "any address" (an attack advertised "[::0]" and "0" verbatim).
+  for (const char* wildcard : {"0.0.0.0", "::", "", "::0", "0", "0:0:0:0:0:0:0:0"}) {
+    EXPECT_TRUE(is_wildcard_host(wildcard)) << wildcard;
+  }
+  for (const char* host : {"10.0.0.1", "::1", "127.0.0.1", "localhost", "fe80::1"}) {
+    EXPECT_FALSE(is_wildcard_host(host)) << host;
+  }
+  EXPECT_TRUE(is_link_local("fe80::fc:ff:fe00:1"));
+  EXPECT_FALSE(is_link_local("fd00::2"));
+  EXPECT_FALSE(is_link_local("10.0.0.1"));
 }
 
 // Fuzzing find (tests/fuzz/regressions/fuzz_data_request): a read of a partial source's second

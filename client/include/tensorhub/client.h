@@ -43,8 +43,10 @@ std::string_view log_level_name(LogLevel level);  // "debug", "info", "warning",
 
 // Receives libthclient's log lines: the level, the part of the library ("handle", "control": the
 // server connections, "data": reads and the data server, "rdma") and the text, one line without a
-// newline. Called from the library's threads (I/O, reader, data server), possibly at once, so it
-// must be thread-safe; it must not call back into the handle, and should return promptly.
+// newline. Called on a thread of the handle's own, one line at a time, in order, so that a slow
+// hook stalls nothing else: lines queue (1,024 at most; past that they are dropped, and the hook
+// is told how many). An exception from the hook is caught and that line goes to stderr. It must
+// not call into the handle; ~Handle waits for the lines queued before it.
 using LogHook = std::function<void(LogLevel level, std::string_view component, std::string_view message)>;
 
 struct ClientOptions {
@@ -61,12 +63,16 @@ struct ClientOptions {
   Retention retention;               // what this replica asks the server to keep readable
   // Where this shard serves its tensors to peers, and the address peers dial for it.
   // Default (both empty): listen on every interface, on a port the kernel chooses, and advertise
-  // the address of this host's interface that reaches the first server (the route the control
-  // connection takes), so that readers on other hosts can dial it; open() fails with
-  // kInvalidArgument if no route reaches the server. A data_listen on a wildcard address
-  // ("0.0.0.0:P", "[::]:P") is advertised the same way; any other is advertised as it is, with the
-  // port the kernel chose. data_advertise overrides all of this (NAT, several interfaces). The data
-  // port serves only readers the server granted a read (a 128-bit secret per transfer).
+  // the address of this host's interface that reaches the servers (the first one in order that a
+  // route reaches: the way the control connection goes), so that readers on other hosts can dial
+  // it. open() fails with kUnavailable if no route reaches any server, and with kInvalidArgument
+  // if the route is an IPv6 link-local address (peers cannot dial it without its interface). A
+  // data_listen on a wildcard address ("0.0.0.0:P", "[::]:P") is advertised the same way; any
+  // other is advertised as it is, with the port the kernel chose. data_advertise overrides all of
+  // this (NAT, several interfaces). Note: a worker that reaches the server as 127.0.0.1 (on the
+  // server's own host) advertises 127.0.0.1, which workers on other hosts cannot dial: name the
+  // server by an address the other hosts use too. The data port serves only readers the server
+  // granted a read (a 128-bit secret per transfer).
   std::string data_listen;
   std::string data_advertise;
   // How bytes move between peers: "auto" uses one-sided RDMA reads where this host has an RDMA

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -62,8 +61,8 @@ inline Error make_error(Errc code, std::string detail = {}) { return Error{code,
 
 namespace detail {
 // A Result read the wrong way (value() of an error, error() of a value): a bug in the caller.
-// Throws a std::logic_error naming the error code.
-[[noreturn]] void result_misuse(const char* what, std::optional<Errc> code);
+// Throws a std::logic_error naming the error (its code and detail), if there is one.
+[[noreturn]] void result_misuse(const char* what, const Error* error);
 }  // namespace detail
 
 template <typename T>
@@ -76,15 +75,15 @@ class [[nodiscard]] Result {
   explicit operator bool() const { return ok(); }
 
   const T& value() const& {
-    if (!ok()) detail::result_misuse("Result::value() of an error", error().code);
+    if (!ok()) detail::result_misuse("Result::value() of an error", &error());
     return std::get<T>(state_);
   }
   T&& value() && {
-    if (!ok()) detail::result_misuse("Result::value() of an error", error().code);
+    if (!ok()) detail::result_misuse("Result::value() of an error", &error());
     return std::get<T>(std::move(state_));
   }
   const Error& error() const {
-    if (ok()) detail::result_misuse("Result::error() of a value", std::nullopt);
+    if (ok()) detail::result_misuse("Result::error() of a value", nullptr);
     return std::get<Error>(state_);
   }
 

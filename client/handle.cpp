@@ -213,6 +213,7 @@ Status Handle::Impl::start() {
           at = comma + 1;
         }
         rdma_options.gid_index = options_.rdma_gid_index;
+        rdma_options.log = [this](const std::string& line) { log(LogLevel::kWarning, "rdma", line); };
         auto rdma = std::make_unique<rdma::RdmaTransport>(data, rdma_options);
         log(LogLevel::kInfo, "rdma", "data plane: RDMA on " + rdma->device_names() + " (TCP with sources that have none)");
         transport_ = std::move(rdma);

@@ -133,7 +133,11 @@ inline int register_access(bool windows) {
   return windows ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND : IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ;
 }
 
-inline void log_line(const std::string& line) { std::cerr << "th rdma: " << line << "\n"; }
+// A line of the RDMA data plane: to the options' log (libthclient's hook), else to stderr.
+inline void log_line(const RdmaOptions& options, const std::string& line) {
+  if (options.log) return options.log(line);
+  std::cerr << ("th rdma: " + line + "\n");  // one write per line
+}
 
 
 // ---- Shared state ------------------------------------------------------------------------------

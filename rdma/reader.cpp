@@ -170,7 +170,7 @@ Acquired acquire(RdmaTransport::State& state, const net::Endpoint& source, std::
   if (made.link == nullptr) {
     if (made.failed == NoLink::kNoRdma) {
       mark_rail_out(state, slot);
-      log_line(port == 0 ? "pulling from " + name + " over TCP: " + made.why
+      log_line(state.options, port == 0 ? "pulling from " + name + " over TCP: " + made.why
                          : "rail " + std::to_string(port) + " to " + name + " is out: " + made.why);
     }
     return made;
@@ -281,9 +281,9 @@ net::PullOutcome read_grant(RdmaTransport::State& state, Link& link, net::GrantK
       }
       // (Not flushed in time: the caller destroys the queue pair before pull() returns, and
       // ibv_destroy_qp is the barrier after which nothing lands.)
-      if (outstanding > 0) log_line("a failed queue pair did not flush " + std::to_string(outstanding) + " reads in time");
+      if (outstanding > 0) log_line(state.options, "a failed queue pair did not flush " + std::to_string(outstanding) + " reads in time");
     } catch (const VerbsError& verbs) {
-      log_line(std::string("draining a failed queue pair: ") + verbs.what());
+      log_line(state.options, std::string("draining a failed queue pair: ") + verbs.what());
     }
     return net::PullOutcome{completed - begin, error, std::move(detail)};
   };
@@ -484,7 +484,7 @@ Rail open_rail(RdmaTransport::State& state, const net::Endpoint& source, std::si
     }
   } catch (const VerbsError& error) {
     // Most likely the memlock limit (registration pins pages): this pull goes over TCP.
-    log_line(std::string("cannot register the reader's memory (pulling over TCP; is the memlock limit ") +
+    log_line(state.options, std::string("cannot register the reader's memory (pulling over TCP; is the memlock limit ") +
              "high enough?): " + error.what());
     Rail rail;
     rail.fall_back = true;
@@ -748,7 +748,7 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
     if (ran[i]) {
       std::lock_guard lock(state.links_mutex);
       mark_rail_out(state, {source.to_string(), rail.acquired.link->port});
-      log_line("rail " + std::to_string(rail.acquired.link->port) + " to " + source.to_string() +
+      log_line(state.options, "rail " + std::to_string(rail.acquired.link->port) + " to " + source.to_string() +
                " is out (rail 0 reads its part): " + rail.outcome.detail);
     }
     const std::uint64_t first_bytes = first.outcome.bytes;

@@ -235,7 +235,7 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     }
   } catch (const VerbsError& error) {
     // Most likely the memlock limit: this grant goes over TCP, the link stays.
-    log_line(std::string("cannot register a grant's memory (the reader pulls it over TCP): ") + error.what());
+    log_line(state.options, std::string("cannot register a grant's memory (the reader pulls it over TCP): ") + error.what());
     return refuse(Answer::kUnsupported);
   }
   {

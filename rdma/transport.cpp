@@ -22,7 +22,7 @@ RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_
     ++registrations;
     port->windows = options.memory_windows && port->device.has_memory_windows();
     if (!port->windows) {
-      log_line("device " + name + (options.memory_windows ? " has no type-2 memory windows" : ": memory windows off") +
+      log_line(options, "device " + name + (options.memory_windows ? " has no type-2 memory windows" : ": memory windows off") +
                ": readers get the registration's key (any peer that says hello may guess it), and only "
                "cutting their links at revoke() ends their reads");
     }
@@ -142,7 +142,7 @@ void RdmaTransport::revoke(net::GrantKey key) {
     const bool cut = state_->opened.wait_for(lock, std::chrono::milliseconds(state_->options.revoke_wait_ms),
                                              [&] { return grant->opened_on.empty(); });
     if (!cut) {
-      log_line("revoke of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
+      log_line(state_->options, "revoke of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
                ": a reader's link did not end in " + std::to_string(state_->options.revoke_wait_ms) +
                " ms; a late read may see the memory change");
     }

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -71,6 +72,8 @@ struct RdmaOptions {
   // revoke() tells the grant's readers on their links at once. Off, a reader learns it from its
   // next READ's remote access error alone (a test turns it off to see the windows cut reads off).
   bool revoke_notices = true;
+  // Where the data plane's lines go (libthclient passes its log hook); empty: stderr, "th rdma: ...".
+  std::function<void(const std::string&)> log = nullptr;
 };
 
 class RdmaTransport final : public net::DataTransport {

@@ -58,14 +58,12 @@ struct FleetReplica {
   bool spot = false;
   bool remote = false;
   std::uint32_t join_version = 1;  // spot: when its batch starts
-  std::uint32_t first_gpu = 0;   // in fleet order (plan_nic_factor's index)
-  std::uint32_t first_slot = 0;  // GPU slot on the machines: machine = slot / GPUs per machine
+  std::uint32_t first_gpu = 0;   // in fleet order (plan_nic_factor's, PlanStats::gpu_nodes' index)
 };
 
 std::vector<FleetReplica> fleet_of(const PlanSpec& spec) {
   std::vector<FleetReplica> fleet;
   std::uint32_t gpu = 0;
-  std::uint32_t placed = 0;  // as the simulator packs machines (see add_replica)
   for (std::uint32_t r = 0; r < spec.trainers + spec.rollouts; ++r) {
     FleetReplica replica;
     replica.trainer = r < spec.trainers;
@@ -77,13 +75,8 @@ std::vector<FleetReplica> fleet_of(const PlanSpec& spec) {
         replica.join_version = 1 + (1 + index / std::max(1U, spec.join_batch)) * spec.join_every;
       }
     }
-    if (!fleet.empty() && (fleet.back().trainer != replica.trainer || fleet.back().remote != replica.remote)) {
-      placed = (placed + spec.gpus_per_node - 1) / spec.gpus_per_node * spec.gpus_per_node;
-    }
     replica.first_gpu = gpu;
-    replica.first_slot = placed;
     gpu += spec.shards;
-    placed += spec.shards;
     fleet.push_back(replica);
   }
   return fleet;
@@ -95,10 +88,6 @@ bool present(const PlanSpec& spec, const FleetReplica& replica, std::uint32_t ve
   return !(replica.spot && spec.leave_version > 0 && version >= spec.leave_version);
 }
 
-std::uint32_t node_of(const PlanSpec& spec, const FleetReplica& replica, std::uint32_t shard) {
-  // Shards fill machines in order from the replica's first slot (see the simulator's add_replica).
-  return (replica.first_slot + shard) / spec.gpus_per_node;
-}
 
 double gpu_rate(const PlanSpec& spec, std::uint32_t gpu) {  // bytes per ms, before efficiency
   return spec.gpu_bytes_per_ms() * plan_nic_factor(spec.seed, gpu, spec.nic_jitter);
@@ -272,7 +261,9 @@ SystemPlan nccl_plan(const PlanSpec& spec, const std::vector<FleetReplica>& flee
 // topology), or from the trainers when there are no standalones. Colocated: the stage stops every
 // GPU until the last read ends; otherwise each rollout GPU waits for its own read and the trainers
 // for the reads they serve.
-SystemPlan ucx_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fleet, std::uint64_t& bytes_cross) {
+// `gpu_nodes`: the machine of every GPU, as the simulation placed it (PlanStats::gpu_nodes).
+SystemPlan ucx_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fleet,
+                    const std::vector<std::uint32_t>& gpu_nodes, std::uint64_t& bytes_cross) {
   SystemPlan system;
   system.name = "UCX point-to-point";
   std::ostringstream says;
@@ -310,7 +301,7 @@ SystemPlan ucx_plan(const PlanSpec& spec, const std::vector<FleetReplica>& fleet
         const FleetReplica& source = *sources[i % sources.size()];
         for (std::uint32_t shard = 0; shard < spec.shards; ++shard) {
           Read read{readers[i]->first_gpu + shard, source.first_gpu + shard,
-                    node_of(spec, *readers[i], shard), node_of(spec, source, shard),
+                    gpu_nodes.at(readers[i]->first_gpu + shard), gpu_nodes.at(source.first_gpu + shard),
                     readers[i]->remote != source.remote};
           read.start_ms = source_ready_ms.empty() ? 0 : source_ready_ms[(i % sources.size()) * spec.shards + shard];
           reads.push_back(read);
@@ -532,7 +523,7 @@ Result<PlanReport> plan(const PlanSpec& spec) {
             std::to_string(fanout_used(spec, false)) + ")"));
   }
   report.systems.push_back(nccl_plan(spec, fleet));
-  report.systems.push_back(ucx_plan(spec, fleet, report.ucx_bytes_cross));
+  report.systems.push_back(ucx_plan(spec, fleet, result.plan.gpu_nodes, report.ucx_bytes_cross));
   report.systems.push_back(ideal_plan(spec, fleet));
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;

@@ -292,6 +292,8 @@ class Simulation {
         result_.plan.replicas.push_back(
             {replicas_[r].name, replicas_[r].datacenter, replicas_[r].trainer, replicas_[r].spot});
       }
+      result_.plan.gpu_nodes.reserve(workers_.size());
+      for (const Worker& worker : workers_) result_.plan.gpu_nodes.push_back(worker.node);
     }
     if (!options_.trace_path.empty()) {
       const Status written = trace_.write(options_.trace_path);

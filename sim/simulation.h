@@ -76,6 +76,7 @@ struct PlanStats {
   std::vector<PlanSample> stalls;
   std::vector<PlanReplica> replicas;
   std::vector<PlanRead> reads;
+  std::vector<std::uint32_t> gpu_nodes;  // [GPU in fleet order]: the machine it was placed on
   std::vector<TimeMs> published_ms;     // [v]: when version v was first published (0: not)
   std::uint64_t bytes_local = 0;        // shard bytes read within a datacenter
   std::uint64_t bytes_cross = 0;        // ... across datacenters

@@ -57,6 +57,8 @@ void ShardAgent::step(const AgentInput& input, TimeMs now_ms, AgentEffects& effe
           on_offload_finished(in);
         } else if constexpr (std::is_same_v<T, ServerLost>) {
           on_server_lost(in);
+        } else if constexpr (std::is_same_v<T, UserCancel>) {
+          on_cancel(in);
         } else {
           static_assert(std::is_same_v<T, AgentTick>);
           on_tick();
@@ -91,6 +93,27 @@ void ShardAgent::on_call(const UserCall& call) {
   }
   if (phase_ == AgentPhase::kOpen) send_call();
   // kOpening (a failover re-open): sent once the open is answered.
+}
+
+void ShardAgent::on_cancel(const UserCancel& cancel) {
+  if (!call_ || call_->id != cancel.call_id || call_->cancelled) return;
+  const OpKind kind = op_kind(call_->body);
+  if (kind != OpKind::kReplicate && kind != OpKind::kUpdate && kind != OpKind::kWait) return;
+  call_->cancelled = true;
+  // Not open (re-opening after a failover or an eviction): it goes after the call, once sent.
+  if (phase_ == AgentPhase::kOpen) send_cancel();
+}
+
+// After the call's request, on the same connection: the hub knows the call when the cancel comes.
+// Repeated like any report until the call is answered (finish_call drops it): a hub that had not
+// taken the call yet (its replica waited for a shard) ignored it.
+void ShardAgent::send_cancel() {
+  TH_ASSERT(call_.has_value() && call_->cancelled && phase_ == AgentPhase::kOpen);
+  const bool pending = std::any_of(reports_.begin(), reports_.end(), [&](const PendingReport& report) {
+    const auto* cancel = std::get_if<CancelCall>(&report.body);
+    return cancel != nullptr && cancel->seq == call_->seq;
+  });
+  if (!pending) report(CancelCall{call_->seq});
 }
 
 // Back after an eviction: as the incarnation the hub named, else the next one if the replica was
@@ -142,6 +165,7 @@ void ShardAgent::send_call() {
   emit(SendRequest{server_, Request{config_.client, call_->seq, call_->body, session_}});
   call_->next_send_ms = now_ms_ + call_->backoff_ms;
   call_->backoff_ms = std::min(2 * call_->backoff_ms, config_.retry_max_ms);
+  if (call_->cancelled) send_cancel();
 }
 
 // ---- messages from the hub -------------------------------------------------------------------------

@@ -81,8 +81,14 @@ struct ServerLost {
   std::uint32_t server = 0;
 };
 struct AgentTick {};
+// The application gives up on call `call_id` (a replicate, update or wait): the hub is asked to end
+// it for the whole replica with kCancelled. The call still completes with the hub's answer (which
+// may be its result, if that came first). Ignored for another call, or one of another kind.
+struct UserCancel {
+  std::uint64_t call_id = 0;
+};
 
-using AgentInput = std::variant<UserCall, FromHub, ReadFinished, OffloadFinished, ServerLost, AgentTick>;
+using AgentInput = std::variant<UserCall, FromHub, ReadFinished, OffloadFinished, ServerLost, AgentTick, UserCancel>;
 
 // ---- Effects ---------------------------------------------------------------------------------------
 
@@ -161,6 +167,7 @@ class ShardAgent {
     std::uint64_t seq = 0;
     RequestBody body;
     bool writes = false;        // a StartRead was acted on: the buffers no longer hold `held_`
+    bool cancelled = false;     // the application cancelled it: CancelCall goes with each send
     TimeMs next_send_ms = 0;
     TimeMs backoff_ms = 0;
   };
@@ -187,6 +194,8 @@ class ShardAgent {
   };
 
   void on_call(const UserCall& call);
+  void on_cancel(const UserCancel& cancel);
+  void send_cancel();
   void on_hub(const FromHub& message);
   void on_reply(const Reply& reply);
   void on_start_read(const StartRead& read);

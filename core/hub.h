@@ -61,6 +61,7 @@ struct HubStats {
   std::uint64_t offloads_started = 0;
   std::uint64_t seeds_started = 0;  // offload seeding: CPU copies read across datacenters
   std::uint64_t evictions = 0;
+  std::uint64_t calls_cancelled = 0;  // calls a shard cancelled (CancelCall)
 };
 
 // Who a client is (th-server's transfer timeline and metrics).
@@ -138,6 +139,7 @@ class Hub {
   void on_transfer_done(Replica& replica, std::uint32_t shard, const TransferDone& done);
   void on_transfer_failed(Replica& replica, std::uint32_t shard, const TransferFailed& failed);
   void on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done);
+  void on_cancel_call(Replica& replica, std::uint32_t shard, const CancelCall& cancel);
 
   // Transactions.
   Txn* txn_for(Replica& replica, std::uint32_t shard, std::uint64_t seq, const OpKey& op);

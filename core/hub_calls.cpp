@@ -167,6 +167,26 @@ void Hub::collect_txn(Replica& replica, std::uint64_t seq) {
   }
 }
 
+// A shard gave up on its call: the call ends for the whole replica, as at a deadline. Only calls
+// that wait (for a version, its bytes, or a predicate); a publish, unpublish or close is short or
+// must run to its end (an unpublish's drain is what makes the buffers the application's again).
+void Hub::on_cancel_call(Replica& replica, std::uint32_t shard, const CancelCall& cancel) {
+  auto found = replica.txns.find(cancel.seq);
+  // Answered and collected, or not taken yet (the replica waits for a shard to re-open): the
+  // client repeats the cancel until its call is answered.
+  if (found == replica.txns.end()) return;
+  Txn& txn = found->second;
+  if (txn.result || !txn.arrived.test(shard)) return;
+  if (txn.op.kind != OpKind::kReplicate && txn.op.kind != OpKind::kUpdate && txn.op.kind != OpKind::kWait) {
+    return;
+  }
+  // Some shards completed it before a failover: their answer is the replica's answer.
+  if (txn.seeded_outcome) return;
+  ++stats_.calls_cancelled;
+  abort_txn(replica, txn, make_error(Errc::kCancelled, std::string(op_name(txn.op.kind)) + " cancelled by shard " +
+                                                           std::to_string(shard) + " of " + describe(replica)));
+}
+
 void Hub::abort_txn(Replica& replica, Txn& txn, const Error& error) {
   switch (txn.stage) {
     case TxnStage::kPublishing:

@@ -579,6 +579,8 @@ void Hub::on_report(const Report& report) {
           on_transfer_failed(replica, shard, body);
         } else if constexpr (std::is_same_v<T, OffloadDone>) {
           on_offload_done(replica, shard, body);
+        } else if constexpr (std::is_same_v<T, CancelCall>) {
+          on_cancel_call(replica, shard, body);
         } else {
           static_assert(std::is_same_v<T, Heartbeat>);
           if (!replica.offloads.empty()) resend_seed_reads(replica, shard, /*now=*/false);

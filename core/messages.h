@@ -167,7 +167,14 @@ struct OffloadDone {
   Version version = 0;
   std::uint64_t copy = 0;  // the offload copy, as Offload named it
 };
-using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone>;
+// The application gave up on call `seq` (a replicate, update or wait still unanswered): the hub
+// ends it for the whole replica with kCancelled, as if its deadline had passed. Sent after the
+// call's request on the same connection, and again with each retransmission of it; a cancel of a
+// call that is answered, unknown or of another kind is ignored.
+struct CancelCall {
+  std::uint64_t seq = 0;
+};
+using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone, CancelCall>;
 
 struct Report {
   ClientId client = 0;

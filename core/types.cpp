@@ -90,6 +90,7 @@ std::string_view errc_name(Errc code) {
     case Errc::kPermissionDenied: return "permission-denied";
     case Errc::kUnavailable: return "unavailable";
     case Errc::kLastRetainedCopy: return "last-retained-copy";
+    case Errc::kCancelled: return "cancelled";
   }
   return "unknown-error";
 }

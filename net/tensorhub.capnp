@@ -158,6 +158,7 @@ struct Report {
     transferDone :group { transfer @3 :UInt64; epoch @4 :UInt32; }
     transferFailed :group { transfer @5 :UInt64; epoch @6 :UInt32; reason @7 :UInt8; }
     offloadDone @8 :UInt64;  # the version
+    cancelCall @10 :UInt64;  # the sequence number of the call the application gave up
   }
   offloadCopy @9 :UInt64;  # offloadDone: the copy, as the offload instruction named it
 }

@@ -451,6 +451,7 @@ Report get(wire::Report::Reader in) {
     case wire::Report::Body::OFFLOAD_DONE:
       report.body = OffloadDone{body.getOffloadDone(), in.getOffloadCopy()};
       break;
+    case wire::Report::Body::CANCEL_CALL: report.body = CancelCall{body.getCancelCall()}; break;
     default: invalid("report of an unknown kind");
   }
   return report;
@@ -595,6 +596,8 @@ void encode(const Report& report, wire::Report::Builder out) {
           failed.setTransfer(fact.transfer);
           failed.setEpoch(fact.epoch);
           failed.setReason(static_cast<std::uint8_t>(fact.reason));
+        } else if constexpr (std::is_same_v<T, CancelCall>) {
+          body.setCancelCall(fact.seq);
         } else {
           static_assert(std::is_same_v<T, OffloadDone>);
           body.setOffloadDone(fact.version);

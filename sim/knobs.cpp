@@ -126,6 +126,8 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
     knobs.rollouts += extra;
     knobs.remote_rollouts += extra;
   }
+  // Drawn last (see above): applications that give up on calls.
+  if (rng.chance(0.4)) knobs.cancel = static_cast<double>(rng.range(1, 4)) / 10;
   return knobs;
 }
 
@@ -142,7 +144,7 @@ bool parse_number(std::string_view text, T& value) {
 std::string fault_keys() {
   return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
          "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
-         "read-failure, straggler (fraction), skew (ppm); and the hub "
+         "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls); and the hub "
          "option offload-seeding (0/1)";
 }
 
@@ -157,6 +159,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = 0;
       knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
       knobs.clock_skew_ppm = 0;
+      knobs.cancel = 0;
       knobs.delay_mean_ms = 1;
       continue;
     }
@@ -195,6 +198,8 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.straggler_fraction = number;
     } else if (key == "offload-seeding") {
       knobs.offload_seeding = number != 0;
+    } else if (key == "cancel" && number <= 1) {
+      knobs.cancel = number;
     } else if (key == "skew") {
       knobs.clock_skew_ppm = static_cast<std::int64_t>(number);
     } else {
@@ -234,7 +239,7 @@ std::string describe(const Knobs& knobs) {
       << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms
       << "ms crash=" << knobs.crash_per_s << "/s rack=" << knobs.rack_crashes << " storm=" << knobs.preemption_storm
       << " server-crash=" << knobs.server_crash << " read-failure=" << knobs.read_failure
-      << " straggler=" << knobs.straggler_fraction << " skew=" << knobs.clock_skew_ppm
+      << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";
   return out.str();
 }

@@ -66,6 +66,9 @@ struct Knobs {
   double read_failure = 0;           // a read fails for no reason on the source's side
   double straggler_fraction = 0;     // hosts with a tenth of the bandwidth and slow steps
   std::int64_t clock_skew_ppm = 0;   // each worker's clock runs up to this much fast or slow
+  // The application: the share of a rollout's replicate, update and wait calls that one of its
+  // shards cancels (UserCancel) a while after making it.
+  double cancel = 0;
   // The data plane.
   std::uint64_t shard_bytes = 64ULL << 20;  // modelled size of one shard
   std::uint64_t nic_bytes_per_ms = 1'250'000;  // 10 Gbit/s up and down per host

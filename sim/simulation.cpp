@@ -189,6 +189,7 @@ enum class EventKind : std::uint8_t {
   kServerLost,
   kOffloadCopied,
   kHeal,
+  kAppCancel,
   kEnd,
 };
 
@@ -331,6 +332,15 @@ class Simulation {
         break;
       case EventKind::kAppWake:
         if (alive(event.a) && workers_[event.a].app.wake_token == event.token) app_act(event.a);
+        break;
+      case EventKind::kAppCancel:
+        // The application gives up on its call, if it is still the one in flight.
+        if (alive(event.a) && workers_[event.a].app.in_call && workers_[event.a].app.call_id == event.token) {
+          if (logged(workers_[event.a].client)) {
+            std::cerr << now_ << " app c" << workers_[event.a].client << " cancels " << workers_[event.a].app.call_name << "\n";
+          }
+          agent_step(event.a, UserCancel{event.token});
+        }
         break;
       case EventKind::kDataTick: data_tick(); break;
       case EventKind::kHubTick:
@@ -1094,6 +1104,10 @@ class Simulation {
         call(w, ReplicateRequest{app.replicate_selector, layout_for(worker.shard),
                                  app.replicate_timeout_ms},
              "replicate " + format_selector(app.replicate_selector));
+        if (faults_on_) {
+          maybe_cancel(w, program_choice(worker.replica, replica_of(w).incarnation, worker.agent->starts(),
+                                         worker.agent->last_seq() + 1));
+        }
         return;
       case App::Next::kDone:
         return;
@@ -1115,6 +1129,7 @@ class Simulation {
     const std::uint64_t arg = choice / 100;
     const TimeMs timeout_ms = 500 + static_cast<TimeMs>(arg % 6) * 500;
     const Version known = std::max<Version>(app.known_latest, 1);
+    maybe_cancel(w, choice);
     if (dice < 55) return update();
     if (dice < 65) return call(w, ListRequest{}, "list");
     if (dice < 72) {
@@ -1144,6 +1159,18 @@ class Simulation {
     // A version that may never come (or be skipped) is waited for with a timeout.
     app.replicate_timeout_ms = arg % 5 == 0 ? 0 : 4000;
     call(w, UnpublishRequest{}, "unpublish (to replicate again)");
+  }
+
+  // Now and then shard 0 gives up on the call it is about to make (or just made), after 0 to 3 s:
+  // the hub ends it for the whole replica (a list or an unpublish ignores the cancel). Decided by
+  // `choice` (the same on every shard), acted on by one shard, as an application's timeout would be.
+  void maybe_cancel(int w, std::uint64_t choice) {
+    const Worker& worker = workers_[w];
+    if (worker.shard != 0 || knobs_.cancel <= 0) return;
+    if (static_cast<double>(choice / 7 % 1000) >= knobs_.cancel * 1000) return;
+    // The call made now gets the next id (call() numbers it).
+    const std::uint64_t call_id = worker.app.in_call ? worker.app.call_id : worker.app.call_id + 1;
+    schedule(now_ + static_cast<TimeMs>(choice / 7001 % 3000), Event(EventKind::kAppCancel, w, call_id));
   }
 
   // A trainer computes a version into its buffers: allowed only while they are not published.

@@ -56,12 +56,13 @@ Unavailable = _error("Unavailable", "unavailable",
                      "No server could be reached, or the handle was interrupted or closed.")
 LastRetainedCopy = _error("LastRetainedCopy", "last-retained-copy",
                           "close() refused: this replica holds the last copy of a retained version.")
+Cancelled = _error("Cancelled", "cancelled", "A shard of the replica cancelled the call (Receive.cancel()).")
 
 _BY_CODE = {cls.code: cls for cls in [
     InvalidArgument, BadSelector, UnknownClient, AlreadyOpen, ShardAlreadyOpen, OpenMismatch, StaleIncarnation,
     SequenceGap, LimitExceeded, VersionNotFound, VersionUnavailable, StaleVersion, NotPublished, AlreadyHolding,
     LayoutMismatch, ChecksumConflict, DivergentCall, ReplicaEvicted, ReplicaClosed, BarrierTimeout, Timeout,
-    PermissionDenied, Unavailable, LastRetainedCopy]}
+    PermissionDenied, Unavailable, LastRetainedCopy, Cancelled]}
 
 
 def error_of(code: str, detail: str) -> TensorHubError:

@@ -80,7 +80,8 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"skipped versions", judged.skipped_versions > 0},
                 {"not yet (smart skipping)", judged.not_yet > 0},
                 {"waits answered", judged.waits_answered > 0},
-                {"timeouts", judged.timeouts > 0}});
+                {"timeouts", judged.timeouts > 0},
+                {"calls cancelled", judged.cancels > 0}});
 }
 
 void tally(Coverage& coverage, const Cluster& cluster) {
@@ -97,7 +98,8 @@ void tally(Coverage& coverage, const Cluster& cluster) {
                 {"late copies of old messages", seen.replayed > 0},
                 {"reordered messages", seen.reordered > 0},
                 {"selectors resolved", judged.resolutions > 0},
-                {"waits answered", judged.waits_answered > 0}});
+                {"waits answered", judged.waits_answered > 0},
+                {"calls cancelled", seen.cancels > 0 && judged.cancels > 0}});
 }
 
 // Programs long enough for reads to chain, versions to pile up and retention to matter: RapidCheck

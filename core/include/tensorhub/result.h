@@ -45,9 +45,11 @@ enum class Errc : std::uint8_t {
   // close refused: this replica holds the last non-spot copy of a version another replica's
   // retention rule keeps (unpublish offloads it; close once another replica holds it)
   kLastRetainedCopy,
+  // A shard of the replica cancelled the call (Receive::cancel); every shard gets this answer.
+  kCancelled,
 };
 
-inline constexpr Errc kErrcLast = Errc::kLastRetainedCopy;  // the wire checks codes against it
+inline constexpr Errc kErrcLast = Errc::kCancelled;  // the wire checks codes against it
 std::string_view errc_name(Errc code);
 
 struct Error {

@@ -51,7 +51,7 @@ std::ostream& operator<<(std::ostream& out, const ClusterAction& action) {
                                            "deliver-all", "drop",    "duplicate", "finish-read",
                                            "fail-read", "offload",   "crash",    "tick",
                                            "failover",  "burst",     "crash-source",
-                                           "replay"};
+                                           "replay",    "cancel"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -84,6 +84,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         {4, ClusterAction::Kind::kBurst},
         {2 * faults, ClusterAction::Kind::kCrashSource},
         {2 * loss, ClusterAction::Kind::kReplay},
+        {3, ClusterAction::Kind::kCancel},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -101,6 +102,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         action.go = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
         break;
       case ClusterAction::Kind::kStep:
+      case ClusterAction::Kind::kCancel:
         action.b = *rc::gen::inRange<std::uint32_t>(0, shards);
         break;
       case ClusterAction::Kind::kDeliver:
@@ -224,6 +226,15 @@ void Cluster::apply(const ClusterAction& action) {
     case ClusterAction::Kind::kFailover:
       failover();
       break;
+    case ClusterAction::Kind::kCancel: {
+      if (runs_[action.a].crashed || action.b >= runs_[action.a].workers.size()) break;
+      const int w = runs_[action.a].workers[action.b];
+      Worker& worker = workers_[w];
+      if (!worker.alive || !worker.agent || !worker.in_call || worker.opening) break;
+      ++coverage_.cancels;
+      agent_step(w, UserCancel{worker.call_id});
+      break;
+    }
     case ClusterAction::Kind::kCrashSource: {
       std::vector<std::uint32_t> sources;
       for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {

@@ -55,6 +55,7 @@ struct ClusterAction {
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps: a step boundary
     kCrashSource, // the a-th replica that serves a read dies, its connections dropping
     kReplay,      // the a-th of the last instructions the hub sent arrives again, late (stale)
+    kCancel,      // the application of shard b of replica a cancels its call in flight
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -90,6 +91,7 @@ class Cluster {
     std::size_t replayed = 0;
     std::size_t reordered = 0;
     std::size_t answers = 0;
+    std::size_t cancels = 0;  // the application cancelled a call in flight
   };
   const Coverage& coverage() const { return coverage_; }
   const Reference& reference() const { return reference_; }

@@ -73,7 +73,7 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
 std::ostream& operator<<(std::ostream& out, const Action& action) {
   static constexpr const char* kNames[] = {"plan",  "step", "step-all", "finish-read", "fail-read",
                                            "offload", "crash", "tick",  "diverge",   "failover",
-                                           "burst", "crash-source"};
+                                           "burst", "crash-source", "cancel"};
   static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
                                          "list",    "wait",      "close"};
   out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
@@ -101,6 +101,7 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         {1 * faults, Action::Kind::kFailover},
         {4, Action::Kind::kBurst},
         {2 * faults, Action::Kind::kCrashSource},
+        {3, Action::Kind::kCancel},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -120,6 +121,7 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         break;
       case Action::Kind::kStep:
       case Action::Kind::kDiverge:
+      case Action::Kind::kCancel:
         action.b = *rc::gen::inRange<std::uint32_t>(0, shards);
         break;
       case Action::Kind::kFinishRead:
@@ -240,6 +242,13 @@ void Fleet::apply(const Action& action) {
         }
       }
       break;
+    case Action::Kind::kCancel: {
+      const ShardRun& shard = runs_[action.a].shards[action.b];
+      if (runs_[action.a].crashed || shard.client == 0 || !shard.pending_seq) break;
+      ++coverage_.cancels;
+      driver_.report(shard.client, CancelCall{*shard.pending_seq});
+      break;
+    }
     case Action::Kind::kCrashSource: {
       std::vector<std::uint32_t> sources;
       for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {

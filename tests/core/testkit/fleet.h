@@ -62,6 +62,7 @@ struct Action {
                   // step boundary, where readers chain into pipelines
     kCrashSource, // the a-th replica that serves a read dies, its connection dropping: the copies
                   // pipelining from it lose their root mid-transfer (DESIGN.md §5.6)
+    kCancel,      // shard b of replica a cancels its call in flight (CancelCall)
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -101,6 +102,7 @@ class Fleet {
     std::size_t evictions = 0;
     std::size_t failovers = 0;
     std::size_t unavailable = 0;
+    std::size_t cancels = 0;  // CancelCall sent for a call in flight
   };
   const Coverage& coverage() const { return coverage_; }
 

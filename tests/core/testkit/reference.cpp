@@ -455,6 +455,22 @@ void Reference::on_report(const Report& report) {
   const std::uint32_t shard = client->second.shard;
   Replica* replica = replica_of(report.client);
   if (replica == nullptr) return;
+  if (const auto* cancel = std::get_if<CancelCall>(&report.body)) {
+    // Only a call of the current session that this shard made, that waits, that no shard had an
+    // answer to before a failover, and that is unanswered.
+    if (report.session != client->second.session) return;
+    auto call = replica->calls.find(cancel->seq);
+    if (call == replica->calls.end() || call->second.answer || call->second.seeded ||
+        !call->second.arrived.test(shard)) {
+      return;
+    }
+    const OpKind kind = call->second.op.kind;
+    if (kind == OpKind::kReplicate || kind == OpKind::kUpdate || kind == OpKind::kWait) {
+      call->second.cancelled = true;
+      ++seen_.cancels;
+    }
+    return;
+  }
   if (const auto* done = std::get_if<TransferDone>(&report.body)) {
     for (auto& [transfer_key, transfer] : transfers_) {
       if (transfer.reader != key || transfer.id != done->transfer || done->epoch == 0 ||
@@ -822,6 +838,10 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
   };
   const std::optional<Errc> error = error_of(outcome);
   const ShardSet everyone = all_shards(replica.num_shards);
+  if (error == Errc::kCancelled) {
+    if (!call.cancelled) wrong("but no shard cancelled it");
+    return;
+  }
   refresh(replica, call);  // what changed in this very step counts
   if (call.decided) {
     if (!same_answer(outcome, *call.decided)) wrong("expected " + name_of(*call.decided));
@@ -1076,6 +1096,7 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
       if (!call.exact || !judged) continue;
       const std::string what = replica.name + " call " + std::to_string(seq) + " (" +
                                std::string(op_name(call.op.kind)) + ")";
+      if (call.cancelled) fail(what + " is not answered though a shard cancelled it");
       if (call.decided) fail(what + " is not answered at once: expected " + name_of(*call.decided));
       if (resolution_error) fail(what + " is not answered though its version can never be read");
       if (call.op.kind == OpKind::kList) fail(what + " is not answered at once");

@@ -61,6 +61,7 @@ class Reference : public StepWatcher {
     std::size_t not_yet = 0;
     std::size_t waits_answered = 0;
     std::size_t timeouts = 0;
+    std::size_t cancels = 0;  // calls a shard cancelled while they waited
     std::size_t skipped_versions = 0;  // latest-k resolutions across a gap in version numbers
   };
   const Seen& seen() const { return seen_; }
@@ -86,6 +87,9 @@ class Reference : public StepWatcher {
     bool read_started = false;
     bool may_not_found = false;     // a resolution while it waited said "not found"
     bool may_unavailable = false;   // the version had no copy with its bytes while it waited
+    // A shard that had made it cancelled it (CancelCall) while it was unanswered: the hub owes
+    // every shard kCancelled at once (it may still have answered otherwise in that same step).
+    bool cancelled = false;
   };
   struct Replica {
     std::string model;

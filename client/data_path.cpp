@@ -3,6 +3,7 @@
 // verifies their checksums; offloads copy the tensors to CPU memory on threads of their own; seed
 // reads fill a CPU copy.
 #include "client/handle_impl.h"
+#include "client/receive.h"
 
 namespace th {
 namespace {
@@ -83,7 +84,13 @@ void Handle::Impl::start_read(const StartRead& read) {
     buffers_progress_ = std::make_shared<net::Progress>(0);
   }
   ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data(),
-              nullptr};
+              nullptr, nullptr};
+  {
+    // The call this read serves streams it (the agent drops instructions of other calls).
+    std::lock_guard lock(calls_mutex_);
+    job.stream = active_receive_;
+  }
+  if (job.stream == nullptr) job.stream = std::make_shared<Receive::State>(Plan{}, 0, nullptr);
   std::lock_guard lock(reader_mutex_);
   // One read at a time into these buffers: a newer one replaces whatever is queued or running.
   for (ReadJob& queued : read_jobs_) queued.cancelled->store(true);
@@ -115,7 +122,8 @@ void Handle::Impl::start_seed_read(const StartRead& read) {
       try {
         Plan plan = seed_copy_of(read.layout, *copy);
         std::byte* packed = copy->bytes.data();
-        ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy};
+        ReadJob job{read, cancelled, std::make_shared<net::Progress>(0), std::move(plan), packed, copy,
+                    std::make_shared<Receive::State>(Plan{}, 0, nullptr)};
         run_read(job);
       } catch (const std::bad_alloc&) {
         on_io([this, read] {
@@ -182,7 +190,15 @@ void Handle::Impl::run_read(ReadJob& job) {
     stats_.reading_from = job.read.source.replica;
   }
   pull_options.cancelled = [&] { return job.cancelled->load(); };
-  pull_options.on_progress = [&](std::uint64_t ready) { job.progress->advance_to(ready); };
+  // The tensors are checked as they complete (by the application's Receive::next, which hands
+  // them out) or all at the end (by this thread): each once per read.
+  auto attempt = std::make_shared<ReadAttempt>(plan, job.packed, job.read.checksums, job.read.version,
+                                               /*scatter=*/job.seed == nullptr);
+  job.stream->begin(attempt);
+  pull_options.on_progress = [&](std::uint64_t ready) {
+    job.progress->advance_to(ready);
+    job.stream->advance(*attempt, ready);
+  };
   const auto started = std::chrono::steady_clock::now();
   net::PullOutcome outcome = [&] {
     try {
@@ -200,23 +216,12 @@ void Handle::Impl::run_read(ReadJob& job) {
     failure = outcome.error == net::ReadError::kRefused ? ReadFailure::kSourceRefused
                                                          : ReadFailure::kSourceUnreachable;
   } else {
-    // Scatter the packed tensors, then check every tensor against the checksum of its publisher.
-    const auto& tensors = plan.layout->tensors();
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      // (A seed copy keeps its packed tensors where they arrived.)
-      if (plan.packed_offset[i] != Plan::kNotPacked && job.seed == nullptr) {
-        std::memcpy(plan.tensor_data[i], job.packed + plan.packed_offset[i], tensors[i].bytes);
-      }
-    }
-    const Checksums* expected = job.read.checksums.get();
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (expected == nullptr || expected->size() != tensors.size() ||
-          checksum(plan.tensor_data[i], tensors[i].bytes) != (*expected)[i]) {
-        log(LogLevel::kError, "data", "tensor '" + tensors[i].name + "' of version " + std::to_string(job.read.version) + " from " +
-            job.read.source.replica + " does not match its checksum");
-        failure = ReadFailure::kChecksumMismatch;
-        break;
-      }
+    job.stream->advance(*attempt, attempt->unit_end.empty() ? 0 : attempt->unit_end.back());
+    // Scatter the packed tensors, and check every tensor against the checksum of its publisher.
+    if (const std::optional<std::size_t> bad = job.stream->check_rest(*attempt)) {
+      log(LogLevel::kError, "data", "tensor '" + plan.layout->tensors()[*bad].name + "' of version " +
+          std::to_string(job.read.version) + " from " + job.read.source.replica + " does not match its checksum");
+      failure = ReadFailure::kChecksumMismatch;
     }
   }
   {

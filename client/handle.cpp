@@ -12,6 +12,7 @@
 // Everything that touches the agent runs on the I/O thread (a kj event loop, started here); other
 // threads hand it work through the loop's executor.
 #include "client/handle_impl.h"
+#include "client/receive.h"
 
 #ifdef TH_HAVE_RDMA
 #include "rdma/transport.h"
@@ -350,6 +351,12 @@ void Handle::Impl::apply(const AgentEffect& effect) {
 void Handle::Impl::complete_call(std::uint64_t call_id, Outcome outcome) {
   {
     std::lock_guard lock(calls_mutex_);
+    if (active_receive_ != nullptr && active_receive_->call_id == call_id) {
+      active_receive_->finish(std::move(outcome));
+      active_receive_.reset();
+      call_done_.notify_all();  // a call waiting for an abandoned receive's answer
+      return;
+    }
     auto found = calls_.find(call_id);
     if (found == calls_.end()) return;  // the caller gave up (open deadline)
     found->second = std::move(outcome);
@@ -361,11 +368,78 @@ void Handle::Impl::fail_everything(Error error) {
   {
     std::lock_guard lock(calls_mutex_);
     fatal_ = error;
+    if (active_receive_ != nullptr) active_receive_->finish(error);
   }
   call_done_.notify_all();
 }
 
+Result<std::shared_ptr<Receive::State>> Handle::Impl::begin_receive(RequestBody body, Plan plan,
+                                                                    client::HandleMetrics::Call kind) {
+  settle_abandoned_receive();
+  std::shared_ptr<Receive::State> state;
+  {
+    std::lock_guard lock(calls_mutex_);
+    if (fatal_) return *fatal_;
+    state = std::make_shared<Receive::State>(
+        std::move(plan), next_call_id_++,
+        [metrics = metrics_, kind](std::string_view result, double seconds) { metrics->record(kind, seconds, result); });
+    state->impl = this;
+  }
+  std::optional<Error> refused;
+  const bool sent = on_io([&] {
+    if (agent_.call_in_flight()) {
+      refused = make_error(Errc::kInvalidArgument, "another call is in flight on this handle: "
+                                                   "calls of one handle come from one thread at a time");
+      return;
+    }
+    {
+      std::lock_guard lock(calls_mutex_);
+      active_receive_ = state;  // before the agent can answer
+    }
+    step(UserCall{state->call_id, std::move(body)});
+  });
+  if (!sent) return make_error(Errc::kUnavailable, "the handle is shut down");
+  if (refused) return *refused;
+  return state;
+}
+
+void Handle::Impl::cancel_call(std::uint64_t call_id) {
+  on_io([&] { step(UserCancel{call_id}); });
+}
+
+void Handle::Impl::settle_abandoned_receive(std::optional<TimeMs> timeout_ms) {
+  std::unique_lock lock(calls_mutex_);
+  auto settled = [&] {
+    if (active_receive_ == nullptr || fatal_) return true;
+    std::lock_guard state_lock(active_receive_->mutex);
+    return !active_receive_->abandoned;
+  };
+  if (timeout_ms) {
+    call_done_.wait_for(lock, std::chrono::milliseconds(*timeout_ms), settled);
+  } else {
+    call_done_.wait(lock, settled);
+  }
+}
+
+bool Handle::Impl::receive_running() {
+  std::lock_guard lock(calls_mutex_);
+  return active_receive_ != nullptr;
+}
+
+void Handle::Impl::end_receive(TimeMs timeout_ms) {
+  std::shared_ptr<Receive::State> running;
+  {
+    std::lock_guard lock(calls_mutex_);
+    running = active_receive_;
+  }
+  if (running == nullptr) return;
+  cancel_call(running->call_id);
+  std::unique_lock lock(running->mutex);
+  running->changed.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return running->outcome.has_value(); });
+}
+
 Outcome Handle::Impl::call(RequestBody body, std::optional<TimeMs> deadline_ms) {
+  settle_abandoned_receive(deadline_ms);
   std::uint64_t id = 0;
   {
     std::lock_guard lock(calls_mutex_);
@@ -485,6 +559,9 @@ Result<Version> Handle::Impl::publish(Version version) {
     current = plan();
     if (current.layout == nullptr) {
       refused = make_error(Errc::kInvalidArgument, "register the shard's tensors before publishing");
+    } else if (agent_.call_in_flight()) {
+      refused = make_error(Errc::kInvalidArgument, "another call is in flight on this handle: "
+                                                   "calls of one handle come from one thread at a time");
     } else if (buffers_version_.has_value() || agent_.held().has_value()) {
       refused = make_error(Errc::kAlreadyHolding, "the shard already holds a version: unpublish first");
     }
@@ -518,6 +595,7 @@ void Handle::Impl::interrupt(const std::string& why) {
   {
     std::lock_guard lock(calls_mutex_);
     if (!fatal_) fatal_ = make_error(Errc::kUnavailable, "interrupted: " + why);
+    if (active_receive_ != nullptr) active_receive_->finish(*fatal_);
   }
   call_done_.notify_all();
 }
@@ -538,6 +616,17 @@ HandleStats Handle::Impl::stats() const {
 }
 
 void Handle::Impl::shutdown() {
+  // A Receive that outlives the handle answers kUnavailable and no longer reaches it.
+  std::shared_ptr<Receive::State> receive;
+  {
+    std::lock_guard lock(calls_mutex_);
+    receive = std::exchange(active_receive_, nullptr);
+  }
+  if (receive != nullptr) {
+    receive->finish(make_error(Errc::kUnavailable, "the handle is closed"));
+    std::lock_guard lock(receive->impl_mutex);
+    receive->impl = nullptr;
+  }
   {
     std::lock_guard lock(reader_mutex_);
     reader_stopping_ = true;
@@ -630,8 +719,10 @@ Result<std::unique_ptr<Handle>> Handle::open(ClientOptions options) {
 }
 
 Handle::~Handle() {
-  // A handle dropped while open leaves politely, but never waits long for it.
-  if (impl_->is_open()) (void)impl_->call(CloseRequest{}, kCloseOnDestroyMs);
+  // A handle dropped while open leaves politely, but never waits long for it: a receive still
+  // running is cancelled first (if its answer does not come, the server evicts the shard later).
+  impl_->end_receive(kCloseOnDestroyMs);
+  if (impl_->is_open() && !impl_->receive_running()) (void)impl_->call(CloseRequest{}, kCloseOnDestroyMs);
 }
 
 Status Handle::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory) {
@@ -655,35 +746,66 @@ Status Handle::unpublish() {
   return recorded(impl_->metrics_, Call::kUnpublish, [&] { return as_status(impl_->call(UnpublishRequest{})); });
 }
 
-Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms) {
-  OneCallAtATime exclusive(impl_->user_call_busy_);
-  if (exclusive.refused()) return OneCallAtATime::error();
-  return recorded(impl_->metrics_, Call::kReplicate, [&]() -> Result<ReplicateInfo> {
+namespace {
+
+// replicate and update, blocking or not: the arguments are checked here (an error is recorded at
+// once), the call's answer goes to the Receive's State (which records it when it comes).
+Result<std::shared_ptr<Receive::State>> launch_receive(Handle::Impl& impl, Call kind, std::string_view selector,
+                                                       TimeMs timeout_ms) {
+  auto launched = [&]() -> Result<std::shared_ptr<Receive::State>> {
     auto parsed = parse_selector(selector);
     if (!parsed.ok()) return parsed.error();
     if (timeout_ms < 0 || timeout_ms > limits::kDeadlineMsMax) {
       return make_error(Errc::kInvalidArgument, "timeout_ms is outside 0.." + std::to_string(limits::kDeadlineMsMax));
     }
-    const Plan plan = impl_->plan_copy();
-    if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before replicating");
-    auto answer = as_result<ReplicateOk>(impl_->call(ReplicateRequest{parsed.value(), plan.layout, timeout_ms}));
-    if (!answer.ok()) return answer.error();
-    return ReplicateInfo{answer.value().version, answer.value().source_replica};
-  });
+    Plan plan = impl.plan_copy();
+    if (plan.layout == nullptr) {
+      return make_error(Errc::kInvalidArgument, std::string("register the shard's tensors before ") +
+                                                    (kind == Call::kUpdate ? "updating" : "replicating"));
+    }
+    RequestBody body = kind == Call::kUpdate ? RequestBody(UpdateRequest{parsed.value(), plan.layout})
+                                             : RequestBody(ReplicateRequest{parsed.value(), plan.layout, timeout_ms});
+    return impl.begin_receive(std::move(body), std::move(plan), kind);
+  }();
+  if (!launched.ok()) impl.metrics_->record(kind, 0, errc_name(launched.error().code));
+  return launched;
+}
+
+}  // namespace
+
+Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  auto launched = launch_receive(*impl_, Call::kReplicate, selector, timeout_ms);
+  if (!launched.ok()) return launched.error();
+  auto answer = Receive(std::move(launched).value()).wait();
+  if (!answer.ok()) return answer.error();
+  TH_ASSERT(answer.value().version.has_value(), "a replicate that succeeded names its version");
+  return ReplicateInfo{*answer.value().version, answer.value().source_replica};
 }
 
 Result<UpdateInfo> Handle::update(std::string_view selector) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return recorded(impl_->metrics_, Call::kUpdate, [&]() -> Result<UpdateInfo> {
-    auto parsed = parse_selector(selector);
-    if (!parsed.ok()) return parsed.error();
-    const Plan plan = impl_->plan_copy();
-    if (plan.layout == nullptr) return make_error(Errc::kInvalidArgument, "register the shard's tensors before updating");
-    auto answer = as_result<UpdateOk>(impl_->call(UpdateRequest{parsed.value(), plan.layout}));
-    if (!answer.ok()) return answer.error();
-    return UpdateInfo{answer.value().status, answer.value().version, answer.value().source_replica};
-  });
+  auto launched = launch_receive(*impl_, Call::kUpdate, selector, 0);
+  if (!launched.ok()) return launched.error();
+  return Receive(std::move(launched).value()).wait();
+}
+
+Result<std::unique_ptr<Receive>> Handle::replicate_async(std::string_view selector, TimeMs timeout_ms) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  auto launched = launch_receive(*impl_, Call::kReplicate, selector, timeout_ms);
+  if (!launched.ok()) return launched.error();
+  return std::unique_ptr<Receive>(new Receive(std::move(launched).value()));
+}
+
+Result<std::unique_ptr<Receive>> Handle::update_async(std::string_view selector) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  auto launched = launch_receive(*impl_, Call::kUpdate, selector, 0);
+  if (!launched.ok()) return launched.error();
+  return std::unique_ptr<Receive>(new Receive(std::move(launched).value()));
 }
 
 Result<ListSnapshot> Handle::list() {

@@ -1,12 +1,11 @@
-// libthclient's insides, shared by its three files (not installed):
+// libthclient's insides, shared by its files (not installed):
 //   handle.cpp      the Handle API, the application's calls, the I/O thread and the agent's effects;
 //   server_links.cpp  the connections to th-server (connect, TLS, send, heartbeats, probes, failover);
-//   data_path.cpp   serving grants, the reader thread, offload copies and seed reads.
+//   data_path.cpp   serving grants, the reader thread, offload copies and seed reads;
+//   receive.cpp     replicate and update in flight (Receive): streaming, checksums per tensor.
 #pragma once
 
 #include "tensorhub/client.h"
-
-#include <xxhash.h>
 
 #include <array>
 #include <atomic>
@@ -22,6 +21,7 @@
 #include <thread>
 
 #include "client/log_sink.h"
+#include "client/plan.h"
 #include "client/metrics.h"
 #include "core/agent.h"
 #include "net/data_plane.h"
@@ -39,9 +39,6 @@
 namespace th {
 namespace client_impl {
 
-// Tensors below this size travel packed into one buffer per shard (paper §4.3.2): one request
-// instead of hundreds of tiny ones.
-constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
 constexpr TimeMs kTickMs = 50;                  // how often the agent hears the clock
 constexpr TimeMs kReconnectBackoffInitialMs = 100;
 constexpr TimeMs kReconnectBackoffMaxMs = 2000;
@@ -65,30 +62,6 @@ inline TimeMs steady_now_ms() {
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-
-inline std::uint64_t checksum(const std::byte* data, std::uint64_t bytes) { return XXH3_64bits(data, bytes); }
-
-struct Registered {
-  std::byte* data = nullptr;
-  std::uint64_t bytes = 0;
-  DType dtype = DType::kFloat32;
-  std::shared_ptr<void> lease;  // lent to the data plane (DataTransport::lease_memory)
-};
-
-// How the shard's tensors appear on the data plane: region 0 is the packed buffer of the small
-// tensors (if any), then the big tensors, each its own region, in layout (name) order.
-struct Plan {
-  LayoutRef layout;
-  std::vector<std::byte*> tensor_data;  // in layout order
-  std::vector<std::uint64_t> packed_offset;  // per tensor: its place in the packed buffer, or none
-  std::uint64_t packed_bytes = 0;
-  std::vector<std::size_t> big;  // layout indices of the tensors with a region of their own
-
-  static constexpr std::uint64_t kNotPacked = ~0ull;
-};
-
-// The plan of the registered tensors (data_path.cpp's seed_copy_of makes one for a seed copy).
-Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry);
 
 // A CPU copy of the shard's regions (an offload replica), in the same region order.
 struct OffloadCopy {
@@ -114,6 +87,17 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
   Result<Version> publish(Version version);
+  // Starts a replicate or update (validated by the caller) whose answer goes to the State it
+  // returns; at most one in flight (the agent refuses a second call).
+  Result<std::shared_ptr<Receive::State>> begin_receive(RequestBody body, Plan plan, client::HandleMetrics::Call kind);
+  // Receive::cancel: asks the hub to end call `call_id` (nothing if it is not the one in flight).
+  void cancel_call(std::uint64_t call_id);
+  // Before a call: a Receive dropped unfinished was cancelled; its answer is awaited first, so
+  // that the next call is not refused as "in flight".
+  void settle_abandoned_receive(std::optional<TimeMs> timeout_ms = std::nullopt);
+  bool receive_running();
+  // ~Handle: cancels a Receive still running and waits up to `timeout_ms` for its answer.
+  void end_receive(TimeMs timeout_ms);
   void interrupt(const std::string& why);
   Plan plan_copy();
   bool is_open();
@@ -132,6 +116,9 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
     Plan plan;
     std::byte* packed = nullptr;
     std::shared_ptr<OffloadCopy> seed;  // offload seeding: the CPU copy read into (kept alive)
+    // Who hears the read's progress and checks its tensors with it (the Receive of the call it
+    // serves; a State of its own for a seed copy).
+    std::shared_ptr<Receive::State> stream;
   };
 
   void taskFailed(kj::Exception&& exception) override;
@@ -235,6 +222,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::condition_variable call_done_;
   std::map<std::uint64_t, std::optional<Outcome>> calls_;
   std::optional<Error> fatal_;  // the token was refused: every call fails with it
+  // The replicate or update in flight, if it was started by begin_receive (its answer goes there).
+  std::shared_ptr<Receive::State> active_receive_;
   std::string last_server_error_;  // why the last server link was lost (for open()'s timeout)
   std::uint64_t next_call_id_ = 1;
 

@@ -145,6 +145,68 @@ struct HandleStats {
   std::uint64_t servers_lost = 0;          // control connections lost (each followed by a failover or reconnect)
 };
 
+// A tensor of the version a Receive brings in: in its registered buffer, every byte there and
+// verified against the publisher's checksum.
+struct ReceivedTensor {
+  std::string name;
+  void* data = nullptr;  // the registered buffer
+  std::uint64_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  Version version = 0;
+};
+
+struct ReceiveProgress {
+  std::optional<Version> version;      // the version being received, once a read of it began
+  std::uint64_t bytes_ready = 0;       // of this shard's tensors, arrived (the current read's)
+  std::uint64_t bytes_total = 0;       // of this shard's registered tensors
+  std::uint32_t tensors_handed_out = 0;  // by next()
+  std::uint32_t tensors_total = 0;
+  bool done = false;                   // the call has its answer (wait() returns at once)
+};
+
+// A replicate or update in flight (Handle::replicate_async, update_async): the application goes on
+// while the version arrives, takes each tensor as soon as it is complete and verified (next()), and
+// may give up (cancel()). Methods may be called from any thread, next() from one at a time.
+// Until the call has its answer the handle takes no other call (they fail with kInvalidArgument,
+// as any call made while one is in flight). A Receive must not outlive its Handle's destructor:
+// once the handle is gone every method answers kUnavailable.
+class Receive {
+ public:
+  // An unfinished receive is cancelled (it does not wait: the next call on the handle waits for
+  // the server's answer to the cancel).
+  ~Receive();
+  Receive(const Receive&) = delete;
+  Receive& operator=(const Receive&) = delete;
+
+  // The next tensor of this shard whose bytes are all here and match their checksum: the small
+  // tensors (which travel packed together) first, then the others in name order, as they arrive;
+  // each is handed out once. Blocks until one is ready (timeout_ms 0: no limit). Returns nothing
+  // once every tensor was handed out, or once the call ended without moving any (update's
+  // kNoNewerVersion, kNotYet); the call's error if it failed before all were handed out;
+  // kTimeout ("no tensor ... yet") if timeout_ms passed first, the call going on.
+  // The bytes stay in the registered buffers: copy them out, or leave them there. If the read of
+  // the version fails over to another source, that source writes the same bytes again into every
+  // buffer (handed out or not), and the call's answer comes only after every tensor was verified
+  // once more; if the call fails, the tensors handed out do not make a whole version.
+  Result<std::optional<ReceivedTensor>> next(TimeMs timeout_ms = 0);
+  // Blocks until the call has its answer and returns it (for replicate: status kUpdated).
+  Result<UpdateInfo> wait();
+  // Whether the call has its answer, waiting up to timeout_ms for it.
+  bool wait_for(TimeMs timeout_ms);
+  ReceiveProgress progress() const;
+  // Asks the server to end the call for the whole replica (every shard's call ends with
+  // kCancelled, unless it completed first); returns at once: wait() for the answer. The handle
+  // then takes calls again; the buffers hold no version after a cancelled receive.
+  void cancel();
+
+  struct State;
+
+ private:
+  friend class Handle;
+  explicit Receive(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
 class Handle {
  public:
   // Connects, authenticates and opens the shard. Blocks until the server answered (for a shard of
@@ -176,6 +238,11 @@ class Handle {
   // Moves to a newer version if one is available (like unpublish + replicate), else returns at
   // once with kNoNewerVersion or kNotYet.
   Result<UpdateInfo> update(std::string_view selector = "latest");
+  // replicate and update without blocking: the call runs while the application takes the tensors
+  // as they arrive (Receive::next), watches progress, or cancels. Errors of the arguments come
+  // back at once; the call's own answer from Receive::wait.
+  Result<std::unique_ptr<Receive>> replicate_async(std::string_view selector, TimeMs timeout_ms = 0);
+  Result<std::unique_ptr<Receive>> update_async(std::string_view selector = "latest");
   // The model's versions and replicas. Immediate.
   Result<ListSnapshot> list();
   // Blocks until the predicate holds; 0: no timeout.
@@ -183,8 +250,8 @@ class Handle {
   // Leaves: blocks until readers of this replica drained. The handle is then done.
   Status close();
 
-  // Makes the call that waits on this handle now, and every later one, return kUnavailable
-  // ("interrupted: <why>") at once. The only call another thread may make while one runs: for a
+  // Makes the call that waits on this handle now (a Receive's too), and every later one, return
+  // kUnavailable ("interrupted: <why>") at once. The only call another thread may make while one runs: for a
   // language binding's Ctrl-C, or a process that shuts down. Then the handle can only be dropped
   // (the server evicts the shard after its heartbeat timeout).
   void interrupt(const std::string& why);

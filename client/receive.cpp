@@ -1,0 +1,240 @@
+// libthclient's streaming receive: the units a read checks, and the Receive the application holds
+// (see receive.h).
+#include "client/receive.h"
+
+#include <cstring>
+
+#include "client/handle_impl.h"
+
+namespace th {
+namespace client_impl {
+
+ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_, Version version_, bool scatter_)
+    : plan(std::move(plan_)), packed(packed_), checksums(std::move(checksums_)), version(version_), scatter(scatter_) {
+  TH_ASSERT(plan.layout != nullptr, "a read has a layout");
+  const auto& tensors = plan.layout->tensors();
+  tensor_unit.assign(tensors.size(), 0);
+  std::uint64_t end = 0;
+  if (plan.packed_bytes > 0) {
+    end = plan.packed_bytes;
+    unit_end.push_back(end);  // unit 0: every packed tensor
+  }
+  for (std::size_t index : plan.big) {
+    end += tensors[index].bytes;
+    tensor_unit[index] = unit_end.size();
+    unit_end.push_back(end);
+  }
+  units.assign(unit_end.size(), Unit::kPending);
+  TH_ASSERT(end == plan.layout->total_bytes(), "the units cover the shard");
+}
+
+std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
+  TH_ASSERT(unit < unit_end.size());
+  const auto& tensors = plan.layout->tensors();
+  const bool whole = checksums != nullptr && checksums->size() == tensors.size();
+  auto matches = [&](std::size_t index) {
+    return whole && checksum(plan.tensor_data[index], tensors[index].bytes) == (*checksums)[index];
+  };
+  if (plan.packed_bytes > 0 && unit == 0) {
+    for (std::size_t index = 0; index < tensors.size(); ++index) {
+      if (plan.packed_offset[index] == Plan::kNotPacked) continue;
+      if (scatter) std::memcpy(plan.tensor_data[index], packed + plan.packed_offset[index], tensors[index].bytes);
+      if (!matches(index)) return index;
+    }
+    return std::nullopt;
+  }
+  const std::size_t index = plan.big[unit - (plan.packed_bytes > 0 ? 1 : 0)];
+  if (!matches(index)) return index;
+  return std::nullopt;
+}
+
+}  // namespace client_impl
+
+using client_impl::ReadAttempt;
+
+Receive::State::State(Plan plan_, std::uint64_t call_id_, Recorder record_)
+    : plan(std::move(plan_)), call_id(call_id_), record(std::move(record_)) {
+  if (plan.layout == nullptr) return;
+  for (std::size_t index = 0; index < plan.packed_offset.size(); ++index) {
+    if (plan.packed_offset[index] != Plan::kNotPacked) order.push_back(index);
+  }
+  order.insert(order.end(), plan.big.begin(), plan.big.end());
+}
+
+void Receive::State::begin(std::shared_ptr<ReadAttempt> next) {
+  {
+    std::lock_guard lock(mutex);
+    attempt = std::move(next);
+  }
+  changed.notify_all();
+}
+
+void Receive::State::advance(ReadAttempt& read, std::uint64_t ready_bytes) {
+  {
+    std::lock_guard lock(mutex);
+    if (ready_bytes <= read.ready_bytes) return;
+    read.ready_bytes = ready_bytes;
+  }
+  changed.notify_all();
+}
+
+std::optional<std::size_t> Receive::State::check_rest(ReadAttempt& read) {
+  std::unique_lock lock(mutex);
+  for (std::size_t unit = 0; unit < read.units.size(); ++unit) {
+    // The application may be checking it right now: its verdict counts.
+    changed.wait(lock, [&] { return read.units[unit] != ReadAttempt::Unit::kChecking; });
+    if (read.units[unit] == ReadAttempt::Unit::kGood) continue;
+    if (read.units[unit] == ReadAttempt::Unit::kBad) return read.bad_tensor;
+    read.units[unit] = ReadAttempt::Unit::kChecking;
+    lock.unlock();
+    const std::optional<std::size_t> bad = read.check(unit);
+    lock.lock();
+    read.units[unit] = bad ? ReadAttempt::Unit::kBad : ReadAttempt::Unit::kGood;
+    if (bad) read.bad_tensor = bad;
+    changed.notify_all();
+    if (bad) return bad;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+std::string outcome_label(const Outcome& outcome) {
+  if (const auto* error = std::get_if<Error>(&outcome)) return std::string(errc_name(error->code));
+  if (const auto* updated = std::get_if<UpdateOk>(&outcome); updated && updated->status != UpdateStatus::kUpdated) {
+    return std::string(update_status_name(updated->status));
+  }
+  return "ok";
+}
+
+}  // namespace
+
+void Receive::State::finish(Outcome answer) {
+  {
+    std::lock_guard lock(mutex);
+    if (outcome) return;
+    outcome = std::move(answer);
+  }
+  changed.notify_all();
+  if (record) {
+    record(outcome_label(*outcome), std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  }
+}
+
+bool Receive::State::finished() const {
+  std::lock_guard lock(mutex);
+  return outcome.has_value();
+}
+
+// ==== Receive ======================================================================================
+
+Receive::Receive(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+Receive::~Receive() {
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->outcome) return;
+    state_->abandoned = true;
+  }
+  cancel();
+}
+
+Result<std::optional<ReceivedTensor>> Receive::next(TimeMs timeout_ms) {
+  if (timeout_ms < 0) return make_error(Errc::kInvalidArgument, "timeout_ms must be >= 0");
+  State& state = *state_;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto& tensors = state.plan.layout->tensors();
+  auto hand_out = [&](std::size_t index, Version version) {
+    ++state.handed_out;
+    return ReceivedTensor{tensors[index].name, state.plan.tensor_data[index], tensors[index].bytes,
+                          tensors[index].dtype, version};
+  };
+  std::unique_lock lock(state.mutex);
+  for (;;) {
+    if (state.handed_out == state.order.size()) return std::optional<ReceivedTensor>{};
+    const std::size_t index = state.order[state.handed_out];
+    if (state.outcome) {
+      if (const auto* error = std::get_if<Error>(&*state.outcome)) return *error;
+      // Answered: the buffers hold the version, every byte verified (by a read of this call, or
+      // before it, for a shard that held it already after a failover).
+      if (const auto* replicated = std::get_if<ReplicateOk>(&*state.outcome)) {
+        return std::optional(hand_out(index, replicated->version));
+      }
+      const auto& updated = std::get<UpdateOk>(*state.outcome);
+      if (updated.status != UpdateStatus::kUpdated) return std::optional<ReceivedTensor>{};
+      return std::optional(hand_out(index, *updated.version));
+    }
+    if (const std::shared_ptr<ReadAttempt> read = state.attempt) {
+      const std::size_t unit = read->unit_of(index);
+      const ReadAttempt::Unit verdict = read->units[unit];
+      if (verdict == ReadAttempt::Unit::kGood) return std::optional(hand_out(index, read->version));
+      if (verdict == ReadAttempt::Unit::kPending && read->ready_bytes >= read->unit_end[unit]) {
+        read->units[unit] = ReadAttempt::Unit::kChecking;
+        lock.unlock();
+        const std::optional<std::size_t> bad = read->check(unit);
+        lock.lock();
+        read->units[unit] = bad ? ReadAttempt::Unit::kBad : ReadAttempt::Unit::kGood;
+        if (bad) read->bad_tensor = bad;
+        state.changed.notify_all();
+        continue;  // good: handed out above; bad: the reader reports it and another read comes
+      }
+    }
+    if (timeout_ms == 0) {
+      state.changed.wait(lock);
+    } else if (state.changed.wait_until(lock, deadline) == std::cv_status::timeout) {
+      return make_error(Errc::kTimeout, "no tensor completed within " + std::to_string(timeout_ms) +
+                                            " ms (the call goes on)");
+    }
+  }
+}
+
+Result<UpdateInfo> Receive::wait() {
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] { return state_->outcome.has_value(); });
+  const Outcome& outcome = *state_->outcome;
+  if (const auto* error = std::get_if<Error>(&outcome)) return *error;
+  if (const auto* replicated = std::get_if<ReplicateOk>(&outcome)) {
+    return UpdateInfo{UpdateStatus::kUpdated, replicated->version, replicated->source_replica};
+  }
+  const auto& updated = std::get<UpdateOk>(outcome);
+  return UpdateInfo{updated.status, updated.version, updated.source_replica};
+}
+
+bool Receive::wait_for(TimeMs timeout_ms) {
+  std::unique_lock lock(state_->mutex);
+  return state_->changed.wait_for(lock, std::chrono::milliseconds(std::max<TimeMs>(timeout_ms, 0)),
+                                  [&] { return state_->outcome.has_value(); });
+}
+
+ReceiveProgress Receive::progress() const {
+  std::lock_guard lock(state_->mutex);
+  ReceiveProgress progress;
+  progress.bytes_total = state_->plan.layout->total_bytes();
+  progress.tensors_total = static_cast<std::uint32_t>(state_->order.size());
+  progress.tensors_handed_out = static_cast<std::uint32_t>(state_->handed_out);
+  progress.done = state_->outcome.has_value();
+  if (state_->attempt != nullptr) {
+    progress.version = state_->attempt->version;
+    progress.bytes_ready = state_->attempt->ready_bytes;
+  }
+  // Answered with a version in the buffers: all of it is here.
+  if (state_->outcome) {
+    if (const auto* replicated = std::get_if<ReplicateOk>(&*state_->outcome)) {
+      progress.version = replicated->version;
+      progress.bytes_ready = progress.bytes_total;
+    } else if (const auto* updated = std::get_if<UpdateOk>(&*state_->outcome)) {
+      progress.version = updated->version;
+      if (updated->status == UpdateStatus::kUpdated) progress.bytes_ready = progress.bytes_total;
+    }
+  }
+  return progress;
+}
+
+void Receive::cancel() {
+  std::lock_guard lock(state_->impl_mutex);
+  // A finished call's handle may be gone already; the one in flight's is here until it nulls this.
+  if (state_->impl == nullptr || state_->finished()) return;
+  state_->impl->cancel_call(state_->call_id);
+}
+
+}  // namespace th

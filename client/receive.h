@@ -1,0 +1,89 @@
+// libthclient's streaming receive (not installed): what a replicate or update in flight shares
+// between the application (Receive: next, wait, cancel), the I/O thread (the call's answer) and the
+// reader thread (the bytes and their checksums).
+//
+// A read of the buffers (a ReadAttempt: one source, one epoch) checks its tensors unit by unit: the
+// packed small tensors are one unit (scattered from their region and checked together once it has
+// arrived), each big tensor is a unit of its own. A unit is checked once per attempt, by whichever
+// thread gets to it first: the application's next() as soon as the unit's bytes are in (so that
+// hashing overlaps the transfer), else the reader thread once the pull is done. The call is
+// answered only after every unit of the last attempt was checked, as before streaming.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "client/plan.h"
+#include "core/messages.h"
+#include "tensorhub/client.h"
+
+namespace th {
+namespace client_impl {
+
+struct ReadAttempt {
+  enum class Unit : std::uint8_t { kPending, kChecking, kGood, kBad };
+
+  // `scatter`: copy the packed tensors from the packed region into their own buffers (a seed copy
+  // keeps them where they arrived).
+  ReadAttempt(Plan plan, std::byte* packed, ChecksumsRef checksums, Version version, bool scatter);
+
+  // Scatters (if packed) and checks unit `unit` against the checksums; no lock held. Returns the
+  // layout index of the first tensor that does not match, if one does not.
+  std::optional<std::size_t> check(std::size_t unit) const;
+  std::size_t unit_of(std::size_t tensor) const { return tensor_unit[tensor]; }
+
+  const client_impl::Plan plan;
+  std::byte* const packed;
+  const ChecksumsRef checksums;
+  const Version version;
+  const bool scatter;
+  std::vector<std::uint64_t> unit_end;     // where each unit's bytes end on the data plane
+  std::vector<std::size_t> tensor_unit;    // per layout index
+  // Guarded by the Receive::State's mutex.
+  std::vector<Unit> units;
+  std::uint64_t ready_bytes = 0;
+  std::optional<std::size_t> bad_tensor;
+};
+
+}  // namespace client_impl
+
+struct Receive::State {
+  // Told the call's result ("ok", an error code, an update status) and how long it ran, once.
+  using Recorder = std::function<void(std::string_view result, double seconds)>;
+  // Reads outside any Receive (a seed copy) get a State of their own: `plan` empty.
+  State(client_impl::Plan plan, std::uint64_t call_id, Recorder record);
+
+  // The reader thread: a read of the buffers begins, its prefix grows, its remaining units are
+  // checked (returns the first tensor that does not match).
+  void begin(std::shared_ptr<client_impl::ReadAttempt> attempt);
+  void advance(client_impl::ReadAttempt& attempt, std::uint64_t ready_bytes);
+  std::optional<std::size_t> check_rest(client_impl::ReadAttempt& attempt);
+  // The I/O thread (or a shutdown): the call's answer. The first one counts.
+  void finish(Outcome outcome);
+  bool finished() const;
+
+  const client_impl::Plan plan;
+  std::vector<std::size_t> order;  // layout indices, in the order next() hands them out
+  const std::uint64_t call_id;
+  const Recorder record;
+  const std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;
+  std::shared_ptr<client_impl::ReadAttempt> attempt;  // the latest read into the buffers
+  std::optional<Outcome> outcome;
+  std::size_t handed_out = 0;  // of `order`
+  bool abandoned = false;      // the Receive was dropped before the answer
+
+  // The handle, until it shuts down (then nullptr). Its own lock: taken to cancel, which waits for
+  // the I/O thread, and the I/O thread takes `mutex` (never this one).
+  std::mutex impl_mutex;
+  Handle::Impl* impl = nullptr;
+};
+
+}  // namespace th

@@ -1,0 +1,373 @@
+// Streaming receive (issue 18): replicate_async / update_async hand each tensor out as soon as it
+// is complete and verified, before the last byte of the version arrived; cancel ends the call for
+// the replica and leaves the handle usable for the next version. In process, against a real
+// th-server, with a rate-limited reader so that the transfer takes a while.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/receive.h"
+#include "fixture.h"
+#include "tensorhub/client.h"
+
+namespace th::e2e {
+namespace {
+
+class Receiving : public ProcessTest {};
+
+// A shard of 6 tensors: 4 of 2 MiB (each its own region) and 2 small ones (packed together).
+struct Shard {
+  std::map<std::string, std::vector<std::byte>> tensors;
+  Shard() {
+    for (int i = 0; i < 4; ++i) tensors["layer" + std::to_string(i) + ".weight"].resize(2u << 20);
+    tensors["layer0.bias"].resize(4096);
+    tensors["norm.scale"].resize(1000);
+  }
+  std::uint64_t total_bytes() const {
+    std::uint64_t total = 0;
+    for (const auto& [name, bytes] : tensors) total += bytes.size();
+    return total;
+  }
+  static std::byte content(Version version, const std::string& name, std::size_t offset) {
+    return static_cast<std::byte>((version * 131 + name.size() * 17 + name[5] + offset * 7 + offset / 251) & 0xff);
+  }
+  void write(Version version) {
+    for (auto& [name, bytes] : tensors) {
+      for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = content(version, name, i);
+    }
+  }
+  bool holds(const std::string& name, const void* data, Version version) const {
+    const auto& bytes = tensors.at(name);
+    std::vector<std::byte> expected(bytes.size());
+    for (std::size_t i = 0; i < expected.size(); ++i) expected[i] = content(version, name, i);
+    return std::memcmp(data, expected.data(), expected.size()) == 0;
+  }
+  void register_with(Handle& handle) {
+    for (auto& [name, bytes] : tensors) {
+      ASSERT_TRUE(handle.register_tensor(name, bytes.data(), bytes.size(), DType::kUInt8).ok()) << name;
+    }
+  }
+};
+
+ClientOptions options_for(const std::string& server, const std::string& replica, const std::string& role) {
+  ClientOptions options;
+  options.servers = {server};
+  options.token = kToken;
+  options.model = "m";
+  options.replica = replica;
+  options.role = role;
+  options.open_timeout_ms = kStepMs;
+  options.data_listen = "127.0.0.1:0";
+  return options;
+}
+
+std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
+  auto handle = Handle::open(options);
+  EXPECT_TRUE(handle.ok()) << handle.error().detail;
+  return handle.ok() ? std::move(handle).value() : nullptr;
+}
+
+// A reader at 4 MB/s: the shard's 8.4 MB take about 2 s.
+constexpr std::uint64_t kSlowBytesPerSecond = 4'000'000;
+
+TEST_F(Receiving, TensorsAreHandedOutVerifiedBeforeTheLastByteArrives) {
+  const std::string server = start_server();
+  Shard trained;
+  trained.write(1);
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  trained.register_with(*trainer);
+  ASSERT_TRUE(trainer->publish(1).ok());
+
+  ClientOptions slow = options_for(server, "rollout", "rollout");
+  slow.read_rate_bytes_per_s = kSlowBytesPerSecond;
+  auto rollout = open_or_fail(slow);
+  ASSERT_NE(rollout, nullptr);
+  Shard engine;
+  engine.register_with(*rollout);
+
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok()) << receive.error().detail;
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<std::string> order;
+  std::optional<double> first_s;
+  std::optional<ReceiveProgress> at_first;
+  for (;;) {
+    auto tensor = receive.value()->next();
+    ASSERT_TRUE(tensor.ok()) << tensor.error().detail;
+    if (!tensor.value()) break;
+    const ReceivedTensor& got = *tensor.value();
+    if (!first_s) {
+      first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      at_first = receive.value()->progress();
+    }
+    EXPECT_EQ(got.version, 1U);
+    EXPECT_EQ(got.data, engine.tensors.at(got.name).data()) << "handed out in its registered buffer";
+    EXPECT_EQ(got.bytes, engine.tensors.at(got.name).size());
+    EXPECT_TRUE(engine.holds(got.name, got.data, 1)) << got.name << " is bit-exact when handed out";
+    order.push_back(got.name);
+  }
+  const double last_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  auto answer = receive.value()->wait();
+  ASSERT_TRUE(answer.ok()) << answer.error().detail;
+  EXPECT_EQ(answer.value().status, UpdateStatus::kUpdated);
+  EXPECT_EQ(answer.value().version, std::optional<Version>(1));
+  EXPECT_EQ(answer.value().source_replica, "trainer");
+  // Every tensor once: the packed small ones first, then the big ones in name order.
+  EXPECT_EQ(order, (std::vector<std::string>{"layer0.bias", "norm.scale", "layer0.weight", "layer1.weight",
+                                             "layer2.weight", "layer3.weight"}));
+  // The first tensor came out while most of the shard was still on its way.
+  ASSERT_TRUE(at_first.has_value());
+  EXPECT_LT(at_first->bytes_ready, at_first->bytes_total / 2) << "first tensor at " << *first_s << " s";
+  EXPECT_FALSE(at_first->done);
+  EXPECT_EQ(at_first->bytes_total, engine.total_bytes());
+  const ReceiveProgress end = receive.value()->progress();
+  EXPECT_TRUE(end.done);
+  EXPECT_EQ(end.tensors_handed_out, 6U);
+  EXPECT_EQ(end.bytes_ready, end.bytes_total);
+  std::printf("streaming: first tensor after %.2f s, last after %.2f s, %llu bytes at 4 MB/s\n", *first_s, last_s,
+              static_cast<unsigned long long>(engine.total_bytes()));
+  for (const auto& [name, bytes] : engine.tensors) EXPECT_TRUE(engine.holds(name, bytes.data(), 1)) << name;
+}
+
+TEST_F(Receiving, ACancelMidwayLeavesTheHandleUsableForTheNextVersion) {
+  const std::string server = start_server();
+  Shard trained;
+  trained.write(1);
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  trained.register_with(*trainer);
+  ASSERT_TRUE(trainer->publish(1).ok());
+
+  ClientOptions slow = options_for(server, "rollout", "rollout");
+  slow.read_rate_bytes_per_s = kSlowBytesPerSecond;
+  auto rollout = open_or_fail(slow);
+  ASSERT_NE(rollout, nullptr);
+  Shard engine;
+  engine.register_with(*rollout);
+
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok()) << receive.error().detail;
+  auto first = receive.value()->next();
+  ASSERT_TRUE(first.ok() && first.value().has_value());
+  // While it runs, the handle takes no other call.
+  auto list = rollout->list();
+  ASSERT_FALSE(list.ok());
+  EXPECT_EQ(list.error().code, Errc::kInvalidArgument);
+  receive.value()->cancel();
+  auto answer = receive.value()->wait();
+  ASSERT_FALSE(answer.ok());
+  EXPECT_EQ(answer.error().code, Errc::kCancelled) << answer.error().detail;
+  EXPECT_LT(receive.value()->progress().bytes_ready, engine.total_bytes()) << "cancelled midway";
+  // next() after the answer: the call's error.
+  auto after = receive.value()->next();
+  ASSERT_FALSE(after.ok());
+  EXPECT_EQ(after.error().code, Errc::kCancelled);
+
+  // The same handle receives the version again, then the next one.
+  auto again = rollout->replicate("latest");
+  ASSERT_TRUE(again.ok()) << again.error().detail;
+  EXPECT_EQ(again.value().version, 1U);
+  for (const auto& [name, bytes] : engine.tensors) EXPECT_TRUE(engine.holds(name, bytes.data(), 1)) << name;
+  ASSERT_TRUE(trainer->unpublish().ok());
+  trained.write(2);
+  ASSERT_TRUE(trainer->publish(2).ok());
+  auto update = rollout->update_async("latest");
+  ASSERT_TRUE(update.ok()) << update.error().detail;
+  std::set<std::string> seen;
+  for (;;) {
+    auto tensor = update.value()->next();
+    ASSERT_TRUE(tensor.ok()) << tensor.error().detail;
+    if (!tensor.value()) break;
+    EXPECT_EQ(tensor.value()->version, 2U);
+    EXPECT_TRUE(engine.holds(tensor.value()->name, tensor.value()->data, 2)) << tensor.value()->name;
+    EXPECT_TRUE(seen.insert(tensor.value()->name).second) << "handed out once";
+  }
+  EXPECT_EQ(seen.size(), 6U);
+  auto updated = update.value()->wait();
+  ASSERT_TRUE(updated.ok()) << updated.error().detail;
+  EXPECT_EQ(updated.value().version, std::optional<Version>(2));
+  // The trainer's unpublish waits for readers; none is left.
+  EXPECT_TRUE(trainer->unpublish().ok());
+}
+
+TEST_F(Receiving, AWaitingCallCanBeCancelledAndNextTimesOutWhileItWaits) {
+  const std::string server = start_server();
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  Shard engine;
+  engine.register_with(*rollout);
+  // Nothing is published: the replicate waits for a version.
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok()) << receive.error().detail;
+  auto none_yet = receive.value()->next(200);
+  ASSERT_FALSE(none_yet.ok());
+  EXPECT_EQ(none_yet.error().code, Errc::kTimeout);
+  EXPECT_FALSE(receive.value()->wait_for(100));
+  EXPECT_FALSE(receive.value()->progress().version.has_value());
+  // A second call while it runs is refused; so is changing the tensors.
+  auto second = rollout->update_async("latest");
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.error().code, Errc::kInvalidArgument);
+  std::vector<std::byte> extra(16);
+  EXPECT_FALSE(rollout->register_tensor("extra", extra.data(), extra.size(), DType::kUInt8).ok());
+  receive.value()->cancel();
+  receive.value()->cancel();  // twice: the same
+  ASSERT_TRUE(receive.value()->wait_for(kStepMs));
+  auto answer = receive.value()->wait();
+  ASSERT_FALSE(answer.ok());
+  EXPECT_EQ(answer.error().code, Errc::kCancelled);
+  // Dropping an unfinished receive cancels it; the next call waits for that answer and runs.
+  {
+    auto dropped = rollout->replicate_async("latest");
+    ASSERT_TRUE(dropped.ok());
+  }
+  auto update = rollout->update("latest");
+  ASSERT_TRUE(update.ok()) << update.error().detail;
+  EXPECT_NE(update.value().status, UpdateStatus::kUpdated);
+}
+
+TEST_F(Receiving, AnUpdateWithNothingNewerHandsOutNothing) {
+  const std::string server = start_server();
+  Shard trained;
+  trained.write(1);
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  trained.register_with(*trainer);
+  ASSERT_TRUE(trainer->publish(1).ok());
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  Shard engine;
+  engine.register_with(*rollout);
+  ASSERT_TRUE(rollout->replicate("latest").ok());
+  auto update = rollout->update_async("latest");
+  ASSERT_TRUE(update.ok());
+  auto tensor = update.value()->next();
+  ASSERT_TRUE(tensor.ok()) << tensor.error().detail;
+  EXPECT_FALSE(tensor.value().has_value());
+  auto answer = update.value()->wait();
+  ASSERT_TRUE(answer.ok());
+  EXPECT_EQ(answer.value().status, UpdateStatus::kNoNewerVersion);
+  EXPECT_EQ(update.value()->progress().tensors_handed_out, 0U);
+  // Argument errors come back at once.
+  auto bad = rollout->update_async("newest");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, Errc::kBadSelector);
+  auto negative = rollout->replicate_async("latest", -5);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_EQ(negative.error().code, Errc::kInvalidArgument);
+}
+
+TEST_F(Receiving, InterruptEndsAStreamAndAReceiveOutlivingItsHandleIsSafe) {
+  const std::string server = start_server();
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  Shard engine;
+  engine.register_with(*rollout);
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok());
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    rollout->interrupt("test over");
+  });
+  auto tensor = receive.value()->next();  // blocks until the interrupt
+  stopper.join();
+  ASSERT_FALSE(tensor.ok());
+  EXPECT_EQ(tensor.error().code, Errc::kUnavailable);
+  EXPECT_NE(tensor.error().detail.find("test over"), std::string::npos);
+  rollout.reset();  // the handle goes first
+  auto answer = receive.value()->wait();
+  ASSERT_FALSE(answer.ok());
+  EXPECT_EQ(answer.error().code, Errc::kUnavailable);
+  receive.value()->cancel();  // no handle to reach: nothing happens
+}
+
+// ---- The checks per unit, without a network ------------------------------------------------------
+
+struct Units {
+  std::map<std::string, client_impl::Registered, std::less<>> registry;
+  std::vector<std::vector<std::byte>> memory;
+  client_impl::Plan plan;
+  std::vector<std::byte> packed;
+  std::shared_ptr<Checksums> checksums = std::make_shared<Checksums>();
+
+  // Two packed tensors and two big ones, the packed region filled as a read would fill it.
+  Units() {
+    const std::vector<std::pair<std::string, std::uint64_t>> sizes = {
+        {"a.small", 100}, {"b.big", 3u << 20}, {"c.small", 300}, {"d.big", 2u << 20}};
+    for (const auto& [name, bytes] : sizes) {
+      auto& buffer = memory.emplace_back(bytes);
+      for (std::size_t i = 0; i < bytes; ++i) buffer[i] = static_cast<std::byte>(i * 13 + name[0]);
+      registry.emplace(name, client_impl::Registered{buffer.data(), bytes, DType::kUInt8, nullptr});
+    }
+    plan = client_impl::make_plan(registry);
+    packed.resize(plan.packed_bytes);
+    for (std::size_t i = 0; i < plan.tensor_data.size(); ++i) {
+      checksums->push_back(client_impl::checksum(plan.tensor_data[i], plan.layout->tensors()[i].bytes));
+      if (plan.packed_offset[i] != client_impl::Plan::kNotPacked) {
+        std::memcpy(packed.data() + plan.packed_offset[i], plan.tensor_data[i], plan.layout->tensors()[i].bytes);
+        std::memset(plan.tensor_data[i], 0, plan.layout->tensors()[i].bytes);  // not scattered yet
+      }
+    }
+  }
+};
+
+TEST(ReadAttempt, UnitsArePackedFirstThenEachBigTensorWhereItsBytesEnd) {
+  Units shard;
+  client_impl::ReadAttempt read(shard.plan, shard.packed.data(), shard.checksums, 3, /*scatter=*/true);
+  ASSERT_EQ(read.unit_end.size(), 3U);
+  EXPECT_EQ(read.unit_end[0], 400U);
+  EXPECT_EQ(read.unit_end[1], 400U + (3u << 20));
+  EXPECT_EQ(read.unit_end[2], 400U + (5u << 20));
+  EXPECT_EQ(read.unit_of(0), 0U);  // a.small
+  EXPECT_EQ(read.unit_of(1), 1U);  // b.big
+  EXPECT_EQ(read.unit_of(2), 0U);  // c.small
+  EXPECT_EQ(read.unit_of(3), 2U);  // d.big
+  // The packed unit scatters its tensors into their buffers and checks them there.
+  EXPECT_EQ(read.check(0), std::nullopt);
+  EXPECT_EQ(std::memcmp(shard.plan.tensor_data[2], shard.packed.data() + 100, 300), 0);
+  EXPECT_EQ(read.check(1), std::nullopt);
+  EXPECT_EQ(read.check(2), std::nullopt);
+}
+
+TEST(ReadAttempt, AFlippedByteFailsItsUnitAndNamesTheTensor) {
+  Units shard;
+  shard.packed[150] ^= std::byte{1};         // in c.small
+  shard.plan.tensor_data[3][12345] ^= std::byte{0x80};  // in d.big
+  client_impl::ReadAttempt read(shard.plan, shard.packed.data(), shard.checksums, 3, /*scatter=*/true);
+  EXPECT_EQ(read.check(0), std::optional<std::size_t>(2));
+  EXPECT_EQ(read.check(1), std::nullopt);
+  EXPECT_EQ(read.check(2), std::optional<std::size_t>(3));
+  // Checksums missing or of another layout: nothing matches.
+  client_impl::ReadAttempt unverifiable(shard.plan, shard.packed.data(), nullptr, 3, /*scatter=*/true);
+  EXPECT_EQ(unverifiable.check(1), std::optional<std::size_t>(1));
+}
+
+TEST(ReadAttempt, TheReaderChecksOnlyWhatTheApplicationDidNotAndStopsAtABadUnit) {
+  Units shard;
+  auto state = std::make_shared<Receive::State>(shard.plan, 1, nullptr);
+  EXPECT_EQ(state->order, (std::vector<std::size_t>{0, 2, 1, 3}));  // packed first, then big, by name
+  auto read = std::make_shared<client_impl::ReadAttempt>(shard.plan, shard.packed.data(), shard.checksums, 3, true);
+  state->begin(read);
+  state->advance(*read, read->unit_end.back());
+  // The application checked unit 1 already (and found it good); the reader does the others.
+  read->units[1] = client_impl::ReadAttempt::Unit::kGood;
+  shard.plan.tensor_data[1][0] ^= std::byte{1};  // would fail if checked again
+  EXPECT_EQ(state->check_rest(*read), std::nullopt);
+  EXPECT_EQ(read->units, (std::vector<client_impl::ReadAttempt::Unit>(3, client_impl::ReadAttempt::Unit::kGood)));
+  // A new read of the same version checks everything again, and stops at the first bad unit.
+  auto again = std::make_shared<client_impl::ReadAttempt>(shard.plan, shard.packed.data(), shard.checksums, 3, true);
+  state->begin(again);
+  EXPECT_EQ(state->check_rest(*again), std::optional<std::size_t>(1));
+  EXPECT_EQ(again->units[2], client_impl::ReadAttempt::Unit::kPending) << "nothing checked past the bad unit";
+  EXPECT_EQ(again->bad_tensor, std::optional<std::size_t>(1));
+}
+
+}  // namespace
+}  // namespace th::e2e

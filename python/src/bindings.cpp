@@ -50,6 +50,94 @@ constexpr auto kSignalCheck = std::chrono::milliseconds(100);
 // The thread that imported the module (Python's main thread, which also finalizes).
 std::thread::id main_thread;
 
+// Releases the GIL for its scope, and never takes it back while Python finalizes (a daemon
+// thread blocked in a call at exit: taking the GIL then ends the thread by unwinding through
+// here, which would abort the process); such a thread is parked instead.
+class Unlocked {
+ public:
+  Unlocked() : state_(PyEval_SaveThread()) {}
+  ~Unlocked() {
+    // (The main thread finalizes, and may drop handles then: it goes on.)
+    while (_Py_IsFinalizing() && std::this_thread::get_id() != main_thread) {
+      std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    PyEval_RestoreThread(state_);
+  }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+py::tuple update_info_tuple(const th::UpdateInfo& info) {
+  return py::make_tuple(std::string(th::update_status_name(info.status)), info.version, info.source_replica);
+}
+
+// A replicate or update in flight (th::Receive). Waits without the GIL, looking at Python's signals
+// every 100 ms: Ctrl-C cancels the call (the handle stays usable) and raises KeyboardInterrupt.
+// Safe after its handle is gone: every method then answers "unavailable".
+class PyReceive {
+ public:
+  explicit PyReceive(std::unique_ptr<th::Receive> receive) : receive_(std::move(receive)) {}
+
+  // (name, version) of the next tensor complete and verified, or None once all were handed out.
+  std::optional<py::tuple> next() {
+    for (;;) {
+      th::Result<std::optional<th::ReceivedTensor>> got = [&] {
+        Unlocked unlocked;
+        return receive_->next(kSignalCheck.count());
+      }();
+      if (got.ok()) {
+        if (!got.value()) return std::nullopt;
+        return py::make_tuple(got.value()->name, got.value()->version);
+      }
+      // Our own poll's timeout, while the call goes on (not the call's kTimeout, which is its answer).
+      if (got.error().code != th::Errc::kTimeout || receive_->progress().done) raise(got.error());
+      check_signals();
+    }
+  }
+  // The call's answer as update's tuple (status, version, source), waiting up to timeout_ms
+  // (0: no limit); None if it did not come in time.
+  std::optional<py::tuple> result(th::TimeMs timeout_ms) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      bool done = false;
+      {
+        Unlocked unlocked;
+        done = receive_->wait_for(kSignalCheck.count());
+      }
+      if (done) break;
+      if (timeout_ms > 0 && std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      check_signals();
+    }
+    return update_info_tuple(value_or_raise(receive_->wait()));
+  }
+  bool done() const { return receive_->progress().done; }
+  void cancel() { receive_->cancel(); }
+  py::dict progress() const {
+    const th::ReceiveProgress p = receive_->progress();
+    py::dict out;
+    out["version"] = p.version;
+    out["bytes_ready"] = p.bytes_ready;
+    out["bytes_total"] = p.bytes_total;
+    out["tensors_handed_out"] = p.tensors_handed_out;
+    out["tensors_total"] = p.tensors_total;
+    out["done"] = p.done;
+    return out;
+  }
+
+ private:
+  void check_signals() {
+    if (PyErr_CheckSignals() != 0) {
+      receive_->cancel();
+      throw py::error_already_set();
+    }
+  }
+
+  std::unique_ptr<th::Receive> receive_;
+};
+
 // One shard's handle. Owns the C++ handle and the thread of the call in progress (at most one: a
 // handle's calls come from one thread at a time).
 class PyHandle {
@@ -95,8 +183,15 @@ class PyHandle {
     return py::make_tuple(info.version, info.source_replica);
   }
   py::tuple update(const std::string& selector) {
-    const th::UpdateInfo info = value_or_raise(run([&] { return live().update(selector); }));
-    return py::make_tuple(std::string(th::update_status_name(info.status)), info.version, info.source_replica);
+    return update_info_tuple(value_or_raise(run([&] { return live().update(selector); })));
+  }
+  // replicate_async ("replicate") or update_async ("update"): returns at once with the call in flight.
+  std::unique_ptr<PyReceive> receive(const std::string& kind, const std::string& selector, th::TimeMs timeout_ms) {
+    if (kind != "replicate" && kind != "update") throw CallError{"invalid-argument", "unknown receive kind '" + kind + "'"};
+    auto launched = run([&] {
+      return kind == "update" ? live().update_async(selector) : live().replicate_async(selector, timeout_ms);
+    });
+    return std::make_unique<PyReceive>(value_or_raise(std::move(launched)));
   }
   void wait(const std::string& kind, th::Version version, std::uint32_t replicas_min, const std::string& role,
             th::TimeMs timeout_ms) {
@@ -205,26 +300,6 @@ class PyHandle {
     if (handle_ == nullptr) throw CallError{"unavailable", "the handle is closed"};
     return *handle_;
   }
-
-  // Releases the GIL for its scope, and never takes it back while Python finalizes (a daemon
-  // thread blocked in a call at exit: taking the GIL then ends the thread by unwinding through
-  // here, which would abort the process); such a thread is parked instead.
-  class Unlocked {
-   public:
-    Unlocked() : state_(PyEval_SaveThread()) {}
-    ~Unlocked() {
-      // (The main thread finalizes, and may drop handles then: it goes on.)
-      while (_Py_IsFinalizing() && std::this_thread::get_id() != main_thread) {
-        std::this_thread::sleep_for(std::chrono::hours(1));
-      }
-      PyEval_RestoreThread(state_);
-    }
-    Unlocked(const Unlocked&) = delete;
-    Unlocked& operator=(const Unlocked&) = delete;
-
-   private:
-    PyThreadState* state_;
-  };
 
   // Runs `call` on a thread of its own and waits for it without the GIL, looking at Python's
   // signals every 100 ms. An exception from a signal handler (KeyboardInterrupt) interrupts the
@@ -386,6 +461,12 @@ PYBIND11_MODULE(_core, module) {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
     }
   });
+  py::class_<PyReceive>(module, "Receive")
+      .def("next", &PyReceive::next)
+      .def("result", &PyReceive::result, py::arg("timeout_ms"))
+      .def("done", &PyReceive::done)
+      .def("cancel", &PyReceive::cancel)
+      .def("progress", &PyReceive::progress);
   py::class_<PyHandle>(module, "Handle")
       .def(py::init([](const py::kwargs& kwargs) { return std::make_unique<PyHandle>(options_from(kwargs)); }))
       .def("register_raw", &PyHandle::register_tensor, py::arg("name"), py::arg("data"), py::arg("bytes"),
@@ -398,6 +479,7 @@ PYBIND11_MODULE(_core, module) {
       .def("unpublish", &PyHandle::unpublish)
       .def("replicate", &PyHandle::replicate, py::arg("selector"), py::arg("timeout_ms"))
       .def("update", &PyHandle::update, py::arg("selector"))
+      .def("receive", &PyHandle::receive, py::arg("kind"), py::arg("selector"), py::arg("timeout_ms"))
       .def("wait", &PyHandle::wait, py::arg("kind"), py::arg("version"), py::arg("replicas_min"), py::arg("role"),
            py::arg("timeout_ms"))
       .def("list", &PyHandle::list)

@@ -39,7 +39,7 @@ from .errors import InvalidArgument, TensorHubError
 
 _set_error_factory(errors.error_of)
 
-__all__ = ["Handle", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError", "metrics_address"] + [
+__all__ = ["Handle", "Receive", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError", "metrics_address"] + [
     name for name in dir(errors) if isinstance(getattr(errors, name), type)
     and issubclass(getattr(errors, name), TensorHubError) and name != "TensorHubError"]
 
@@ -132,6 +132,73 @@ def _describe(name: str, tensor: Any):
 
 
 # ---- The handle ----------------------------------------------------------------------------------
+
+class Receive:
+    """A replicate or update in flight (:meth:`Handle.replicate_stream`, :meth:`Handle.update_stream`).
+
+    Iterate over it for ``(name, tensor)`` pairs: each tensor is the registered object, handed out
+    as soon as all its bytes arrived and matched the publisher's checksum (the small tensors first,
+    then the others in name order), so that an engine loads one tensor while the next is still on
+    the wire. The iteration ends once every tensor was handed out (or at once, for an update with
+    nothing newer); if the call fails first, it raises the call's exception. Then :meth:`result`
+    gives the answer. Until the call has its answer the handle takes no other call.
+
+    As a context manager, leaving the block early cancels the call and waits for its answer, so
+    the handle is usable again after it. Ctrl-C while it waits cancels the call too.
+    """
+
+    def __init__(self, core: Any, tensors: Mapping[str, Any], replicate: bool):
+        self._core = core
+        self._tensors = tensors
+        self._replicate = replicate
+        self.version: Optional[int] = None  # of the tensors handed out so far
+
+    def __iter__(self) -> "Receive":
+        return self
+
+    def __next__(self):
+        got = self._core.next()
+        if got is None:
+            raise StopIteration
+        name, self.version = got
+        return name, self._tensors[name]
+
+    def result(self, timeout: Optional[float] = None) -> Union[ReplicateInfo, UpdateInfo]:
+        """The call's answer (ReplicateInfo for replicate_stream, UpdateInfo for update_stream),
+        waiting for it at most ``timeout`` seconds (None: no limit); TimeoutError if it did not
+        come, the call going on. Raises the call's exception if it failed (tensorhub.Cancelled
+        after cancel())."""
+        answer = self._core.result(_ms(timeout))
+        if answer is None:
+            raise TimeoutError(f"the call had no answer within {timeout} s (it goes on)")
+        status, version, source = answer
+        return ReplicateInfo(version, source) if self._replicate else UpdateInfo(status, version, source)
+
+    def done(self) -> bool:
+        """Whether the call has its answer."""
+        return self._core.done()
+
+    def cancel(self) -> None:
+        """Asks the server to end the call for the whole replica (every shard's call then raises
+        tensorhub.Cancelled, unless it completed first). Returns at once: result() waits."""
+        self._core.cancel()
+
+    def progress(self) -> Dict[str, Any]:
+        """version, bytes_ready, bytes_total, tensors_handed_out, tensors_total, done."""
+        return self._core.progress()
+
+    def __enter__(self) -> "Receive":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self._core.done():
+            return
+        self._core.cancel()
+        try:
+            self._core.result(0)
+        except TensorHubError:
+            pass  # cancelled (or failed meanwhile): the handle takes calls again either way
+
 
 class Handle:
     """One shard of one replica. Opening blocks until the server answered.
@@ -228,6 +295,24 @@ class Handle:
         self._check_storage()
         status, version, source = self._core.update(str(selector))
         return UpdateInfo(status, version, source)
+
+    def replicate_stream(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None) -> Receive:
+        """replicate() without blocking: iterate over the returned :class:`Receive` for
+        ``(name, tensor)`` pairs as they arrive, verified::
+
+            with hub.replicate_stream("latest") as stream:
+                for name, tensor in stream:
+                    engine.load_weight(name, tensor)
+                info = stream.result()
+        """
+        self._check_storage()
+        return Receive(self._core.receive("replicate", str(selector), _ms(timeout)), self.tensors, True)
+
+    def update_stream(self, selector: Union[str, int] = "latest") -> Receive:
+        """update() without blocking (see replicate_stream); with nothing newer, the iteration
+        is empty and result().updated is False."""
+        self._check_storage()
+        return Receive(self._core.receive("update", str(selector), 0), self.tensors, False)
 
     def wait(self, *, version: int = 0, replicas: Optional[int] = None, role: Optional[str] = None,
              timeout: Optional[float] = None) -> None:

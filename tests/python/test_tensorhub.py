@@ -384,3 +384,76 @@ def test_a_process_serves_prometheus_metrics_of_its_handles(server):
                       if line.startswith('th_client_received_bytes_total{model="m",replica="rollout"')]
     assert len(received_bytes) == 1 and int(received_bytes[0].split()[-1]) > 0
 
+
+
+def big_state_dict(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(4)}  # 4 MB each
+    state["norm.scale"] = torch.randn(512, generator=generator)  # packed
+    return state
+
+
+def test_a_stream_yields_each_tensor_verified_before_the_last_byte_arrives(server):
+    source = big_state_dict(5)
+    target = zeros_like(source)
+    with handle(server, "trainer", role="trainer") as trainer, \
+            handle(server, "rollout", role="rollout", read_rate_bytes_per_s=8_000_000) as rollout:
+        trainer.register_state_dict(source)
+        rollout.register_state_dict(target)
+        trainer.publish(1)
+        seen = []
+        with rollout.replicate_stream("latest", timeout=60) as stream:
+            for name, tensor in stream:
+                assert tensor is target[name]                  # the registered object, written in place
+                assert torch.equal(tensor, source[name])       # complete and verified when handed out
+                if not seen:
+                    first = stream.progress()
+                seen.append(name)
+            info = stream.result()
+        assert info == tensorhub.ReplicateInfo(1, "trainer")
+        assert stream.version == 1
+        assert seen == ["norm.scale", "layer0.weight", "layer1.weight", "layer2.weight", "layer3.weight"]
+        assert not first["done"] and first["bytes_ready"] < first["bytes_total"] // 2
+        assert equal(source, target)
+        # Nothing newer: the update's stream is empty.
+        with rollout.update_stream() as stream:
+            assert list(stream) == []
+            assert stream.result().status == "no-newer-version"
+        trainer.unpublish()
+
+
+def test_a_stream_cancelled_midway_leaves_the_handle_usable(server):
+    source = big_state_dict(6)
+    target = zeros_like(source)
+    with handle(server, "trainer", role="trainer") as trainer, \
+            handle(server, "rollout", role="rollout", read_rate_bytes_per_s=8_000_000) as rollout:
+        trainer.register_state_dict(source)
+        rollout.register_state_dict(target)
+        trainer.publish(1)
+        stream = rollout.replicate_stream("latest")
+        next(stream)
+        with pytest.raises(tensorhub.InvalidArgument):
+            rollout.list()  # the handle takes no other call while one is in flight
+        stream.cancel()
+        with pytest.raises(tensorhub.Cancelled):
+            stream.result(timeout=30)
+        with pytest.raises(tensorhub.Cancelled):
+            next(stream)
+        assert stream.done()
+        # Leaving a with-block early cancels too, and waits, so that the next call runs.
+        with rollout.replicate_stream("latest") as early:
+            next(early)
+        assert early.done()
+        assert rollout.replicate("latest", timeout=60).version == 1
+        assert equal(source, target)
+        trainer.unpublish()
+    # A version nobody published yet: result(timeout) gives up, the call going on; the block's end
+    # cancels it.
+    with handle(server, "late", role="rollout") as late:
+        late.register_state_dict(zeros_like(source))
+        with pytest.raises(TimeoutError):
+            with late.replicate_stream("2") as waiting:
+                waiting.result(timeout=0.3)
+        assert waiting.done()
+        with pytest.raises(tensorhub.Cancelled):
+            waiting.result()

@@ -168,8 +168,14 @@ void Handle::Impl::reader_main() {
       running_read_ = RunningRead{job.read.transfer, job.cancelled};
     }
     if (!job.cancelled->load()) run_read(job);
-    std::lock_guard lock(reader_mutex_);
-    running_read_.reset();
+    std::optional<std::pair<std::uint64_t, Outcome>> release;
+    {
+      std::lock_guard lock(reader_mutex_);
+      running_read_.reset();
+      if (read_jobs_.empty()) release = std::exchange(completion_after_reads_, std::nullopt);
+    }
+    // The buffers are the application's again: the failed call it waits for may return.
+    if (release) on_io([this, &release] { complete_call(release->first, std::move(release->second)); });
   }
 }
 
@@ -209,7 +215,11 @@ void Handle::Impl::run_read(ReadJob& job) {
     }
   }();
   const double pull_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return;
+  auto stopped = [&] {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from.clear();
+  };
+  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return stopped();
   std::optional<ReadFailure> failure;
   if (!outcome.ok()) {
     log(LogLevel::kWarning, "data", outcome.detail);
@@ -218,11 +228,12 @@ void Handle::Impl::run_read(ReadJob& job) {
   } else {
     job.stream->advance(*attempt, attempt->unit_end.empty() ? 0 : attempt->unit_end.back());
     // Scatter the packed tensors, and check every tensor against the checksum of its publisher.
-    if (const std::optional<std::size_t> bad = job.stream->check_rest(*attempt)) {
+    if (const std::optional<std::size_t> bad = job.stream->check_rest(*attempt, *job.cancelled)) {
       log(LogLevel::kError, "data", "tensor '" + plan.layout->tensors()[*bad].name + "' of version " +
           std::to_string(job.read.version) + " from " + job.read.source.replica + " does not match its checksum");
       failure = ReadFailure::kChecksumMismatch;
     }
+    if (job.cancelled->load()) return stopped();  // (and the checks stopped short)
   }
   {
     std::lock_guard lock(stats_mutex_);

@@ -55,6 +55,7 @@ OpenRequest open_request_of(const ClientOptions& options, const std::string& dat
   open.model = options.model;
   open.replica = options.replica;
   open.incarnation = options.incarnation;
+  open.incarnation_auto = options.incarnation == 0;
   open.shard = options.shard;
   open.num_shards = options.num_shards;
   open.datacenter = options.datacenter;
@@ -337,8 +338,17 @@ void Handle::Impl::apply(const AgentEffect& effect) {
           offloads_.erase(e.version);  // grants still reading it keep it alive until revoked
         } else {
           static_assert(std::is_same_v<T, CallDone>);
-          if (std::holds_alternative<UnpublishOk>(e.outcome) || std::holds_alternative<CloseOk>(e.outcome)) {
-            buffers_version_.reset();  // nobody reads the buffers any more: they are the application's
+          // Holding nothing (unpublished, closed, a receive that failed or was cancelled): nobody
+          // reads the buffers any more, they are the application's.
+          if (!agent_.held().has_value()) buffers_version_.reset();
+          // A failed call may leave a read into the buffers winding down (told to stop just now):
+          // the application hears of it once that read let go of them (reader_main).
+          if (std::holds_alternative<Error>(e.outcome)) {
+            std::lock_guard lock(reader_mutex_);
+            if (running_read_ || !read_jobs_.empty()) {
+              completion_after_reads_ = {e.call_id, e.outcome};
+              return;
+            }
           }
           complete_call(e.call_id, e.outcome);
         }
@@ -534,6 +544,12 @@ const Plan& Handle::Impl::plan() {
     plan_stale_ = false;
   }
   return plan_;
+}
+
+std::uint64_t Handle::Impl::incarnation() {
+  std::uint64_t incarnation = 0;
+  on_io([&] { incarnation = agent_.incarnation(); });
+  return incarnation;
 }
 
 bool Handle::Impl::is_open() {
@@ -837,6 +853,7 @@ Status Handle::close() {
 void Handle::interrupt(const std::string& why) { impl_->interrupt(why); }
 std::string Handle::data_endpoint() const { return impl_->data_endpoint(); }
 std::uint64_t Handle::client_id() const { return impl_->client_id(); }
+std::uint64_t Handle::incarnation() const { return impl_->incarnation(); }
 HandleStats Handle::stats() const { return impl_->stats(); }
 std::string Handle::metrics_address() { return client::ClientMetrics::instance().address(); }
 

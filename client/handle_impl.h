@@ -104,6 +104,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void shutdown();
 
   std::uint64_t client_id() const { return client_id_; }
+  std::uint64_t incarnation();
   std::string data_endpoint() const { return advertised_; }
   HandleStats stats() const;
 
@@ -237,6 +238,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
     std::shared_ptr<std::atomic<bool>> cancelled;
   };
   std::optional<RunningRead> running_read_;  // the job the reader thread is on
+  // A failed call's answer, held until the reader let go of the buffers (see apply(CallDone)).
+  std::optional<std::pair<std::uint64_t, Outcome>> completion_after_reads_;
   bool reader_stopping_ = false;
 
   mutable std::mutex stats_mutex_;

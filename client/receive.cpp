@@ -2,6 +2,7 @@
 // (see receive.h).
 #include "client/receive.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "client/handle_impl.h"
@@ -15,7 +16,9 @@ ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_
   const auto& tensors = plan.layout->tensors();
   tensor_unit.assign(tensors.size(), 0);
   std::uint64_t end = 0;
-  if (plan.packed_bytes > 0) {
+  has_packed = std::any_of(plan.packed_offset.begin(), plan.packed_offset.end(),
+                           [](std::uint64_t offset) { return offset != Plan::kNotPacked; });
+  if (has_packed) {
     end = plan.packed_bytes;
     unit_end.push_back(end);  // unit 0: every packed tensor
   }
@@ -35,7 +38,7 @@ std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
   auto matches = [&](std::size_t index) {
     return whole && checksum(plan.tensor_data[index], tensors[index].bytes) == (*checksums)[index];
   };
-  if (plan.packed_bytes > 0 && unit == 0) {
+  if (has_packed && unit == 0) {
     for (std::size_t index = 0; index < tensors.size(); ++index) {
       if (plan.packed_offset[index] == Plan::kNotPacked) continue;
       if (scatter) std::memcpy(plan.tensor_data[index], packed + plan.packed_offset[index], tensors[index].bytes);
@@ -43,7 +46,7 @@ std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
     }
     return std::nullopt;
   }
-  const std::size_t index = plan.big[unit - (plan.packed_bytes > 0 ? 1 : 0)];
+  const std::size_t index = plan.big[unit - (has_packed ? 1 : 0)];
   if (!matches(index)) return index;
   return std::nullopt;
 }
@@ -78,9 +81,10 @@ void Receive::State::advance(ReadAttempt& read, std::uint64_t ready_bytes) {
   changed.notify_all();
 }
 
-std::optional<std::size_t> Receive::State::check_rest(ReadAttempt& read) {
+std::optional<std::size_t> Receive::State::check_rest(ReadAttempt& read, const std::atomic<bool>& cancelled) {
   std::unique_lock lock(mutex);
   for (std::size_t unit = 0; unit < read.units.size(); ++unit) {
+    if (cancelled.load()) return std::nullopt;
     // The application may be checking it right now: its verdict counts.
     changed.wait(lock, [&] { return read.units[unit] != ReadAttempt::Unit::kChecking; });
     if (read.units[unit] == ReadAttempt::Unit::kGood) continue;

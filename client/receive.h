@@ -10,6 +10,7 @@
 // answered only after every unit of the last attempt was checked, as before streaming.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -42,6 +43,8 @@ struct ReadAttempt {
   const ChecksumsRef checksums;
   const Version version;
   const bool scatter;
+  // Unit 0 holds the packed tensors, if there are any (even of 0 bytes each).
+  bool has_packed = false;
   std::vector<std::uint64_t> unit_end;     // where each unit's bytes end on the data plane
   std::vector<std::size_t> tensor_unit;    // per layout index
   // Guarded by the Receive::State's mutex.
@@ -62,7 +65,8 @@ struct Receive::State {
   // checked (returns the first tensor that does not match).
   void begin(std::shared_ptr<client_impl::ReadAttempt> attempt);
   void advance(client_impl::ReadAttempt& attempt, std::uint64_t ready_bytes);
-  std::optional<std::size_t> check_rest(client_impl::ReadAttempt& attempt);
+  // Stops (nothing found) once `cancelled` holds: the buffers are the application's again.
+  std::optional<std::size_t> check_rest(client_impl::ReadAttempt& attempt, const std::atomic<bool>& cancelled);
   // The I/O thread (or a shutdown): the call's answer. The first one counts.
   void finish(Outcome outcome);
   bool finished() const;

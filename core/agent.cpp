@@ -210,7 +210,12 @@ void ShardAgent::on_reply(const Reply& reply) {
     // still one.)
     const bool fresh = open_call_id_.has_value() || start_open_;
     open_request_.reset();
-    if (std::holds_alternative<OpenOk>(reply.outcome)) {
+    if (const auto* opened = std::get_if<OpenOk>(&reply.outcome)) {
+      // The replica's incarnation, which the hub chose if asked to: re-opens name it from now on.
+      if (opened->incarnation != 0) {
+        open_.incarnation = opened->incarnation;
+        open_.incarnation_auto = false;
+      }
       phase_ = AgentPhase::kOpen;
       if (fresh) ++starts_;
       start_open_ = false;

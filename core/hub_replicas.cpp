@@ -23,7 +23,15 @@ using detail::ReplicaPhase;
 using detail::ShardSlot;
 
 void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session,
-                  const OpenRequest& open) {
+                  const OpenRequest& asked) {
+  // `asked`, with the incarnation the hub chooses below if it is to choose (1 until then).
+  OpenRequest chosen;
+  if (asked.incarnation_auto) {
+    chosen = asked;
+    chosen.incarnation_auto = false;
+    chosen.incarnation = 1;
+  }
+  const OpenRequest& open = asked.incarnation_auto ? chosen : asked;
   auto reject = [&](Errc code, std::string detail, std::uint64_t replica_incarnation = 0) {
     emit(client, open_session,
          Reply{seq, make_error(code, std::move(detail)), /*to_open=*/true, replica_incarnation});
@@ -76,6 +84,17 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
   if (!datacenters_.contains(open.datacenter) && datacenters_.size() >= limits::kDatacentersMax) {
     reject(Errc::kLimitExceeded, "more than 256 datacenters");
     return;
+  }
+
+  if (asked.incarnation_auto) {
+    // Join the replica where this shard's slot is free (the shard's peers of a restart opened
+    // first); replace it where the slot is taken (this process restarted before its old one was
+    // noticed gone) or it closes; 1 if there is none.
+    if (auto found = model.replicas.find(asked.replica); found != model.replicas.end()) {
+      const Replica& current = *found->second;
+      const bool joins = current.phase != ReplicaPhase::kClosing && !current.shards[asked.shard].client;
+      chosen.incarnation = joins ? current.incarnation : current.incarnation + 1;
+    }
   }
 
   Replica* replica = nullptr;
@@ -167,7 +186,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     if (replica->bound_shards == replica->num_shards) complete_barrier(*replica);
     return;
   }
-  answer_open(*replica, open.shard, OpenOk{replica->num_shards, model.latest});
+  answer_open(*replica, open.shard, OpenOk{replica->num_shards, model.latest, replica->incarnation});
   if (replica->bound_shards == replica->num_shards && !replica->whole) become_whole(*replica);
 }
 
@@ -316,7 +335,7 @@ void Hub::complete_barrier(Replica& replica) {
       replica.deferred_opens.set(shard);
       continue;
     }
-    answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest});
+    answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest, replica.incarnation});
   }
   mark_dirty(*replica.model);
 }
@@ -328,7 +347,7 @@ void Hub::caught_up(Replica& replica, const Txn& txn) {
   TH_ASSERT(txn.seeded && txn.seeded_outcome.has_value() && txn.result.has_value());
   if (same_answer(*txn.result, *txn.seeded_outcome)) {
     for_each_shard(replica.deferred_opens, replica.num_shards, [&](std::uint32_t shard) {
-      answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest});
+      answer_open(replica, shard, OpenOk{replica.num_shards, replica.model->latest, replica.incarnation});
     });
     replica.deferred_opens.reset();
     return;

@@ -23,6 +23,7 @@ enum class CopyKind : std::uint8_t { kPrimary, kOffload };
 struct OpenOk {
   std::uint32_t num_shards = 0;
   std::optional<Version> latest;
+  std::uint64_t incarnation = 0;  // the replica's (what an open with incarnation_auto was given)
 };
 struct PublishOk {
   Version version = 0;
@@ -110,6 +111,11 @@ struct OpenRequest {
   Retention retention;
   std::string data_endpoint;  // opaque to the hub: where peers reach this shard's data server
   std::shared_ptr<const Resume> resume;  // rare and large: shared, so requests stay small
+  // The hub chooses the incarnation (`incarnation` above is then ignored): the replica's current one if
+  // this shard's slot there is free (its peers of a restart opened first), the next one if the slot
+  // is taken (this process restarted before the old one was noticed gone) or the replica closes, 1
+  // if there is none. OpenOk tells the choice; re-opens after that name it.
+  bool incarnation_auto = false;
 };
 struct PublishRequest {
   Version version = 0;

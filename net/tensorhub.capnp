@@ -80,7 +80,7 @@ struct ListSnapshot {
 struct Outcome {
   union {
     error @0 :Error;
-    openOk :group { numShards @1 :UInt32; latest @2 :UInt64; hasLatest @3 :Bool; }
+    openOk :group { numShards @1 :UInt32; latest @2 :UInt64; hasLatest @3 :Bool; incarnation @15 :UInt64; }
     publishOk @4 :UInt64;  # the version
     unpublishOk @5 :Void;
     replicateOk :group { version @6 :UInt64; sourceReplica @7 :Text; }
@@ -132,6 +132,7 @@ struct OpenRequest {
   dataEndpoint @9 :Text;
   resume @10 :Resume;
   hasResume @11 :Bool;
+  incarnationAuto @12 :Bool;  # the server chooses the incarnation (see core/messages.h)
 }
 
 struct Request {

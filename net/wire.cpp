@@ -103,6 +103,7 @@ void put(const Outcome& outcome, wire::Outcome::Builder out) {
           ok.setNumShards(answer.num_shards);
           ok.setHasLatest(answer.latest.has_value());
           ok.setLatest(answer.latest.value_or(0));
+          ok.setIncarnation(answer.incarnation);
         } else if constexpr (std::is_same_v<T, PublishOk>) {
           out.setPublishOk(answer.version);
         } else if constexpr (std::is_same_v<T, UnpublishOk>) {
@@ -155,6 +156,7 @@ void put(const OpenRequest& open, wire::OpenRequest::Builder out) {
   out.setModel(open.model);
   out.setReplica(open.replica);
   out.setIncarnation(open.incarnation);
+  out.setIncarnationAuto(open.incarnation_auto);
   out.setShard(open.shard);
   out.setNumShards(open.num_shards);
   out.setDatacenter(open.datacenter);
@@ -317,7 +319,7 @@ Outcome get(wire::Outcome::Reader in) {
     }
     case wire::Outcome::OPEN_OK: {
       auto ok = in.getOpenOk();
-      OpenOk open{ok.getNumShards(), std::nullopt};
+      OpenOk open{ok.getNumShards(), std::nullopt, ok.getIncarnation()};
       if (ok.getHasLatest()) open.latest = ok.getLatest();
       return open;
     }
@@ -370,6 +372,7 @@ OpenRequest get(wire::OpenRequest::Reader in) {
   open.model = name(in.getModel(), "model");
   open.replica = name(in.getReplica(), "replica");
   open.incarnation = in.getIncarnation();
+  open.incarnation_auto = in.getIncarnationAuto();
   // Shard numbers and retention rules pass through: the hub checks them (validate(OpenRequest))
   // and answers with a typed error, which a refusal here would turn into silence.
   open.num_shards = in.getNumShards();

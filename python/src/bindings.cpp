@@ -269,6 +269,7 @@ class PyHandle {
   }
   std::string data_endpoint() const { return live().data_endpoint(); }
   std::uint64_t client_id() const { return live().client_id(); }
+  std::uint64_t incarnation() const { return live().incarnation(); }
   // Leaves without a word (after an interrupted call, or when Python drops the handle).
   void drop() {
     {
@@ -487,5 +488,6 @@ PYBIND11_MODULE(_core, module) {
       .def("drop", &PyHandle::drop)
       .def("stats", &PyHandle::stats)
       .def_property_readonly("data_endpoint", &PyHandle::data_endpoint)
-      .def_property_readonly("client_id", &PyHandle::client_id);
+      .def_property_readonly("client_id", &PyHandle::client_id)
+      .def_property_readonly("incarnation", &PyHandle::incarnation);
 }

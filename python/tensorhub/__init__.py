@@ -206,7 +206,8 @@ class Handle:
     Keyword arguments are those of libthclient's ``ClientOptions`` (client/include/tensorhub/client.h):
     ``servers`` (a "host:port" or a list, primary first), ``token``, ``model``, ``replica``,
     ``shard``, ``num_shards``, ``datacenter``, ``spot``, ``role``, ``keep_latest`` and ``pinned``
-    (retention), ``incarnation``, ``data_listen``, ``data_advertise``, ``transport`` ("auto",
+    (retention), ``incarnation`` (default: the server chooses; see the ``incarnation`` property),
+    ``data_listen``, ``data_advertise``, ``transport`` ("auto",
     "rdma", "tcp"), ``rdma_device``, ``rdma_gid_index``, ``heartbeat_interval_ms``,
     ``open_timeout_ms``, ``chunk_bytes``, ``read_rate_bytes_per_s``, ``data_streams``,
     ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``,
@@ -222,6 +223,7 @@ class Handle:
         if isinstance(servers, str):
             servers = [servers]
         self._tensors: Dict[str, Any] = {}  # kept alive while registered
+        self._stream: Optional["weakref.ReferenceType[Receive]"] = None  # the last stream started
         self._core = _CoreHandle(servers=list(servers), token=token, model=model, replica=replica, **options)
 
     # -- tensors --
@@ -306,13 +308,27 @@ class Handle:
                 info = stream.result()
         """
         self._check_storage()
-        return Receive(self._core.receive("replicate", str(selector), _ms(timeout)), self.tensors, True)
+        return self._started(Receive(self._core.receive("replicate", str(selector), _ms(timeout)), self.tensors, True))
 
     def update_stream(self, selector: Union[str, int] = "latest") -> Receive:
         """update() without blocking (see replicate_stream); with nothing newer, the iteration
         is empty and result().updated is False."""
         self._check_storage()
-        return Receive(self._core.receive("update", str(selector), 0), self.tensors, False)
+        return self._started(Receive(self._core.receive("update", str(selector), 0), self.tensors, False))
+
+    def _started(self, stream: Receive) -> Receive:
+        self._stream = weakref.ref(stream)
+        return stream
+
+    def _end_stream(self) -> None:
+        # A stream still running ends first (cancelled), so that close() is not "in flight".
+        stream = self._stream() if self._stream is not None else None
+        if stream is not None and not stream.done():
+            stream.cancel()
+            try:
+                stream.result()
+            except TensorHubError:
+                pass
 
     def wait(self, *, version: int = 0, replicas: Optional[int] = None, role: Optional[str] = None,
              timeout: Optional[float] = None) -> None:
@@ -343,10 +359,18 @@ class Handle:
     def client_id(self) -> int:
         return self._core.client_id
 
+    @property
+    def incarnation(self) -> int:
+        """The replica's incarnation this shard is part of (the server chooses it unless the
+        ``incarnation`` option names one: a restarted process needs no bookkeeping)."""
+        return self._core.incarnation
+
     def close(self) -> None:
-        """Leaves: blocks until readers of this replica drained. The handle is then done. A refused
-        close (tensorhub.LastRetainedCopy) leaves the handle open: close again later."""
+        """Leaves: blocks until readers of this replica drained (a stream still running is
+        cancelled first). The handle is then done. A refused close (tensorhub.LastRetainedCopy)
+        leaves the handle open: close again later."""
         try:
+            self._end_stream()
             self._core.close()
         except errors.Unavailable:
             pass  # closed or interrupted already: nothing to leave

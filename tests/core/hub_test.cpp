@@ -126,6 +126,57 @@ TEST(HubOpen, NewIncarnationReplacesTheOldReplica) {
   EXPECT_EQ(expect_error(driver.replies(new_shards), Errc::kNotPublished), "");
 }
 
+// An open that lets the hub choose its incarnation (libthclient's default): 1 for a new replica;
+// the next one where its shard is still held (a restarted process the hub has not seen leave),
+// which replaces the replica; the current one where its shard is free (peers of a restart).
+TEST(HubOpen, AnAutomaticIncarnationReplacesAHeldShardAndJoinsAFreeOne) {
+  Driver driver;
+  auto auto_open = [&](const std::string& name, std::uint32_t shard, std::uint32_t shards) {
+    OpenRequest request = driver.open_request(rollout(name, shards), shard);
+    request.model = shards == 1 ? "m" : "m2";  // a model's replicas have one shard count
+    request.incarnation = 77;  // ignored
+    request.incarnation_auto = true;
+    const ClientId client = driver.new_client();
+    driver.open(client, request, 0);
+    auto reply = driver.take_reply(client);
+    EXPECT_TRUE(reply && std::holds_alternative<OpenOk>(reply->outcome)) << (reply ? describe(reply->outcome) : "none");
+    return std::pair{client, reply ? std::get<OpenOk>(reply->outcome).incarnation : 0};
+  };
+  const auto [first, first_incarnation] = auto_open("r", 0, 1);
+  EXPECT_EQ(first_incarnation, 1U);
+  // The process restarts; its old handle is still bound: replaced at once, as incarnation 2.
+  const auto [second, second_incarnation] = auto_open("r", 0, 1);
+  EXPECT_EQ(second_incarnation, 2U);
+  ASSERT_EQ(driver.inbox(first).evictions.size(), 1U);
+  EXPECT_EQ(driver.hub().client_count(), 1U);
+  // A two-shard replica restarts: shard 0 replaces it, shard 1 joins the new incarnation.
+  const auto [a0, a0_incarnation] = auto_open("two", 0, 2);
+  const auto [a1, a1_incarnation] = auto_open("two", 1, 2);
+  EXPECT_EQ(a0_incarnation, 1U);
+  EXPECT_EQ(a1_incarnation, 1U);
+  const auto [b0, b0_incarnation] = auto_open("two", 0, 2);
+  EXPECT_EQ(b0_incarnation, 2U);
+  EXPECT_EQ(driver.inbox(a0).evictions.size(), 1U);
+  EXPECT_EQ(driver.inbox(a1).evictions.size(), 1U);
+  const auto [b1, b1_incarnation] = auto_open("two", 1, 2);
+  EXPECT_EQ(b1_incarnation, 2U);
+  EXPECT_TRUE(driver.inbox(b1).evictions.empty());
+  EXPECT_TRUE(driver.inbox(b0).evictions.empty()) << "joining does not evict";
+  // Both shards of incarnation 2 make calls together.
+  driver.call_all({b0, b1}, ListRequest{});
+  EXPECT_TRUE(is<ListOk>(driver.replies({b0, b1})));
+  // A named incarnation below the chosen one is stale, as before.
+  OpenRequest named = driver.open_request(rollout("two", 2), 0);
+  named.model = "m2";
+  const ClientId late = driver.new_client();
+  driver.open(late, named, 0);
+  auto refused = driver.take_reply(late);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_TRUE(is_error(refused->outcome, Errc::kStaleIncarnation)) << describe(refused->outcome);
+  EXPECT_EQ(refused->replica_incarnation, 2U);
+  EXPECT_EQ(driver.hub().client_count(), 3U);
+}
+
 // ---- publish / unpublish --------------------------------------------------------------------------
 
 TEST(HubPublish, VisibleOnlyWhenEveryShardPublished) {

@@ -4,6 +4,7 @@
 // th-server, with a rate-limited reader so that the transfer takes a while.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -197,6 +198,83 @@ TEST_F(Receiving, ACancelMidwayLeavesTheHandleUsableForTheNextVersion) {
   EXPECT_TRUE(trainer->unpublish().ok());
 }
 
+// Once wait() answered kCancelled the buffers are the application's: nothing writes them any more
+// (a read told to stop, or its scatter of packed tensors, could still be at work), the shard holds
+// no version, and publishing or changing tensors is allowed again. (helper-21 found all three.)
+TEST_F(Receiving, AfterACancelNothingWritesTheBuffersAndTheShardHoldsNothing) {
+  const std::string server = start_server();
+  // 40 packed tensors (80 MB): their scatter and checks run after the pull, on the reader thread.
+  std::map<std::string, std::vector<std::byte>> trained;
+  std::map<std::string, std::vector<std::byte>> engine;
+  for (int i = 0; i < 40; ++i) {
+    const std::string name = "small" + std::to_string(100 + i);
+    trained[name].assign((2u << 20) - 64, static_cast<std::byte>(i + 1));
+    engine[name].resize((2u << 20) - 64);
+  }
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  for (auto& [name, bytes] : trained) ASSERT_TRUE(trainer->register_tensor(name, bytes.data(), bytes.size(), DType::kUInt8).ok());
+  ASSERT_TRUE(trainer->publish(1).ok());
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  for (auto& [name, bytes] : engine) ASSERT_TRUE(rollout->register_tensor(name, bytes.data(), bytes.size(), DType::kUInt8).ok());
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok());
+  // Cancel as the last byte arrives: the reader is scattering and checking then.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kStepMs);
+  while (receive.value()->progress().bytes_ready < receive.value()->progress().bytes_total &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  receive.value()->cancel();
+  auto answer = receive.value()->wait();
+  if (!answer.ok()) {
+    EXPECT_EQ(answer.error().code, Errc::kCancelled);
+    for (auto& [name, bytes] : engine) std::fill(bytes.begin(), bytes.end(), std::byte{0x55});
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (const auto& [name, bytes] : engine) {
+      EXPECT_EQ(std::count(bytes.begin(), bytes.end(), std::byte{0x55}), static_cast<std::ptrdiff_t>(bytes.size()))
+          << name << " was written after the call's answer";
+    }
+    EXPECT_EQ(rollout->stats().checksum_failures, 0U);
+    EXPECT_EQ(rollout->stats().reading_from, "");
+    // The shard holds nothing: its tensors may change, and it may publish what it has.
+    auto& first = engine.begin()->second;
+    EXPECT_TRUE(rollout->unregister_tensor(engine.begin()->first).ok());
+    EXPECT_TRUE(rollout->register_tensor(engine.begin()->first, first.data(), first.size(), DType::kUInt8).ok());
+  } else {
+    std::printf("the replicate completed before the cancel: nothing to check\n");
+  }
+  EXPECT_TRUE(trainer->unpublish().ok());
+}
+
+// A shard of tensors of 0 bytes streams too (they are "packed", in a region of 0 bytes).
+TEST_F(Receiving, TensorsOfZeroBytesAreHandedOut) {
+  const std::string server = start_server();
+  std::byte nothing[1];
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  ASSERT_TRUE(trainer->register_tensor("a", nothing, 0, DType::kUInt8).ok());
+  ASSERT_TRUE(trainer->register_tensor("b", nothing, 0, DType::kUInt8).ok());
+  ASSERT_TRUE(trainer->publish(1).ok());
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  ASSERT_TRUE(rollout->register_tensor("a", nothing, 0, DType::kUInt8).ok());
+  ASSERT_TRUE(rollout->register_tensor("b", nothing, 0, DType::kUInt8).ok());
+  auto receive = rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok());
+  std::vector<std::string> names;
+  for (;;) {
+    auto tensor = receive.value()->next(kStepMs);
+    ASSERT_TRUE(tensor.ok()) << tensor.error().detail;
+    if (!tensor.value()) break;
+    EXPECT_EQ(tensor.value()->bytes, 0U);
+    names.push_back(tensor.value()->name);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"a", "b"}));
+  EXPECT_TRUE(receive.value()->wait().ok());
+}
+
 TEST_F(Receiving, AWaitingCallCanBeCancelledAndNextTimesOutWhileItWaits) {
   const std::string server = start_server();
   auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
@@ -359,14 +437,37 @@ TEST(ReadAttempt, TheReaderChecksOnlyWhatTheApplicationDidNotAndStopsAtABadUnit)
   // The application checked unit 1 already (and found it good); the reader does the others.
   read->units[1] = client_impl::ReadAttempt::Unit::kGood;
   shard.plan.tensor_data[1][0] ^= std::byte{1};  // would fail if checked again
-  EXPECT_EQ(state->check_rest(*read), std::nullopt);
+  const std::atomic<bool> going{false};
+  EXPECT_EQ(state->check_rest(*read, going), std::nullopt);
   EXPECT_EQ(read->units, (std::vector<client_impl::ReadAttempt::Unit>(3, client_impl::ReadAttempt::Unit::kGood)));
   // A new read of the same version checks everything again, and stops at the first bad unit.
   auto again = std::make_shared<client_impl::ReadAttempt>(shard.plan, shard.packed.data(), shard.checksums, 3, true);
   state->begin(again);
-  EXPECT_EQ(state->check_rest(*again), std::optional<std::size_t>(1));
+  EXPECT_EQ(state->check_rest(*again, going), std::optional<std::size_t>(1));
   EXPECT_EQ(again->units[2], client_impl::ReadAttempt::Unit::kPending) << "nothing checked past the bad unit";
   EXPECT_EQ(again->bad_tensor, std::optional<std::size_t>(1));
+  // A cancelled read checks (and scatters) nothing more: the buffers are the application's again.
+  auto cancelled_read = std::make_shared<client_impl::ReadAttempt>(shard.plan, shard.packed.data(), shard.checksums, 3, true);
+  state->begin(cancelled_read);
+  std::memset(shard.plan.tensor_data[0], 0x77, 100);
+  const std::atomic<bool> cancelled{true};
+  EXPECT_EQ(state->check_rest(*cancelled_read, cancelled), std::nullopt);
+  EXPECT_EQ(cancelled_read->units[0], client_impl::ReadAttempt::Unit::kPending);
+  EXPECT_EQ(shard.plan.tensor_data[0][0], std::byte{0x77}) << "not scattered";
+}
+
+TEST(ReadAttempt, TensorsOfZeroBytesMakeAPackedUnitOfZeroBytes) {
+  std::map<std::string, client_impl::Registered, std::less<>> registry;
+  std::byte nothing[1];
+  registry.emplace("a", client_impl::Registered{nothing, 0, DType::kUInt8, nullptr});
+  registry.emplace("b", client_impl::Registered{nothing, 0, DType::kUInt8, nullptr});
+  const client_impl::Plan plan = client_impl::make_plan(registry);
+  auto checksums = std::make_shared<Checksums>(2, client_impl::checksum(nothing, 0));
+  client_impl::ReadAttempt read(plan, nullptr, checksums, 1, true);
+  ASSERT_EQ(read.unit_end, (std::vector<std::uint64_t>{0}));
+  EXPECT_EQ(read.unit_of(0), 0U);
+  EXPECT_EQ(read.unit_of(1), 0U);
+  EXPECT_EQ(read.check(0), std::nullopt);
 }
 
 }  // namespace

@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
   auto handle = std::move(opened).value();
   say("open ok " + handle->data_endpoint());
   say("client " + std::to_string(handle->client_id()));
+  say("incarnation " + std::to_string(handle->incarnation()));
 
   // Big tensors first, then small ones; names in a different order than sizes on purpose.
   std::vector<std::vector<std::uint8_t>> buffers;

@@ -60,9 +60,11 @@ TEST(Wire, OpenWithResumeKeepsEveryField) {
       ReplicateOk{7, "trainer-0"}};
   OpenRequest open{"llama", "rollout-3", 4, 1, 2, "dc-east", true, "rollout",
                    Retention{3, {11, 12}}, "10.0.0.7:5555", resume};
+  open.incarnation_auto = true;
   const Request sent{99, 9, open, 17};
 
   const Request got = round_trip<wire::Request>(sent);
+  EXPECT_TRUE(std::get<OpenRequest>(got.body).incarnation_auto);
   EXPECT_EQ(got.client, 99u);
   EXPECT_EQ(got.seq, 9u);
   EXPECT_EQ(got.session, 17u);
@@ -148,6 +150,7 @@ TEST(Wire, EveryReportKind) {
       std::get<OffloadDone>(round_trip<wire::Report>(Report{4, OffloadDone{12, 13}, 6}).body);
   EXPECT_EQ(offloaded.version, 12u);
   EXPECT_EQ(offloaded.copy, 13u);
+  EXPECT_EQ(std::get<CancelCall>(round_trip<wire::Report>(Report{4, CancelCall{31}, 6}).body).seq, 31u);
   const Report heartbeat = round_trip<wire::Report>(Report{4, Heartbeat{}, 6});
   EXPECT_TRUE(std::holds_alternative<Heartbeat>(heartbeat.body));
   EXPECT_EQ(heartbeat.client, 4u);
@@ -162,7 +165,7 @@ TEST(Wire, EveryAnswerKind) {
   snapshot->replicas.push_back({"trainer", 1, "dc-a", false, "trainer", 2, "complete", 9, 1, {7, 8}});
   const std::vector<Outcome> answers = {
       make_error(Errc::kVersionUnavailable, "gone"),
-      OpenOk{2, 5},
+      OpenOk{2, 5, 12},
       OpenOk{2, std::nullopt},
       PublishOk{5},
       UnpublishOk{},
@@ -196,6 +199,7 @@ TEST(Wire, EveryAnswerKind) {
   const auto open = std::get<OpenOk>(
       std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[1]}, 5}).message).outcome);
   EXPECT_EQ(open.latest, std::optional<Version>(5));
+  EXPECT_EQ(open.incarnation, 12u);
   const auto list = std::get<ListOk>(
       std::get<Reply>(round_trip<wire::Effect>(Effect{3, Reply{8, answers[9]}, 5}).message).outcome);
   EXPECT_EQ(*list.snapshot, *snapshot);

@@ -54,7 +54,12 @@ struct ClientOptions {
   std::string token;                 // the cluster token (th-server --token-file)
   std::string model;
   std::string replica;               // the replica's name, the same on all its shards
-  std::uint64_t incarnation = 1;     // a restarted replica opens with a larger one
+  // Which life of the replica this is. 0 (the default): the server chooses, so that a restarted
+  // process needs no bookkeeping: it replaces the replica if its shard is still held by a process
+  // the server has not noticed gone (the next incarnation), else joins the replica its peers of a
+  // restart are opening (the same one), else 1 (Handle::incarnation() says which). A number:
+  // that incarnation, as before (a restarted replica must then open with a larger one).
+  std::uint64_t incarnation = 0;
   std::uint32_t shard = 0;
   std::uint32_t num_shards = 1;
   std::string datacenter = "default";
@@ -260,6 +265,9 @@ class Handle {
   std::string data_endpoint() const;
   // The id the server knows this handle by (th-server's logs name clients by it).
   std::uint64_t client_id() const;
+  // The replica's incarnation this shard is part of now (chosen by the server, or advanced after
+  // an eviction).
+  std::uint64_t incarnation() const;
   HandleStats stats() const;
   // Where this process serves its metrics (ClientOptions::metrics_listen), with the port chosen;
   // "" if it does not.

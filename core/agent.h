@@ -167,9 +167,9 @@ class ShardAgent {
     std::uint64_t seq = 0;
     RequestBody body;
     bool writes = false;        // a StartRead was acted on: the buffers no longer hold `held_`
-    bool cancelled = false;     // the application cancelled it: CancelCall goes with each send
     TimeMs next_send_ms = 0;
     TimeMs backoff_ms = 0;
+    bool cancelled = false;     // the application cancelled it: CancelCall goes with each send
   };
   struct PendingReport {
     ReportBody body;

@@ -77,21 +77,36 @@ std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
 // A reader at 4 MB/s: the shard's 8.4 MB take about 2 s.
 constexpr std::uint64_t kSlowBytesPerSecond = 4'000'000;
 
-TEST_F(Receiving, TensorsAreHandedOutVerifiedBeforeTheLastByteArrives) {
-  const std::string server = start_server();
+// A trainer that published version 1 of a Shard, and a rollout with the same tensors registered
+// whose reads are capped at `read_rate` bytes/s (0: none).
+struct Published {
   Shard trained;
-  trained.write(1);
-  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
-  ASSERT_NE(trainer, nullptr);
-  trained.register_with(*trainer);
-  ASSERT_TRUE(trainer->publish(1).ok());
-
-  ClientOptions slow = options_for(server, "rollout", "rollout");
-  slow.read_rate_bytes_per_s = kSlowBytesPerSecond;
-  auto rollout = open_or_fail(slow);
-  ASSERT_NE(rollout, nullptr);
   Shard engine;
-  engine.register_with(*rollout);
+  std::unique_ptr<Handle> trainer;
+  std::unique_ptr<Handle> rollout;
+
+  Published(const std::string& server, std::uint64_t read_rate) {
+    trained.write(1);
+    trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+    if (trainer == nullptr) return;
+    trained.register_with(*trainer);
+    published = trainer->publish(1).ok();
+    ClientOptions reader = options_for(server, "rollout", "rollout");
+    reader.read_rate_bytes_per_s = read_rate;
+    rollout = open_or_fail(reader);
+    if (rollout != nullptr) engine.register_with(*rollout);
+  }
+  bool ready() const { return published && rollout != nullptr; }
+
+ private:
+  bool published = false;
+};
+
+TEST_F(Receiving, TensorsAreHandedOutVerifiedBeforeTheLastByteArrives) {
+  Published job(start_server(), kSlowBytesPerSecond);
+  ASSERT_TRUE(job.ready());
+  Shard& engine = job.engine;
+  Handle* rollout = job.rollout.get();
 
   auto receive = rollout->replicate_async("latest");
   ASSERT_TRUE(receive.ok()) << receive.error().detail;
@@ -138,20 +153,12 @@ TEST_F(Receiving, TensorsAreHandedOutVerifiedBeforeTheLastByteArrives) {
 }
 
 TEST_F(Receiving, ACancelMidwayLeavesTheHandleUsableForTheNextVersion) {
-  const std::string server = start_server();
-  Shard trained;
-  trained.write(1);
-  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
-  ASSERT_NE(trainer, nullptr);
-  trained.register_with(*trainer);
-  ASSERT_TRUE(trainer->publish(1).ok());
-
-  ClientOptions slow = options_for(server, "rollout", "rollout");
-  slow.read_rate_bytes_per_s = kSlowBytesPerSecond;
-  auto rollout = open_or_fail(slow);
-  ASSERT_NE(rollout, nullptr);
-  Shard engine;
-  engine.register_with(*rollout);
+  Published job(start_server(), kSlowBytesPerSecond);
+  ASSERT_TRUE(job.ready());
+  Shard& trained = job.trained;
+  Shard& engine = job.engine;
+  Handle* trainer = job.trainer.get();
+  Handle* rollout = job.rollout.get();
 
   auto receive = rollout->replicate_async("latest");
   ASSERT_TRUE(receive.ok()) << receive.error().detail;
@@ -312,17 +319,9 @@ TEST_F(Receiving, AWaitingCallCanBeCancelledAndNextTimesOutWhileItWaits) {
 }
 
 TEST_F(Receiving, AnUpdateWithNothingNewerHandsOutNothing) {
-  const std::string server = start_server();
-  Shard trained;
-  trained.write(1);
-  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
-  ASSERT_NE(trainer, nullptr);
-  trained.register_with(*trainer);
-  ASSERT_TRUE(trainer->publish(1).ok());
-  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
-  ASSERT_NE(rollout, nullptr);
-  Shard engine;
-  engine.register_with(*rollout);
+  Published job(start_server(), 0);
+  ASSERT_TRUE(job.ready());
+  Handle* rollout = job.rollout.get();
   ASSERT_TRUE(rollout->replicate("latest").ok());
   auto update = rollout->update_async("latest");
   ASSERT_TRUE(update.ok());

@@ -7,6 +7,7 @@ mid-read; the GIL released while a call blocks; Ctrl-C during a blocking call; t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -393,14 +394,22 @@ def big_state_dict(seed: int):
     return state
 
 
-def test_a_stream_yields_each_tensor_verified_before_the_last_byte_arrives(server):
-    source = big_state_dict(5)
+@contextlib.contextmanager
+def published_and_slow_reader(server, seed):
+    """A trainer that published version 1 of big_state_dict(seed), and a rollout (8 MB/s) with
+    zeroed tensors of the same layout: (source, target, trainer, rollout)."""
+    source = big_state_dict(seed)
     target = zeros_like(source)
     with handle(server, "trainer", role="trainer") as trainer, \
             handle(server, "rollout", role="rollout", read_rate_bytes_per_s=8_000_000) as rollout:
         trainer.register_state_dict(source)
         rollout.register_state_dict(target)
         trainer.publish(1)
+        yield source, target, trainer, rollout
+
+
+def test_a_stream_yields_each_tensor_verified_before_the_last_byte_arrives(server):
+    with published_and_slow_reader(server, 5) as (source, target, trainer, rollout):
         seen = []
         with rollout.replicate_stream("latest", timeout=60) as stream:
             for name, tensor in stream:
@@ -423,13 +432,7 @@ def test_a_stream_yields_each_tensor_verified_before_the_last_byte_arrives(serve
 
 
 def test_a_stream_cancelled_midway_leaves_the_handle_usable(server):
-    source = big_state_dict(6)
-    target = zeros_like(source)
-    with handle(server, "trainer", role="trainer") as trainer, \
-            handle(server, "rollout", role="rollout", read_rate_bytes_per_s=8_000_000) as rollout:
-        trainer.register_state_dict(source)
-        rollout.register_state_dict(target)
-        trainer.publish(1)
+    with published_and_slow_reader(server, 6) as (source, target, trainer, rollout):
         stream = rollout.replicate_stream("latest")
         next(stream)
         with pytest.raises(tensorhub.InvalidArgument):
@@ -457,3 +460,13 @@ def test_a_stream_cancelled_midway_leaves_the_handle_usable(server):
         assert waiting.done()
         with pytest.raises(tensorhub.Cancelled):
             waiting.result()
+
+
+def test_close_cancels_a_stream_still_running(server):
+    with handle(server, "closer", role="rollout") as closer:
+        closer.register("w", torch.zeros(4096))
+        stream = closer.replicate_stream("3")  # never published: it waits
+        closer.close()                         # not refused as "in flight": the stream ends first
+        assert stream.done()
+        with pytest.raises(tensorhub.Cancelled):
+            stream.result()

@@ -604,6 +604,7 @@ struct PullCancelled {};
 // source by telling it another one, and the reader must let go of the hung one at once (it used to
 // wait out the whole I/O timeout first, and the next version queued behind it).
 constexpr int kCancelPollMs = 50;
+constexpr std::chrono::microseconds kRateSleepSlice{kCancelPollMs * 1000};  // a capped pull's sleeps
 
 // Receives exactly `bytes` on a socket whose receive timeout is kCancelPollMs (one blocking recv
 // per wake-up, as fast as a plain blocking read). Throws PullCancelled when the pull is cancelled
@@ -723,9 +724,15 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       }
       outcome.bytes += response.length;
       if (options.rate_bytes_per_s > 0) {
-        // Sleep until the bytes so far fit the rate since the pull began.
+        // Sleep until the bytes so far fit the rate since the pull began, in slices: a cancelled
+        // pull stops within one (a capped reader would otherwise hold a cancel or a deadline's
+        // answer for a whole chunk's time: 8 s for 8 MiB at 1 MB/s).
         const auto due = pull_started + std::chrono::microseconds(outcome.bytes * 1'000'000 / options.rate_bytes_per_s);
-        std::this_thread::sleep_until(due);
+        for (auto left = due - Clock::now(); left > left.zero(); left = due - Clock::now()) {
+          if (options.cancelled && options.cancelled()) return fail(ReadError::kCancelled, "cancelled");
+          std::this_thread::sleep_for(std::min<std::chrono::microseconds>(
+              std::chrono::duration_cast<std::chrono::microseconds>(left), kRateSleepSlice));
+        }
       }
       if (response.length == ask.length) {
         ready = ask.global_end;

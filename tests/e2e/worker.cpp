@@ -220,6 +220,9 @@ int main(int argc, char** argv) {
   }
   done.store(true);
   if (source_reporter.joinable()) source_reporter.join();
+  // The handle goes before the buffers it serves: its close waits for readers still pulling from
+  // them (a pipeline reader of this copy), which the freed memory would cut off ("Bad address").
+  handle.reset();
   say("done");
   return 0;
 }

@@ -241,6 +241,16 @@ void ShardAgent::on_reply(const Reply& reply) {
       open(/*resume=*/false);
       return;
     }
+    // An open that lets the hub choose joined a replica whose other shards were resuming after
+    // an eviction, and met their history (a shard restarted alone): the hub ends that replica and
+    // its shards start over, so this shard opens afresh again to meet them, rather than fail the
+    // application's open. Bounded: the application's own deadline, and these retries.
+    if (open_call_id_ && open_.incarnation_auto && refusal.code == Errc::kDivergentCall &&
+        auto_open_retries_ < kAutoOpenRetriesMax) {
+      ++auto_open_retries_;
+      open(/*resume=*/false);
+      return;
+    }
     // The (re-)open failed: a fresh open lets the application try again; a re-open fails the
     // call it was made for, and the next call tries as the next incarnation.
     if (open_call_id_) {

@@ -243,6 +243,9 @@ class ShardAgent {
   bool start_open_ = false;
   std::optional<TxnRecord> last_txn_;
   std::optional<std::uint64_t> open_call_id_;  // the application's open, until it is answered
+  // Fresh opens of the application's open sent again after kDivergentCall (incarnation_auto).
+  static constexpr std::uint32_t kAutoOpenRetriesMax = 8;
+  std::uint32_t auto_open_retries_ = 0;
   // The replica was evicted: re-open as the next incarnation. Every shard learns this from the same
   // events, so all of them move together; a re-open that merely failed (barrier timeout) tries the
   // same incarnation again. A shard that comes back late, to a replica its peers re-formed without

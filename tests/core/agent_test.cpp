@@ -727,6 +727,33 @@ TEST_F(AgentTest, TheApplicationsOpenJoinsTheNewerIncarnationTheHubNames) {
   EXPECT_EQ(agent_.incarnation(), 4u);
 }
 
+// helper-22: one shard of two restarted alone, with the incarnation left to the hub. Its fresh open
+// joined the replica its peer was resuming after the eviction, and the barrier answered
+// kDivergentCall, which failed the application's open; the peer then waited for it for ever. Now
+// the agent opens afresh again (bounded), to meet the peer when it starts over.
+TEST_F(AgentTest, AnAutomaticIncarnationsOpenOpensAgainAfterADivergentBarrier) {
+  OpenRequest automatic = open_request();
+  automatic.incarnation_auto = true;
+  call(automatic);
+  for (std::uint32_t attempt = 0; attempt < 8; ++attempt) {
+    const std::vector<Request> sent = requests(open_reply(0, make_error(Errc::kDivergentCall, "resumed at 0 and 37"), 2));
+    ASSERT_EQ(sent.size(), 1u) << "attempt " << attempt;
+    const auto& again = std::get<OpenRequest>(sent[0].body);
+    EXPECT_TRUE(again.incarnation_auto);
+    EXPECT_EQ(again.resume, nullptr) << "a fresh open, holding nothing";
+  }
+  // Bounded: the ninth refusal reaches the application.
+  const AgentEffects refused = open_reply(0, make_error(Errc::kDivergentCall, "again"), 2);
+  EXPECT_EQ(only<CallDone>(refused).call_id, call_id_);
+  EXPECT_EQ(agent_.phase(), AgentPhase::kIdle);
+}
+
+// A named incarnation's open is not retried after kDivergentCall: the application chose it.
+TEST_F(AgentTest, ANamedIncarnationsOpenFailsOnADivergentBarrier) {
+  call(open_request());
+  EXPECT_EQ(only<CallDone>(open_reply(0, make_error(Errc::kDivergentCall, "resumed at 0 and 37"), 2)).call_id, call_id_);
+}
+
 // A grant that arrives after its own withdrawal (messages crossed or repeated) is never served.
 TEST_F(AgentTest, AGrantAfterItsStopServingIsStale) {
   open();

@@ -77,20 +77,22 @@ std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
 // A reader at 4 MB/s: the shard's 8.4 MB take about 2 s.
 constexpr std::uint64_t kSlowBytesPerSecond = 4'000'000;
 
-// A trainer that published version 1 of a Shard, and a rollout with the same tensors registered
-// whose reads are capped at `read_rate` bytes/s (0: none).
+// A trainer that published version 1 of a Shard (unless `publish` is false: no trainer), and a
+// rollout with the same tensors registered whose reads are capped at `read_rate` bytes/s (0: none).
 struct Published {
   Shard trained;
   Shard engine;
   std::unique_ptr<Handle> trainer;
   std::unique_ptr<Handle> rollout;
 
-  Published(const std::string& server, std::uint64_t read_rate) {
-    trained.write(1);
-    trainer = open_or_fail(options_for(server, "trainer", "trainer"));
-    if (trainer == nullptr) return;
-    trained.register_with(*trainer);
-    published = trainer->publish(1).ok();
+  Published(const std::string& server, std::uint64_t read_rate, bool publish = true) : published(!publish) {
+    if (publish) {
+      trained.write(1);
+      trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+      if (trainer == nullptr) return;
+      trained.register_with(*trainer);
+      published = trainer->publish(1).ok();
+    }
     ClientOptions reader = options_for(server, "rollout", "rollout");
     reader.read_rate_bytes_per_s = read_rate;
     rollout = open_or_fail(reader);
@@ -283,11 +285,9 @@ TEST_F(Receiving, TensorsOfZeroBytesAreHandedOut) {
 }
 
 TEST_F(Receiving, AWaitingCallCanBeCancelledAndNextTimesOutWhileItWaits) {
-  const std::string server = start_server();
-  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
-  ASSERT_NE(rollout, nullptr);
-  Shard engine;
-  engine.register_with(*rollout);
+  Published nothing_published(start_server(), 0, /*publish=*/false);
+  ASSERT_TRUE(nothing_published.ready());
+  std::unique_ptr<Handle>& rollout = nothing_published.rollout;
   // Nothing is published: the replicate waits for a version.
   auto receive = rollout->replicate_async("latest");
   ASSERT_TRUE(receive.ok()) << receive.error().detail;
@@ -342,11 +342,9 @@ TEST_F(Receiving, AnUpdateWithNothingNewerHandsOutNothing) {
 }
 
 TEST_F(Receiving, InterruptEndsAStreamAndAReceiveOutlivingItsHandleIsSafe) {
-  const std::string server = start_server();
-  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
-  ASSERT_NE(rollout, nullptr);
-  Shard engine;
-  engine.register_with(*rollout);
+  Published nothing_published(start_server(), 0, /*publish=*/false);
+  ASSERT_TRUE(nothing_published.ready());
+  std::unique_ptr<Handle>& rollout = nothing_published.rollout;
   auto receive = rollout->replicate_async("latest");
   ASSERT_TRUE(receive.ok());
   std::thread stopper([&] {

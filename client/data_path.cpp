@@ -274,7 +274,7 @@ void Handle::Impl::start_offload(Version version) {
       copy->regions.push_back({copy->bytes.data() + at, region.bytes});
       at += region.bytes;
     }
-    copy->lease = transport_->lease_memory(copy->bytes.data(), copy->bytes.size());
+    copy->lease = transport_->lease_memory(copy->bytes.data(), copy->bytes.size(), false);
     on_io([this, id, version, copy] {
       offloads_reported_.push_back(id);
       // A seed of this version started meanwhile (after a re-open): its buffer stays.

@@ -511,7 +511,7 @@ Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t
       return;
     }
     registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype,
-                                                  transport_->lease_memory(static_cast<std::byte*>(data), bytes)});
+                                                  transport_->lease_memory(static_cast<std::byte*>(data), bytes, false)});
     plan_stale_ = true;
   });
   return status;
@@ -540,7 +540,7 @@ const Plan& Handle::Impl::plan() {
     plan_ = make_plan(registry_);
     packed_lease_.reset();  // before the buffer moves: a registration of the old one would read stale
     packed_.assign(plan_.packed_bytes, std::byte{0});
-    packed_lease_ = transport_->lease_memory(packed_.data(), packed_.size());
+    packed_lease_ = transport_->lease_memory(packed_.data(), packed_.size(), false);
     plan_stale_ = false;
   }
   return plan_;

@@ -69,14 +69,19 @@ class Progress {
 };
 
 // Memory the owner keeps alive and unchanged while a grant exposes it.
+// on_device: the memory is a GPU's (CUDA device memory): the CPU cannot touch it, so the TCP
+// data plane moves it through pinned host staging (net/staging.h), and a transport that registers
+// memory with a NIC registers it as device memory.
 struct ExposedRegion {
   const std::byte* base = nullptr;
   std::uint64_t bytes = 0;
+  bool on_device = false;
 };
 // Memory a reader fills.
 struct LocalRegion {
   std::byte* base = nullptr;
   std::uint64_t bytes = 0;
+  bool on_device = false;
 };
 
 // Why a read failed: typed, because the agent reports a refused source differently from one that

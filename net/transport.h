@@ -57,9 +57,11 @@ class DataTransport {
   // adjacent leased memory around it, with the NIC once and reuse that for every grant and pull;
   // dropping the lease drops every registration that covers it. Drop it before freeing the memory:
   // a registration pins the physical pages it was made on, and a reused address would read stale.
-  virtual std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes) {
+  // `on_device`: GPU memory (see ExposedRegion).
+  virtual std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes, bool on_device) {
     (void)base;
     (void)bytes;
+    (void)on_device;
     return nullptr;
   }
 

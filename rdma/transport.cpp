@@ -164,8 +164,9 @@ net::TransportStats RdmaTransport::stats() const {
   return stats;
 }
 
-std::shared_ptr<void> RdmaTransport::lease_memory(const std::byte* base, std::uint64_t bytes) {
+std::shared_ptr<void> RdmaTransport::lease_memory(const std::byte* base, std::uint64_t bytes, bool on_device) {
   if (base == nullptr || bytes == 0) return nullptr;
+  (void)on_device;  // TODO(issue 15): device memory registers through dma-buf or nvidia-peermem
   const auto begin = reinterpret_cast<std::uintptr_t>(base);
   {
     std::lock_guard lock(state_->registrations_mutex);

@@ -95,7 +95,7 @@ class RdmaTransport final : public net::DataTransport {
   net::TransportStats stats() const override;
   net::PullOutcome pull(const net::Endpoint& source, net::GrantKey key, const GrantSecret& secret,
                         std::span<const net::LocalRegion> targets, const net::PullOptions& options) override;
-  std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes) override;
+  std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes, bool on_device) override;
 
   struct State;  // shared with the data port's connection threads (transport.cpp)
 

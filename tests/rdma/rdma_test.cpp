@@ -374,7 +374,7 @@ TEST(RdmaPair, NoWindowCoversTheGapBetweenAGrantsRegions) {
   REQUIRE_DEVICE();
   auto source = make_rdma({device_names()[0]});
   std::vector<std::byte> allocation = pattern(192 << 10, 16);
-  const auto lease = source->lease_memory(allocation.data(), allocation.size());  // one registration
+  const auto lease = source->lease_memory(allocation.data(), allocation.size(), false);  // one registration
   source->grant({1, 1}, kSecret, {{allocation.data(), 64 << 10}, {allocation.data() + (128 << 10), 64 << 10}},
                 std::make_shared<net::Progress>(128 << 10));
   RoguePeer reader(source->endpoint());
@@ -428,12 +428,12 @@ TEST(RdmaPair, RegistrationsAreMadeOncePerAllocationNotPerVersion) {
   std::vector<std::shared_ptr<void>> leases;
   std::uint64_t at = 0;
   for (auto size : shard.sizes) {  // tensor by tensor: adjacent leases make one run
-    leases.push_back(source->lease_memory(shard.allocation.data() + at, size));
-    leases.push_back(reader->lease_memory(target.allocation.data() + at, size));
+    leases.push_back(source->lease_memory(shard.allocation.data() + at, size, false));
+    leases.push_back(reader->lease_memory(target.allocation.data() + at, size, false));
     at += size;
   }
-  leases.push_back(source->lease_memory(shard.packed.data(), shard.packed.size()));
-  leases.push_back(reader->lease_memory(target.packed.data(), target.packed.size()));
+  leases.push_back(source->lease_memory(shard.packed.data(), shard.packed.size(), false));
+  leases.push_back(reader->lease_memory(target.packed.data(), target.packed.size(), false));
   auto regions = target.regions();
   std::uint64_t source_after_first = 0;
   std::uint64_t reader_after_first = 0;
@@ -466,10 +466,10 @@ TEST(RdmaPair, ABigReadIsStripedOverTwoDevices) {
   auto reader = make_rdma({device_names()[0], device_names()[1]});
   Shard shard(12, {(11u << 20) + 3, 777, (9u << 20) + 1});  // 20 MiB: above stripe_bytes_min
   Target target(shard);
-  std::vector<std::shared_ptr<void>> leases{source->lease_memory(shard.allocation.data(), shard.allocation.size()),
-                                            source->lease_memory(shard.packed.data(), shard.packed.size()),
-                                            reader->lease_memory(target.allocation.data(), target.allocation.size()),
-                                            reader->lease_memory(target.packed.data(), target.packed.size())};
+  std::vector<std::shared_ptr<void>> leases{source->lease_memory(shard.allocation.data(), shard.allocation.size(), false),
+                                            source->lease_memory(shard.packed.data(), shard.packed.size(), false),
+                                            reader->lease_memory(target.allocation.data(), target.allocation.size(), false),
+                                            reader->lease_memory(target.packed.data(), target.packed.size(), false)};
   auto regions = target.regions();
   std::uint64_t registrations_after_first = 0;
   for (std::uint32_t version = 1; version <= 3; ++version) {

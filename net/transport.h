@@ -31,6 +31,8 @@ struct TransportStats {
   std::uint64_t windows_bound = 0;         // memory windows bound for grants (one per grant and region)
   std::uint64_t windows_invalidated = 0;   // of those, invalidated by a revoke or a reader's close
   std::vector<std::uint64_t> bytes_read_per_device;  // pulled through each RDMA device in use
+  std::uint64_t device_registrations = 0;  // GPU allocations registered with a NIC (in memory_registrations too)
+  std::string device_registration;         // how GPU memory is registered: "dma-buf", "peermem", "staging"
 };
 
 class DataTransport {

@@ -160,6 +160,10 @@ struct RdmaTransport::State {
   };
   static constexpr std::size_t kPortsMax = 8;
   std::vector<std::unique_ptr<Port>> ports;
+  // -- GPU memory (rdma/device_memory.h): how it is registered, and the registrations of leased
+  // CUDA allocations (null without options.device_memory). After `ports`: destroyed first.
+  GpuRegistrationChoice gpu;
+  std::unique_ptr<AllocationRegistry<MemoryRegion>> device_allocations;
   int grant_wait_ms_max = 0;      // the data server's: an open may wait this long for its grant
   std::uint32_t grant_waiters_max = 0;  // and this many opens at once (a waiting link cannot be shed)
   std::uint32_t grant_waiters = 0;      // guarded by mutex
@@ -232,6 +236,22 @@ struct RdmaTransport::State {
     });
     if (leases_ended == ended_before && !raced) cached.push_back({port, run_begin, run_end, region});
     return region;
+  }
+
+  // A registration on `port` of the GPU allocation around [base, +bytes): the leased allocation's,
+  // else one for this caller alone. A failed registration was logged when it failed (and a leased
+  // allocation's failure is remembered until its lease ends); a bad pointer (kInvalidArgument) is
+  // the caller's to log. An error means this memory cannot be read or written by RDMA
+  // here: the grant is answered "unsupported", the pull goes over TCP (staged through host memory).
+  // Registering may take a while: called on connection threads and pulls, never under a lock.
+  Result<std::shared_ptr<MemoryRegion>> device_region_for(std::size_t port, const std::byte* base, std::uint64_t bytes) {
+    TH_REQUIRE(bytes > 0);
+    TH_REQUIRE(port < ports.size());
+    if (device_allocations == nullptr) {
+      return make_error(Errc::kUnavailable, "GPU memory is not registered: the transport has no CUDA driver "
+                                            "(RdmaOptions::device_memory)");
+    }
+    return device_allocations->registration(port, base, bytes);
   }
 
   // Ends a lease: every cached registration that covers any of it goes, deregistered after the lock

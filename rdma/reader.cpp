@@ -478,9 +478,26 @@ Rail open_rail(RdmaTransport::State& state, const net::Endpoint& source, std::si
                const GrantSecret& secret, std::span<const net::LocalRegion> targets, std::uint64_t target_bytes,
                const net::PullOptions& options) {
   std::vector<std::shared_ptr<MemoryRegion>> local(targets.size());
+  // GPU targets first: RDMA READs land straight in GPU memory when it is registered here; if one
+  // cannot be, the whole pull goes over TCP (which stages GPU memory through pinned host memory),
+  // and the host targets need not be pinned for nothing.
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (targets[i].bytes == 0 || !targets[i].on_device) continue;
+    Result<std::shared_ptr<MemoryRegion>> device = state.device_region_for(port, targets[i].base, targets[i].bytes);
+    if (!device) {
+      // A registration that failed was logged as it failed; a bad pointer (the application's) here.
+      if (device.error().code == Errc::kInvalidArgument) {
+        log_line(state.options, "a pull's GPU target is not registered (pulling over TCP): " + device.error().detail);
+      }
+      Rail rail;
+      rail.fall_back = true;
+      return rail;
+    }
+    local[i] = std::move(device).value();
+  }
   try {
     for (std::size_t i = 0; i < targets.size(); ++i) {
-      if (targets[i].bytes > 0) local[i] = state.region_for(port, targets[i].base, targets[i].bytes);
+      if (targets[i].bytes > 0 && !targets[i].on_device) local[i] = state.region_for(port, targets[i].base, targets[i].bytes);
     }
   } catch (const VerbsError& error) {
     // Most likely the memlock limit (registration pins pages): this pull goes over TCP.

@@ -221,21 +221,42 @@ bool answer_open(RdmaTransport::State& state, const net::Fd& socket, LinkResourc
     if (again) link.close(key);
   }
   const RdmaTransport::State::Port& port = *state.ports[link.port];
+  std::optional<Error> device_failure;  // a GPU region that cannot be registered here
   try {
     // Registered at the first open on this port, on a connection thread (gigabytes pin for a while:
     // not on the client's I/O thread, which grant() runs on). Assigned only once whole.
     std::lock_guard registering(grant->registering);
     TH_ASSERT(grant->registrations.size() == state.ports.size());
     if (grant->registrations[link.port].empty()) {
-      std::vector<std::shared_ptr<MemoryRegion>> made;
-      for (const net::ExposedRegion& region : grant->regions) {
-        made.push_back(region.bytes == 0 ? nullptr : state.region_for(link.port, region.base, region.bytes));
+      const std::vector<net::ExposedRegion>& regions = grant->regions;
+      std::vector<std::shared_ptr<MemoryRegion>> made(regions.size());
+      // GPU regions first: when one cannot be registered (no dma-buf and no nvidia-peermem, say)
+      // the whole grant goes over TCP, and the host regions need not be pinned for nothing.
+      for (std::size_t i = 0; i < regions.size() && !device_failure; ++i) {
+        if (regions[i].bytes == 0 || !regions[i].on_device) continue;
+        Result<std::shared_ptr<MemoryRegion>> device = state.device_region_for(link.port, regions[i].base, regions[i].bytes);
+        if (device) {
+          made[i] = std::move(device).value();
+        } else {
+          device_failure = device.error();
+        }
       }
-      grant->registrations[link.port] = std::move(made);
+      for (std::size_t i = 0; i < regions.size() && !device_failure; ++i) {
+        if (regions[i].bytes > 0 && !regions[i].on_device) made[i] = state.region_for(link.port, regions[i].base, regions[i].bytes);
+      }
+      if (!device_failure) grant->registrations[link.port] = std::move(made);
     }
   } catch (const VerbsError& error) {
     // Most likely the memlock limit: this grant goes over TCP, the link stays.
     log_line(state.options, std::string("cannot register a grant's memory (the reader pulls it over TCP): ") + error.what());
+    return refuse(Answer::kUnsupported);
+  }
+  if (device_failure) {
+    // Over TCP the data server stages GPU memory through pinned host memory. A registration that
+    // failed was logged as it failed; a bad pointer (the application's) is logged here.
+    if (device_failure->code == Errc::kInvalidArgument) {
+      log_line(state.options, "a grant's GPU memory is not registered (the reader pulls it over TCP): " + device_failure->detail);
+    }
     return refuse(Answer::kUnsupported);
   }
   {

@@ -4,7 +4,8 @@
 
 namespace th::rdma {
 
-RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_in)) {
+RdmaTransport::State::State(RdmaOptions options_in)
+    : options(std::move(options_in)), gpu(GpuRegistrationChoice::detect(options.device_memory.get(), "/sys")) {
   TH_REQUIRE(options.read_bytes > 0);
   TH_REQUIRE(options.reads_in_flight_max > 0);
   TH_REQUIRE(options.signal_every > 0);
@@ -29,7 +30,31 @@ RdmaTransport::State::State(RdmaOptions options_in) : options(std::move(options_
     ports.push_back(std::move(port));
   }
   for (std::uint32_t slot = options.progress_slots; slot > 0; --slot) free_progress_slots.push_back(slot - 1);
-  TH_ASSERT(!ports.empty() && ports.size() <= kPortsMax);
+  TH_ASSERT(!ports.empty());
+  TH_ASSERT(ports.size() <= kPortsMax);
+  if (options.device_memory != nullptr) {
+    // Called by the registry outside its lock, once per (leased allocation, port); a failure is
+    // logged here, once (the registry remembers it), unless GPU memory is staged anyway: that was
+    // said at start, or when dma-buf turned out not to work.
+    device_allocations = std::make_unique<AllocationRegistry<MemoryRegion>>(
+        options.device_memory, ports.size(), [this](std::size_t port, const AllocationRange& allocation) {
+          const Port& on = *ports.at(port);
+          auto made = register_gpu_allocation(on.device, *options.device_memory, gpu, allocation,
+                                              register_access(on.windows),
+                                              [this](const std::string& line) { log_line(options, line); });
+          if (made) {
+            ++registrations;
+          } else if (gpu.method() != GpuRegistration::kNone) {
+            log_line(options, "cannot register a GPU allocation of " + std::to_string(allocation.bytes) + " bytes on " +
+                                  on.device.name() + " (it goes over TCP, staged): " + made.error().detail);
+          }
+          return made;
+        });
+    // Once, at start: which method this process's GPU memory will use. (Without a DeviceMemoryApi the
+    // process has no GPU memory to speak of: the log hook is libthclient's warning level, so no
+    // line in every host-only process; stats().device_registration says "staging".)
+    log_line(options, gpu.describe());
+  }
 }
 
 RdmaTransport::RdmaTransport(net::DataServerConfig tcp, RdmaOptions options)
@@ -161,12 +186,24 @@ net::TransportStats RdmaTransport::stats() const {
   stats.memory_registrations = state_->registrations.load();
   stats.windows_bound = state_->windows_bound.load();
   stats.windows_invalidated = state_->windows_invalidated.load();
+  stats.device_registrations = state_->device_allocations ? state_->device_allocations->registrations() : 0;
+  stats.device_registration = gpu_registration_name(state_->gpu.method());
   return stats;
 }
 
 std::shared_ptr<void> RdmaTransport::lease_memory(const std::byte* base, std::uint64_t bytes, bool on_device) {
   if (base == nullptr || bytes == 0) return nullptr;
-  (void)on_device;  // TODO(issue 15): device memory registers through dma-buf or nvidia-peermem
+  if (on_device) {
+    // GPU memory: its whole CUDA allocation is leased, not a run of host ranges (device_memory.h).
+    if (state_->device_allocations == nullptr) return nullptr;  // never registered: nothing to keep
+    Result<std::shared_ptr<void>> lease = state_->device_allocations->lease(base, bytes);
+    if (!lease) {
+      // The application's bad pointer: its grants and pulls go over TCP (which says more if it fails).
+      log_line(state_->options, "GPU memory not leased to the NIC: " + lease.error().detail);
+      return nullptr;
+    }
+    return std::move(lease).value();
+  }
   const auto begin = reinterpret_cast<std::uintptr_t>(base);
   {
     std::lock_guard lock(state_->registrations_mutex);

@@ -27,6 +27,12 @@
 // Memory is registered once per leased allocation (lease_memory: adjacent leased ranges form one
 // run, one registration), cached until the lease is dropped; memory never leased is registered for
 // one grant or pull at a time.
+//
+// GPU memory (on_device regions and targets) is registered through dma-buf or nvidia-peermem, one
+// registration per whole CUDA allocation (rdma/device_memory.h), given a DeviceMemoryApi. A grant
+// whose GPU memory cannot be registered is answered "unsupported" (its readers pull it over TCP,
+// which stages GPU memory through pinned host memory), and a pull into GPU memory that cannot be
+// registered goes over TCP whole.
 #pragma once
 
 #include <atomic>
@@ -35,6 +41,7 @@
 #include <string>
 
 #include "net/transport.h"
+#include "rdma/device_memory.h"
 
 namespace th::rdma {
 
@@ -74,6 +81,9 @@ struct RdmaOptions {
   bool revoke_notices = true;
   // Where the data plane's lines go (libthclient passes its log hook); empty: stderr, "th rdma: ...".
   std::function<void(const std::string&)> log = nullptr;
+  // The CUDA driver's answers (libthclient's, when it has CUDA). Null: GPU memory is never
+  // registered with the NIC (GpuRegistration::kNone): it goes over TCP, staged.
+  std::shared_ptr<DeviceMemoryApi> device_memory = nullptr;
 };
 
 class RdmaTransport final : public net::DataTransport {
@@ -95,6 +105,9 @@ class RdmaTransport final : public net::DataTransport {
   net::TransportStats stats() const override;
   net::PullOutcome pull(const net::Endpoint& source, net::GrantKey key, const GrantSecret& secret,
                         std::span<const net::LocalRegion> targets, const net::PullOptions& options) override;
+  // on_device: the enclosing CUDA allocation is leased (registered at the first grant or pull that
+  // uses it); a pointer the CUDA driver does not know, or a range that leaves its allocation, is
+  // logged and not leased (null).
   std::shared_ptr<void> lease_memory(const std::byte* base, std::uint64_t bytes, bool on_device) override;
 
   struct State;  // shared with the data port's connection threads (transport.cpp)

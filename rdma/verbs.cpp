@@ -157,6 +157,17 @@ Device::~Device() {
 MemoryRegion::MemoryRegion(const Device& device, void* base, std::uint64_t bytes, int access) {
   TH_REQUIRE(bytes > 0, "a registered region has bytes");
   mr_ = check_pointer("ibv_reg_mr", ibv_reg_mr(device.protection_domain(), base, bytes, access));
+  begin_ = reinterpret_cast<std::uintptr_t>(base);
+  bytes_ = bytes;
+}
+
+MemoryRegion::MemoryRegion(const Device& device, DmaBuf source, std::uintptr_t iova, std::uint64_t bytes, int access) {
+  TH_REQUIRE(bytes > 0, "a registered region has bytes");
+  TH_REQUIRE(source.fd >= 0, "a dma-buf registration needs the dma-buf");
+  mr_ = check_pointer("ibv_reg_dmabuf_mr", ibv_reg_dmabuf_mr(device.protection_domain(), source.offset, bytes, iova,
+                                                             source.fd, access));
+  begin_ = iova;
+  bytes_ = bytes;
 }
 
 MemoryRegion::~MemoryRegion() {

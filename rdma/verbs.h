@@ -84,21 +84,36 @@ class Device {
   std::uint32_t max_read_atoms_ = 1;
 };
 
+// Memory exported as a dma-buf (GPU memory: rdma/device_memory.h): its fd, and the byte of it
+// where a registration begins.
+struct DmaBuf {
+  int fd = -1;
+  std::uint64_t offset = 0;
+};
+
 // A registered memory region.
 class MemoryRegion {
  public:
   // `access`: IBV_ACCESS_* flags.
   MemoryRegion(const Device& device, void* base, std::uint64_t bytes, int access);
+  // [offset, +bytes) of a dma-buf, addressed by work requests as [iova, +bytes) (ibv_reg_dmabuf_mr).
+  // The fd stays the caller's: the region holds its own reference to the dma-buf, so the caller may
+  // close it at once.
+  MemoryRegion(const Device& device, DmaBuf source, std::uintptr_t iova, std::uint64_t bytes, int access);
   ~MemoryRegion();
   MemoryRegion(const MemoryRegion&) = delete;
   MemoryRegion& operator=(const MemoryRegion&) = delete;
   ibv_mr* get() const { return mr_; }
-  std::uintptr_t begin() const { return reinterpret_cast<std::uintptr_t>(mr_->addr); }
-  std::uintptr_t end() const { return begin() + mr_->length; }
+  // The addresses work requests name. Kept here, not read from mr_->addr: libibverbs sets that to
+  // the dma-buf offset for a dma-buf region, not to its iova.
+  std::uintptr_t begin() const { return begin_; }
+  std::uintptr_t end() const { return begin_ + bytes_; }
   bool covers(std::uintptr_t at, std::uint64_t bytes) const { return at >= begin() && bytes <= end() - at && at <= end(); }
 
  private:
   ibv_mr* mr_ = nullptr;
+  std::uintptr_t begin_ = 0;
+  std::uint64_t bytes_ = 0;
 };
 
 // A completion queue with its own event channel, so a thread can wait for completions with a

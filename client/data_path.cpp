@@ -50,7 +50,9 @@ namespace {
 std::vector<net::ExposedRegion> regions_of(const Plan& plan, const std::byte* packed) {
   std::vector<net::ExposedRegion> regions;
   if (plan.packed_bytes > 0) regions.push_back({packed, plan.packed_bytes});
-  for (std::size_t index : plan.big) regions.push_back({plan.tensor_data[index], plan.layout->tensors()[index].bytes});
+  for (std::size_t index : plan.big) {
+    regions.push_back({plan.tensor_data[index], plan.layout->tensors()[index].bytes, plan.device_tensor(index)});
+  }
   return regions;
 }
 
@@ -183,7 +185,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   const Plan& plan = job.plan;
   std::vector<net::LocalRegion> targets;
   for (const net::ExposedRegion& region : regions_of(plan, job.packed)) {
-    targets.push_back({const_cast<std::byte*>(region.base), region.bytes});
+    targets.push_back({const_cast<std::byte*>(region.base), region.bytes, region.on_device});
   }
   net::PullOptions pull_options;
   pull_options.chunk_bytes = options_.chunk_bytes;
@@ -191,6 +193,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
   pull_options.streams = options_.data_streams;
   pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
+  pull_options.staging = staging_;
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;
@@ -215,6 +218,15 @@ void Handle::Impl::run_read(ReadJob& job) {
     }
   }();
   const double pull_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (outcome.ok() && plan.gpu != nullptr) {
+    // A NIC may have written GPU tensors (RDMA): their bytes must be visible to the checksum
+    // kernels and to the application's. (Over TCP the staging copies were waited for already.)
+    try {
+      plan.gpu->flush_remote_writes(plan.gpu_device);
+    } catch (const net::DeviceCopyError& error) {
+      outcome = net::PullOutcome{outcome.bytes, net::ReadError::kUnreachable, error.what()};
+    }
+  }
   auto stopped = [&] {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from.clear();
@@ -229,9 +241,17 @@ void Handle::Impl::run_read(ReadJob& job) {
     job.stream->advance(*attempt, attempt->unit_end.empty() ? 0 : attempt->unit_end.back());
     // Scatter the packed tensors, and check every tensor against the checksum of its publisher.
     if (const std::optional<std::size_t> bad = job.stream->check_rest(*attempt, *job.cancelled)) {
-      log(LogLevel::kError, "data", "tensor '" + plan.layout->tensors()[*bad].name + "' of version " +
-          std::to_string(job.read.version) + " from " + job.read.source.replica + " does not match its checksum");
-      failure = ReadFailure::kChecksumMismatch;
+      const std::string device_failure = attempt->device_failure();
+      if (device_failure.empty()) {
+        log(LogLevel::kError, "data", "tensor '" + plan.layout->tensors()[*bad].name + "' of version " +
+            std::to_string(job.read.version) + " from " + job.read.source.replica + " does not match its checksum");
+        failure = ReadFailure::kChecksumMismatch;
+      } else {
+        // Not the source's fault: the read fails, and the server tries again (another source).
+        log(LogLevel::kError, "data", "tensor '" + plan.layout->tensors()[*bad].name + "' of version " +
+            std::to_string(job.read.version) + " could not be checked on this host's GPU: " + device_failure);
+        failure = ReadFailure::kSourceUnreachable;
+      }
     }
     if (job.cancelled->load()) return stopped();  // (and the checks stopped short)
   }
@@ -263,16 +283,33 @@ void Handle::Impl::start_offload(Version version) {
   const Plan& current = plan();  // first: it may rebuild packed_
   auto regions = regions_of(current, packed_.data());
   const std::uint64_t id = next_offload_id_++;
-  offload_threads_[id] = std::thread([this, id, version, regions = std::move(regions)] {
+  offload_threads_[id] = std::thread([this, id, version, regions = std::move(regions), gpu = current.gpu] {
     auto copy = std::make_shared<OffloadCopy>();
     std::uint64_t total = 0;
     for (const auto& region : regions) total += region.bytes;
     copy->bytes.resize(total);
     std::uint64_t at = 0;
+    std::vector<Gpu::Copy> from_devices;  // the GPU tensors' bytes come down in one batch
     for (const auto& region : regions) {
-      std::memcpy(copy->bytes.data() + at, region.base, region.bytes);
+      if (region.on_device) {
+        from_devices.push_back({const_cast<std::byte*>(region.base), copy->bytes.data() + at, region.bytes});
+      } else {
+        std::memcpy(copy->bytes.data() + at, region.base, region.bytes);
+      }
       copy->regions.push_back({copy->bytes.data() + at, region.bytes});
       at += region.bytes;
+    }
+    if (!from_devices.empty()) {
+      try {
+        gpu->to_host(from_devices);
+      } catch (const net::DeviceCopyError& error) {
+        // No copy: the server times the offload out and carries on (the version may be lost if
+        // this was its last copy; the log says why).
+        log(LogLevel::kError, "data", "offload of version " + std::to_string(version) +
+                                          ": copying the GPU tensors to CPU memory failed: " + error.what());
+        on_io([this, id] { offloads_reported_.push_back(id); });
+        return;
+      }
     }
     copy->lease = transport_->lease_memory(copy->bytes.data(), copy->bytes.size(), false);
     on_io([this, id, version, copy] {

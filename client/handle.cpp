@@ -29,6 +29,7 @@ Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry) {
   for (const auto& [name, tensor] : registry) {
     specs.push_back({name, tensor.dtype, tensor.bytes});
     plan.tensor_data.push_back(tensor.data);
+    plan.on_device.push_back(tensor.on_device);
     if (tensor.bytes < kPackedTensorBytesMax) {
       plan.packed_offset.push_back(plan.packed_bytes);
       plan.packed_bytes += tensor.bytes;
@@ -44,6 +45,29 @@ Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry) {
 }  // namespace client_impl
 
 namespace {
+
+#ifdef TH_HAVE_RDMA
+// rdma/'s view of the CUDA driver, for registering GPU tensors with the NIC. CUDA is looked for only
+// when GPU memory is first leased (a process of CPU tensors never loads the driver).
+class NicGpuMemory final : public rdma::DeviceMemoryApi {
+ public:
+  std::optional<rdma::AllocationRange> allocation_of(const std::byte* device_pointer) override {
+    auto access = gpu();
+    if (!access.ok()) return std::nullopt;
+    auto range = access.value()->allocation_of(device_pointer);
+    if (!range) return std::nullopt;
+    return rdma::AllocationRange{range->first, range->second};
+  }
+  int dmabuf_fd(const std::byte* base, std::uint64_t bytes, std::string& why) override {
+    auto access = gpu();
+    if (!access.ok()) {
+      why = access.error().detail;
+      return -1;
+    }
+    return access.value()->dmabuf_fd(base, bytes, why);
+  }
+};
+#endif
 
 AgentConfig agent_config_of(const ClientOptions& options, ClientId client) {
   return AgentConfig{client, static_cast<std::uint32_t>(std::max<std::size_t>(options.servers.size(), 1)),
@@ -168,6 +192,7 @@ Status Handle::Impl::start() {
   std::string host_towards_server;  // where peers dial this shard's data port, if it listens on all
   try {
     net::DataServerConfig data;
+    data.staging = staging_;
     data.log = [this](const std::string& line) { log(LogLevel::kWarning, "data", "data server: " + line); };
     data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
     // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.
@@ -215,6 +240,7 @@ Status Handle::Impl::start() {
           at = comma + 1;
         }
         rdma_options.gid_index = options_.rdma_gid_index;
+        rdma_options.device_memory = std::make_shared<NicGpuMemory>();
         rdma_options.log = [this](const std::string& line) { log(LogLevel::kWarning, "rdma", line); };
         auto rdma = std::make_unique<rdma::RdmaTransport>(data, rdma_options);
         log(LogLevel::kInfo, "rdma", "data plane: RDMA on " + rdma->device_names() + " (TCP with sources that have none)");
@@ -491,11 +517,22 @@ Outcome Handle::Impl::call(RequestBody body, std::optional<TimeMs> deadline_ms) 
 
 Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype,
                                      MemoryKind memory) {
-  if (memory == MemoryKind::kCuda) {
-    return make_error(Errc::kInvalidArgument, "CUDA memory needs the RDMA/CUDA transport, which this build lacks");
-  }
   if (data == nullptr && bytes > 0) return make_error(Errc::kInvalidArgument, "tensor '" + name + "' has no memory");
   if (auto alone = ShardLayout::make({TensorSpec{name, dtype, bytes}}); !alone.ok()) return alone.error();
+  // GPU memory: which device (one per handle), checked here, off the I/O thread (the first CUDA
+  // call of the process loads the driver). An empty tensor has nothing to move: it stays a CPU one.
+  std::shared_ptr<Gpu> device_access;
+  int device = -1;
+  if (memory == MemoryKind::kCuda && bytes > 0) {
+    auto access = gpu();
+    if (!access.ok()) return make_error(access.error().code, "tensor '" + name + "': " + access.error().detail);
+    device_access = access.value();
+    auto found = device_access->device_of(static_cast<const std::byte*>(data), bytes);
+    if (!found.ok()) {
+      return make_error(Errc::kInvalidArgument, "tensor '" + name + "' (MemoryKind::kCuda): " + found.error().detail);
+    }
+    device = found.value();
+  }
   Status status = Unit{};
   on_io([&] {
     if (agent_.held().has_value() || agent_.call_in_flight() || buffers_version_.has_value()) {
@@ -510,8 +547,23 @@ Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t
       status = make_error(Errc::kLimitExceeded, "too many tensors in one shard");
       return;
     }
-    registry_.emplace(std::move(name), Registered{static_cast<std::byte*>(data), bytes, dtype,
-                                                  transport_->lease_memory(static_cast<std::byte*>(data), bytes, false)});
+    if (device >= 0 && gpu_device_ >= 0 && device != gpu_device_) {
+      status = make_error(Errc::kInvalidArgument, "tensor '" + name + "' is on CUDA device " + std::to_string(device) +
+                                                      ", this handle's other GPU tensors on device " +
+                                                      std::to_string(gpu_device_) + ": one device per handle");
+      return;
+    }
+    if (device >= 0 && gpu_device_ < 0) {
+      gpu_ = device_access;
+      gpu_device_ = device;
+      gpu_staging_->set_device(gpu_, device);
+      log(LogLevel::kInfo, "handle", "GPU tensors on CUDA device " + std::to_string(device) +
+                                         ": moved over TCP through pinned staging, checked on the GPU");
+    }
+    const bool on_device = device >= 0;
+    registry_.emplace(std::move(name),
+                      Registered{static_cast<std::byte*>(data), bytes, dtype,
+                                 transport_->lease_memory(static_cast<std::byte*>(data), bytes, on_device), on_device});
     plan_stale_ = true;
   });
   return status;
@@ -538,6 +590,10 @@ Status Handle::Impl::unregister_tensor(std::string_view name) {
 const Plan& Handle::Impl::plan() {
   if (plan_stale_) {
     plan_ = make_plan(registry_);
+    if (std::find(plan_.on_device.begin(), plan_.on_device.end(), true) != plan_.on_device.end()) {
+      plan_.gpu = gpu_;
+      plan_.gpu_device = gpu_device_;
+    }
     packed_lease_.reset();  // before the buffer moves: a registration of the old one would read stale
     packed_.assign(plan_.packed_bytes, std::byte{0});
     packed_lease_ = transport_->lease_memory(packed_.data(), packed_.size(), false);
@@ -564,7 +620,7 @@ Plan Handle::Impl::plan_copy() {
   return copy;
 }
 
-Result<Version> Handle::Impl::publish(Version version) {
+Result<Version> Handle::Impl::publish(Version version, void* cuda_stream) {
   // State checks and the claim on the buffers happen on the I/O thread; hashing gigabytes does not
   // (heartbeats and grants would wait behind it). The application's calls come from one thread, so
   // nothing registers or publishes in between, and no reader can be granted these buffers (nor
@@ -585,13 +641,35 @@ Result<Version> Handle::Impl::publish(Version version) {
   if (refused) return *refused;
   // Checksums of what the buffers hold now, and the packed copy of the small tensors.
   const auto& tensors = current.layout->tensors();
-  auto checksums = std::make_shared<Checksums>();
-  checksums->reserve(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    checksums->push_back(checksum(current.tensor_data[i], tensors[i].bytes));
-    if (current.packed_offset[i] != Plan::kNotPacked) {
-      std::memcpy(packed_.data() + current.packed_offset[i], current.tensor_data[i], tensors[i].bytes);
+  auto checksums = std::make_shared<Checksums>(tensors.size());
+  try {
+    if (current.gpu != nullptr) {
+      // The application's kernels that write the GPU tensors must be done before we read them.
+      current.gpu->synchronize(current.gpu_device, cuda_stream);
+      // Small GPU tensors: into the packed buffer in one batch, then hashed there on the CPU.
+      std::vector<Gpu::Copy> gather;
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        if (current.device_tensor(i) && current.packed_offset[i] != Plan::kNotPacked) {
+          gather.push_back({current.tensor_data[i], packed_.data() + current.packed_offset[i], tensors[i].bytes});
+        }
+      }
+      current.gpu->to_host(gather);
     }
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const bool packed = current.packed_offset[i] != Plan::kNotPacked;
+      if (packed && !current.device_tensor(i)) {
+        std::memcpy(packed_.data() + current.packed_offset[i], current.tensor_data[i], tensors[i].bytes);
+      }
+      if (packed) {
+        (*checksums)[i] = checksum(packed_.data() + current.packed_offset[i], tensors[i].bytes);
+      } else if (current.device_tensor(i)) {
+        (*checksums)[i] = current.gpu->checksum(current.tensor_data[i], tensors[i].bytes);
+      } else {
+        (*checksums)[i] = checksum(current.tensor_data[i], tensors[i].bytes);
+      }
+    }
+  } catch (const net::DeviceCopyError& error) {
+    return make_error(Errc::kUnavailable, std::string("publish: reading the GPU tensors failed: ") + error.what());
   }
   on_io([&] {
     buffers_version_ = version;
@@ -751,10 +829,10 @@ Status Handle::unregister_tensor(std::string_view name) {
   if (exclusive.refused()) return OneCallAtATime::error();
   return impl_->unregister_tensor(name);
 }
-Result<Version> Handle::publish(Version version) {
+Result<Version> Handle::publish(Version version, void* cuda_stream) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return recorded(impl_->metrics_, Call::kPublish, [&] { return impl_->publish(version); });
+  return recorded(impl_->metrics_, Call::kPublish, [&] { return impl_->publish(version, cuda_stream); });
 }
 Status Handle::unpublish() {
   OneCallAtATime exclusive(impl_->user_call_busy_);

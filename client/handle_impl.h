@@ -63,6 +63,27 @@ inline TimeMs steady_now_ms() {
       .count();
 }
 
+// The staging of a handle's GPU memory (net/staging.h) on its device, made when a ring is first
+// needed: a handle with CPU tensors only never calls CUDA.
+class GpuStaging final : public net::StagingProvider {
+ public:
+  void set_device(std::shared_ptr<Gpu> gpu, int device) {
+    std::lock_guard lock(mutex_);
+    if (made_ == nullptr) made_ = gpu->staging(device);
+  }
+  std::unique_ptr<net::CopyLane> make_lane() override { return made().make_lane(); }
+  std::shared_ptr<std::byte[]> allocate_pinned(std::uint64_t bytes) override { return made().allocate_pinned(bytes); }
+
+ private:
+  net::StagingProvider& made() {
+    std::lock_guard lock(mutex_);
+    TH_ASSERT(made_ != nullptr, "GPU memory is staged only after a GPU tensor was registered");
+    return *made_;
+  }
+  std::mutex mutex_;
+  std::shared_ptr<net::StagingProvider> made_;
+};
+
 // A CPU copy of the shard's regions (an offload replica), in the same region order.
 struct OffloadCopy {
   std::vector<std::byte> bytes;
@@ -86,7 +107,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
-  Result<Version> publish(Version version);
+  Result<Version> publish(Version version, void* cuda_stream);
   // Starts a replicate or update (validated by the caller) whose answer goes to the State it
   // returns; at most one in flight (the agent refuses a second call).
   Result<std::shared_ptr<Receive::State>> begin_receive(RequestBody body, Plan plan, client::HandleMetrics::Call kind);
@@ -196,6 +217,13 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   bool plan_stale_ = false;
   const Plan& plan();
   std::vector<std::byte> packed_;  // the packed small tensors (region 0)
+  // GPU tensors (MemoryKind::kCuda): the process's CUDA access and the one device they are all on,
+  // set by the first one registered (I/O thread); the staging rings of the TCP data plane make
+  // their CUDA streams on that device when first needed.
+  std::shared_ptr<Gpu> gpu_;
+  int gpu_device_ = -1;
+  std::shared_ptr<GpuStaging> gpu_staging_ = std::make_shared<GpuStaging>();
+  std::shared_ptr<net::StagingPool> staging_ = std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{});
   std::shared_ptr<void> packed_lease_;  // packed_ lent to the data plane (dropped before it changes)
   // What the registered buffers hold now: a version and how much of it is ready (pipeline).
   std::optional<Version> buffers_version_;

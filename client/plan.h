@@ -2,8 +2,6 @@
 // reads into and serves from, and the checksum its tensors are verified with.
 #pragma once
 
-#include <xxhash.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -11,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "client/checksum.h"
+#include "client/gpu.h"
 #include "core/types.h"
 
 namespace th::client_impl {
@@ -18,13 +18,13 @@ namespace th::client_impl {
 // Tensors below this size travel packed into one buffer per shard (paper §4.3.2): one request
 // instead of hundreds of tiny ones.
 constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
-inline std::uint64_t checksum(const std::byte* data, std::uint64_t bytes) { return XXH3_64bits(data, bytes); }
 
 struct Registered {
   std::byte* data = nullptr;
   std::uint64_t bytes = 0;
   DType dtype = DType::kFloat32;
   std::shared_ptr<void> lease;  // lent to the data plane (DataTransport::lease_memory)
+  bool on_device = false;       // CUDA device memory (MemoryKind::kCuda)
 };
 
 // How the shard's tensors appear on the data plane: region 0 is the packed buffer of the small
@@ -35,8 +35,14 @@ struct Plan {
   std::vector<std::uint64_t> packed_offset;  // per tensor: its place in the packed buffer, or none
   std::uint64_t packed_bytes = 0;
   std::vector<std::size_t> big;  // layout indices of the tensors with a region of their own
+  // Per tensor (layout order): CUDA device memory. The packed buffer is host memory always: small
+  // GPU tensors are copied into it at publish and out of it once verified.
+  std::vector<bool> on_device;
+  std::shared_ptr<Gpu> gpu;  // set when any tensor is on a device
+  int gpu_device = -1;       // the CUDA device they are on (one per handle)
 
   static constexpr std::uint64_t kNotPacked = ~0ull;
+  bool device_tensor(std::size_t index) const { return !on_device.empty() && on_device[index]; }
 };
 
 // The plan of the registered tensors (data_path.cpp's seed_copy_of makes one for a seed copy).

@@ -33,21 +33,53 @@ ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_
 
 std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
   TH_ASSERT(unit < unit_end.size());
+  try {
+    return check_unit(unit);
+  } catch (const net::DeviceCopyError& error) {
+    // This host's GPU failed a copy or a checksum: the unit is not known good, so the read fails
+    // (run_read says why).
+    std::lock_guard lock(device_error_mutex);
+    device_error = error.what();
+    return has_packed && unit == 0 ? std::optional<std::size_t>(first_packed()) : plan.big[unit - (has_packed ? 1 : 0)];
+  }
+}
+
+std::size_t ReadAttempt::first_packed() const {
+  const auto found = std::find_if(plan.packed_offset.begin(), plan.packed_offset.end(),
+                                  [](std::uint64_t offset) { return offset != Plan::kNotPacked; });
+  TH_ASSERT(found != plan.packed_offset.end(), "a packed unit has a packed tensor");
+  return static_cast<std::size_t>(found - plan.packed_offset.begin());
+}
+
+std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
   const auto& tensors = plan.layout->tensors();
   const bool whole = checksums != nullptr && checksums->size() == tensors.size();
-  auto matches = [&](std::size_t index) {
-    return whole && checksum(plan.tensor_data[index], tensors[index].bytes) == (*checksums)[index];
+  auto matches = [&](std::size_t index, const std::byte* at) {
+    if (!whole) return false;
+    const bool on_gpu = plan.device_tensor(index) && at == plan.tensor_data[index];
+    return (on_gpu ? plan.gpu->checksum(at, tensors[index].bytes) : checksum(at, tensors[index].bytes)) ==
+           (*checksums)[index];
   };
   if (has_packed && unit == 0) {
+    // Small GPU tensors are verified where they landed, in the packed buffer, and then copied to
+    // their devices all at once (one wait for hundreds of copies).
+    std::vector<Gpu::Copy> to_devices;
     for (std::size_t index = 0; index < tensors.size(); ++index) {
       if (plan.packed_offset[index] == Plan::kNotPacked) continue;
-      if (scatter) std::memcpy(plan.tensor_data[index], packed + plan.packed_offset[index], tensors[index].bytes);
-      if (!matches(index)) return index;
+      std::byte* landed = packed + plan.packed_offset[index];
+      if (scatter && plan.device_tensor(index)) {
+        if (!matches(index, landed)) return index;
+        to_devices.push_back({plan.tensor_data[index], landed, tensors[index].bytes});
+        continue;
+      }
+      if (scatter) std::memcpy(plan.tensor_data[index], landed, tensors[index].bytes);
+      if (!matches(index, scatter ? plan.tensor_data[index] : landed)) return index;
     }
+    if (!to_devices.empty()) plan.gpu->to_device(to_devices);
     return std::nullopt;
   }
   const std::size_t index = plan.big[unit - (has_packed ? 1 : 0)];
-  if (!matches(index)) return index;
+  if (!matches(index, plan.tensor_data[index])) return index;
   return std::nullopt;
 }
 

@@ -37,6 +37,11 @@ struct ReadAttempt {
   // layout index of the first tensor that does not match, if one does not.
   std::optional<std::size_t> check(std::size_t unit) const;
   std::size_t unit_of(std::size_t tensor) const { return tensor_unit[tensor]; }
+  // What failed on this host's GPU while checking, if anything did ("" otherwise).
+  std::string device_failure() const {
+    std::lock_guard lock(device_error_mutex);
+    return device_error;
+  }
 
   const client_impl::Plan plan;
   std::byte* const packed;
@@ -51,6 +56,12 @@ struct ReadAttempt {
   std::vector<Unit> units;
   std::uint64_t ready_bytes = 0;
   std::optional<std::size_t> bad_tensor;
+
+ private:
+  std::optional<std::size_t> check_unit(std::size_t unit) const;
+  std::size_t first_packed() const;
+  mutable std::mutex device_error_mutex;
+  mutable std::string device_error;
 };
 
 }  // namespace client_impl

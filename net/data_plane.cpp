@@ -552,9 +552,32 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   TH_ASSERT(length == 0 || begin + length <= grant->progress->ready_bytes(), "only ready bytes are sent");
   const ReadResponseFrame response{static_cast<std::uint32_t>(Status::kOk), 0, length};
   const Deadline deadline = response_deadline(config_, length);  // for the response as a whole
+  const ExposedRegion& region = grant->regions[request.region];
   try {
+    // GPU memory goes out through a staging ring, borrowed before the answer begins.
+    StagingPool::Loan ring;
+    if (region.on_device && length > 0) {
+      TH_ASSERT(config_.staging != nullptr, "GPU memory is granted only by a server that can stage it");
+      ring = config_.staging->borrow();
+    }
     send_all_by(self.socket, &response, sizeof response, deadline);
-    send_all_by(self.socket, grant->regions[request.region].base + request.offset, length, deadline);
+    if (!ring) {
+      send_all_by(self.socket, region.base + request.offset, length, deadline);
+    } else {
+      ring->drain(region.base + request.offset, length, [&](std::span<const std::byte> piece) {
+        send_all_by(self.socket, piece.data(), piece.size(), deadline);
+      });
+    }
+  } catch (const DeviceCopyError& error) {
+    // (drain() waited for its copies: the device memory is let go with the pin.)
+    pin.release();
+    {
+      std::lock_guard lock(mutex_);
+      ++stats_.reads_cut_off;
+    }
+    log("cut off a read of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
+        " (" + std::to_string(length) + " bytes of GPU memory): " + error.what());
+    return false;
   } catch (const SocketError& error) {
     revoked = grant->revoked.load();
     pin.release();
@@ -658,6 +681,14 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
     set_reader_timeouts(connection, options);
     connected = true;
+    // Bytes for GPU memory land in a staging ring (borrowed at the first such response) and are
+    // copied to the device while the next piece arrives; the response is whole once fill returns.
+    StagingPool::Loan ring;
+    auto receive_to_device = [&](std::byte* device, std::uint64_t bytes) {
+      TH_REQUIRE(options.staging != nullptr, "a pull into GPU memory needs a staging pool");
+      if (!ring) ring = options.staging->borrow();
+      ring->fill(device, bytes, [&](std::span<std::byte> piece) { receive(connection, piece.data(), piece.size(), options); });
+    };
 
     struct Ask {
       std::uint32_t region;
@@ -714,12 +745,16 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       // In steps, telling on_progress as the prefix grows: this is the front request, so every
       // byte before it has arrived. (A whole 8 MiB chunk per step made each hop of a pipeline
       // chain trail its source by 67 ms at 1 Gbit/s.)
-      for (std::uint64_t received = 0; received < response.length;) {
-        const std::uint64_t step = std::min(options.progress_step_bytes, response.length - received);
-        receive(connection, targets[ask.region].base + ask.offset + received, step, options);
-        received += step;
-        if (received < response.length && options.on_progress) {
-          options.on_progress(ask.global_end - ask.length + received);
+      if (targets[ask.region].on_device) {
+        receive_to_device(targets[ask.region].base + ask.offset, response.length);
+      } else {
+        for (std::uint64_t received = 0; received < response.length;) {
+          const std::uint64_t step = std::min(options.progress_step_bytes, response.length - received);
+          receive(connection, targets[ask.region].base + ask.offset + received, step, options);
+          received += step;
+          if (received < response.length && options.on_progress) {
+            options.on_progress(ask.global_end - ask.length + received);
+          }
         }
       }
       outcome.bytes += response.length;
@@ -758,7 +793,11 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
           return fail(ReadError::kRefused, "the source refused a read it had granted");
         }
         if (response.length > later.length) return fail(ReadError::kUnreachable, "the source sent too much");
-        receive(connection, targets[later.region].base + later.offset, response.length, options);
+        if (targets[later.region].on_device) {
+          receive_to_device(targets[later.region].base + later.offset, response.length);
+        } else {
+          receive(connection, targets[later.region].base + later.offset, response.length, options);
+        }
       }
       depth = 1;
       wait_for_bytes = true;
@@ -771,6 +810,9 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
     return outcome;
   } catch (const PullCancelled&) {
     return fail(ReadError::kCancelled, "cancelled");
+  } catch (const DeviceCopyError& error) {
+    // This reader's GPU failed, not the source; the hub hears of a failed read and decides.
+    return fail(ReadError::kUnreachable, std::string("staging into GPU memory: ") + error.what());
   } catch (const SocketTimeout& error) {
     return fail(ReadError::kUnreachable, error.what());
   } catch (const SocketError& error) {

@@ -33,6 +33,7 @@
 
 #include "core/types.h"
 #include "net/socket.h"
+#include "net/staging.h"
 
 namespace th::net {
 
@@ -161,6 +162,9 @@ struct DataServerConfig {
   std::function<void(const std::string&)> log = nullptr;
   // Serves the connections that speak another protocol on this port (none: they are closed).
   std::shared_ptr<DataPortExtension> extension = nullptr;
+  // Moves regions of GPU memory (on_device) through pinned host memory; a grant of such regions
+  // needs one. A connection serving one holds a ring of it for the response.
+  std::shared_ptr<StagingPool> staging = nullptr;
 };
 
 // A reader connection, served by its own thread:
@@ -266,6 +270,9 @@ struct PullOptions {
   // Called as the prefix of the targets (layout order) that has arrived grows: a receiving shard
   // exposes it to its own readers from here.
   std::function<void(std::uint64_t ready_bytes)> on_progress;
+  // Moves bytes into targets of GPU memory (on_device): each connection borrows a ring for the
+  // pull. A response into GPU memory is told to on_progress once it is all on the device.
+  std::shared_ptr<StagingPool> staging = nullptr;
 };
 
 inline constexpr std::uint32_t kPullStreamsMax = 16;

@@ -174,8 +174,9 @@ class PyHandle {
     return py::make_tuple(done, std::string(), std::string());
   }
   void unregister_tensor(const std::string& name) { ok_or_raise(live().unregister_tensor(name)); }
-  th::Version publish(th::Version version) {
-    return value_or_raise(run([&] { return live().publish(version); }));
+  // cuda_stream: a cudaStream_t as an integer (0: wait for all work on the GPU tensors' device).
+  th::Version publish(th::Version version, std::uintptr_t cuda_stream) {
+    return value_or_raise(run([&] { return live().publish(version, reinterpret_cast<void*>(cuda_stream)); }));
   }
   void unpublish() { ok_or_raise(run([&] { return live().unpublish(); })); }
   py::tuple replicate(const std::string& selector, th::TimeMs timeout_ms) {
@@ -476,7 +477,7 @@ PYBIND11_MODULE(_core, module) {
       .def("unregister", &PyHandle::unregister_tensor)
       .def("keep", &PyHandle::keep)
       .def("forget", &PyHandle::forget)
-      .def("publish", &PyHandle::publish)
+      .def("publish", &PyHandle::publish, py::arg("version"), py::arg("cuda_stream") = 0)
       .def("unpublish", &PyHandle::unpublish)
       .def("replicate", &PyHandle::replicate, py::arg("selector"), py::arg("timeout_ms"))
       .def("update", &PyHandle::update, py::arg("selector"))

@@ -276,10 +276,20 @@ class Handle:
 
     # -- calls --
 
-    def publish(self, version: int) -> int:
-        """Promises that the registered tensors hold ``version`` and will not change until unpublish()."""
+    def publish(self, version: int, stream: Any = None) -> int:
+        """Promises that the registered tensors hold ``version`` and will not change until unpublish().
+        CUDA tensors are read once the work queued on ``stream`` is done (a ``torch.cuda.Stream``,
+        or a cudaStream_t as an int); None: once all work on their device is."""
         self._check_storage()
-        return self._core.publish(version)
+        if stream is None:
+            handle = 0
+        elif isinstance(stream, int):
+            handle = stream
+        elif isinstance(getattr(stream, "cuda_stream", None), int):
+            handle = stream.cuda_stream
+        else:
+            raise InvalidArgument(f"stream must be a torch.cuda.Stream or an int, not {type(stream).__name__}")
+        return self._core.publish(version, handle)
 
     def unpublish(self) -> None:
         """Withdraws the promise; returns when no reader reads these tensors any more."""

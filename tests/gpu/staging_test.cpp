@@ -11,6 +11,7 @@
 #include <numeric>
 #include <thread>
 
+#include "net/data_plane.h"
 #include "net/staging.h"
 
 namespace th::net {
@@ -51,6 +52,8 @@ struct FakeDevice {
 class FakeLane final : public CopyLane {
  public:
   explicit FakeLane(FakeDevice& device) : device_(device) {}
+  // A lane of its own device (lanes are used from several threads at once).
+  FakeLane() : owned_(std::make_unique<FakeDevice>()), device_(*owned_) {}
   Ticket to_host(std::byte* host, const std::byte* device, std::uint64_t bytes) override {
     return start({host, device, bytes, false, {}});
   }
@@ -69,6 +72,7 @@ class FakeLane final : public CopyLane {
     device_.most_in_flight = std::max<std::uint64_t>(device_.most_in_flight, device_.pending.size());
     return device_.next_ticket++;
   }
+  std::unique_ptr<FakeDevice> owned_;
   FakeDevice& device_;
 };
 
@@ -190,13 +194,12 @@ class FakeProvider final : public StagingProvider {
  public:
   std::unique_ptr<CopyLane> make_lane() override {
     if (fail_next.exchange(false)) throw DeviceCopyError("fake: no stream");
-    return std::make_unique<FakeLane>(device);
+    return std::make_unique<FakeLane>();
   }
   std::shared_ptr<std::byte[]> allocate_pinned(std::uint64_t bytes) override {
     ++allocations;
     return std::make_shared<std::byte[]>(bytes);
   }
-  FakeDevice device;
   std::atomic<bool> fail_next{false};
   std::atomic<int> allocations{0};
 };
@@ -245,6 +248,76 @@ TEST(StagingPool, AFailedRingDoesNotCountAgainstTheLimit) {
   EXPECT_EQ(pool.rings_made(), 0u);
   StagingPool::Loan loan = pool.borrow();
   EXPECT_TRUE(loan);
+}
+
+// ---- The TCP data plane with regions "on a device" -------------------------------------------------
+// The fake's device memory is host memory, so the whole path runs here: a source serves regions
+// marked on_device through its rings, a reader pulls into targets marked on_device through its
+// own, and the bytes must arrive whole, whatever the pieces, chunks and streams.
+
+TEST(StagedDataPlane, GpuRegionsTravelWholeThroughBothEndsRings) {
+  auto provider = std::make_shared<FakeProvider>();
+  // Small slots and chunks, so that responses span several pieces and pieces end mid-chunk.
+  auto staging = std::make_shared<StagingPool>(provider, StagingConfig{3, 4096 + 8, 4, 10'000});
+  DataServerConfig config;
+  config.staging = staging;
+  DataServer server(config);
+  const std::vector<std::byte> packed = pattern(3000, 11);   // host memory: the packed region
+  const std::vector<std::byte> big = pattern(100'003, 12);   // "GPU"
+  const std::vector<std::byte> empty;                        // a zero-byte GPU region
+  const std::vector<std::byte> bigger = pattern(250'000, 13);  // "GPU"
+  const GrantSecret secret{0x1234, 0x5678};
+  server.grant({7, 1}, secret,
+               {{packed.data(), packed.size(), false}, {big.data(), big.size(), true}, {empty.data(), 0, true},
+                {bigger.data(), bigger.size(), true}},
+               std::make_shared<Progress>(packed.size() + big.size() + bigger.size()));
+  for (std::uint32_t streams : {1u, 3u}) {
+    std::vector<std::byte> packed_in(packed.size()), big_in(big.size()), bigger_in(bigger.size());
+    std::vector<LocalRegion> targets{{packed_in.data(), packed_in.size(), false},
+                                     {big_in.data(), big_in.size(), true},
+                                     {nullptr, 0, true},
+                                     {bigger_in.data(), bigger_in.size(), true}};
+    PullOptions options;
+    options.chunk_bytes = 30'000;
+    options.streams = streams;
+    options.staging = staging;
+    std::uint64_t reported = 0;
+    options.on_progress = [&](std::uint64_t ready) {
+      EXPECT_GE(ready, reported) << "progress never moves back";
+      reported = ready;
+    };
+    const PullOutcome outcome = pull(server.endpoint(), {7, 1}, secret, targets, options);
+    ASSERT_TRUE(outcome.ok()) << outcome.detail;
+    EXPECT_EQ(outcome.bytes, packed.size() + big.size() + bigger.size());
+    EXPECT_EQ(packed_in, packed);
+    EXPECT_EQ(big_in, big) << "streams " << streams;
+    EXPECT_EQ(bigger_in, bigger) << "streams " << streams;
+    EXPECT_EQ(reported, outcome.bytes);
+  }
+  EXPECT_LE(staging->rings_made(), 4u);
+  EXPECT_GE(staging->rings_made(), 2u) << "the source and the reader each staged";
+  server.revoke({7, 1});
+}
+
+TEST(StagedDataPlane, AReaderWhoseRingsAreAllLentFailsTheReadInsteadOfHanging) {
+  auto provider = std::make_shared<FakeProvider>();
+  auto source_staging = std::make_shared<StagingPool>(provider, StagingConfig{2, 4096, 1, 10'000});
+  auto reader_staging = std::make_shared<StagingPool>(provider, StagingConfig{2, 4096, 1, 100});
+  DataServerConfig config;
+  config.staging = source_staging;
+  DataServer server(config);
+  const std::vector<std::byte> big = pattern(50'000, 3);
+  const GrantSecret secret{9, 10};
+  server.grant({8, 1}, secret, {{big.data(), big.size(), true}}, std::make_shared<Progress>(big.size()));
+  StagingPool::Loan taken = reader_staging->borrow();  // the reader's only ring is busy elsewhere
+  std::vector<std::byte> into(big.size());
+  std::vector<LocalRegion> targets{{into.data(), into.size(), true}};
+  PullOptions options;
+  options.staging = reader_staging;
+  const PullOutcome outcome = pull(server.endpoint(), {8, 1}, secret, targets, options);
+  ASSERT_FALSE(outcome.ok());
+  EXPECT_NE(outcome.detail.find("no staging ring came free"), std::string::npos) << outcome.detail;
+  server.revoke({8, 1});
 }
 
 }  // namespace

@@ -470,3 +470,13 @@ def test_close_cancels_a_stream_still_running(server):
         assert stream.done()
         with pytest.raises(tensorhub.Cancelled):
             stream.result()
+
+
+def test_publish_takes_a_cuda_stream_or_none_and_refuses_anything_else(server):
+    with handle(server, "trainer") as hub:
+        hub.register("w", torch.arange(64, dtype=torch.float32))
+        with pytest.raises(tensorhub.InvalidArgument, match="stream must be a torch.cuda.Stream or an int"):
+            hub.publish(1, stream="default")
+        assert hub.publish(1, stream=0) == 1  # CPU tensors only: there is nothing to wait for
+        hub.unpublish()
+        assert hub.publish(2) == 2

@@ -33,8 +33,12 @@
 
 namespace th {
 
-// Where a registered tensor lives. CUDA memory arrives with the RDMA/CUDA transport; until then
-// registering kCuda memory is refused with kInvalidArgument.
+// Where a registered tensor lives. kCuda: CUDA device memory (cudaMalloc, PyTorch's allocator;
+// not managed or pinned host memory, which are kCpu). A handle's GPU tensors are all on one
+// device. They move through pinned host staging over TCP (the copies overlapping the network), or
+// straight to and from the NIC over RDMA where GPU memory can be registered with it (dma-buf,
+// nvidia-peermem); their checksums are computed on the GPU. A libthclient built without the CUDA
+// Toolkit, or a host without a CUDA device, refuses kCuda with kInvalidArgument saying which.
 enum class MemoryKind : std::uint8_t { kCpu, kCuda };
 
 // How serious a line of libthclient's log is.
@@ -232,12 +236,15 @@ class Handle {
 
   // Promises that the registered tensors hold `version` and will not change until unpublish().
   // Blocks until every shard of the replica published; then readers may pull from here.
-  Result<Version> publish(Version version);
+  // GPU tensors are read once the work queued on `cuda_stream` (a cudaStream_t) is done; nullptr:
+  // once all work on their device is (cudaDeviceSynchronize).
+  Result<Version> publish(Version version, void* cuda_stream = nullptr);
   // Withdraws the promise. Blocks until no reader reads these buffers any more (after an offload to
   // CPU memory if this was the last copy of a retained version). Then the tensors may change.
   Status unpublish();
   // Brings a version ("42", "latest", "latest-2") into the registered tensors. Blocks until it
-  // exists and every shard received it, verified against its checksums; 0: no timeout. The copy
+  // exists and every shard received it, verified against its checksums; 0: no timeout. GPU
+  // tensors' bytes are then visible to every stream (the copies were waited for). The copy
   // then serves other readers (even while it is still being received).
   Result<ReplicateInfo> replicate(std::string_view selector, TimeMs timeout_ms = 0);
   // Moves to a newer version if one is available (like unpublish + replicate), else returns at

@@ -1,0 +1,282 @@
+// client/gpu.h over the CUDA runtime (linked statically: it loads the driver on first use, so a
+// libthclient built with the toolkit still loads, and refuses kCuda memory with the reason, on a
+// machine without an NVIDIA driver).
+#include <cuda.h>  // the driver's types, for cuMemGetAddressRange through the runtime's entry point
+#include <cuda_runtime_api.h>
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "client/cuda/checksum.h"
+#include "client/cuda/cuda_error.h"
+#include "client/gpu.h"
+#include "core/assert.h"
+
+namespace th::client_impl {
+namespace {
+
+void check(cudaError_t status, const char* call) {
+  if (status != cudaSuccess) throw net::DeviceCopyError(std::string(call) + ": " + cudaGetErrorString(status));
+}
+
+// Makes `device` current on this thread for a scope (kernels and streams belong to the current
+// device), and puts the previous one back.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+int device_of_pointer(const void* pointer) {
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, pointer), "cudaPointerGetAttributes");
+  return attributes.device;
+}
+
+// One CUDA stream of its own (non-blocking: it neither waits for nor holds up the legacy default
+// stream the application may use) and an event per copy in flight.
+class CudaLane final : public net::CopyLane {
+ public:
+  explicit CudaLane(int device) : device_(device) {
+    DeviceScope scope(device_);
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+  ~CudaLane() override {
+    DeviceScope scope(device_);
+    cudaStreamSynchronize(stream_);  // a ring waits for its copies; this is for an unwinding one
+    for (const Pending& pending : pending_) cudaEventDestroy(pending.event);
+    for (cudaEvent_t event : idle_events_) cudaEventDestroy(event);
+    cudaStreamDestroy(stream_);
+  }
+
+  Ticket to_host(std::byte* host, const std::byte* device, std::uint64_t bytes) override {
+    return start(host, device, bytes, cudaMemcpyDeviceToHost);
+  }
+  Ticket to_device(std::byte* device, const std::byte* host, std::uint64_t bytes) override {
+    return start(device, host, bytes, cudaMemcpyHostToDevice);
+  }
+  void wait(Ticket ticket) override {
+    TH_REQUIRE(ticket < next_ticket_, "a copy that was never started");
+    // The stream runs its copies in order: the event of `ticket` completing means every earlier
+    // one did too, and their events go back to the pool.
+    while (!pending_.empty() && pending_.front().ticket <= ticket) {
+      const Pending pending = pending_.front();
+      const cudaError_t status = pending.ticket == ticket ? cudaEventSynchronize(pending.event) : cudaSuccess;
+      pending_.pop_front();
+      idle_events_.push_back(pending.event);
+      check(status, "cudaEventSynchronize (a staging copy)");
+    }
+  }
+
+ private:
+  struct Pending {
+    Ticket ticket;
+    cudaEvent_t event;
+  };
+  Ticket start(void* to, const void* from, std::uint64_t bytes, cudaMemcpyKind kind) {
+    DeviceScope scope(device_);
+    cudaEvent_t event = nullptr;
+    if (idle_events_.empty()) {
+      check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    } else {
+      event = idle_events_.back();
+      idle_events_.pop_back();
+    }
+    const cudaError_t copied = cudaMemcpyAsync(to, from, bytes, kind, stream_);
+    const cudaError_t recorded = copied == cudaSuccess ? cudaEventRecord(event, stream_) : copied;
+    if (recorded != cudaSuccess) {
+      idle_events_.push_back(event);
+      check(recorded, "cudaMemcpyAsync (a staging copy)");
+    }
+    pending_.push_back({next_ticket_, event});
+    return next_ticket_++;
+  }
+
+  const int device_;
+  cudaStream_t stream_ = nullptr;
+  Ticket next_ticket_ = 0;
+  std::deque<Pending> pending_;           // at most a ring's slots: a ring waits before it reuses one
+  std::vector<cudaEvent_t> idle_events_;  // as many as were ever pending at once
+};
+
+class CudaStaging final : public net::StagingProvider {
+ public:
+  explicit CudaStaging(int device) : device_(device) {}
+  std::unique_ptr<net::CopyLane> make_lane() override { return std::make_unique<CudaLane>(device_); }
+  std::shared_ptr<std::byte[]> allocate_pinned(std::uint64_t bytes) override {
+    void* memory = nullptr;
+    // Portable: pinned for every device and context, so a lane on any device copies at full speed.
+    check(cudaHostAlloc(&memory, bytes, cudaHostAllocPortable), "cudaHostAlloc (staging)");
+    return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(memory), [](std::byte* pinned) { cudaFreeHost(pinned); });
+  }
+
+ private:
+  const int device_;
+};
+
+using MemGetAddressRange = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr pointer);
+using MemGetHandleForAddressRange = CUresult (*)(void* handle, CUdeviceptr base, size_t size,
+                                                 CUmemRangeHandleType type, unsigned long long flags);
+
+// A driver function through the runtime's entry point (no link against libcuda), or null.
+template <typename Function>
+Function driver_function(const char* name) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+
+class CudaGpu final : public Gpu {
+ public:
+  CudaGpu()
+      : address_range_(driver_function<MemGetAddressRange>("cuMemGetAddressRange")),
+        range_handle_(driver_function<MemGetHandleForAddressRange>("cuMemGetHandleForAddressRange")) {}
+
+  Result<int> device_of(const std::byte* data, std::uint64_t bytes) override {
+    cudaPointerAttributes attributes{};
+    if (const cudaError_t status = cudaPointerGetAttributes(&attributes, data); status != cudaSuccess) {
+      cudaGetLastError();  // not sticky, but clear it so the next call does not see it
+      return make_error(Errc::kInvalidArgument, std::string("not CUDA memory: ") + cudaGetErrorString(status));
+    }
+    switch (attributes.type) {
+      case cudaMemoryTypeDevice:
+        break;
+      case cudaMemoryTypeManaged:
+        return make_error(Errc::kInvalidArgument, "managed (unified) memory: register it as CPU memory");
+      case cudaMemoryTypeHost:
+        return make_error(Errc::kInvalidArgument, "pinned host memory: register it as CPU memory");
+      default:
+        return make_error(Errc::kInvalidArgument, "not CUDA device memory (pageable host memory?)");
+    }
+    if (address_range_ != nullptr && bytes > 0) {
+      CUdeviceptr base = 0;
+      size_t size = 0;
+      DeviceScope scope(attributes.device);
+      if (address_range_(&base, &size, reinterpret_cast<CUdeviceptr>(data)) == CUDA_SUCCESS) {
+        const auto begin = reinterpret_cast<std::uintptr_t>(data);
+        if (begin + bytes > base + size) {
+          return make_error(Errc::kInvalidArgument,
+                            std::to_string(bytes) + " bytes from this pointer run " +
+                                std::to_string(begin + bytes - (base + size)) + " bytes past the end of its allocation");
+        }
+      }
+    }
+    return attributes.device;
+  }
+
+  void to_host(std::span<const Copy> copies) override { copy_all(copies, cudaMemcpyDeviceToHost); }
+  void to_device(std::span<const Copy> copies) override { copy_all(copies, cudaMemcpyHostToDevice); }
+
+  std::uint64_t checksum(const std::byte* device, std::uint64_t bytes) override {
+    DeviceScope scope(device_of_pointer(device));
+    try {
+      return cuda::device_checksum(device, bytes, cudaStreamPerThread);
+    } catch (const cuda::CudaError& error) {
+      throw net::DeviceCopyError(std::string("checksum on the GPU: ") + error.what());
+    }
+  }
+
+  void synchronize(int device, void* stream) override {
+    DeviceScope scope(device);
+    if (stream == nullptr) return check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize (the application's stream)");
+  }
+
+  std::shared_ptr<net::StagingProvider> staging(int device) override { return std::make_shared<CudaStaging>(device); }
+
+  void flush_remote_writes(int device) override {
+    DeviceScope scope(device);
+    check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                             cudaFlushGPUDirectRDMAWritesToOwner),
+          "cudaDeviceFlushGPUDirectRDMAWrites");
+  }
+
+  std::optional<std::pair<const std::byte*, std::uint64_t>> allocation_of(const std::byte* pointer) override {
+    if (address_range_ == nullptr) return std::nullopt;
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, pointer) != cudaSuccess || attributes.type != cudaMemoryTypeDevice) {
+      cudaGetLastError();
+      return std::nullopt;
+    }
+    DeviceScope scope(attributes.device);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (address_range_(&base, &size, reinterpret_cast<CUdeviceptr>(pointer)) != CUDA_SUCCESS) return std::nullopt;
+    return std::pair{reinterpret_cast<const std::byte*>(base), static_cast<std::uint64_t>(size)};
+  }
+
+  int dmabuf_fd(const std::byte* base, std::uint64_t bytes, std::string& why) override {
+    if (range_handle_ == nullptr) {
+      why = "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+)";
+      return -1;
+    }
+    int fd = -1;
+    const CUresult status = range_handle_(&fd, reinterpret_cast<CUdeviceptr>(base), bytes,
+                                          CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+    if (status != CUDA_SUCCESS) {
+      why = "cuMemGetHandleForAddressRange failed (CUresult " + std::to_string(static_cast<int>(status)) +
+            "): this GPU, driver or kernel cannot export dma-bufs";
+      return -1;
+    }
+    return fd;
+  }
+
+ private:
+  void copy_all(std::span<const Copy> copies, cudaMemcpyKind kind) {
+    if (copies.empty()) return;
+    // The per-thread default stream: ordered after nothing but this thread's own work. (A
+    // handle's GPU tensors are all on one device: Handle::register_tensor checks.)
+    DeviceScope scope(device_of_pointer(copies.front().device));
+    cudaError_t status = cudaSuccess;
+    for (const Copy& copy : copies) {
+      if (copy.bytes == 0) continue;
+      void* to = kind == cudaMemcpyHostToDevice ? static_cast<void*>(copy.device) : static_cast<void*>(copy.host);
+      const void* from = kind == cudaMemcpyHostToDevice ? static_cast<const void*>(copy.host) : copy.device;
+      status = cudaMemcpyAsync(to, from, copy.bytes, kind, cudaStreamPerThread);
+      if (status != cudaSuccess) break;
+    }
+    // Wait for what was started even if one failed to start: nothing may run after we return.
+    const cudaError_t waited = cudaStreamSynchronize(cudaStreamPerThread);
+    check(status, "cudaMemcpyAsync");
+    check(waited, "cudaStreamSynchronize");
+  }
+
+  const MemGetAddressRange address_range_;
+  const MemGetHandleForAddressRange range_handle_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<Gpu>> gpu() {
+  static std::once_flag once;
+  static Result<std::shared_ptr<Gpu>> made = make_error(Errc::kInvalidArgument, "not looked for yet");
+  std::call_once(once, [] {
+    int devices = 0;
+    if (const cudaError_t status = cudaGetDeviceCount(&devices); status != cudaSuccess || devices == 0) {
+      made = make_error(Errc::kInvalidArgument,
+                        std::string("no CUDA device here (") +
+                            (status != cudaSuccess ? cudaGetErrorString(status) : "the driver sees none") +
+                            "), so GPU memory cannot be registered");
+      return;
+    }
+    made = std::shared_ptr<Gpu>(std::make_shared<CudaGpu>());
+  });
+  return made;
+}
+
+}  // namespace th::client_impl

@@ -193,7 +193,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
   pull_options.streams = options_.data_streams;
   pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
-  pull_options.staging = staging_;
+  pull_options.staging = pull_staging_;
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;
@@ -204,7 +204,22 @@ void Handle::Impl::run_read(ReadJob& job) {
   auto attempt = std::make_shared<ReadAttempt>(plan, job.packed, job.read.checksums, job.read.version,
                                                /*scatter=*/job.seed == nullptr);
   job.stream->begin(attempt);
+  // A NIC may write GPU tensors (RDMA READs): flushed before any of them counts as arrived, since
+  // arrived bytes are checked on the GPU, handed out, and served on to pipeline readers.
+  const bool flush_nic_writes = plan.gpu != nullptr && transport_->kind() == "rdma";
+  std::atomic<bool> flush_failed{false};
+  std::string flush_error;  // written once, by whoever set flush_failed
+  auto flush = [&] {
+    if (!flush_nic_writes || flush_failed.load()) return;
+    try {
+      plan.gpu->flush_remote_writes(plan.gpu_device);
+    } catch (const net::DeviceCopyError& error) {
+      if (!flush_failed.exchange(true)) flush_error = error.what();
+    }
+  };
   pull_options.on_progress = [&](std::uint64_t ready) {
+    flush();
+    if (flush_failed.load()) return;
     job.progress->advance_to(ready);
     job.stream->advance(*attempt, ready);
   };
@@ -218,14 +233,9 @@ void Handle::Impl::run_read(ReadJob& job) {
     }
   }();
   const double pull_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (outcome.ok() && plan.gpu != nullptr) {
-    // A NIC may have written GPU tensors (RDMA): their bytes must be visible to the checksum
-    // kernels and to the application's. (Over TCP the staging copies were waited for already.)
-    try {
-      plan.gpu->flush_remote_writes(plan.gpu_device);
-    } catch (const net::DeviceCopyError& error) {
-      outcome = net::PullOutcome{outcome.bytes, net::ReadError::kUnreachable, error.what()};
-    }
+  if (outcome.ok()) flush();  // (a pull reports its last bytes by returning)
+  if (outcome.ok() && flush_failed.load()) {
+    outcome = net::PullOutcome{outcome.bytes, net::ReadError::kUnreachable, "GPU tensors: " + flush_error};
   }
   auto stopped = [&] {
     std::lock_guard lock(stats_mutex_);

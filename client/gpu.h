@@ -26,9 +26,9 @@ class Gpu {
   // The CUDA device whose memory [data, +bytes) is, all of it inside one allocation; an error
   // (kInvalidArgument, saying what it is instead) for host, managed or unknown memory.
   virtual Result<int> device_of(const std::byte* data, std::uint64_t bytes) = 0;
-  // Copies, all started at once on the calling thread's own stream and waited for together (the
-  // small tensors of a shard travel packed: hundreds of copies, one wait). They neither wait for
-  // nor hold up the application's streams.
+  // Copies, all started at once on a non-blocking stream of libthclient's and waited for together
+  // (the small tensors of a shard travel packed: hundreds of copies, one wait). They neither wait
+  // for nor hold up the application's streams, the legacy default stream included.
   struct Copy {
     std::byte* device;
     std::byte* host;
@@ -45,7 +45,8 @@ class Gpu {
   // Copy lanes and pinned memory for the staging rings of the TCP data plane, on `device`.
   virtual std::shared_ptr<net::StagingProvider> staging(int device) = 0;
   // Makes the writes a NIC made into `device`'s memory (RDMA READs into GPU tensors) visible to
-  // the application's kernels before a replicate returns (GPUDirect RDMA's write ordering).
+  // kernels (the checksums', the application's): nothing where the GPU orders them already,
+  // cudaDeviceFlushGPUDirectRDMAWrites where it can flush, else DeviceCopyError.
   virtual void flush_remote_writes(int device) = 0;
 
   // For registering GPU memory with a NIC (rdma/device_memory.h's DeviceMemoryApi):

@@ -192,7 +192,7 @@ Status Handle::Impl::start() {
   std::string host_towards_server;  // where peers dial this shard's data port, if it listens on all
   try {
     net::DataServerConfig data;
-    data.staging = staging_;
+    data.staging = serve_staging_;
     data.log = [this](const std::string& line) { log(LogLevel::kWarning, "data", "data server: " + line); };
     data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
     // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.

@@ -223,7 +223,11 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::shared_ptr<Gpu> gpu_;
   int gpu_device_ = -1;
   std::shared_ptr<GpuStaging> gpu_staging_ = std::make_shared<GpuStaging>();
-  std::shared_ptr<net::StagingPool> staging_ = std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{});
+  // Rings for serving (one per connection answering from GPU memory) and for pulling (one per
+  // stream of a pull, held for the pull): apart, so that neither can starve the other.
+  std::shared_ptr<net::StagingPool> serve_staging_ = std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{});
+  std::shared_ptr<net::StagingPool> pull_staging_ =
+      std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{.rings_max = net::kPullStreamsMax});
   std::shared_ptr<void> packed_lease_;  // packed_ lent to the data plane (dropped before it changes)
   // What the registered buffers hold now: a version and how much of it is ready (pipeline).
   std::optional<Version> buffers_version_;

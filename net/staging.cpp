@@ -10,7 +10,7 @@ namespace th::net {
 
 StagingRing::StagingRing(std::unique_ptr<CopyLane> lane, std::shared_ptr<std::byte[]> memory, std::uint32_t slots,
                          std::uint64_t slot_bytes)
-    : lane_(std::move(lane)), memory_(std::move(memory)), slots_(slots), slot_bytes_(slot_bytes) {
+    : memory_(std::move(memory)), lane_(std::move(lane)), slots_(slots), slot_bytes_(slot_bytes) {
   TH_REQUIRE(lane_ != nullptr && memory_ != nullptr);
   // Two slots at least: with one, the copy and the socket would take turns.
   TH_REQUIRE(slots_ >= 2 && slot_bytes_ > 0, "slots", slots_, "slot_bytes", slot_bytes_);
@@ -79,11 +79,16 @@ StagingPool::StagingPool(std::shared_ptr<StagingProvider> provider, StagingConfi
   TH_REQUIRE(config_.slots >= 2 && config_.slot_bytes > 0 && config_.rings_max > 0 && config_.ring_wait_ms_max >= 0);
 }
 
-StagingPool::Loan StagingPool::borrow() {
+StagingPool::Loan StagingPool::borrow(const std::function<bool()>& give_up) {
   std::unique_lock lock(mutex_);
-  const bool available = returned_.wait_for(lock, std::chrono::milliseconds(config_.ring_wait_ms_max),
-                                            [&] { return !idle_.empty() || made_ < config_.rings_max; });
-  if (!available) {
+  auto available = [&] { return !idle_.empty() || made_ < config_.rings_max; };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.ring_wait_ms_max);
+  while (!available() && std::chrono::steady_clock::now() < deadline) {
+    if (give_up && give_up()) return Loan();
+    returned_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
+                                                      std::chrono::milliseconds(kGiveUpPollMs)));
+  }
+  if (!available()) {
     throw DeviceCopyError("no staging ring came free in " + std::to_string(config_.ring_wait_ms_max) + " ms (" +
                           std::to_string(config_.rings_max) + " in use)");
   }

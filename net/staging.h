@@ -86,8 +86,9 @@ class StagingRing {
   // (the exception in flight is the one to report).
   void settle(std::uint64_t last_ticket, bool unwinding);
 
-  std::unique_ptr<CopyLane> lane_;
+  // The memory first: destroyed after the lane, whose end waits for the copies that use it.
   std::shared_ptr<std::byte[]> memory_;
+  std::unique_ptr<CopyLane> lane_;
   const std::uint32_t slots_;
   const std::uint64_t slot_bytes_;
 };
@@ -117,8 +118,11 @@ class StagingPool {
   };
 
   // A ring, made if none is free and fewer than rings_max exist. Throws DeviceCopyError if none
-  // came back in ring_wait_ms_max, or the provider failed to make one.
-  Loan borrow();
+  // came back in ring_wait_ms_max, or the provider failed to make one. Returns an empty loan as
+  // soon as `give_up` holds (looked at every kGiveUpPollMs while it waits): a revoked grant or a
+  // cancelled pull must not keep its thread, nor whoever waits for that thread, for long.
+  Loan borrow(const std::function<bool()>& give_up = nullptr);
+  static constexpr int kGiveUpPollMs = 50;
   const StagingConfig& config() const { return config_; }
   std::uint32_t rings_made() const;
 

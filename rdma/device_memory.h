@@ -396,10 +396,11 @@ Result<std::shared_ptr<Registration>> register_by_choice(DeviceMemoryApi& api, G
     }
     if (method == GpuRegistration::kPeerMem) return by.peermem(allocation);
     TH_ASSERT(method == GpuRegistration::kDmaBuf);
-    if (allocation.begin() % host_page_bytes() != 0) {
-      // This allocation's own limit (a small cudaMalloc shares a page): not the system's.
-      return make_error(Errc::kUnavailable, "a GPU allocation that does not begin on a page cannot be registered "
-                                            "through dma-buf");
+    if (allocation.begin() % host_page_bytes() != 0 || allocation.bytes % host_page_bytes() != 0) {
+      // This allocation's own limit (cuMemGetHandleForAddressRange takes whole pages; a small
+      // cudaMalloc shares one): not the system's, so dma-buf stays the choice for the others.
+      return make_error(Errc::kUnavailable, "a GPU allocation that does not begin and end on a page cannot be "
+                                            "registered through dma-buf");
     }
     std::string why;
     {

@@ -251,6 +251,13 @@ struct RdmaTransport::State {
       return make_error(Errc::kUnavailable, "GPU memory is not registered: the transport has no CUDA driver "
                                             "(RdmaOptions::device_memory)");
     }
+    if (!ports[port]->windows) {
+      // A GPU registration covers the whole CUDA allocation (a PyTorch segment: activations, KV
+      // cache, weights not published). Without windows a peer reads through the registration's
+      // own key, for as long as it lives: staging over TCP exposes only the granted bytes.
+      return make_error(Errc::kUnavailable, "GPU memory is registered with the NIC only where it has memory "
+                                            "windows: staged through host memory over TCP instead");
+    }
     return device_allocations->registration(port, base, bytes);
   }
 

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,20 +22,60 @@ void check(cudaError_t status, const char* call) {
   if (status != cudaSuccess) throw net::DeviceCopyError(std::string(call) + ": " + cudaGetErrorString(status));
 }
 
-// Makes `device` current on this thread for a scope (kernels and streams belong to the current
-// device), and puts the previous one back.
+// A driver function through the runtime's entry point (no link against libcuda), or null.
+template <typename Function>
+Function driver_function(const char* name) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+
+using CtxGetCurrent = CUresult (*)(CUcontext* context);
+using CtxSetCurrent = CUresult (*)(CUcontext context);
+struct ContextFunctions {
+  CtxGetCurrent get = driver_function<CtxGetCurrent>("cuCtxGetCurrent");
+  CtxSetCurrent set = driver_function<CtxSetCurrent>("cuCtxSetCurrent");
+};
+const ContextFunctions& context_functions() {
+  static const ContextFunctions functions;
+  return functions;
+}
+
+// Makes `device` current on this thread for a scope (kernels, streams and pinned allocations
+// belong to the current device), then puts back the thread's own context exactly, none included:
+// restoring "device 0" instead would create a context on GPU 0 in every process (hundreds of MiB
+// each, and a failure where GPU 0 is in exclusive-process mode). `quiet`: never throws (for
+// destructors); the calls that follow then fail on their own, and say so where they can.
 class DeviceScope {
  public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  explicit DeviceScope(int device, bool quiet = false) {
+    const ContextFunctions& context = context_functions();
+    CUcontext saved = nullptr;
+    saved_known_ = context.get != nullptr && context.set != nullptr && context.get(&saved) == CUDA_SUCCESS;
+    saved_ = saved;
+    if (!saved_known_) cudaGetDevice(&previous_device_);
+    const cudaError_t status = cudaSetDevice(device);
+    if (status != cudaSuccess && !quiet) check(status, "cudaSetDevice");
   }
-  ~DeviceScope() { cudaSetDevice(previous_); }
+  ~DeviceScope() {
+    if (saved_known_) {
+      context_functions().set(saved_);
+    } else {
+      cudaSetDevice(previous_device_);
+    }
+  }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 
  private:
-  int previous_ = 0;
+  bool saved_known_ = false;
+  CUcontext saved_ = nullptr;
+  int previous_device_ = 0;
 };
 
 int device_of_pointer(const void* pointer) {
@@ -52,7 +93,7 @@ class CudaLane final : public net::CopyLane {
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   }
   ~CudaLane() override {
-    DeviceScope scope(device_);
+    DeviceScope scope(device_, /*quiet=*/true);
     cudaStreamSynchronize(stream_);  // a ring waits for its copies; this is for an unwinding one
     for (const Pending& pending : pending_) cudaEventDestroy(pending.event);
     for (cudaEvent_t event : idle_events_) cudaEventDestroy(event);
@@ -95,6 +136,9 @@ class CudaLane final : public net::CopyLane {
     const cudaError_t copied = cudaMemcpyAsync(to, from, bytes, kind, stream_);
     const cudaError_t recorded = copied == cudaSuccess ? cudaEventRecord(event, stream_) : copied;
     if (recorded != cudaSuccess) {
+      // A copy queued without its event would run untracked, perhaps after the ring rethrew and
+      // the memory it reads was handed back: wait for the stream before saying so.
+      cudaStreamSynchronize(stream_);
       idle_events_.push_back(event);
       check(recorded, "cudaMemcpyAsync (a staging copy)");
     }
@@ -115,6 +159,7 @@ class CudaStaging final : public net::StagingProvider {
   std::unique_ptr<net::CopyLane> make_lane() override { return std::make_unique<CudaLane>(device_); }
   std::shared_ptr<std::byte[]> allocate_pinned(std::uint64_t bytes) override {
     void* memory = nullptr;
+    DeviceScope scope(device_);
     // Portable: pinned for every device and context, so a lane on any device copies at full speed.
     check(cudaHostAlloc(&memory, bytes, cudaHostAllocPortable), "cudaHostAlloc (staging)");
     return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(memory), [](std::byte* pinned) { cudaFreeHost(pinned); });
@@ -128,18 +173,59 @@ using MemGetAddressRange = CUresult (*)(CUdeviceptr* base, size_t* size, CUdevic
 using MemGetHandleForAddressRange = CUresult (*)(void* handle, CUdeviceptr base, size_t size,
                                                  CUmemRangeHandleType type, unsigned long long flags);
 
-// A driver function through the runtime's entry point (no link against libcuda), or null.
-template <typename Function>
-Function driver_function(const char* name) {
-  void* function = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    return nullptr;
+
+// Non-blocking streams for the synchronous batches (copies, checksums), per device, lent to one
+// thread at a time. cudaStreamPerThread would be simpler, but it synchronises with the legacy
+// default stream, where PyTorch queues its kernels: our copies would wait for the application's
+// work and hold it up. Bounded by the threads that copy at once (a handle's few).
+class StreamPool {
+ public:
+  ~StreamPool() {
+    for (auto& [device, streams] : idle_) {
+      DeviceScope scope(device, /*quiet=*/true);
+      for (cudaStream_t stream : streams) cudaStreamDestroy(stream);
+    }
   }
-  return reinterpret_cast<Function>(function);
-}
+  // On `device`, which the caller made current.
+  cudaStream_t take(int device) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& streams = idle_[device];
+      if (!streams.empty()) {
+        cudaStream_t stream = streams.back();
+        streams.pop_back();
+        return stream;
+      }
+    }
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    return stream;
+  }
+  void give_back(int device, cudaStream_t stream) {
+    std::lock_guard lock(mutex_);
+    idle_[device].push_back(stream);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, std::vector<cudaStream_t>> idle_;
+};
+
+// A device made current and one of its pool streams, for a scope.
+class OnDevice {
+ public:
+  OnDevice(StreamPool& pool, int device) : scope_(device), pool_(pool), device_(device), stream_(pool.take(device)) {}
+  ~OnDevice() { pool_.give_back(device_, stream_); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  DeviceScope scope_;
+  StreamPool& pool_;
+  const int device_;
+  const cudaStream_t stream_;
+};
 
 class CudaGpu final : public Gpu {
  public:
@@ -183,9 +269,9 @@ class CudaGpu final : public Gpu {
   void to_device(std::span<const Copy> copies) override { copy_all(copies, cudaMemcpyHostToDevice); }
 
   std::uint64_t checksum(const std::byte* device, std::uint64_t bytes) override {
-    DeviceScope scope(device_of_pointer(device));
+    OnDevice on(streams_, device_of_pointer(device));
     try {
-      return cuda::device_checksum(device, bytes, cudaStreamPerThread);
+      return cuda::device_checksum(device, bytes, on.stream());
     } catch (const cuda::CudaError& error) {
       throw net::DeviceCopyError(std::string("checksum on the GPU: ") + error.what());
     }
@@ -201,6 +287,17 @@ class CudaGpu final : public Gpu {
 
   void flush_remote_writes(int device) override {
     DeviceScope scope(device);
+    int ordering = 0;
+    check(cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device), "cudaDeviceGetAttribute");
+    // Where the GPU orders NIC writes for its own kernels already, there is nothing to flush.
+    if (ordering >= cudaGPUDirectRDMAWritesOrderingOwner) return;
+    int options = 0;
+    check(cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device), "cudaDeviceGetAttribute");
+    if ((options & cudaFlushGPUDirectRDMAWritesOptionHost) == 0) {
+      throw net::DeviceCopyError("CUDA device " + std::to_string(device) +
+                                 " can neither order nor flush writes a NIC made into its memory (GPUDirect RDMA): "
+                                 "use transport \"tcp\" for its tensors");
+    }
     check(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                              cudaFlushGPUDirectRDMAWritesToOwner),
           "cudaDeviceFlushGPUDirectRDMAWrites");
@@ -225,6 +322,13 @@ class CudaGpu final : public Gpu {
       why = "the driver has no cuMemGetHandleForAddressRange (CUDA 11.7+)";
       return -1;
     }
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, base) != cudaSuccess || attributes.type != cudaMemoryTypeDevice) {
+      cudaGetLastError();
+      why = "not CUDA device memory";
+      return -1;
+    }
+    DeviceScope scope(attributes.device);  // the driver call works in the allocation's context
     int fd = -1;
     const CUresult status = range_handle_(&fd, reinterpret_cast<CUdeviceptr>(base), bytes,
                                           CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
@@ -239,25 +343,26 @@ class CudaGpu final : public Gpu {
  private:
   void copy_all(std::span<const Copy> copies, cudaMemcpyKind kind) {
     if (copies.empty()) return;
-    // The per-thread default stream: ordered after nothing but this thread's own work. (A
-    // handle's GPU tensors are all on one device: Handle::register_tensor checks.)
-    DeviceScope scope(device_of_pointer(copies.front().device));
+    // A pool stream: ordered after nothing but this batch. (A handle's GPU tensors are all on one
+    // device: Handle::register_tensor checks.)
+    OnDevice on(streams_, device_of_pointer(copies.front().device));
     cudaError_t status = cudaSuccess;
     for (const Copy& copy : copies) {
       if (copy.bytes == 0) continue;
       void* to = kind == cudaMemcpyHostToDevice ? static_cast<void*>(copy.device) : static_cast<void*>(copy.host);
       const void* from = kind == cudaMemcpyHostToDevice ? static_cast<const void*>(copy.host) : copy.device;
-      status = cudaMemcpyAsync(to, from, copy.bytes, kind, cudaStreamPerThread);
+      status = cudaMemcpyAsync(to, from, copy.bytes, kind, on.stream());
       if (status != cudaSuccess) break;
     }
     // Wait for what was started even if one failed to start: nothing may run after we return.
-    const cudaError_t waited = cudaStreamSynchronize(cudaStreamPerThread);
+    const cudaError_t waited = cudaStreamSynchronize(on.stream());
     check(status, "cudaMemcpyAsync");
     check(waited, "cudaStreamSynchronize");
   }
 
   const MemGetAddressRange address_range_;
   const MemGetHandleForAddressRange range_handle_;
+  StreamPool streams_;
 };
 
 }  // namespace

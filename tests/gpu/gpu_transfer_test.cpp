@@ -168,7 +168,7 @@ TEST_F(GpuTransfer, PublishWaitsForTheApplicationsStream) {
   // Queue a lot of work ahead of the last write, so that it lands well after publish was called.
   const TensorShape big = shard_shapes().back();
   DeviceBuffer scratch(1ull << 30);
-  for (int i = 0; i < 20; ++i) CHECK_CUDA(cudaMemsetAsync(scratch.data(), i, scratch.bytes(), stream));
+  for (int i = 0; i < 200; ++i) CHECK_CUDA(cudaMemsetAsync(scratch.data(), i, scratch.bytes(), stream));
   const std::vector<std::byte> version2 = tensor_bytes(big, 2);
   CHECK_CUDA(cudaMemcpyAsync(source.data(big.name), version2.data(), version2.size(), cudaMemcpyHostToDevice, stream));
   ASSERT_TRUE(trainer->publish(1, stream).ok());

@@ -411,5 +411,21 @@ TEST(GpuRegistrationDetection, AnUnalignedAllocationDoesNotDecideForTheSystem) {
   EXPECT_FALSE(choice.settled());
 }
 
+// cuMemGetHandleForAddressRange takes whole pages: an allocation that begins on a page but ends
+// inside one is refused alone, and dma-buf stays the choice for the others.
+TEST(GpuRegistrationDetection, AnAllocationEndingMidPageDoesNotDecideForTheSystem) {
+  FakeSysfs sysfs;
+  FakeDeviceMemory api;
+  api.allocate(kSegment, kMiB + 512);
+  auto choice = GpuRegistrationChoice::detect(&api, sysfs.root());
+  std::atomic<int> dropped{0};
+  std::vector<std::string> calls;
+  auto made = register_by_choice<FakeRegistration>(api, choice, {at(kSegment), kMiB + 512}, fake_registrars(dropped, calls), nullptr);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(api.dmabuf_calls, 0);
+  EXPECT_EQ(choice.method(), GpuRegistration::kDmaBuf);
+  EXPECT_FALSE(choice.settled());
+}
+
 }  // namespace
 }  // namespace th::rdma

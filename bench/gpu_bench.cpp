@@ -6,6 +6,8 @@
 #include <CLI/CLI.hpp>
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -98,6 +100,10 @@ int main(int argc, char** argv) {
   app.add_option("--gib", gib, "state dict size in GiB")->check(CLI::Range(0.0625, 64.0));
   app.add_option("--tensor-mib", tensor_mib, "MiB per tensor")->check(CLI::Range(1, 4096));
   app.add_option("--rounds", rounds, "versions moved per path (the best is reported)")->check(CLI::Range(1, 20));
+  std::string trainer_of;
+  app.add_option("--trainer-of", trainer_of,
+                 "(internal) be the other process's trainer: publish version 2 to this th-server, then "
+                 "serve it until stdin closes");
   CLI11_PARSE(app, argc, argv);
 
   int devices = 0;
@@ -111,6 +117,23 @@ int main(int argc, char** argv) {
   const auto count = static_cast<std::size_t>(gib * 1024 / tensor_mib);
   StateDict trained(count, tensor_bytes, true);
   for (std::size_t i = 0; i < count; ++i) check(cudaMemset(trained.tensors[i], static_cast<int>(i), tensor_bytes), "cudaMemset");
+  if (!trainer_of.empty()) {
+    // The trainer of another process on this host (for the same-host paths below).
+    th::ClientOptions options;
+    options.servers = {trainer_of};
+    options.token = "gpu-bench";
+    options.model = "gpu-bench";
+    options.replica = "trainer-process";
+    options.data_listen = "127.0.0.1:0";
+    options.transport = "tcp";
+    options.log_level = th::LogLevel::kWarning;
+    auto handle = must(th::Handle::open(options), "trainer process open");
+    trained.register_with(*handle);
+    must(handle->publish(2), "trainer process publish");
+    while (std::getchar() != EOF) {
+    }
+    return 0;
+  }
   const double total_gb = static_cast<double>(trained.total()) / 1e9;
   std::printf("# th-gpu-bench: %s, %zu bf16 tensors of %d MiB (%.2f GB), best of %d\n\n", properties.name, count,
               tensor_mib, total_gb, rounds);
@@ -147,7 +170,7 @@ int main(int argc, char** argv) {
   th::server::ServiceConfig config;
   config.token = "gpu-bench";
   th::server::EmbeddedServer server(config, th::server::LogLevel::kWarn);
-  auto options_for = [&](const std::string& replica, const std::string& transport) {
+  auto options_for = [&](const std::string& replica, const std::string& transport, bool cuda_ipc = true) {
     th::ClientOptions options;
     options.servers = {server.address()};
     options.token = "gpu-bench";
@@ -155,6 +178,7 @@ int main(int argc, char** argv) {
     options.replica = replica;
     options.data_listen = "127.0.0.1:0";
     options.transport = transport;
+    options.cuda_ipc = cuda_ipc;
     options.log_level = th::LogLevel::kWarning;
     return options;
   };
@@ -169,14 +193,26 @@ int main(int argc, char** argv) {
     std::string name;
     std::string transport;
     bool gpu_target;
+    std::string version;  // "1": this process's trainer; "2": the trainer process's
+    bool cuda_ipc;
   };
-  const std::vector<Path> paths = {{"TensorHub GPU to GPU, TCP through pinned staging", "tcp", true},
-                                   {"TensorHub GPU to CPU, TCP", "tcp", false},
-                                   {"TensorHub GPU to GPU, auto (RDMA where a device registers GPU memory)", "auto", true}};
+  const std::vector<Path> paths = {
+      {"TensorHub GPU to GPU, TCP through pinned staging", "tcp", true, "1", true},
+      {"TensorHub GPU to CPU, TCP", "tcp", false, "1", true},
+      {"TensorHub GPU to GPU, auto (RDMA where a device registers GPU memory)", "auto", true, "1", true},
+      {"TensorHub GPU to GPU from another process, CUDA IPC", "tcp", true, "2", true},
+      {"TensorHub GPU to GPU from another process, TCP through pinned staging (cuda_ipc off)", "tcp", true, "2", false}};
+  // The trainer process (an IPC reader cannot map memory of its own process): ourselves again.
+  char self[4096] = {};
+  if (::readlink("/proc/self/exe", self, sizeof self - 1) <= 0) die("cannot find this program (/proc/self/exe)");
+  const std::string command = std::string(self) + " --trainer-of " + server.address() + " --gib " + std::to_string(gib) +
+                              " --tensor-mib " + std::to_string(tensor_mib);
+  FILE* trainer_process = ::popen(command.c_str(), "w");  // it serves until we close its stdin
+  if (trainer_process == nullptr) die("cannot start " + command);
   int replica = 0;
   for (const Path& path : paths) {
     StateDict target(count, tensor_bytes, path.gpu_target);
-    auto rollout = th::Handle::open(options_for("rollout-" + std::to_string(replica++), path.transport));
+    auto rollout = th::Handle::open(options_for("rollout-" + std::to_string(replica++), path.transport, path.cuda_ipc));
     if (!rollout.ok()) {
       std::printf("| %s | not run: %s | |\n", path.name.c_str(), rollout.error().detail.c_str());
       continue;
@@ -185,14 +221,16 @@ int main(int argc, char** argv) {
     double best_s = 1e30;
     for (int round = 0; round < rounds; ++round) {
       const auto started = Clock::now();
-      must(rollout.value()->replicate("1", 600'000), "replicate");
+      must(rollout.value()->replicate(path.version, 600'000), "replicate");
       best_s = std::min(best_s, std::chrono::duration<double>(Clock::now() - started).count());
       if (auto status = rollout.value()->unpublish(); !status.ok()) die("unpublish: " + status.error().detail);
     }
     const th::HandleStats stats = rollout.value()->stats();
-    row(path.name + " (" + stats.transport + ", " + std::to_string(stats.checksum_failures) + " checksum failures)",
+    row(path.name + " (" + stats.transport + ", GPU registration " + stats.gpu_registration + ", " +
+            std::to_string(stats.pulls_ipc) + " reads over IPC, " + std::to_string(stats.checksum_failures) +
+            " checksum failures)",
         total_gb / best_s);
   }
-  std::printf("| TensorHub GPU to GPU, CUDA IPC on one host | not built (issue 15 part 4) | |\n");
+  ::pclose(trainer_process);
   return 0;
 }

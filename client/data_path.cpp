@@ -2,6 +2,7 @@
 // registered tensors (or from an offload copy); one reader thread pulls versions into them and
 // verifies their checksums; offloads copy the tensors to CPU memory on threads of their own; seed
 // reads fill a CPU copy.
+#include "client/cuda/ipc.h"
 #include "client/handle_impl.h"
 #include "client/receive.h"
 
@@ -194,6 +195,10 @@ void Handle::Impl::run_read(ReadJob& job) {
   pull_options.streams = options_.data_streams;
   pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
   pull_options.staging = pull_staging_;
+  if (plan.gpu != nullptr && options_.cuda_ipc) {
+    if (ipc_importer_ == nullptr) ipc_importer_ = make_ipc_importer(plan.gpu_device);
+    pull_options.ipc = ipc_importer_;
+  }
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;
@@ -233,6 +238,7 @@ void Handle::Impl::run_read(ReadJob& job) {
     }
   }();
   const double pull_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (!outcome.ipc_fallback.empty()) log(LogLevel::kInfo, "data", "not over CUDA IPC: " + outcome.ipc_fallback);
   if (outcome.ok()) flush();  // (a pull reports its last bytes by returning)
   if (outcome.ok() && flush_failed.load()) {
     outcome = net::PullOutcome{outcome.bytes, net::ReadError::kUnreachable, "GPU tensors: " + flush_error};
@@ -268,6 +274,7 @@ void Handle::Impl::run_read(ReadJob& job) {
   {
     std::lock_guard lock(stats_mutex_);
     stats_.bytes_received += outcome.bytes;
+    if (outcome.bytes_over_ipc > 0) ++stats_.pulls_ipc;
     stats_.reading_from.clear();
     if (failure) {
       ++stats_.reads_failed;
@@ -314,10 +321,13 @@ void Handle::Impl::start_offload(Version version) {
         gpu->to_host(from_devices);
       } catch (const net::DeviceCopyError& error) {
         // No copy: the server times the offload out and carries on (the version may be lost if
-        // this was its last copy; the log says why).
+        // this was its last copy; the log says why); asked again, the agent tries again.
         log(LogLevel::kError, "data", "offload of version " + std::to_string(version) +
                                           ": copying the GPU tensors to CPU memory failed: " + error.what());
-        on_io([this, id] { offloads_reported_.push_back(id); });
+        on_io([this, id, version] {
+          offloads_reported_.push_back(id);
+          step(OffloadFinished{version, /*failed=*/true});
+        });
         return;
       }
     }

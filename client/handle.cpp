@@ -12,6 +12,7 @@
 // Everything that touches the agent runs on the I/O thread (a kj event loop, started here); other
 // threads hand it work through the loop's executor.
 #include "client/handle_impl.h"
+#include "client/cuda/ipc.h"
 #include "client/receive.h"
 
 #ifdef TH_HAVE_RDMA
@@ -193,6 +194,8 @@ Status Handle::Impl::start() {
   try {
     net::DataServerConfig data;
     data.staging = serve_staging_;
+    // Same-host readers of GPU tensors copy device to device (no CUDA call until one asks).
+    if (options_.cuda_ipc) data.ipc = make_ipc_exporter();
     data.log = [this](const std::string& line) { log(LogLevel::kWarning, "data", "data server: " + line); };
     data.listen = options_.data_listen.empty() ? net::Endpoint{"0.0.0.0", 0} : net::parse_endpoint(options_.data_listen);
     // A wildcard listen address cannot be dialled: advertise the interface that reaches the server.
@@ -705,6 +708,7 @@ HandleStats Handle::Impl::stats() const {
     stats.pulls_fell_back = transport.pulls_fell_back;
     stats.memory_registrations = transport.memory_registrations;
     stats.transport = std::string(transport_->kind());
+    if (!transport.device_registration.empty()) stats.gpu_registration = transport.device_registration;
   }
   return stats;
 }

@@ -226,6 +226,9 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // Rings for serving (one per connection answering from GPU memory) and for pulling (one per
   // stream of a pull, held for the pull): apart, so that neither can starve the other.
   std::shared_ptr<net::StagingPool> serve_staging_ = std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{});
+  // Maps same-host sources' GPU allocations (CUDA IPC); the reader thread's, made at its first read
+  // into GPU memory when options_.cuda_ipc allows.
+  std::shared_ptr<net::IpcImporter> ipc_importer_;
   std::shared_ptr<net::StagingPool> pull_staging_ =
       std::make_shared<net::StagingPool>(gpu_staging_, net::StagingConfig{.rings_max = net::kPullStreamsMax});
   std::shared_ptr<void> packed_lease_;  // packed_ lent to the data plane (dropped before it changes)

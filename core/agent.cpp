@@ -513,6 +513,10 @@ void ShardAgent::on_offload(const Offload& offload) {
 
 void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
   auto making = offloading_.find(finished.version);
+  if (finished.failed) {
+    if (making != offloading_.end()) offloading_.erase(making);
+    return;  // no copy was made: nothing to free
+  }
   const bool wanted = making != offloading_.end() && held_ && held_->version == finished.version;
   if (!wanted) {
     // Released meanwhile, or the buffers moved on while they were copied: the copy is not

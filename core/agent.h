@@ -75,6 +75,9 @@ struct ReadFinished {
 };
 struct OffloadFinished {
   Version version = 0;
+  // The data plane could not make the copy (a GPU copy failed): nothing is reported, and the hub
+  // times the offload out; asked again, the agent makes it again.
+  bool failed = false;
 };
 // The transport lost the connection to this server (it crashed, or was declared dead).
 struct ServerLost {

@@ -11,8 +11,10 @@
 #include <deque>
 #include <iostream>
 #include <system_error>
+#include <type_traits>
 
 #include "core/assert.h"
+#include "net/ipc.h"
 
 namespace th::net {
 namespace {
@@ -384,7 +386,10 @@ void DataServer::serve(Connection& self) {
         if (self.dropped) break;  // to make room, or the server stops: the request goes unanswered
         self.idle = false;
       }
-      if (request.magic != kMagic) {
+      if (request.magic == kIpcMagic) {
+        // (The same request, reinterpreted: IpcRequestFrame has the layout of the data frame.)
+        if (!answer_ipc(self, request, grant_wait_left_ms)) break;
+      } else if (request.magic != kMagic) {
         if (first && config_.extension != nullptr && request.magic == config_.extension->magic()) {
           ended = serve_extension(self, request);
         } else {
@@ -397,8 +402,9 @@ void DataServer::serve(Connection& self) {
           }
         }
         break;
+      } else if (!answer(self, request, grant_wait_left_ms)) {
+        break;
       }
-      if (!answer(self, request, grant_wait_left_ms)) break;
       if (self.refusals >= config_.refusals_per_connection_max) {
         // A reader is refused once when its grant ends (its reads in flight, a few); a guesser of
         // secrets is refused for ever, each refusal costing this thread and holding its slot.
@@ -462,6 +468,30 @@ bool DataServer::refuse(Connection& self, std::uint32_t status) {
   }
 }
 
+// The grant of `key`, waiting for it if it is not here yet (see grant_wait_ms_max); grants_.end()
+// if it did not come. `lock` holds mutex_.
+std::map<GrantKey, std::shared_ptr<DataServer::Grant>>::iterator DataServer::wait_for_grant(
+    std::unique_lock<std::mutex>& lock, GrantKey key, int& grant_wait_left_ms) {
+  TH_ASSERT(lock.owns_lock());
+  auto found = grants_.find(key);
+  if (found == grants_.end() && !revoked_recently(key) && grant_wait_left_ms > 0 &&
+      grant_waiters_ < config_.grant_waiters_max) {
+    ++grant_waiters_;
+    // The connection is busy meanwhile (it cannot be dropped to make room), so the wait is
+    // bounded per connection, not per request: a burst of requests for a grant that never
+    // comes cannot hold this thread for grant_wait_ms_max each.
+    const auto began = Clock::now();
+    const bool arrived = granted_.wait_for(lock, std::chrono::milliseconds(grant_wait_left_ms), [&] {
+      found = grants_.find(key);
+      return found != grants_.end() || stopping_.load() || revoked_recently(key);
+    });
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
+    grant_wait_left_ms = arrived ? std::max(0, grant_wait_left_ms - static_cast<int>(waited.count())) : 0;
+    --grant_waiters_;
+  }
+  return found;
+}
+
 // Answers one request; false: the connection is to end (a send failed or was cut off).
 bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms) {
   const GrantKey key{request.transfer, request.epoch};
@@ -469,22 +499,7 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   Status status = Status::kOk;
   {
     std::unique_lock lock(mutex_);
-    auto found = grants_.find(key);
-    if (found == grants_.end() && !revoked_recently(key) && grant_wait_left_ms > 0 &&
-        grant_waiters_ < config_.grant_waiters_max) {
-      ++grant_waiters_;
-      // The connection is busy meanwhile (it cannot be dropped to make room), so the wait is
-      // bounded per connection, not per request: a burst of requests for a grant that never
-      // comes cannot hold this thread for grant_wait_ms_max each.
-      const auto began = Clock::now();
-      const bool arrived = granted_.wait_for(lock, std::chrono::milliseconds(grant_wait_left_ms), [&] {
-        found = grants_.find(key);
-        return found != grants_.end() || stopping_.load() || revoked_recently(key);
-      });
-      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - began);
-      grant_wait_left_ms = arrived ? std::max(0, grant_wait_left_ms - static_cast<int>(waited.count())) : 0;
-      --grant_waiters_;
-    }
+    const auto found = wait_for_grant(lock, key, grant_wait_left_ms);
     if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
       // A wrong secret is answered as no grant: the answer tells a guesser nothing.
       status = Status::kNoGrant;
@@ -535,6 +550,25 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
                                  [&] { return grant->revoked.load() || stopping_.load(); });
     length = ready_after_begin();
   }
+  // GPU memory goes out through a staging ring, borrowed before the answer begins. Waiting for one
+  // holds the pin, so the wait ends as soon as revoke() marks the grant (revoke waits for pins).
+  const ExposedRegion& region = grant->regions[request.region];
+  StagingPool::Loan ring;
+  if (region.on_device && length > 0) {
+    TH_ASSERT(config_.staging != nullptr, "GPU memory is granted only by a server that can stage it");
+    try {
+      ring = config_.staging->borrow([&] { return grant->revoked.load() || stopping_.load(); });
+    } catch (const DeviceCopyError& error) {
+      pin.release();
+      log("could not stage a read of transfer " + std::to_string(key.transfer) + " epoch " +
+          std::to_string(key.epoch) + " (" + std::to_string(length) + " bytes of GPU memory): " + error.what());
+      return false;
+    }
+    if (!ring && !grant->revoked.load()) {
+      pin.release();
+      return false;  // the server stops
+    }
+  }
   bool revoked = false;
   {
     // Either revoke() has marked the grant (and we refuse), or it will find us sending and cut us
@@ -552,16 +586,10 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   TH_ASSERT(length == 0 || begin + length <= grant->progress->ready_bytes(), "only ready bytes are sent");
   const ReadResponseFrame response{static_cast<std::uint32_t>(Status::kOk), 0, length};
   const Deadline deadline = response_deadline(config_, length);  // for the response as a whole
-  const ExposedRegion& region = grant->regions[request.region];
   try {
-    // GPU memory goes out through a staging ring, borrowed before the answer begins.
-    StagingPool::Loan ring;
-    if (region.on_device && length > 0) {
-      TH_ASSERT(config_.staging != nullptr, "GPU memory is granted only by a server that can stage it");
-      ring = config_.staging->borrow();
-    }
     send_all_by(self.socket, &response, sizeof response, deadline);
     if (!ring) {
+      TH_ASSERT(!region.on_device || length == 0, "GPU memory is sent through a ring");
       send_all_by(self.socket, region.base + request.offset, length, deadline);
     } else {
       ring->drain(region.base + request.offset, length, [&](std::span<const std::byte> piece) {
@@ -598,15 +626,84 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   return true;
 }
 
+// Answers a request for the CUDA IPC handles of a page of a grant's regions (net/ipc.h); false:
+// the connection is to end. The grant is looked up and its secret checked as for a read.
+bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& grant_wait_left_ms) {
+  static_assert(sizeof(IpcRequestFrame) == sizeof(ReadRequestFrame));
+  IpcRequestFrame request;
+  static_assert(std::is_trivially_copyable_v<IpcRequestFrame>);
+  std::memcpy(static_cast<void*>(&request), &raw, sizeof request);
+  const GrantKey key{request.transfer, request.epoch};
+  std::uint32_t status = static_cast<std::uint32_t>(Status::kOk);
+  std::shared_ptr<Grant> grant;
+  {
+    std::unique_lock lock(mutex_);
+    const auto found = wait_for_grant(lock, key, grant_wait_left_ms);
+    if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
+      status = static_cast<std::uint32_t>(Status::kNoGrant);
+    } else if (request.regions > kIpcRegionsPerAnswerMax || request.first_region > found->second->regions.size() ||
+               request.regions > found->second->regions.size() - request.first_region) {
+      status = static_cast<std::uint32_t>(Status::kOutOfBounds);
+    } else if (config_.ipc == nullptr ||
+               found->second->progress->ready_bytes() <
+                   (found->second->regions.empty() ? 0 : found->second->starts.back() + found->second->regions.back().bytes)) {
+      // A partial source's memory is still being written: its readers follow its progress over TCP.
+      status = kIpcUnsupported;
+    } else {
+      // Pinned while the handles are made: the owner cannot free the memory (and a new allocation
+      // take its address) before revoke() returns, and revoke() waits for this.
+      grant = found->second;
+      ++grant->reads_in_flight;
+    }
+    if (status == static_cast<std::uint32_t>(Status::kNoGrant) ||
+        status == static_cast<std::uint32_t>(Status::kOutOfBounds)) {
+      ++stats_.reads_refused;
+    }
+  }
+  IpcAnswerFrame answer{status, 0, 0, 0, 0, {}};
+  std::vector<IpcRegionRecord> records;
+  if (grant != nullptr) {
+    answer = ipc_detail::answer_header(*config_.ipc);
+    answer.count = request.regions;
+    answer.grant_regions = static_cast<std::uint32_t>(grant->regions.size());
+    records = ipc_detail::export_records(
+        *config_.ipc, std::span<const ExposedRegion>(grant->regions).subspan(request.first_region, request.regions));
+    std::lock_guard lock(mutex_);
+    TH_ASSERT(grant->reads_in_flight > 0);
+    --grant->reads_in_flight;
+    drained_.notify_all();
+  }
+  TH_ASSERT(records.size() == answer.count);
+  if (status == static_cast<std::uint32_t>(Status::kNoGrant) ||
+      status == static_cast<std::uint32_t>(Status::kOutOfBounds)) {
+    ++self.refusals;
+    log("refused a request for the IPC handles of transfer " + std::to_string(key.transfer) + " epoch " +
+        std::to_string(key.epoch) + ": " + (status == static_cast<std::uint32_t>(Status::kNoGrant) ? "no grant" : "out of bounds"));
+  }
+  const std::uint64_t bytes = sizeof answer + records.size() * sizeof(IpcRegionRecord);
+  try {
+    const Deadline deadline = response_deadline(config_, bytes);
+    send_all_by(self.socket, &answer, sizeof answer, deadline);
+    send_all_by(self.socket, records.data(), records.size() * sizeof(IpcRegionRecord), deadline);
+  } catch (const SocketError& error) {
+    log(std::string("could not send IPC handles: ") + error.what());
+    return false;
+  }
+  if (grant != nullptr) {
+    std::lock_guard lock(mutex_);
+    ++stats_.ipc_answers;
+  }
+  return true;
+}
+
 // ---- Reader ----------------------------------------------------------------------------------------
 
 namespace {
 
-// Whether the source refuses reads under `key` now. A source cuts off the reads in flight when it
-// revokes their grant (revoke() does not wait for readers): such a read was refused, as any read
-// the source will not serve, and must not make the source look unreachable. One empty read tells.
-bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::uint32_t region,
-                    const PullOptions& options) {
+// Whether the source serves reads under `key` now, by one empty read of `region`: none (it does),
+// kRefused (no grant), or kUnreachable.
+std::optional<ReadError> probe_grant(const Endpoint& source, GrantKey key, const GrantSecret& secret,
+                                     std::uint32_t region, const PullOptions& options) {
   try {
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
     set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
@@ -614,10 +711,20 @@ bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& sec
     send_all(connection, &request, sizeof request);
     ReadResponseFrame response;
     recv_all(connection, &response, sizeof response);
-    return response.status == static_cast<std::uint32_t>(Status::kNoGrant);
+    if (response.status == static_cast<std::uint32_t>(Status::kOk) && response.length == 0) return std::nullopt;
+    if (response.status == static_cast<std::uint32_t>(Status::kNoGrant)) return ReadError::kRefused;
+    return ReadError::kUnreachable;
   } catch (const SocketError&) {
-    return false;  // it does not answer: unreachable after all
+    return ReadError::kUnreachable;
   }
+}
+
+// Whether the source refuses reads under `key` now. A source cuts off the reads in flight when it
+// revokes their grant (revoke() does not wait for readers): such a read was refused, as any read
+// the source will not serve, and must not make the source look unreachable. One empty read tells.
+bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::uint32_t region,
+                    const PullOptions& options) {
+  return probe_grant(source, key, secret, region, options) == ReadError::kRefused;
 }
 
 // Thrown by receive() when the pull is cancelled while it waits for bytes.
@@ -686,7 +793,8 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
     StagingPool::Loan ring;
     auto receive_to_device = [&](std::byte* device, std::uint64_t bytes) {
       TH_REQUIRE(options.staging != nullptr, "a pull into GPU memory needs a staging pool");
-      if (!ring) ring = options.staging->borrow();
+      if (!ring) ring = options.staging->borrow(options.cancelled);
+      if (!ring) throw PullCancelled{};
       ring->fill(device, bytes, [&](std::span<std::byte> piece) { receive(connection, piece.data(), piece.size(), options); });
     };
 
@@ -825,15 +933,12 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
   }
 }
 
-}  // namespace
-
-PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
-                 const PullOptions& options) {
-  TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
-             options.streams <= kPullStreamsMax);
+// Over TCP: targets[i] is the source's region first_region + i.
+PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
+                     std::uint32_t first_region, const PullOptions& options) {
   // A partial source is read in order on one connection: its ready prefix grows in order.
   if (options.streams == 1 || options.partial || targets.size() < 2) {
-    return pull_stream(source, key, secret, targets, 0, options);
+    return pull_stream(source, key, secret, targets, first_region, options);
   }
   // Several connections, each taking the next region nobody has claimed yet. The ready prefix
   // (for our own pipeline readers) is the run of finished regions from the first one.
@@ -849,7 +954,8 @@ PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret
   one.cancelled = [&] { return failed.load() || (options.cancelled && options.cancelled()); };
   auto stream = [&] {
     for (std::size_t region = next_region++; region < targets.size() && !failed.load(); region = next_region++) {
-      PullOutcome part = pull_stream(source, key, secret, targets.subspan(region, 1), static_cast<std::uint32_t>(region), one);
+      PullOutcome part = pull_stream(source, key, secret, targets.subspan(region, 1),
+                                     first_region + static_cast<std::uint32_t>(region), one);
       std::lock_guard lock(mutex);
       total.bytes += part.bytes;
       if (!part.ok()) {
@@ -880,6 +986,29 @@ PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret
   stream();
   for (std::thread& helper : helpers) helper.join();
   return total;
+}
+
+}  // namespace
+
+PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
+                 const PullOptions& options) {
+  TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
+             options.streams <= kPullStreamsMax);
+  std::string ipc_fallback;
+  if (options.ipc != nullptr && !options.partial) {
+    const ipc_detail::TcpSide tcp{
+        [&](std::span<const LocalRegion> part, std::uint32_t first_region, const PullOptions& part_options) {
+          return pull_tcp(source, key, secret, part, first_region, part_options);
+        },
+        [&] { return probe_grant(source, key, secret, 0, options); }};
+    if (std::optional<PullOutcome> done =
+            ipc_detail::pull_over_ipc(source, key, secret, targets, options, tcp, ipc_fallback)) {
+      return *std::move(done);
+    }
+  }
+  PullOutcome outcome = pull_tcp(source, key, secret, targets, 0, options);
+  outcome.ipc_fallback = std::move(ipc_fallback);
+  return outcome;
 }
 
 }  // namespace th::net

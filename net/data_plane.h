@@ -96,6 +96,8 @@ enum class ReadError : std::uint8_t {
 std::string_view read_error_name(ReadError error);
 
 struct ReadRequestFrame;  // on the wire: defined in data_plane.cpp
+class IpcExporter;        // net/ipc.h
+class IpcImporter;
 // Every request on the data port starts with a frame of this size whose first 4 bytes are a magic.
 inline constexpr std::size_t kDataRequestBytes = 56;
 // A server answers a first request of a protocol it does not serve with a 16-byte frame whose first
@@ -165,6 +167,10 @@ struct DataServerConfig {
   // Moves regions of GPU memory (on_device) through pinned host memory; a grant of such regions
   // needs one. A connection serving one holds a ring of it for the response.
   std::shared_ptr<StagingPool> staging = nullptr;
+  // Hands readers on this host the CUDA IPC handles of granted GPU memory (net/ipc.h), so that they
+  // copy it device to device instead of through staging and TCP. Null: every reader uses TCP.
+  // (Over IPC, revoke() cannot cut off a copy in flight: net/ipc.h says what keeps reads whole.)
+  std::shared_ptr<IpcExporter> ipc = nullptr;
 };
 
 // A reader connection, served by its own thread:
@@ -207,6 +213,7 @@ class DataServer {
     std::uint64_t connections_dropped = 0;  // closed while idle: to make room, or after a timeout
     std::uint32_t connections_open = 0;     // connection threads not yet joined
     std::uint32_t connections_idle = 0;     // of those, awaiting a request
+    std::uint64_t ipc_answers = 0;          // pages of CUDA IPC handles sent (net/ipc.h)
   };
   Stats stats() const;
 
@@ -220,6 +227,9 @@ class DataServer {
   void admit(Fd& waiting);
   void serve(Connection& self);
   bool answer(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms);
+  bool answer_ipc(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms);
+  std::map<GrantKey, std::shared_ptr<Grant>>::iterator wait_for_grant(std::unique_lock<std::mutex>& lock, GrantKey key,
+                                                                      int& grant_wait_left_ms);
   bool refuse(Connection& self, std::uint32_t status);
   void log(const std::string& line);
 
@@ -273,6 +283,10 @@ struct PullOptions {
   // Moves bytes into targets of GPU memory (on_device): each connection borrows a ring for the
   // pull. A response into GPU memory is told to on_progress once it is all on the device.
   std::shared_ptr<StagingPool> staging = nullptr;
+  // Copies GPU regions device to device from a source on this host through CUDA IPC (net/ipc.h),
+  // for a complete source whose every GPU region the source exports; any other case, or any "no"
+  // on the way, pulls over TCP as without it. Null: always TCP.
+  std::shared_ptr<IpcImporter> ipc = nullptr;
 };
 
 inline constexpr std::uint32_t kPullStreamsMax = 16;
@@ -282,6 +296,8 @@ struct PullOutcome {
   std::optional<ReadError> error;   // none: every byte arrived
   std::string detail;               // what failed, for logs
   bool ok() const { return !error.has_value(); }
+  std::uint64_t bytes_over_ipc = 0;  // of `bytes`, copied device to device through CUDA IPC
+  std::string ipc_fallback = {};     // why a pull with PullOptions::ipc went over TCP after all (logs)
 };
 
 // Pulls every byte of the regions exposed under `key` at `source` into `targets` (same sizes, same

@@ -266,6 +266,8 @@ class PyHandle {
     out["pulls_fell_back"] = s.pulls_fell_back;
     out["memory_registrations"] = s.memory_registrations;
     out["servers_lost"] = s.servers_lost;
+    out["pulls_ipc"] = s.pulls_ipc;
+    out["gpu_registration"] = s.gpu_registration;
     return out;
   }
   std::string data_endpoint() const { return live().data_endpoint(); }
@@ -431,6 +433,7 @@ th::ClientOptions options_from(const py::kwargs& kwargs) {
     else if (key == "tls_server_name") options.tls_server_name = py::cast<std::string>(value);
     else if (key == "metrics_listen") options.metrics_listen = py::cast<std::string>(value);
     else if (key == "log_level") options.log_level = log_level_from(py::cast<std::string>(value));
+    else if (key == "cuda_ipc") options.cuda_ipc = py::cast<bool>(value);
     else throw py::type_error("Handle() got an unexpected keyword argument '" + key + "'");
     } catch (const py::cast_error&) {
       throw py::type_error("Handle(): " + key + "=" + py::cast<std::string>(py::repr(value)) +

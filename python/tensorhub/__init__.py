@@ -213,7 +213,8 @@ class Handle:
     ``data_timeout_ms``, ``server_timeout_ms``, ``tls_ca_file``, ``tls_server_name``,
     ``metrics_listen`` ("host:port": this process serves Prometheus metrics of its handles there),
     ``log_level`` ("debug", "info" (the default), "warning", "error": libthclient's lines below it
-    are dropped, the rest go to stderr). Without ``data_listen`` the handle listens on every
+    are dropped, the rest go to stderr), ``cuda_ipc`` (default True: CUDA tensors between processes
+    of one host are copied device to device; see ClientOptions::cuda_ipc). Without ``data_listen`` the handle listens on every
     interface and advertises the address of the interface that reaches the first server.
 
     Use it as a context manager: it closes on exit (on an exception, it leaves without waiting).

@@ -483,6 +483,19 @@ TEST_F(AgentTest, AFailedReadIsReportedAndRetransmittedUntilAnswered) {
   }
 }
 
+// A copy the data plane failed to make (a GPU copy failed) is not reported, and a second request
+// for it makes it afresh instead of waiting for the failed one for ever.
+TEST_F(AgentTest, AFailedOffloadIsForgottenAndMadeAgainWhenAskedAgain) {
+  open();
+  publish(1, 8);
+  EXPECT_EQ(only<MakeOffload>(hub(Offload{8, 80})).version, 8u);
+  const AgentEffects failed = step(OffloadFinished{8, /*failed=*/true});
+  EXPECT_TRUE(reports(failed).empty());
+  EXPECT_TRUE(all_of<FreeOffload>(failed).empty());
+  EXPECT_EQ(only<MakeOffload>(hub(Offload{8, 81})).version, 8u);
+  EXPECT_EQ(std::get<OffloadDone>(reports(step(OffloadFinished{8})).at(0)).copy, 81u);
+}
+
 TEST_F(AgentTest, ReportsAnOffloadAgainWhenAskedForOneItHas) {
   open();
   publish(1, 8);

@@ -320,5 +320,41 @@ TEST(StagedDataPlane, AReaderWhoseRingsAreAllLentFailsTheReadInsteadOfHanging) {
   server.revoke({8, 1});
 }
 
+// revoke() waits for the connections that pin the grant; one waiting for a staging ring (all lent)
+// must let go at once, not after ring_wait_ms_max: revoke runs on the client's I/O thread.
+TEST(StagedDataPlane, ARevokeDoesNotWaitForAConnectionWaitingForARing) {
+  auto provider = std::make_shared<FakeProvider>();
+  auto staging = std::make_shared<StagingPool>(provider, StagingConfig{2, 4096, 1, 60'000});
+  DataServerConfig config;
+  config.staging = staging;
+  DataServer server(config);
+  const std::vector<std::byte> big = pattern(50'000, 4);
+  const GrantSecret secret{5, 6};
+  server.grant({9, 1}, secret, {{big.data(), big.size(), true}}, std::make_shared<Progress>(big.size()));
+  auto taken = std::make_unique<StagingPool::Loan>(staging->borrow());  // the server's only ring
+  std::vector<std::byte> into(big.size());
+  std::vector<LocalRegion> targets{{into.data(), into.size(), false}};
+  PullOutcome outcome;
+  std::thread reader([&] { outcome = pull(server.endpoint(), {9, 1}, secret, targets, PullOptions{}); });
+  // Wait until the request is being served (the connection pins the grant, waiting for the ring).
+  for (int i = 0; i < 2000 && server.stats().connections_open == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::atomic<bool> revoked{false};
+  std::thread revoking([&] {
+    server.revoke({9, 1});
+    revoked = true;
+  });
+  // Ten seconds is far beyond the poll (50 ms) and far below the ring wait (60 s): a revoke that
+  // waited for the ring would still be waiting when the ring is given back below.
+  for (int i = 0; i < 10'000 && !revoked.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool revoked_while_the_ring_was_lent = revoked.load();
+  taken.reset();
+  revoking.join();
+  reader.join();
+  EXPECT_TRUE(revoked_while_the_ring_was_lent) << "revoke() waited for a connection waiting for a staging ring";
+  EXPECT_FALSE(outcome.ok());
+  EXPECT_EQ(outcome.error, ReadError::kRefused) << outcome.detail;
+}
+
 }  // namespace
 }  // namespace th::net

@@ -124,6 +124,12 @@ struct ClientOptions {
   // to stderr as "thclient REPLICA/SHARD LEVEL COMPONENT: MESSAGE" (one write per line).
   LogLevel log_level = LogLevel::kInfo;
   LogHook log;
+  // GPU tensors between processes of one host (a colocated trainer and rollout): copied device to
+  // device through CUDA IPC instead of through staging and TCP loopback, where both ends allow it.
+  // A reader then maps the source's whole CUDA allocation (a PyTorch segment may hold other
+  // tensors), read and write, until it evicts the mapping: turn it off where processes of one
+  // host do not trust each other. Readers and sources on other hosts are never affected.
+  bool cuda_ipc = true;
 };
 
 struct ReplicateInfo {
@@ -152,6 +158,10 @@ struct HandleStats {
   std::uint64_t pulls_fell_back = 0;  // of those, because the source could not do RDMA
   std::uint64_t memory_registrations = 0;  // NIC registrations made (per allocation, not per version)
   std::uint64_t servers_lost = 0;          // control connections lost (each followed by a failover or reconnect)
+  std::uint64_t pulls_ipc = 0;  // reads whose GPU tensors were copied from a same-host source over CUDA IPC
+  // How GPU tensors meet the NIC under transport rdma: "dma-buf", "peermem", or "staging" (through
+  // pinned host memory over TCP; also the answer under transport tcp).
+  std::string gpu_registration = "staging";
 };
 
 // A tensor of the version a Receive brings in: in its registered buffer, every byte there and

@@ -663,15 +663,23 @@ bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& 
   IpcAnswerFrame answer{status, 0, 0, 0, 0, {}};
   std::vector<IpcRegionRecord> records;
   if (grant != nullptr) {
+    // Let go of the pin however this ends (an allocation failure here must not leave revoke()
+    // waiting for ever).
+    struct Unpin {
+      DataServer* server;
+      Grant* grant;
+      ~Unpin() {
+        std::lock_guard lock(server->mutex_);
+        TH_ASSERT(grant->reads_in_flight > 0);
+        --grant->reads_in_flight;
+        server->drained_.notify_all();
+      }
+    } unpin{this, grant.get()};
     answer = ipc_detail::answer_header(*config_.ipc);
     answer.count = request.regions;
     answer.grant_regions = static_cast<std::uint32_t>(grant->regions.size());
     records = ipc_detail::export_records(
         *config_.ipc, std::span<const ExposedRegion>(grant->regions).subspan(request.first_region, request.regions));
-    std::lock_guard lock(mutex_);
-    TH_ASSERT(grant->reads_in_flight > 0);
-    --grant->reads_in_flight;
-    drained_.notify_all();
   }
   TH_ASSERT(records.size() == answer.count);
   if (status == static_cast<std::uint32_t>(Status::kNoGrant) ||

@@ -23,32 +23,44 @@ CachingIpcImporter::~CachingIpcImporter() {
   TH_ASSERT(mappings_.empty(), "a CachingIpcImporter's subclass must call close_all() in its destructor");
 }
 
-std::byte* CachingIpcImporter::open(const IpcHandleBytes& handle) {
+IpcMapping CachingIpcImporter::open(const IpcHandleBytes& handle) {
   std::lock_guard lock(mutex_);
   auto found = std::find_if(mappings_.begin(), mappings_.end(), [&](const Mapping& m) { return m.handle == handle; });
   if (found != mappings_.end()) {
     mappings_.splice(mappings_.begin(), mappings_, found);  // most recently used
-    return mappings_.front().base;
+    return mappings_.front().mapped;
   }
-  std::byte* base = open_mapping(handle);
-  if (base == nullptr) return nullptr;
-  mappings_.push_front(Mapping{handle, base});
+  const IpcMapping mapped = open_mapping(handle);
+  if (mapped.base == nullptr) return {};
+  mappings_.push_front(Mapping{handle, mapped});
   while (mappings_.size() > mappings_max_) {
-    // The least recently used: not the one just opened (mappings_max_ >= 1), so a pointer open()
+    // The least recently used: not the one just opened (mappings_max_ >= 1), so a mapping open()
     // returned last stays valid, as the interface promises.
-    close_mapping(mappings_.back().base);
+    close_mapping(mappings_.back().mapped.base);
     mappings_.pop_back();
   }
   TH_ASSERT(mappings_.size() <= mappings_max_);
-  return base;
+  return mapped;
 }
 
 void CachingIpcImporter::forget(const IpcHandleBytes& handle) {
   std::lock_guard lock(mutex_);
   auto found = std::find_if(mappings_.begin(), mappings_.end(), [&](const Mapping& m) { return m.handle == handle; });
   if (found == mappings_.end()) return;
-  close_mapping(found->base);
+  close_mapping(found->mapped.base);
   mappings_.erase(found);
+}
+
+void CachingIpcImporter::keep_only(std::span<const IpcHandleBytes> kept) {
+  std::lock_guard lock(mutex_);
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (std::find(kept.begin(), kept.end(), it->handle) != kept.end()) {
+      ++it;
+      continue;
+    }
+    close_mapping(it->mapped.base);
+    it = mappings_.erase(it);
+  }
 }
 
 std::size_t CachingIpcImporter::mappings_open() const {
@@ -58,7 +70,7 @@ std::size_t CachingIpcImporter::mappings_open() const {
 
 void CachingIpcImporter::close_all() {
   std::lock_guard lock(mutex_);
-  for (const Mapping& mapping : mappings_) close_mapping(mapping.base);
+  for (const Mapping& mapping : mappings_) close_mapping(mapping.mapped.base);
   mappings_.clear();
 }
 
@@ -114,8 +126,10 @@ std::vector<IpcRegionRecord> export_records(IpcExporter& exporter, std::span<con
     std::optional<IpcExport> exported;
     try {
       exported = exporter.export_region(regions[i].base, regions[i].bytes);
-    } catch (const DeviceCopyError&) {
-      exported.reset();  // unexported: the reader pulls over TCP
+    } catch (const std::exception&) {
+      // Unexported (a device error, no memory for it): the reader pulls it over TCP. Nothing may
+      // escape a connection thread.
+      exported.reset();
     }
     // An exporter's bug must not send a reader out of bounds: checked before sending, and by the
     // reader after receiving.
@@ -151,6 +165,10 @@ std::optional<std::vector<IpcRegionRecord>> fetch_records(const Endpoint& source
     Fd connection = connect_tcp(source, options.connect_timeout_ms);
     set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
     while (records.size() < regions) {
+      if (options.cancelled && options.cancelled()) {
+        fallback = "cancelled";  // (the TCP pull that follows stops at once too)
+        return std::nullopt;
+      }
       const auto first = static_cast<std::uint32_t>(records.size());
       const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(kIpcRegionsPerAnswerMax, regions - first));
       const IpcRequestFrame request{kIpcMagic, key.epoch, key.transfer, first, count, {0, 0}, secret};
@@ -241,11 +259,21 @@ std::optional<PullOutcome> pull_over_ipc(const Endpoint& source, GrantKey key, c
   PullOutcome outcome;
   std::uint64_t ready = 0;  // the prefix of the targets that has arrived
   std::uint64_t told = 0;   // what on_progress heard last: it hears of each growth once
+  // Once a region was copied over IPC, nothing more is told until the grant is known to have been
+  // live through the copies (below): revoke() cannot cut a device copy, and what on_progress hears
+  // is served on to this reader's own readers at once.
+  bool holding = false;
+  std::uint64_t held = 0;
   auto tell = [&](std::uint64_t prefix) {
+    if (holding) {
+      held = std::max(held, prefix);
+      return;
+    }
     if (prefix <= told) return;
     told = prefix;
     if (options.on_progress) options.on_progress(prefix);
   };
+  std::vector<IpcHandleBytes> used;  // the allocations this pull mapped: the importer keeps only these
   // The targets from `from` on over TCP: the run of host (or empty) regions there, or `all`.
   auto pull_rest_over_tcp = [&](std::size_t from, bool all) {
     std::size_t to = from;
@@ -281,11 +309,16 @@ std::optional<PullOutcome> pull_over_ipc(const Endpoint& source, GrantKey key, c
     }
     const IpcRegionRecord& record = (*records)[i];
     std::string failed;
-    if (std::byte* allocation = importer.open(record.handle); allocation == nullptr) {
+    if (const IpcMapping mapped = importer.open(record.handle); mapped.base == nullptr) {
       failed = "could not open the IPC handle of region " + std::to_string(i);
+    } else if (!fits(record.offset, record.bytes, mapped.bytes)) {
+      // The source's offset or size does not match what the driver mapped here: a copy would
+      // read outside the mapping (a sticky fault of the whole context, or this process's memory).
+      failed = "the source placed region " + std::to_string(i) + " outside the allocation it exported";
     } else {
+      if (std::find(used.begin(), used.end(), record.handle) == used.end()) used.push_back(record.handle);
       try {
-        importer.copy(targets[i].base, allocation + record.offset, record.bytes);
+        importer.copy(targets[i].base, mapped.base + record.offset, record.bytes);
       } catch (const DeviceCopyError& error) {
         // The mapping may be stale (the source freed the allocation): open it afresh next time.
         importer.forget(record.handle);
@@ -304,20 +337,29 @@ std::optional<PullOutcome> pull_over_ipc(const Endpoint& source, GrantKey key, c
     outcome.bytes += record.bytes;
     outcome.bytes_over_ipc += record.bytes;
     ready += record.bytes;
+    holding = true;
     tell(ready);
     ++i;
   }
+  importer.keep_only(used);
   // The copies read the source's memory with no server in the way, so revoke() could not cut them
   // off: a grant still live once they all completed proves that the memory was not yet handed back
   // to its owner meanwhile (net/ipc.h). A revoked one fails the read as a read cut off over TCP does.
   if (outcome.ok() && outcome.bytes_over_ipc > 0) {
-    if (const std::optional<ReadError> why = tcp.still_granted()) {
+    if (options.cancelled && options.cancelled()) {
+      outcome.error = ReadError::kCancelled;
+      outcome.detail = "cancelled";
+    } else if (const std::optional<ReadError> why = tcp.still_granted()) {
       outcome.error = *why;
       outcome.detail = "reading transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
                        " from " + source.to_string() +
                        (*why == ReadError::kRefused ? ": the grant was revoked while its GPU memory was copied over CUDA IPC"
                                                     : ": the source stopped answering after a copy over CUDA IPC");
     }
+  }
+  if (outcome.ok() && holding) {
+    holding = false;
+    tell(held);
   }
   TH_ASSERT(outcome.bytes_over_ipc <= outcome.bytes);
   return outcome;

@@ -62,6 +62,12 @@ struct IpcExport {
 // The host identity token travels in a fixed field of this size.
 inline constexpr std::size_t kIpcHostIdentityBytesMax = 64;
 
+// An allocation of a source, mapped into a reader.
+struct IpcMapping {
+  std::byte* base = nullptr;
+  std::uint64_t bytes = 0;
+};
+
 // The source side (client/cuda: cudaIpcGetMemHandle). Called by the data server's connection
 // threads, possibly at once.
 class IpcExporter {
@@ -81,15 +87,18 @@ class IpcExporter {
 class IpcImporter {
  public:
   virtual ~IpcImporter() = default;
-  // The base of the allocation behind `handle`, mapped into this process (kept open for later
-  // pulls: see CachingIpcImporter), or nullptr where it cannot be opened. The pointer stays valid
-  // until the next open() or the importer's end.
-  virtual std::byte* open(const IpcHandleBytes& handle) = 0;
+  // The allocation behind `handle`, mapped into this process (kept open for later pulls: see
+  // CachingIpcImporter), with its size as this process's driver reports it (never the source's
+  // word: a source that lied would steer the copy outside the mapping); base nullptr where it
+  // cannot be opened. The mapping stays valid until the next open() or the importer's end.
+  virtual IpcMapping open(const IpcHandleBytes& handle) = 0;
   // Device to device; returns when the bytes are on `to_device`. Throws DeviceCopyError.
   virtual void copy(std::byte* to_device, const std::byte* from_device, std::uint64_t bytes) = 0;
   // A copy out of the mapping of `handle` failed: the source may have freed the allocation, so the
   // next open() maps it afresh.
   virtual void forget(const IpcHandleBytes& handle) { (void)handle; }
+  // After a pull: the mappings of other handles may be closed (see CachingIpcImporter).
+  virtual void keep_only(std::span<const IpcHandleBytes> kept) { (void)kept; }
   virtual std::string host_identity() = 0;
   virtual std::uint64_t process_identity() = 0;
 };
@@ -106,20 +115,24 @@ class CachingIpcImporter : public IpcImporter {
   // A subclass's destructor must call close_all(): close_mapping() is its own.
   ~CachingIpcImporter() override;
 
-  std::byte* open(const IpcHandleBytes& handle) final;
+  IpcMapping open(const IpcHandleBytes& handle) final;
   void forget(const IpcHandleBytes& handle) final;
   std::size_t mappings_open() const;
+  // Closes every mapping but those of `kept` (the handles a pull just used): a mapping holds the
+  // source's allocation, which the source may free once the grant ends (closing after the
+  // source's cudaFree is undefined behaviour in CUDA), so no more than one grant's stay open.
+  void keep_only(std::span<const IpcHandleBytes> kept) final;
 
  protected:
-  // Maps the allocation, or nullptr.
-  virtual std::byte* open_mapping(const IpcHandleBytes& handle) = 0;
+  // Maps the allocation (base nullptr: it cannot be), with the size the driver reports.
+  virtual IpcMapping open_mapping(const IpcHandleBytes& handle) = 0;
   virtual void close_mapping(std::byte* base) = 0;
   void close_all();
 
  private:
   struct Mapping {
     IpcHandleBytes handle;
-    std::byte* base;
+    IpcMapping mapped;
   };
   const std::size_t mappings_max_;
   mutable std::mutex mutex_;

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 
+#include "client/cuda/device_scope.h"
 #include "core/assert.h"
 
 namespace th::client_impl {
@@ -18,24 +19,10 @@ namespace {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == net::kIpcHandleBytes);
 
-void check(cudaError_t status, const char* call) {
-  if (status != cudaSuccess) throw net::DeviceCopyError(std::string(call) + ": " + cudaGetErrorString(status));
-}
-
-// Makes `device` current on this thread for a scope, and puts the previous one back.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
+using cuda_detail::check;
+// Restores the thread's own context, none included: restoring "device 0" would make a context on
+// GPU 0 in every process (cuda_device.cpp).
+using cuda_detail::DeviceScope;
 
 using MemGetAddressRange = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr pointer);
 
@@ -137,7 +124,9 @@ class CudaIpcImporter final : public net::CachingIpcImporter {
   std::uint64_t process_identity() override { return static_cast<std::uint64_t>(::getpid()); }
 
  protected:
-  std::byte* open_mapping(const net::IpcHandleBytes& handle) override {
+  net::IpcMapping open_mapping(const net::IpcHandleBytes& handle) override {
+    static const auto address_range = cuda_detail::driver_function<MemGetAddressRange>("cuMemGetAddressRange");
+    if (address_range == nullptr) return {};  // the mapping's size could not be known
     try {
       DeviceScope scope(device_);
       cudaIpcMemHandle_t cuda_handle{};
@@ -147,12 +136,21 @@ class CudaIpcImporter final : public net::CachingIpcImporter {
       // device cannot reach the source's (no peer access): the reader then uses TCP.
       if (cudaIpcOpenMemHandle(&base, cuda_handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
         cudaGetLastError();
-        return nullptr;
+        return {};
       }
-      return static_cast<std::byte*>(base);
+      // The size of what was mapped, as this process's driver sees it: the bounds every copy out
+      // of it is checked against (the source's own word is not trusted).
+      CUdeviceptr mapped = 0;
+      size_t mapped_bytes = 0;
+      if (address_range(&mapped, &mapped_bytes, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS ||
+          mapped != reinterpret_cast<CUdeviceptr>(base)) {
+        cudaIpcCloseMemHandle(base);
+        return {};
+      }
+      return {static_cast<std::byte*>(base), static_cast<std::uint64_t>(mapped_bytes)};
     } catch (const net::DeviceCopyError&) {
       cudaGetLastError();
-      return nullptr;
+      return {};
     }
   }
   void close_mapping(std::byte* base) override {

@@ -13,6 +13,7 @@
 #include "client/cuda/checksum.h"
 #include "core/assert.h"
 #include "tests/gpu/checksum_test_data.h"
+#include "tests/gpu/gpu_main.h"
 
 namespace th {
 namespace {
@@ -145,13 +146,4 @@ TEST_F(GpuChecksum, RefusesMismatchedOutput) {
 }  // namespace
 }  // namespace th
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("SKIP: no CUDA device (%s)\n", status != cudaSuccess ? cudaGetErrorString(status) : "none found");
-    return 77;
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return th::gpu_test::run_where_a_gpu_is(argc, argv); }

@@ -9,6 +9,7 @@
 #include <map>
 
 #include "tests/gpu/gpu_fixture.h"
+#include "tests/gpu/gpu_main.h"
 
 namespace th::gpu_test {
 namespace {
@@ -218,13 +219,4 @@ TEST_F(GpuTransfer, MemoryThatIsNotAGpusIsRefusedAsKCuda) {
 }  // namespace
 }  // namespace th::gpu_test
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("SKIP: no CUDA device (%s)\n", status != cudaSuccess ? cudaGetErrorString(status) : "none found");
-    return 77;
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return th::gpu_test::run_where_a_gpu_is(argc, argv); }

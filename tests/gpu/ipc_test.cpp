@@ -84,6 +84,12 @@ class FakeExporter final : public IpcExporter {
       const std::byte* begin = allocation.data();
       if (base < begin || base + bytes > begin + allocation.size()) continue;
       if (unexportable.contains(begin)) return std::nullopt;  // a cudaMallocAsync pool, say
+      if (lie_about_place) {
+        // A lying (or broken) source: its handle maps the real allocation, but it places the
+        // region far beyond it and claims an allocation big enough to hold it there.
+        return IpcExport{handle_of(begin, allocation.size()), static_cast<std::uint64_t>(base - begin) + (1ull << 40),
+                         ~0ull};
+      }
       return IpcExport{handle_of(begin, allocation.size()), static_cast<std::uint64_t>(base - begin), allocation.size()};
     }
     return std::nullopt;
@@ -92,6 +98,7 @@ class FakeExporter final : public IpcExporter {
   std::uint64_t process_identity() override { return kSourceProcess; }
 
   std::set<const std::byte*> unexportable;  // set before the pull
+  bool lie_about_place = false;             // set before the pull
   std::uint64_t exports = 0;                // guarded by mutex_
 
  private:
@@ -124,13 +131,15 @@ class FakeImporter final : public CachingIpcImporter {
   std::set<std::uintptr_t> open_now;  // mapped allocations
 
  protected:
-  std::byte* open_mapping(const IpcHandleBytes& handle) override {
-    if (fail_open) return nullptr;
+  IpcMapping open_mapping(const IpcHandleBytes& handle) override {
+    if (fail_open) return {};
     ++opens;
     std::uintptr_t address = 0;
+    std::uint64_t bytes = 0;
     std::memcpy(&address, handle.data(), sizeof address);
+    std::memcpy(&bytes, handle.data() + 8, sizeof bytes);
     EXPECT_TRUE(open_now.insert(address).second) << "an allocation mapped twice";
-    return reinterpret_cast<std::byte*>(address);
+    return {reinterpret_cast<std::byte*>(address), bytes};
   }
   void close_mapping(std::byte* base) override {
     ++closes;
@@ -400,6 +409,39 @@ TEST(IpcPull, AHandleThatWillNotOpenUsesTcp) {
   EXPECT_EQ(server.stats().bytes_served, source.total()) << "all of it over TCP";
 }
 
+// The reader checks each region against the size its own driver mapped, never the source's word:
+// a copy outside the mapping would fault the reader's whole CUDA context or copy its own memory.
+TEST(IpcPull, ASourceThatPlacesARegionOutsideItsAllocationIsReadOverTcp) {
+  Source source = typical_source();
+  source.exporter->lie_about_place = true;
+  DataServer server(server_config(source));
+  grant_complete(server, source, {7, 1});
+  auto importer = std::make_shared<FakeImporter>();
+  const PullOutcome outcome = pull_and_check(server, source, {7, 1}, reader_options(importer));
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(outcome.bytes_over_ipc, 0u);
+  EXPECT_EQ(importer->copies, 0) << "a copy was started from outside the mapping";
+  EXPECT_NE(outcome.ipc_fallback.find("outside the allocation"), std::string::npos) << outcome.ipc_fallback;
+  EXPECT_EQ(server.stats().bytes_served, source.total()) << "all of it over TCP";
+}
+
+// A pull keeps only the mappings it used: the source may free the others once their grant ended.
+TEST(IpcMappingCache, APullClosesTheMappingsItDidNotUse) {
+  Source first = typical_source();
+  DataServer first_server(server_config(first));
+  grant_complete(first_server, first, {7, 1});
+  auto importer = std::make_shared<FakeImporter>();
+  ASSERT_TRUE(pull_and_check(first_server, first, {7, 1}, reader_options(importer)).ok());
+  const std::size_t first_mappings = importer->mappings_open();
+  ASSERT_GT(first_mappings, 0u);
+  Source second = typical_source();  // other allocations
+  DataServer second_server(server_config(second));
+  grant_complete(second_server, second, {8, 1});
+  ASSERT_TRUE(pull_and_check(second_server, second, {8, 1}, reader_options(importer)).ok());
+  EXPECT_EQ(importer->mappings_open(), first_mappings) << "the first source's mappings stayed open";
+  EXPECT_EQ(importer->closes, static_cast<int>(first_mappings));
+}
+
 TEST(IpcPull, ARegionThatCannotBeExportedSendsAllOverTcp) {
   Source source;
   source.allocation_with({4096}, 1);
@@ -533,15 +575,15 @@ TEST(IpcMappingCache, ClosesTheLeastRecentlyUsedBeyondItsBound) {
   auto handle = [&](int i) { return handle_of(allocations[i].data(), 16); };
   {
     FakeImporter importer(2);
-    EXPECT_EQ(importer.open(handle(0)), allocations[0].data());
-    EXPECT_EQ(importer.open(handle(1)), allocations[1].data());
-    EXPECT_EQ(importer.open(handle(0)), allocations[0].data());  // cached, and now the most recent
+    EXPECT_EQ(importer.open(handle(0)).base, allocations[0].data());
+    EXPECT_EQ(importer.open(handle(1)).base, allocations[1].data());
+    EXPECT_EQ(importer.open(handle(0)).base, allocations[0].data());  // cached, and now the most recent
     EXPECT_EQ(importer.opens, 2);
-    EXPECT_EQ(importer.open(handle(2)), allocations[2].data());  // closes 1, the least recently used
+    EXPECT_EQ(importer.open(handle(2)).base, allocations[2].data());  // closes 1, the least recently used
     EXPECT_EQ(importer.closes, 1);
     EXPECT_EQ(importer.open_now, (std::set<std::uintptr_t>{reinterpret_cast<std::uintptr_t>(allocations[0].data()),
                                                             reinterpret_cast<std::uintptr_t>(allocations[2].data())}));
-    EXPECT_EQ(importer.open(handle(1)), allocations[1].data());  // again: closes 0
+    EXPECT_EQ(importer.open(handle(1)).base, allocations[1].data());  // again: closes 0
     EXPECT_EQ(importer.opens, 4);
     EXPECT_EQ(importer.closes, 2);
     EXPECT_FALSE(importer.open_now.contains(reinterpret_cast<std::uintptr_t>(allocations[0].data())));
@@ -549,7 +591,7 @@ TEST(IpcMappingCache, ClosesTheLeastRecentlyUsedBeyondItsBound) {
     importer.forget(handle(2));
     EXPECT_EQ(importer.closes, 3);
     importer.fail_open = true;
-    EXPECT_EQ(importer.open(handle(3)), nullptr);
+    EXPECT_EQ(importer.open(handle(3)).base, nullptr);
     EXPECT_EQ(importer.mappings_open(), 1u) << "a failed open is not cached";
   }
 }

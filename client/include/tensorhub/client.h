@@ -127,8 +127,11 @@ struct ClientOptions {
   // GPU tensors between processes of one host (a colocated trainer and rollout): copied device to
   // device through CUDA IPC instead of through staging and TCP loopback, where both ends allow it.
   // A reader then maps the source's whole CUDA allocation (a PyTorch segment may hold other
-  // tensors), read and write, until it evicts the mapping: turn it off where processes of one
-  // host do not trust each other. Readers and sources on other hosts are never affected.
+  // tensors, optimizer state, KV cache), read and write; and the handle it was given opens that
+  // allocation again, in any process of the host, for as long as the allocation lives. So a
+  // same-host reader the server granted a read can read and write all of it: turn this off on the
+  // sources where processes of one host do not trust each other (a source with it off answers
+  // no handles). Readers and sources on other hosts are never affected.
   bool cuda_ipc = true;
 };
 

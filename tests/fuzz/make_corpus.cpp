@@ -90,6 +90,11 @@ int main(int argc, char** argv) {
       {0x32504454, 1, 7, 0, 0, 65000, 4096, {secret[0], secret[1]}},  // past the region's end
       {0x32504454, 2, 7, 0, 0, 0, 4096, {secret[0], secret[1]}},   // another epoch
       {0x32504454, 1, 7, 0, 0, 0, 4096, {0, 0}},                   // no secret
+      // CUDA IPC handle requests (net/ipc.h, magic "TDI1": first region, region count in the
+      // place of region and wait) of the target's GPU grant (9, 1).
+      {0x31494454, 1, 9, 0, 2, 0, 0, {secret[0], secret[1]}},      // both regions' handles
+      {0x31494454, 1, 9, 0, 2, 0, 0, {0, 0}},                      // no secret
+      {0x31494454, 1, 9, 1, 0xffffffffu, 0, 0, {secret[0], secret[1]}},  // a page past the end
   };
   for (std::size_t i = 0; i < std::size(frames); ++i) {
     write(root / "fuzz_data_request" / ("frame-" + std::to_string(i)), &frames[i], sizeof frames[i]);

@@ -232,5 +232,19 @@ int main(int argc, char** argv) {
         total_gb / best_s);
   }
   ::pclose(trainer_process);
+
+  // Offload: unpublishing the last copy of a retained version copies it to CPU memory first.
+  {
+    th::ClientOptions keeper_options = options_for("keeper", "tcp");
+    keeper_options.retention.keep_latest = 0;
+    auto keeper = must(th::Handle::open(keeper_options), "keeper open");
+    trained.register_with(*keeper);
+    must(keeper->publish(5), "keeper publish");
+    const auto started = Clock::now();
+    if (auto status = keeper->unpublish(); !status.ok()) die("keeper unpublish: " + status.error().detail);
+    const double offload_s = std::chrono::duration<double>(Clock::now() - started).count();
+    std::printf("| unpublish of the last copy: offload GPU to CPU memory (pinned while copied) | %.2f | %.3f |\n",
+                total_gb / offload_s, offload_s);
+  }
   return 0;
 }

@@ -318,6 +318,11 @@ void Handle::Impl::start_offload(Version version) {
     }
     if (!from_devices.empty()) {
       try {
+        // Into pinned memory: a device-to-host copy into pageable memory goes through the
+        // driver's own small bounce buffers, at a fraction of the link's speed. Unpinned once
+        // copied: a retained copy may be held for a long time, and pinned pages are the host's
+        // scarcest memory.
+        const std::shared_ptr<void> pinned = gpu->pin_host(copy->bytes.data(), copy->bytes.size());
         gpu->to_host(from_devices);
       } catch (const net::DeviceCopyError& error) {
         // No copy: the server times the offload out and carries on (the version may be lost if

@@ -39,6 +39,9 @@ class Gpu {
   // The tensor checksum (client/checksum.h) of device memory, computed on its GPU: only the
   // digests (8 bytes per MiB) come to the host.
   virtual std::uint64_t checksum(const std::byte* device, std::uint64_t bytes) = 0;
+  // Page-locks [host, +bytes) until the returned token is dropped, so that copies from a GPU into
+  // it run at full speed (an offload copy); nullptr where it cannot (the copy is then slower).
+  virtual std::shared_ptr<void> pin_host(std::byte* host, std::uint64_t bytes) = 0;
   // Blocks until the work queued on `stream` (a cudaStream_t) completed; nullptr: until all work
   // on `device` did.
   virtual void synchronize(int device, void* stream) = 0;

@@ -222,6 +222,16 @@ class CudaGpu final : public Gpu {
     }
   }
 
+  std::shared_ptr<void> pin_host(std::byte* host, std::uint64_t bytes) override {
+    if (bytes == 0) return nullptr;
+    // Portable: pinned for every context, whichever device the copy runs on.
+    if (cudaHostRegister(host, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return std::shared_ptr<void>(host, [](void* pinned) { cudaHostUnregister(pinned); });
+  }
+
   void synchronize(int device, void* stream) override {
     DeviceScope scope(device);
     if (stream == nullptr) return check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

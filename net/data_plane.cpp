@@ -14,54 +14,10 @@
 #include <type_traits>
 
 #include "core/assert.h"
+#include "net/data_frames.h"
 #include "net/ipc.h"
 
 namespace th::net {
-namespace {
-
-// ---- Frames ----------------------------------------------------------------------------------------
-// Fixed-size headers in the host's byte order: every TensorHub host is little-endian (x86-64,
-// aarch64), and the static_assert below keeps it that way. Payload bytes follow a response header.
-
-static_assert(std::endian::native == std::endian::little, "the data plane's frames are little-endian");
-
-constexpr std::uint32_t kMagic = 0x32504454;  // "TDP2": requests carry the grant's secret
-
-}  // namespace
-
-// Outside the anonymous namespace: DataServer's private members name it.
-struct ReadRequestFrame {
-  std::uint32_t magic = kMagic;
-  std::uint32_t epoch = 0;
-  std::uint64_t transfer = 0;
-  std::uint32_t region = 0;
-  std::uint32_t wait_for_bytes = 0;  // 1: if nothing is ready yet, wait (bounded) for progress
-  std::uint64_t offset = 0;
-  std::uint64_t length = 0;
-  GrantSecret secret{};  // the grant's capability, as the hub told it to the reader
-};
-static_assert(sizeof(ReadRequestFrame) == kDataRequestBytes);
-
-namespace {
-
-enum class Status : std::uint32_t { kOk = 0, kNoGrant = 1, kOutOfBounds = 2 };
-
-// In a time that does not depend on where the secrets differ (a timing oracle would let a guesser
-// find a secret word by word).
-bool same_secret(const GrantSecret& a, const GrantSecret& b) {
-  std::uint64_t differ = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) differ |= a[i] ^ b[i];
-  return differ == 0;
-}
-
-struct ReadResponseFrame {
-  std::uint32_t status = 0;
-  std::uint32_t reserved = 0;
-  std::uint64_t length = 0;  // payload bytes that follow (the ready prefix of what was asked)
-};
-static_assert(sizeof(ReadResponseFrame) == 16);
-
-}  // namespace
 
 std::string_view read_error_name(ReadError error) {
   switch (error) {
@@ -496,29 +452,29 @@ std::map<GrantKey, std::shared_ptr<DataServer::Grant>>::iterator DataServer::wai
 bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& grant_wait_left_ms) {
   const GrantKey key{request.transfer, request.epoch};
   std::shared_ptr<Grant> grant;
-  Status status = Status::kOk;
+  FrameStatus status = FrameStatus::kOk;
   {
     std::unique_lock lock(mutex_);
     const auto found = wait_for_grant(lock, key, grant_wait_left_ms);
     if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
       // A wrong secret is answered as no grant: the answer tells a guesser nothing.
-      status = Status::kNoGrant;
+      status = FrameStatus::kNoGrant;
     } else if (request.region >= found->second->regions.size() ||
                request.length > config_.response_bytes_max ||
                request.offset > found->second->regions[request.region].bytes ||
                request.length > found->second->regions[request.region].bytes - request.offset) {
-      status = Status::kOutOfBounds;
+      status = FrameStatus::kOutOfBounds;
     } else {
       grant = found->second;
       ++grant->reads_in_flight;
     }
-    if (status != Status::kOk) ++stats_.reads_refused;
+    if (status != FrameStatus::kOk) ++stats_.reads_refused;
   }
-  if (status != Status::kOk) {
+  if (status != FrameStatus::kOk) {
     log("refused a read of transfer " + std::to_string(key.transfer) + " epoch " + std::to_string(key.epoch) +
         " region " + std::to_string(request.region) + " [" + std::to_string(request.offset) + ", +" +
         std::to_string(request.length) + "): " +
-        (status == Status::kNoGrant ? "no grant" : "outside the exposed region"));
+        (status == FrameStatus::kNoGrant ? "no grant" : "outside the exposed region"));
     return refuse(self, static_cast<std::uint32_t>(status));
   }
   // From here the grant's memory is pinned by reads_in_flight: revoke() waits until it is let go.
@@ -579,12 +535,12 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   }
   if (revoked) {
     pin.release();
-    return refuse(self, static_cast<std::uint32_t>(Status::kNoGrant));
+    return refuse(self, static_cast<std::uint32_t>(FrameStatus::kNoGrant));
   }
   TH_ASSERT(length <= request.length);
   // (Nothing ready yet at `begin`, which may lie beyond the ready prefix: an empty answer.)
   TH_ASSERT(length == 0 || begin + length <= grant->progress->ready_bytes(), "only ready bytes are sent");
-  const ReadResponseFrame response{static_cast<std::uint32_t>(Status::kOk), 0, length};
+  const ReadResponseFrame response{static_cast<std::uint32_t>(FrameStatus::kOk), 0, length};
   const Deadline deadline = response_deadline(config_, length);  // for the response as a whole
   try {
     send_all_by(self.socket, &response, sizeof response, deadline);
@@ -634,16 +590,16 @@ bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& 
   static_assert(std::is_trivially_copyable_v<IpcRequestFrame>);
   std::memcpy(static_cast<void*>(&request), &raw, sizeof request);
   const GrantKey key{request.transfer, request.epoch};
-  std::uint32_t status = static_cast<std::uint32_t>(Status::kOk);
+  std::uint32_t status = static_cast<std::uint32_t>(FrameStatus::kOk);
   std::shared_ptr<Grant> grant;
   {
     std::unique_lock lock(mutex_);
     const auto found = wait_for_grant(lock, key, grant_wait_left_ms);
     if (found == grants_.end() || !same_secret(found->second->secret, request.secret)) {
-      status = static_cast<std::uint32_t>(Status::kNoGrant);
+      status = static_cast<std::uint32_t>(FrameStatus::kNoGrant);
     } else if (request.regions > kIpcRegionsPerAnswerMax || request.first_region > found->second->regions.size() ||
                request.regions > found->second->regions.size() - request.first_region) {
-      status = static_cast<std::uint32_t>(Status::kOutOfBounds);
+      status = static_cast<std::uint32_t>(FrameStatus::kOutOfBounds);
     } else if (config_.ipc == nullptr ||
                found->second->progress->ready_bytes() <
                    (found->second->regions.empty() ? 0 : found->second->starts.back() + found->second->regions.back().bytes)) {
@@ -655,8 +611,8 @@ bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& 
       grant = found->second;
       ++grant->reads_in_flight;
     }
-    if (status == static_cast<std::uint32_t>(Status::kNoGrant) ||
-        status == static_cast<std::uint32_t>(Status::kOutOfBounds)) {
+    if (status == static_cast<std::uint32_t>(FrameStatus::kNoGrant) ||
+        status == static_cast<std::uint32_t>(FrameStatus::kOutOfBounds)) {
       ++stats_.reads_refused;
     }
   }
@@ -682,11 +638,11 @@ bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& 
         *config_.ipc, std::span<const ExposedRegion>(grant->regions).subspan(request.first_region, request.regions));
   }
   TH_ASSERT(records.size() == answer.count);
-  if (status == static_cast<std::uint32_t>(Status::kNoGrant) ||
-      status == static_cast<std::uint32_t>(Status::kOutOfBounds)) {
+  if (status == static_cast<std::uint32_t>(FrameStatus::kNoGrant) ||
+      status == static_cast<std::uint32_t>(FrameStatus::kOutOfBounds)) {
     ++self.refusals;
     log("refused a request for the IPC handles of transfer " + std::to_string(key.transfer) + " epoch " +
-        std::to_string(key.epoch) + ": " + (status == static_cast<std::uint32_t>(Status::kNoGrant) ? "no grant" : "out of bounds"));
+        std::to_string(key.epoch) + ": " + (status == static_cast<std::uint32_t>(FrameStatus::kNoGrant) ? "no grant" : "out of bounds"));
   }
   const std::uint64_t bytes = sizeof answer + records.size() * sizeof(IpcRegionRecord);
   try {
@@ -702,321 +658,6 @@ bool DataServer::answer_ipc(Connection& self, const ReadRequestFrame& raw, int& 
     ++stats_.ipc_answers;
   }
   return true;
-}
-
-// ---- Reader ----------------------------------------------------------------------------------------
-
-namespace {
-
-// Whether the source serves reads under `key` now, by one empty read of `region`: none (it does),
-// kRefused (no grant), or kUnreachable.
-std::optional<ReadError> probe_grant(const Endpoint& source, GrantKey key, const GrantSecret& secret,
-                                     std::uint32_t region, const PullOptions& options) {
-  try {
-    Fd connection = connect_tcp(source, options.connect_timeout_ms);
-    set_io_timeout(connection, std::max(options.io_timeout_ms, 1));
-    const ReadRequestFrame request{kMagic, key.epoch, key.transfer, region, 0, 0, 0, secret};
-    send_all(connection, &request, sizeof request);
-    ReadResponseFrame response;
-    recv_all(connection, &response, sizeof response);
-    if (response.status == static_cast<std::uint32_t>(Status::kOk) && response.length == 0) return std::nullopt;
-    if (response.status == static_cast<std::uint32_t>(Status::kNoGrant)) return ReadError::kRefused;
-    return ReadError::kUnreachable;
-  } catch (const SocketError&) {
-    return ReadError::kUnreachable;
-  }
-}
-
-// Whether the source refuses reads under `key` now. A source cuts off the reads in flight when it
-// revokes their grant (revoke() does not wait for readers): such a read was refused, as any read
-// the source will not serve, and must not make the source look unreachable. One empty read tells.
-bool source_refuses(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::uint32_t region,
-                    const PullOptions& options) {
-  return probe_grant(source, key, secret, region, options) == ReadError::kRefused;
-}
-
-// Thrown by receive() when the pull is cancelled while it waits for bytes.
-struct PullCancelled {};
-
-// How often a reader waiting for bytes looks at its cancel flag: the hub moves a reader off a hung
-// source by telling it another one, and the reader must let go of the hung one at once (it used to
-// wait out the whole I/O timeout first, and the next version queued behind it).
-constexpr int kCancelPollMs = 50;
-constexpr std::chrono::microseconds kRateSleepSlice{kCancelPollMs * 1000};  // a capped pull's sleeps
-
-// Receives exactly `bytes` on a socket whose receive timeout is kCancelPollMs (one blocking recv
-// per wake-up, as fast as a plain blocking read). Throws PullCancelled when the pull is cancelled
-// meanwhile, SocketTimeout when nothing arrives for io_timeout_ms, SocketError when the source
-// closes the connection.
-void receive(const Fd& socket, void* data, std::size_t bytes, const PullOptions& options) {
-  auto* at = static_cast<char*>(data);
-  auto quiet_since = std::chrono::steady_clock::now();
-  while (bytes > 0) {
-    // Also while bytes flow: a source that dribbles must not keep a cancelled reader until its
-    // chunk is done.
-    if (options.cancelled && options.cancelled()) throw PullCancelled{};
-    const ssize_t got = ::recv(socket.get(), at, bytes, 0);
-    if (got > 0) {
-      at += got;
-      bytes -= static_cast<std::size_t>(got);
-      quiet_since = std::chrono::steady_clock::now();
-      continue;
-    }
-    if (got == 0) throw SocketError("peer closed the connection");
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) throw SocketError(std::string("recv: ") + std::strerror(errno));
-    if (options.cancelled && options.cancelled()) throw PullCancelled{};
-    if (std::chrono::steady_clock::now() - quiet_since > std::chrono::milliseconds(options.io_timeout_ms)) {
-      throw SocketTimeout("no bytes from the source for " + std::to_string(options.io_timeout_ms) + " ms");
-    }
-  }
-}
-
-// The reader's socket: sends time out as a whole I/O timeout; receives wake every kCancelPollMs
-// to look at the cancel flag (receive() keeps the I/O timeout itself).
-void set_reader_timeouts(const Fd& socket, const PullOptions& options) {
-  set_io_timeout(socket, std::max(options.io_timeout_ms, 1));
-  const timeval poll{0, kCancelPollMs * 1000};
-  ::setsockopt(socket.get(), SOL_SOCKET, SO_RCVTIMEO, &poll, sizeof poll);
-}
-
-// One connection: targets[i] is the source's region first_region + i.
-PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret& secret,
-                        std::span<const LocalRegion> targets, std::uint32_t first_region,
-                        const PullOptions& options) {
-  PullOutcome outcome;
-  auto fail = [&](ReadError error, std::string detail) {
-    outcome.error = error;
-    outcome.detail = "reading transfer " + std::to_string(key.transfer) + " epoch " +
-                     std::to_string(key.epoch) + " from " + source.to_string() + ": " + std::move(detail);
-    return outcome;
-  };
-  bool connected = false;
-  try {
-    Fd connection = connect_tcp(source, options.connect_timeout_ms);
-    set_reader_timeouts(connection, options);
-    connected = true;
-    // Bytes for GPU memory land in a staging ring (borrowed at the first such response) and are
-    // copied to the device while the next piece arrives; the response is whole once fill returns.
-    StagingPool::Loan ring;
-    auto receive_to_device = [&](std::byte* device, std::uint64_t bytes) {
-      TH_REQUIRE(options.staging != nullptr, "a pull into GPU memory needs a staging pool");
-      if (!ring) ring = options.staging->borrow(options.cancelled);
-      if (!ring) throw PullCancelled{};
-      ring->fill(device, bytes, [&](std::span<std::byte> piece) { receive(connection, piece.data(), piece.size(), options); });
-    };
-
-    struct Ask {
-      std::uint32_t region;
-      std::uint64_t offset;
-      std::uint64_t length;
-      std::uint64_t global_end;  // where it ends in layout order
-    };
-    std::deque<Ask> in_flight;
-    // The cursor: the next byte to ask for, as (region, offset).
-    std::uint32_t region = 0;
-    std::uint64_t offset = 0;
-    std::uint64_t region_start = 0;
-    std::uint64_t ready = 0;  // prefix of the targets that has arrived
-    // A partial source answers with what it has: one request at a time, so that a short answer
-    // moves the cursor. A complete source answers in full: `depth` requests keep the pipe busy.
-    std::uint32_t depth = options.partial ? 1 : options.depth;
-    bool wait_for_bytes = options.partial;  // let the source wait (bounded) for bytes to be ready
-    const auto now = [] { return std::chrono::steady_clock::now(); };
-    auto last_progress = now();
-    const auto pull_started = now();
-
-    auto skip_empty_regions = [&] {
-      while (region < targets.size() && offset == targets[region].bytes) {
-        region_start += targets[region].bytes;
-        ++region;
-        offset = 0;
-      }
-    };
-    skip_empty_regions();
-    if (region == targets.size()) return outcome;  // nothing to pull
-    for (;;) {
-      while (in_flight.size() < depth && region < targets.size()) {
-        const std::uint64_t length = std::min(options.chunk_bytes, targets[region].bytes - offset);
-        ReadRequestFrame request{kMagic, key.epoch, key.transfer, first_region + region,
-                                 wait_for_bytes ? 1u : 0u, offset, length, secret};
-        send_all(connection, &request, sizeof request);
-        in_flight.push_back(Ask{region, offset, length, region_start + offset + length});
-        offset += length;
-        skip_empty_regions();
-      }
-      if (in_flight.empty()) break;
-      if (options.cancelled && options.cancelled()) return fail(ReadError::kCancelled, "cancelled");
-
-      const Ask ask = in_flight.front();
-      in_flight.pop_front();
-      ReadResponseFrame response;
-      receive(connection, &response, sizeof response, options);
-      if (response.status != static_cast<std::uint32_t>(Status::kOk)) {
-        return fail(ReadError::kRefused, response.status == static_cast<std::uint32_t>(Status::kNoGrant)
-                                             ? "the source holds no grant for it"
-                                             : "outside the source's exposed regions");
-      }
-      if (response.length > ask.length) return fail(ReadError::kUnreachable, "the source sent too much");
-      // In steps, telling on_progress as the prefix grows: this is the front request, so every
-      // byte before it has arrived. (A whole 8 MiB chunk per step made each hop of a pipeline
-      // chain trail its source by 67 ms at 1 Gbit/s.)
-      if (targets[ask.region].on_device) {
-        receive_to_device(targets[ask.region].base + ask.offset, response.length);
-      } else {
-        for (std::uint64_t received = 0; received < response.length;) {
-          const std::uint64_t step = std::min(options.progress_step_bytes, response.length - received);
-          receive(connection, targets[ask.region].base + ask.offset + received, step, options);
-          received += step;
-          if (received < response.length && options.on_progress) {
-            options.on_progress(ask.global_end - ask.length + received);
-          }
-        }
-      }
-      outcome.bytes += response.length;
-      if (options.rate_bytes_per_s > 0) {
-        // Sleep until the bytes so far fit the rate since the pull began, in slices: a cancelled
-        // pull stops within one (a capped reader would otherwise hold a cancel or a deadline's
-        // answer for a whole chunk's time: 8 s for 8 MiB at 1 MB/s).
-        const auto due = pull_started + std::chrono::microseconds(outcome.bytes * 1'000'000 / options.rate_bytes_per_s);
-        for (auto left = due - Clock::now(); left > left.zero(); left = due - Clock::now()) {
-          if (options.cancelled && options.cancelled()) return fail(ReadError::kCancelled, "cancelled");
-          std::this_thread::sleep_for(std::min<std::chrono::microseconds>(
-              std::chrono::duration_cast<std::chrono::microseconds>(left), kRateSleepSlice));
-        }
-      }
-      if (response.length == ask.length) {
-        ready = ask.global_end;
-        if (options.on_progress && response.length > 0) options.on_progress(ready);
-        last_progress = now();
-        continue;
-      }
-      // A short answer: the source has no more yet. Drain what is in flight, then ask again from
-      // the first missing byte, one request at a time.
-      const std::uint64_t got_end = ask.global_end - ask.length + response.length;
-      if (response.length > 0) {
-        ready = got_end;
-        if (options.on_progress) options.on_progress(ready);
-        last_progress = now();
-      } else if (now() - last_progress > std::chrono::milliseconds(options.stall_ms_max)) {
-        return fail(ReadError::kStalled, "no progress for " + std::to_string(options.stall_ms_max) + " ms");
-      }
-      while (!in_flight.empty()) {
-        const Ask later = in_flight.front();
-        in_flight.pop_front();
-        receive(connection, &response, sizeof response, options);
-        if (response.status != static_cast<std::uint32_t>(Status::kOk)) {
-          return fail(ReadError::kRefused, "the source refused a read it had granted");
-        }
-        if (response.length > later.length) return fail(ReadError::kUnreachable, "the source sent too much");
-        if (targets[later.region].on_device) {
-          receive_to_device(targets[later.region].base + later.offset, response.length);
-        } else {
-          receive(connection, targets[later.region].base + later.offset, response.length, options);
-        }
-      }
-      depth = 1;
-      wait_for_bytes = true;
-      region = ask.region;
-      offset = ask.offset + response.length;
-      region_start = ask.global_end - ask.offset - ask.length;
-      skip_empty_regions();
-    }
-    TH_ASSERT(outcome.bytes >= ready);
-    return outcome;
-  } catch (const PullCancelled&) {
-    return fail(ReadError::kCancelled, "cancelled");
-  } catch (const DeviceCopyError& error) {
-    // This reader's GPU failed, not the source; the hub hears of a failed read and decides.
-    return fail(ReadError::kUnreachable, std::string("staging into GPU memory: ") + error.what());
-  } catch (const SocketTimeout& error) {
-    return fail(ReadError::kUnreachable, error.what());
-  } catch (const SocketError& error) {
-    // The source closed the connection: it stopped, dropped us, or revoked the grant mid-read.
-    if (connected && source_refuses(source, key, secret, first_region, options)) {
-      return fail(ReadError::kRefused, std::string("the source holds no grant for it (revoked during the read: ") +
-                                           error.what() + ")");
-    }
-    return fail(ReadError::kUnreachable, error.what());
-  }
-}
-
-// Over TCP: targets[i] is the source's region first_region + i.
-PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
-                     std::uint32_t first_region, const PullOptions& options) {
-  // A partial source is read in order on one connection: its ready prefix grows in order.
-  if (options.streams == 1 || options.partial || targets.size() < 2) {
-    return pull_stream(source, key, secret, targets, first_region, options);
-  }
-  // Several connections, each taking the next region nobody has claimed yet. The ready prefix
-  // (for our own pipeline readers) is the run of finished regions from the first one.
-  std::mutex mutex;
-  std::vector<bool> finished(targets.size(), false);
-  std::size_t prefix_regions = 0;
-  std::uint64_t prefix_bytes = 0;
-  std::atomic<std::size_t> next_region{0};
-  std::atomic<bool> failed{false};
-  PullOutcome total;
-  PullOptions one = options;
-  one.on_progress = nullptr;
-  one.cancelled = [&] { return failed.load() || (options.cancelled && options.cancelled()); };
-  auto stream = [&] {
-    for (std::size_t region = next_region++; region < targets.size() && !failed.load(); region = next_region++) {
-      PullOutcome part = pull_stream(source, key, secret, targets.subspan(region, 1),
-                                     first_region + static_cast<std::uint32_t>(region), one);
-      std::lock_guard lock(mutex);
-      total.bytes += part.bytes;
-      if (!part.ok()) {
-        if (!total.error || *total.error == ReadError::kCancelled) {
-          total.error = part.error;
-          total.detail = part.detail;
-        }
-        failed.store(true);
-        return;
-      }
-      finished[region] = true;
-      const std::uint64_t before = prefix_bytes;
-      while (prefix_regions < targets.size() && finished[prefix_regions]) {
-        prefix_bytes += targets[prefix_regions++].bytes;
-      }
-      if (prefix_bytes > before && options.on_progress) options.on_progress(prefix_bytes);
-    }
-  };
-  std::vector<std::thread> helpers;
-  const std::size_t helper_count = std::min<std::size_t>(options.streams, targets.size()) - 1;
-  for (std::size_t i = 0; i < helper_count; ++i) {
-    try {
-      helpers.emplace_back(stream);
-    } catch (const std::system_error&) {
-      break;  // no thread to be had: fewer streams (this one takes the regions nobody claims)
-    }
-  }
-  stream();
-  for (std::thread& helper : helpers) helper.join();
-  return total;
-}
-
-}  // namespace
-
-PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
-                 const PullOptions& options) {
-  TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
-             options.streams <= kPullStreamsMax);
-  std::string ipc_fallback;
-  if (options.ipc != nullptr && !options.partial) {
-    const ipc_detail::TcpSide tcp{
-        [&](std::span<const LocalRegion> part, std::uint32_t first_region, const PullOptions& part_options) {
-          return pull_tcp(source, key, secret, part, first_region, part_options);
-        },
-        [&] { return probe_grant(source, key, secret, 0, options); }};
-    if (std::optional<PullOutcome> done =
-            ipc_detail::pull_over_ipc(source, key, secret, targets, options, tcp, ipc_fallback)) {
-      return *std::move(done);
-    }
-  }
-  PullOutcome outcome = pull_tcp(source, key, secret, targets, 0, options);
-  outcome.ipc_fallback = std::move(ipc_fallback);
-  return outcome;
 }
 
 }  // namespace th::net

@@ -95,7 +95,7 @@ enum class ReadError : std::uint8_t {
 };
 std::string_view read_error_name(ReadError error);
 
-struct ReadRequestFrame;  // on the wire: defined in data_plane.cpp
+struct ReadRequestFrame;  // on the wire: defined in net/data_frames.h
 class IpcExporter;        // net/ipc.h
 class IpcImporter;
 // Every request on the data port starts with a frame of this size whose first 4 bytes are a magic.

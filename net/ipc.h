@@ -185,7 +185,7 @@ struct IpcRegionRecord {
 };
 static_assert(sizeof(IpcRegionRecord) == 96);
 
-// ---- Between net/data_plane.cpp and net/ipc.cpp ----------------------------------------------------
+// ---- Between net/data_plane.cpp, net/data_pull.cpp and net/ipc.cpp -------------------------------
 
 namespace ipc_detail {
 
@@ -195,7 +195,7 @@ std::vector<IpcRegionRecord> export_records(IpcExporter& exporter, std::span<con
 // An ok answer's header, without its count and grant_regions.
 IpcAnswerFrame answer_header(IpcExporter& exporter);
 
-// What the IPC reader needs of the TCP one (net/data_plane.cpp).
+// What the IPC reader needs of the TCP one (net/data_pull.cpp).
 struct TcpSide {
   // A TCP pull of a run of regions: part[i] is the source's region first_region + i.
   std::function<PullOutcome(std::span<const LocalRegion> part, std::uint32_t first_region,

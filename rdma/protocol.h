@@ -30,7 +30,7 @@ inline Deadline after_ms(int ms) { return Clock::now() + std::chrono::millisecon
 // ---- Frames on the data port ------------------------------------------------------------------
 // Requests are kDataRequestBytes long and begin with kMagic, like the TCP data plane's (its server
 // hands a connection whose first request carries this magic to this file). Little-endian, as the
-// TCP frames (net/data_plane.cpp asserts the host's order).
+// TCP frames (net/data_frames.h asserts the host's order).
 
 constexpr std::uint32_t kMagic = 0x31524454;  // "TDR1"
 constexpr std::uint32_t kProtocolVersion = 2;  // 2: the hello carries the rail and the read depth

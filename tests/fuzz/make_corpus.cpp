@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   const auto beat = th::net::encode(th::net::seal(7, 1, 1, th::net::HeartbeatKey{1, 2}));  // fuzz_heartbeat's key
   write(root / "fuzz_heartbeat" / "beat", beat.data(), beat.size());
 
-  // Data-plane request frames (net/data_plane.cpp): magic "TDP2", epoch, transfer, region, wait,
+  // Data-plane request frames (net/data_frames.h): magic "TDP2", epoch, transfer, region, wait,
   // offset, length, secret (the fuzz target's grant secret for the valid ones).
   struct Frame {
     std::uint32_t magic = 0x32504454;

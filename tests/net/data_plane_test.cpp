@@ -335,7 +335,7 @@ std::size_t mappings_now() {
   return count;
 }
 
-// A reader that speaks raw frames (the layout the data plane's wire uses: see data_plane.cpp).
+// A reader that speaks raw frames (the layout the data plane's wire uses: see net/data_frames.h).
 constexpr std::uint32_t kRawMagic = 0x32504454;  // "TDP2"
 struct RawRequest {
   std::uint32_t magic = kRawMagic;

@@ -259,17 +259,19 @@ void Hub::on_drained(Copy& copy) {
           return;
         }
       }
+      const bool failed = copy.failed;
       remove_copy(copy);
-      after_primary_drained(owner, purpose);
+      after_primary_drained(owner, purpose, failed);
       return;
   }
 }
 
-void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose) {
+void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose, bool failed) {
   const TxnStage stage = purpose == DrainPurpose::kUpdate ? TxnStage::kDrainingOld : TxnStage::kDraining;
   for (auto& [seq, txn] : replica.txns) {
     if (txn.stage != stage || txn.result) continue;
     if (purpose == DrainPurpose::kUpdate) {
+      txn.previous_failed = failed;
       begin_receive(replica, txn, *txn.target);
     } else {
       finish(replica, txn, UnpublishOk{});
@@ -400,8 +402,9 @@ void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDo
   if (primary != nullptr && primary->awaiting_offload == offload->id) {
     primary->awaiting_offload = 0;
     const DrainPurpose purpose = primary->drain_purpose;
+    const bool failed = primary->failed;
     remove_copy(*primary);
-    after_primary_drained(replica, purpose);
+    after_primary_drained(replica, purpose, failed);
   }
 }
 

@@ -176,6 +176,10 @@ struct Txn {
   std::optional<Outcome> result;       // once set, every expected shard gets exactly this
   std::optional<Version> target;       // replicate/update: the version settled on
   std::optional<Version> previous;     // update: the version held before, until data moves
+  // update: a reader reported the copy of `previous` (Copy::failed). Restored after a failed update,
+  // it holds the same bytes as before, so it stays reported: the copy is the same buffers whether
+  // its drain finished (restore_previous) or not (undrain).
+  bool previous_failed = false;
   bool released = false;               // failed after a shard was told to read (Reply::released)
   std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout
   TimeMs deadline_ms = 0;              // 0: none

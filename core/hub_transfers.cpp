@@ -529,7 +529,9 @@ void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   remove_copy(*transfer.reader);            // also ends the transfer
   auto found = replica.txns.find(seq);
   if (found == replica.txns.end() || found->second.result) return;
-  if (!written && found->second.previous) restore_previous(replica, *found->second.previous);
+  if (!written && found->second.previous) {
+    restore_previous(replica, *found->second.previous, found->second.previous_failed);
+  }
   found->second.released = written;
   finish(replica, found->second, error);
 }

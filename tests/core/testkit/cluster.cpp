@@ -46,16 +46,19 @@ bool exit_error(const Outcome& outcome) {
 
 }  // namespace
 
-std::ostream& operator<<(std::ostream& out, const ClusterAction& action) {
+std::string_view action_name(ClusterAction::Kind kind) {
   static constexpr const char* kNames[] = {"plan",      "step",      "step-all", "deliver",
                                            "deliver-all", "drop",    "duplicate", "finish-read",
                                            "fail-read", "offload",   "crash",    "tick",
                                            "failover",  "burst",     "crash-source",
                                            "replay",    "cancel"};
-  static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
-                                         "list",    "wait",      "close"};
-  out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
-  if (action.kind == ClusterAction::Kind::kPlan) out << "=" << kOps[action.b % 7];
+  const auto index = static_cast<std::size_t>(kind);
+  return index < std::size(kNames) ? kNames[index] : std::string_view{};
+}
+
+std::ostream& operator<<(std::ostream& out, const ClusterAction& action) {
+  out << action_name(action.kind) << "(" << action.a << "," << action.b;
+  if (action.kind == ClusterAction::Kind::kPlan) out << "=" << op_name(static_cast<OpKind>(action.b % 7));
   out << "," << action.c << "," << action.d << (action.go ? ",go" : "") << ")";
   return out;
 }
@@ -299,9 +302,15 @@ std::pair<std::uint64_t, std::uint64_t> Cluster::place(int w) const {
   return {worker.agent->starts(), worker.agent->last_seq()};
 }
 
+// SPMD: a shard makes its next call only once every live peer has opened and completed as many
+// calls as it has. Opening is part of the program: a peer whose open failed (and opens again) is
+// behind, as a rank still in its framework's init is. A shard that ran ahead of a peer that never
+// got in would complete calls in a replica that the peer's process does not take itself to be
+// part of (property-regressions.txt: lossy-open-refused-then-bound).
 bool Cluster::peers_behind(int w) const {
   for (int peer : runs_[workers_[w].replica].workers) {
-    if (peer != w && workers_[peer].alive && workers_[peer].opened && place(peer) < place(w)) return true;
+    if (peer == w || !workers_[peer].alive) continue;
+    if (!workers_[peer].opened || place(peer) < place(w)) return true;
   }
   return false;
 }

@@ -65,6 +65,7 @@ struct ClusterAction {
   bool go = false;
 };
 std::ostream& operator<<(std::ostream& out, const ClusterAction& action);
+std::string_view action_name(ClusterAction::Kind kind);  // as operator<< prints it: "deliver-all"
 
 // `lossy`: the network loses, duplicates and reorders messages; otherwise it delivers everything,
 // in order, after every action.

@@ -32,13 +32,18 @@ std::ostream& operator<<(std::ostream& out, const FleetSpec& spec) {
   return out;
 }
 
+FleetSpec fleet_base(bool faults, bool closes) {
+  FleetSpec spec;
+  spec.faults = faults;
+  spec.closes = closes;
+  spec.settings.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
+  spec.settings.barrier_timeout_ms = kBarrierTimeoutMs;
+  return spec;
+}
+
 rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
   return rc::gen::exec([faults, closes] {
-    FleetSpec spec;
-    spec.faults = faults;
-    spec.closes = closes;
-    spec.settings.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
-    spec.settings.barrier_timeout_ms = kBarrierTimeoutMs;
+    FleetSpec spec = fleet_base(faults, closes);
     spec.settings.pipeline = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
     spec.settings.fanout_max = spec.settings.pipeline
                                    ? *rc::gen::weightedElement<std::uint32_t>({{3, 1}, {1, 2}})
@@ -70,14 +75,17 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
   });
 }
 
-std::ostream& operator<<(std::ostream& out, const Action& action) {
+std::string_view action_name(Action::Kind kind) {
   static constexpr const char* kNames[] = {"plan",  "step", "step-all", "finish-read", "fail-read",
                                            "offload", "crash", "tick",  "diverge",   "failover",
                                            "burst", "crash-source", "cancel"};
-  static constexpr const char* kOps[] = {"publish", "unpublish", "replicate", "update",
-                                         "list",    "wait",      "close"};
-  out << kNames[static_cast<int>(action.kind)] << "(" << action.a << "," << action.b;
-  if (action.kind == Action::Kind::kPlan) out << "=" << kOps[action.b % 7];
+  const auto index = static_cast<std::size_t>(kind);
+  return index < std::size(kNames) ? kNames[index] : std::string_view{};
+}
+
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  out << action_name(action.kind) << "(" << action.a << "," << action.b;
+  if (action.kind == Action::Kind::kPlan) out << "=" << op_name(static_cast<OpKind>(action.b % 7));
   out << "," << action.c << "," << action.d << (action.go ? ",go" : "") << ")";
   return out;
 }

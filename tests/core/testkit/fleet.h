@@ -45,6 +45,10 @@ std::ostream& operator<<(std::ostream& out, const FleetSpec& spec);
 
 rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes);
 
+// What every generated fleet shares: short heartbeat and barrier timeouts (a few ticks evict a
+// crashed replica), faults and closes as asked. gen_fleet draws the rest.
+FleetSpec fleet_base(bool faults, bool closes);
+
 struct Action {
   enum class Kind : std::uint8_t {
     kPlan,        // append an op to replica a's program: op b with parameters c, d; if `go`, every
@@ -72,6 +76,7 @@ struct Action {
   bool go = false;
 };
 std::ostream& operator<<(std::ostream& out, const Action& action);
+std::string_view action_name(Action::Kind kind);  // as operator<< prints it: "finish-read"
 
 rc::Gen<Action> gen_action(const FleetSpec& spec);
 

@@ -1043,7 +1043,11 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
               if (call.read_started || !call.held_before) {
                 replica.holding = Holding::kNone;  // the buffers changed, or held nothing
               } else {
-                hold(*call.held_before);  // failed before any read: still the previous version
+                // Failed before any read: still the previous copy, the same bytes in the same
+                // buffers, and so still reported if a reader reported it.
+                replica.holding = Holding::kComplete;
+                replica.version = *call.held_before;
+                replica.drain_unsure = false;
               }
               break;
             case OpKind::kUnpublish:

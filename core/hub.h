@@ -204,6 +204,8 @@ class Hub {
   void set_state(Copy& copy, detail::CopyState state);
   void set_readers(Copy& copy, std::uint32_t readers);
   void set_failed(Copy& copy);
+  // A reader found shard `shard` of `copy` failing the version's checksums (see Copy::corrupt).
+  void on_mismatch(Copy& copy, std::uint32_t shard);
   void reindex(Copy& copy);
   detail::Contribution contribution(const Copy& copy) const;
   void apply(Copy& copy, const detail::Contribution& contribution, int sign);
@@ -250,6 +252,10 @@ class Hub {
   void settle();
   void settle_model(Model& model);
   void mark_dirty(Model& model) { model.dirty = true; }
+  // A copy's state or health changed: the model's waits are evaluated again (if it has any).
+  void waits_may_change(Model& model) {
+    if (!model.waits.empty()) mark_dirty(model);
+  }
 
   VersionRecord& record_for(Model& model, Version version);
   void forget_versions(Model& model);

@@ -126,8 +126,9 @@ Contribution Hub::contribution(const Copy& copy) const {
   // one (it serves its readers to the end, and they then hold the bytes; one without readers goes
   // within the step), a receiving copy is not (it holds only what its own source gave it). A copy
   // a reader reported is only suspected: it still counts until its replica is evicted.
-  c.root = complete || copy.state == CopyState::kPublishing ||
-           copy.state == CopyState::kOffloading || copy.state == CopyState::kDraining;
+  // A corrupt copy holds other bytes than the version's: whatever its state, it is no root.
+  c.root = !copy.corrupt && (complete || copy.state == CopyState::kPublishing ||
+                             copy.state == CopyState::kOffloading || copy.state == CopyState::kDraining);
   const bool fits = copy.readers < settings_.fanout_max;
   // A seed (an offload copy being read) is not a pipeline source: its buffer is the data plane's
   // until verified whole.
@@ -171,6 +172,16 @@ void Hub::reindex(Copy& copy) {
 void Hub::set_state(Copy& copy, CopyState state) {
   copy.state = state;
   reindex(copy);
+  // Waits on what replicas hold may hold now (or fail), whichever way the copy went: a copy that
+  // is complete again (an update cancelled while its old copy drained) makes no new version, so
+  // nothing else would look at them.
+  waits_may_change(*copy.owner->model);
+}
+
+void Hub::set_failed(Copy& copy) {
+  copy.failed = true;
+  reindex(copy);
+  waits_may_change(*copy.owner->model);
 }
 
 void Hub::set_readers(Copy& copy, std::uint32_t readers) {
@@ -178,9 +189,15 @@ void Hub::set_readers(Copy& copy, std::uint32_t readers) {
   reindex(copy);
 }
 
-void Hub::set_failed(Copy& copy) {
-  copy.failed = true;
-  reindex(copy);
+
+void Hub::on_mismatch(Copy& copy, std::uint32_t shard) {
+  TH_ASSERT(shard < copy.owner->num_shards);
+  if (copy.mismatched.test(shard)) {
+    copy.corrupt = true;
+  } else {
+    copy.mismatched.set(shard);
+  }
+  set_failed(copy);
 }
 
 void Hub::on_copy_complete(Copy& copy) {

@@ -100,6 +100,12 @@ struct Copy {
   std::uint32_t readers = 0;       // transfers whose current source is this copy
   Transfer* incoming = nullptr;    // kGathering, kWaiting, kActive
   bool failed = false;             // a reader could not read it; never chosen again
+  // Shards whose bytes failed a reader's checksums since their last good read. A second failure
+  // of such a shard makes the copy `corrupt`: its bytes are not the version's (a buffer written
+  // while published, memory gone bad), not a reader's or a link's passing trouble, and it is
+  // not even a last resort any more. A copy still receiving sheds both when it reads afresh.
+  ShardSet mismatched;
+  bool corrupt = false;
   DrainPurpose drain_purpose = DrainPurpose::kUnpublish;
   CopyId awaiting_offload = 0;     // a draining primary waits for this offload copy to complete
   // An offload copy made by offload seeding (read from another datacenter, not copied from the

@@ -191,6 +191,9 @@ bool makes_detour(const Copy& candidate, DcId reader_dc, const std::vector<DcId>
 Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   const Copy& reader = *transfer.reader;
   const VersionRecord& record = *reader.record;
+  // No copy holds, or will hold without reading another, every byte (the last one went, or its
+  // bytes turned out corrupt): no chain of sources can complete, however busy it looks.
+  if (record.roots == 0) return {Pick::kUnavailable, nullptr};
   const Model& model = *reader.owner->model;
   const DcId dc = reader.owner->dc;
   // A reader that already serves others (a pipeline source whose own source was lost) must not
@@ -268,7 +271,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
         }
         path.push_back(at);
         if (at->state != CopyState::kActive) {
-          result = at->state == CopyState::kComplete || at->state == CopyState::kDraining;
+          result = !at->corrupt && (at->state == CopyState::kComplete || at->state == CopyState::kDraining);
           break;
         }
         at = at->incoming->source;
@@ -314,7 +317,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   // that a reader reported (it may have been the reader's trouble), ours first, least loaded first.
   Copy* suspect = nullptr;
   for (Copy* copy : record.copies) {
-    if (!copy->failed || copy->state != CopyState::kComplete || !usable(copy) ||
+    if (!copy->failed || copy->corrupt || copy->state != CopyState::kComplete || !usable(copy) ||
         copy->readers >= settings_.fanout_max) {
       continue;
     }
@@ -331,7 +334,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   if (several_dcs && has_downstream) {
     Copy* detour = nullptr;
     for (Copy* copy : record.copies) {
-      if (copy->state != CopyState::kComplete || copy->owner->dc == dc ||
+      if (copy->state != CopyState::kComplete || copy->corrupt || copy->owner->dc == dc ||
           copy->readers >= settings_.fanout_max) {
         continue;
       }
@@ -467,6 +470,10 @@ void Hub::detach_source(Transfer& transfer) {
 void Hub::reassign(Transfer& transfer, bool failed) {
   Model& model = *transfer.reader->owner->model;
   detach_source(transfer);
+  // The reader reads afresh from its next source: what its readers found in its old bytes no
+  // longer says anything about it.
+  transfer.reader->mismatched.reset();
+  transfer.reader->corrupt = false;
   set_state(*transfer.reader, CopyState::kWaiting);
   if (failed) ++transfer.failures;
   orphans_.emplace_back(&model, transfer.id);  // settle() picks another source, or gives up
@@ -498,6 +505,9 @@ void Hub::complete_transfer(Transfer& transfer) {
   reader.incoming = nullptr;
   model.transfers.erase(transfer.id);
   ++stats_.transfers_completed;
+  // Every shard verified its bytes: what readers found in them while they arrived is moot.
+  reader.mismatched.reset();
+  reader.corrupt = false;
   set_state(reader, CopyState::kComplete);
   on_copy_complete(reader);
   if (reader.kind == CopyKind::kOffload) return;  // a seed: no call waits for it
@@ -607,6 +617,8 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
     TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
     emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
     transfer.started.reset(shard);
+    // The source's bytes of this shard read well: an earlier checksum failure was passing trouble.
+    if (done.epoch == transfer.epoch) transfer.source->mismatched.reset(shard);
   }
   reader.ready.set(shard);
   if (reader.ready.count() == replica.num_shards) complete_transfer(transfer);
@@ -626,7 +638,11 @@ void Hub::on_transfer_failed(Replica& replica, std::uint32_t shard, const Transf
   }
   if (failed.epoch != transfer.epoch) return;
   ++stats_.source_failures;
-  set_failed(*transfer.source);
+  if (failed.reason == ReadFailure::kChecksumMismatch) {
+    on_mismatch(*transfer.source, shard);
+  } else {
+    set_failed(*transfer.source);
+  }
   reassign(transfer);
 }
 

@@ -128,6 +128,9 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   }
   // Drawn last (see above): applications that give up on calls.
   if (rng.chance(0.4)) knobs.cancel = static_cast<double>(rng.range(1, 4)) / 10;
+  // Drawn last (see above): corrupted bytes, in flight and at the source.
+  if (on(rng)) knobs.corrupt = pick(rng, kRareToCommon);
+  if (on(rng)) knobs.tamper_per_s = pick(rng, kPerSecond);
   return knobs;
 }
 
@@ -144,8 +147,9 @@ bool parse_number(std::string_view text, T& value) {
 std::string fault_keys() {
   return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
          "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
-         "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls); and the hub "
-         "option offload-seeding (0/1)";
+         "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls), "
+         "corrupt (share of reads with a bit flipped in flight), tamper (per s: a source's published buffers "
+         "change under its readers); and the hub option offload-seeding (0/1)";
 }
 
 Status apply_overrides(Knobs& knobs, std::string_view overrides) {
@@ -160,6 +164,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
       knobs.clock_skew_ppm = 0;
       knobs.cancel = 0;
+      knobs.corrupt = knobs.tamper_per_s = 0;
       knobs.delay_mean_ms = 1;
       continue;
     }
@@ -200,6 +205,10 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.offload_seeding = number != 0;
     } else if (key == "cancel" && number <= 1) {
       knobs.cancel = number;
+    } else if (key == "corrupt" && number <= 1) {
+      knobs.corrupt = number;
+    } else if (key == "tamper") {
+      knobs.tamper_per_s = number;
     } else if (key == "skew") {
       knobs.clock_skew_ppm = static_cast<std::int64_t>(number);
     } else {
@@ -209,16 +218,19 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
   return Unit{};
 }
 
-std::string profile_list() { return "drawn, harsh-net, harsh-crash, harsh"; }
+std::string profile_list() { return "drawn, harsh-net, harsh-crash, harsh-bytes, harsh"; }
 
 Status apply_profile(Knobs& knobs, std::string_view profile) {
   constexpr std::string_view kNet = "partition=1,clog=1,delay=100";
   constexpr std::string_view kCrash = "drop=0.05,crash=0.5,read-failure=0.1,server-crash=1";
+  constexpr std::string_view kBytes = "corrupt=0.1,tamper=0.5";
   if (profile == "drawn") return Unit{};
   if (profile == "harsh-net") return apply_overrides(knobs, kNet);
   if (profile == "harsh-crash") return apply_overrides(knobs, kCrash);
+  if (profile == "harsh-bytes") return apply_overrides(knobs, kBytes);
   if (profile == "harsh") {
     if (Status net = apply_overrides(knobs, kNet); !net.ok()) return net;
+    if (Status bytes = apply_overrides(knobs, kBytes); !bytes.ok()) return bytes;
     return apply_overrides(knobs, kCrash);
   }
   return make_error(Errc::kInvalidArgument,
@@ -239,7 +251,8 @@ std::string describe(const Knobs& knobs) {
       << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms
       << "ms crash=" << knobs.crash_per_s << "/s rack=" << knobs.rack_crashes << " storm=" << knobs.preemption_storm
       << " server-crash=" << knobs.server_crash << " read-failure=" << knobs.read_failure
-      << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " skew=" << knobs.clock_skew_ppm
+      << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " corrupt=" << knobs.corrupt
+      << " tamper=" << knobs.tamper_per_s << "/s skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";
   return out.str();
 }

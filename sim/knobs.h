@@ -64,6 +64,13 @@ struct Knobs {
   bool preemption_storm = false;     // many spot replicas at once
   bool server_crash = false;         // the primary server dies once; clients fail over
   double read_failure = 0;           // a read fails for no reason on the source's side
+  // Bytes that are not what was published (DESIGN.md §5.1: every byte a reader keeps matches the
+  // version's checksum). `corrupt`: the share of reads that a bit flip hits on the way (a NIC, a
+  // link, a bad DIMM on the reader). `tamper`: per second, a source's buffers change under a
+  // published version (a trainer that writes its tensors while published, or memory gone bad):
+  // every read of them fails its checksum until the source holds another version.
+  double corrupt = 0;
+  double tamper_per_s = 0;
   double straggler_fraction = 0;     // hosts with a tenth of the bandwidth and slow steps
   std::int64_t clock_skew_ppm = 0;   // each worker's clock runs up to this much fast or slow
   // The application: the share of a rollout's replicate, update and wait calls that one of its
@@ -89,7 +96,9 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides);
 //   drawn         every knob as drawn from the seed (swarm testing)
 //   harsh-net     partitions and clogging every second, 100 ms mean delays
 //   harsh-crash   5% of messages lost, a crash every 2 s, 10% of reads fail, a server failover
-//   harsh         both at once
+//   harsh-bytes   a bit flipped in flight in 10% of reads; a source's published buffers change
+//                 under its readers every 2 s
+//   harsh         all three at once
 Status apply_profile(Knobs& knobs, std::string_view profile);
 std::string profile_list();  // "drawn, harsh-net, …"
 std::string fault_keys();  // the keys apply_overrides accepts, for --help

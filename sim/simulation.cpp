@@ -148,6 +148,22 @@ struct Worker {
   std::uint64_t buffer_bytes = 0;
   std::map<Version, std::vector<std::uint8_t>> offloads;
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
+  // Bytes a fault changed (knobs corrupt and tamper), until the buffer is written anew. Corrupt:
+  // it may hold bytes that are not its version's, which a fault put there (a bit flipped on the
+  // way in, or a tampered source's bytes read in): served on, they fail their readers' checksums,
+  // and no reader may ever keep them. Tampered: the fault changed this process's own buffers
+  // under a version they held, so its application is not to blame for holding them.
+  bool buffer_corrupt = false;
+  bool buffer_tampered = false;
+  std::set<Version> offloads_corrupt;
+  // The last read of each transfer that finished, as the data plane ended it: what a TransferDone
+  // report of the agent's is about (see check_done_report).
+  struct FinishedRead {
+    std::uint32_t epoch = 0;
+    Version version = 0;
+    bool seed = false;
+  };
+  std::map<TransferId, FinishedRead> finished_reads;
   // The host and its network.
   bool straggler = false;
   double nic_factor = 1;      // plan: this GPU's share of its NIC rate (nic_jitter)
@@ -171,6 +187,8 @@ struct Flow {
   bool granted = false;    // the source had a grant for this read (a missing one is then revoked)
   ReadFailure fail_reason = ReadFailure::kSourceUnreachable;
   double fail_at_progress = -1;  // an injected failure once this much has moved
+  // A bit flipped on the way (knob corrupt): the real byte at this offset, this bit.
+  std::optional<std::pair<std::size_t, int>> flip;
 };
 
 // ---- Events --------------------------------------------------------------------------------------
@@ -477,7 +495,10 @@ class Simulation {
     worker.buffer.assign(kBufferBytes, 0);
     worker.buffer_version.reset();
     worker.buffer_bytes = 0;
+    worker.buffer_corrupt = worker.buffer_tampered = false;
     worker.offloads.clear();
+    worker.offloads_corrupt.clear();
+    worker.finished_reads.clear();
     worker.grants.clear();
     worker.server_lost_pending = false;
     worker.app = App{};
@@ -545,6 +566,7 @@ class Simulation {
           if constexpr (std::is_same_v<T, SendRequest>) {
             send_to_server(w, e.server, e.request);
           } else if constexpr (std::is_same_v<T, SendReport>) {
+            check_report(w, e.report.body);
             send_to_server(w, e.server, e.report);
           } else if constexpr (std::is_same_v<T, BeginRead>) {
             begin_read(w, e.read);
@@ -558,6 +580,7 @@ class Simulation {
             schedule(now_ + rng_.range(20, 200), Event(EventKind::kOffloadCopied, w, e.version));
           } else if constexpr (std::is_same_v<T, FreeOffload>) {
             worker.offloads.erase(e.version);
+            worker.offloads_corrupt.erase(e.version);
           } else {
             static_assert(std::is_same_v<T, CallDone>);
             call_done(w, e);
@@ -793,13 +816,20 @@ class Simulation {
     if (faults_on_ && rng_.chance(knobs_.read_failure)) {
       flow.fail_at_progress = rng_.unit() * static_cast<double>(knobs_.shard_bytes);
     }
+    // (Drawn only where the knob is on, so that seeds without it run as they did before it.)
+    if (faults_on_ && knobs_.corrupt > 0 && rng_.chance(knobs_.corrupt)) {
+      flow.flip = {static_cast<std::size_t>(rng_.below(kBufferBytes)), static_cast<int>(rng_.below(8))};
+    }
     Worker& reader = workers_[w];
+    // Every byte of the destination is written anew from the source before the read completes.
     if (seed) {
       // Offload seeding: into a CPU buffer of its own (created now, freed by FreeOffload).
       reader.offloads.try_emplace(read.version, kBufferBytes, std::uint8_t{0});
+      reader.offloads_corrupt.erase(read.version);
     } else {
       reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
       reader.buffer_bytes = 0;
+      reader.buffer_corrupt = reader.buffer_tampered = false;
     }
     flows_[{w, read.transfer}] = flow;
     if (!data_tick_scheduled_) {
@@ -863,6 +893,8 @@ class Simulation {
     } else {
       ++result_.reads;
     }
+    workers_[reader].finished_reads[read.transfer] =
+        Worker::FinishedRead{read.epoch, read.version, read.offload_copy != 0};
     trace_.span(reader + 1, "read v" + std::to_string(read.version) + " from " + read.source.replica,
                 "transfer", flow.started_ms, now_,
                 std::string(R"({"source":")") + json_escape(read.source.replica) + R"(","epoch":)" +
@@ -938,6 +970,7 @@ class Simulation {
     // gives its bytes too, as a real one-sided read would: the checks below catch that.
     double available = total;
     const std::vector<std::uint8_t>* bytes = &source.buffer;
+    bool source_corrupt = source.buffer_corrupt;
     if (read.source.kind == CopyKind::kOffload) {
       auto offload = source.offloads.find(read.version);
       if (offload == source.offloads.end()) {
@@ -945,6 +978,7 @@ class Simulation {
                         std::to_string(read.version) + " that it freed");
       }
       bytes = &offload->second;
+      source_corrupt = source.offloads_corrupt.contains(read.version);
     } else if (source.buffer_version == read.version) {
       available = static_cast<double>(source.buffer_bytes);
     }
@@ -961,16 +995,28 @@ class Simulation {
       }
       into = &buffer->second;
     }
+    bool corrupted = false;
     for (std::size_t offset = flow.copied; offset < std::min(target, kBufferBytes); ++offset) {
-      const std::uint8_t byte = (*bytes)[offset];
+      std::uint8_t byte = (*bytes)[offset];
       if (byte != content(model, read.version, read.shard, offset)) {
-        throw Violation("integrity: " + replica_of(flow.reader).name + " read a byte of " +
-                        read.source.replica + "'s buffers that is not version " +
-                        std::to_string(read.version) + " (the source's buffers changed under a "
-                        "grant to read them)");
+        // Only a fault may have put it there; any other wrong byte is a buffer that changed under
+        // a grant to read it (DESIGN.md §5.1).
+        if (!source_corrupt) {
+          throw Violation("integrity: " + replica_of(flow.reader).name + " read a byte of " +
+                          read.source.replica + "'s buffers that is not version " +
+                          std::to_string(read.version) + " (the source's buffers changed under a "
+                          "grant to read them)");
+        }
+        corrupted = true;
+      }
+      if (flow.flip && flow.flip->first == offset) {
+        byte = static_cast<std::uint8_t>(byte ^ (1U << flow.flip->second));
+        corrupted = true;
       }
       (*into)[offset] = byte;
     }
+    if (corrupted && seed) reader.offloads_corrupt.insert(read.version);
+    if (corrupted && !seed) reader.buffer_corrupt = true;
     if (!seed && flow.copied < std::min(target, kBufferBytes)) check_may_write(flow.reader, read.version);
     flow.copied = std::max(flow.copied, std::min(target, kBufferBytes));
     if (!seed) reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
@@ -983,10 +1029,58 @@ class Simulation {
   void offload_copied(int w, Version version) {
     if (!alive(w)) return;
     Worker& worker = workers_[w];
-    if (worker.buffer_version != version || worker.buffer_bytes < knobs_.shard_bytes) return;
+    if (worker.buffer_version != version || worker.buffer_bytes < knobs_.shard_bytes) {
+      // The buffers moved on while they were copied: the copy holds other bytes. The agent hears
+      // of it all the same, as from a real data plane, and must free it: never keep or report it.
+      torn_offload_ = version;
+      agent_step(w, OffloadFinished{version});
+      torn_offload_.reset();
+      return;
+    }
     worker.offloads[version] = worker.buffer;
+    if (worker.buffer_corrupt) {
+      worker.offloads_corrupt.insert(version);
+    } else {
+      worker.offloads_corrupt.erase(version);
+    }
     trace_.instant(w + 1, "offloaded v" + std::to_string(version), "offload", now_);
     agent_step(w, OffloadFinished{version});
+  }
+
+  // What an agent reports of the data plane must be true of the bytes (DESIGN.md §5.1): a read it
+  // reports done holds every byte of the version (a read that failed its checksums is never done),
+  // and an offload copy it reports made is a copy of that version's buffers.
+  void check_report(int w, const ReportBody& body) {
+    const Worker& worker = workers_[w];
+    const std::string who = replica_of(w).name + "/" + std::to_string(worker.shard);
+    if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
+      if (torn_offload_ == offloaded->version) {
+        throw Violation("integrity: " + who + " keeps and reports an offload copy of version " +
+                        std::to_string(offloaded->version) + " made while its buffers held another");
+      }
+      return;
+    }
+    const auto* done = std::get_if<TransferDone>(&body);
+    if (done == nullptr) return;
+    auto finished = worker.finished_reads.find(done->transfer);
+    if (finished == worker.finished_reads.end() || finished->second.epoch != done->epoch) return;
+    const Worker::FinishedRead& read = finished->second;
+    const std::vector<std::uint8_t>* bytes = &worker.buffer;
+    if (read.seed) {
+      auto offload = worker.offloads.find(read.version);
+      if (offload == worker.offloads.end()) return;  // freed since (a late repeat of the report)
+      bytes = &offload->second;
+    } else if (worker.buffer_version != read.version) {
+      return;  // read again since: the report repeats an earlier one
+    }
+    const int model = replica_of(w).model;
+    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
+      if ((*bytes)[offset] != content(model, read.version, worker.shard, offset)) {
+        throw Violation("integrity: " + who + " reports done a read of version " +
+                        std::to_string(read.version) + (read.seed ? " (an offload seed)" : "") +
+                        " whose bytes fail the version's checksums");
+      }
+    }
   }
 
   // ---- the application: trainers and rollouts ----
@@ -1073,8 +1167,10 @@ class Simulation {
         return;
       }
       case App::Next::kPublish: {
-        // The trainer's buffers hold the version it trained (written when it was mutable).
-        if (worker.buffer_version != app.version) write_version(w, app.version);
+        // The trainer's buffers hold the version it trained (written when it was mutable; again
+        // if a fault changed them since and they are not published).
+        const bool tampered = worker.buffer_tampered && !worker.agent->held();
+        if (worker.buffer_version != app.version || tampered) write_version(w, app.version);
         call(w, PublishRequest{app.version, layout_for(worker.shard),
                                std::make_shared<const Checksums>(checksums_of(worker.buffer))},
              "publish v" + std::to_string(app.version));
@@ -1188,6 +1284,7 @@ class Simulation {
     }
     worker.buffer_version = version;
     worker.buffer_bytes = knobs_.shard_bytes;
+    worker.buffer_corrupt = worker.buffer_tampered = false;
   }
 
   // The data plane writes a shard's buffers only for the application's replicate or update in
@@ -1204,9 +1301,11 @@ class Simulation {
                     " (a stale instruction obeyed)");
   }
 
-  // Every byte a reader keeps is checked.
+  // Every byte a reader keeps is checked (but for bytes a fault changed in this very process's
+  // buffers: its readers' checksums answer for those).
   void verify_held(int w, Version version, const char* after) {
     Worker& worker = workers_[w];
+    if (worker.buffer_tampered) return;
     const int model = replica_of(w).model;
     for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
       if (worker.buffer[offset] != content(model, version, worker.shard, offset)) {
@@ -1490,6 +1589,7 @@ class Simulation {
       storm();
     }
     if (rng_.chance(knobs_.crash_per_s * dt)) crash_someone();
+    if (knobs_.tamper_per_s > 0 && rng_.chance(knobs_.tamper_per_s * dt)) tamper_someone();
     if (!workers_.empty() && rng_.chance(knobs_.clog_per_s * dt)) {
       Worker& worker = workers_[rng_.below(workers_.size())];
       worker.clogged_until = now_ + knobs_.clog_ms;
@@ -1503,6 +1603,36 @@ class Simulation {
       }
     }
     schedule(now_ + kFaultTickMs, Event(EventKind::kFaultTick));
+  }
+
+  // A bit of a published copy's buffers flips (a trainer that writes its tensors while published,
+  // or memory gone bad), preferably one that serves a read now: its readers' checksums must refuse
+  // its bytes from now on, until its buffers hold another version.
+  void tamper_someone() {
+    std::vector<int> published;
+    std::vector<int> serving;
+    for (std::size_t w = 0; w < workers_.size(); ++w) {
+      const Worker& worker = workers_[w];
+      if (!worker.alive) continue;
+      const std::optional<HeldCopy>& held = worker.agent->held();
+      if (!held || worker.buffer_tampered || worker.buffer_version != held->version ||
+          worker.buffer_bytes < knobs_.shard_bytes) {
+        continue;
+      }
+      published.push_back(static_cast<int>(w));
+      if (!worker.grants.empty()) serving.push_back(static_cast<int>(w));
+    }
+    const std::vector<int>& candidates = !serving.empty() && rng_.chance(0.7) ? serving : published;
+    if (candidates.empty()) return;
+    const int w = candidates[rng_.below(candidates.size())];
+    Worker& worker = workers_[w];
+    worker.buffer[rng_.below(kBufferBytes)] ^= static_cast<std::uint8_t>(1U << rng_.below(8));
+    worker.buffer_corrupt = worker.buffer_tampered = true;
+    trace_.instant(w + 1, "buffers tampered with", "failure", now_);
+    if (options_.verbose) {
+      std::cerr << now_ << " ms: " << replica_of(w).name << "/" << worker.shard << "'s buffers (v"
+                << *worker.buffer_version << ") changed under its readers\n";
+    }
   }
 
   // Prefer a replica in the middle of a transfer, as source or reader.
@@ -1588,8 +1718,11 @@ class Simulation {
       worker.agent.reset();
       worker.grants.clear();
       worker.offloads.clear();
+      worker.offloads_corrupt.clear();
+      worker.finished_reads.clear();
       worker.buffer_version.reset();
       worker.buffer_bytes = 0;
+      worker.buffer_corrupt = worker.buffer_tampered = false;
       std::erase_if(flows_, [&](const auto& entry) { return entry.second.reader == w; });
     }
     schedule(now_ + restart_after_ms, Event(EventKind::kRestart, index, ++replica.restart_token));
@@ -1740,6 +1873,8 @@ class Simulation {
   std::map<ClientId, int> clients_;
   ClientId next_client_ = 1;
   std::map<std::pair<int, TransferId>, Flow> flows_;
+  // While an agent hears that an offload copy was made of buffers that had moved on: its version.
+  std::optional<Version> torn_offload_;
   bool data_tick_scheduled_ = false;
   std::map<int, Version> published_;  // per model, the newest version a trainer published
   std::map<std::tuple<int, std::uint64_t, std::uint64_t>, Outcome> answers_;  // replica, incarnation, call

@@ -161,12 +161,8 @@ TEST(HubModel, RetainedVersionsStayReadable) {
 TEST(HubModel, SpotReplicasNeverCountForRetention) {
   Coverage coverage;
   EXPECT_TRUE(rc::check("spot replicas never count", [&] {
-    FleetSpec spec = *gen_fleet(/*faults=*/false, /*closes=*/false);
-    for (FleetSpec::ReplicaSpec& replica : spec.replicas) {
-      replica.spot = !replica.trainer;
-      if (replica.trainer) replica.retention.keep_latest = 1;
-    }
-    run_fleet(coverage, spec, /*retention=*/true);
+    run_fleet(coverage, only_spot_rollouts(*gen_fleet(/*faults=*/false, /*closes=*/false)),
+              /*retention=*/true);
   }));
   coverage.check("HubModel.SpotReplicasNeverCountForRetention", {"reads", "offloads"}, kShareMin);
 }

@@ -14,6 +14,13 @@ namespace {
 
 const std::string kRegressions = TH_PROPERTY_REGRESSIONS;
 
+}  // namespace
+
+// GoogleTest names a failing case by this, not by its bytes.
+void PrintTo(const Counterexample& counterexample, std::ostream* out) { *out << counterexample.name; }
+
+namespace {
+
 class PropertyRegression : public testing::TestWithParam<Counterexample> {};
 
 TEST_P(PropertyRegression, Passes) {

@@ -41,6 +41,14 @@ FleetSpec fleet_base(bool faults, bool closes) {
   return spec;
 }
 
+FleetSpec only_spot_rollouts(FleetSpec spec) {
+  for (FleetSpec::ReplicaSpec& replica : spec.replicas) {
+    replica.spot = !replica.trainer;
+    if (replica.trainer) replica.retention.keep_latest = 1;
+  }
+  return spec;
+}
+
 rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
   return rc::gen::exec([faults, closes] {
     FleetSpec spec = fleet_base(faults, closes);

@@ -48,6 +48,9 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes);
 // What every generated fleet shares: short heartbeat and barrier timeouts (a few ticks evict a
 // crashed replica), faults and closes as asked. gen_fleet draws the rest.
 FleetSpec fleet_base(bool faults, bool closes);
+// The fleet with every rollout spot and every trainer keeping the latest version and the one
+// before (HubModel.SpotReplicasNeverCountForRetention).
+FleetSpec only_spot_rollouts(FleetSpec spec);
 
 struct Action {
   enum class Kind : std::uint8_t {

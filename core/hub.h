@@ -185,7 +185,7 @@ class Hub {
   void complete_transfer(Transfer& transfer);
   void fail_transfer(Transfer& transfer, const Error& error);
   void undrain(Replica& replica);
-  void restore_previous(Replica& replica, Version version, bool failed);
+  void restore_previous(Replica& replica, Version version, const detail::CopyHealth& health);
   void enqueue_waiting(Transfer& transfer);
   void dequeue_waiting(Transfer& transfer);
   bool smart_skip(const VersionRecord& record, detail::DcId dc) const;
@@ -212,8 +212,9 @@ class Hub {
   void on_copy_complete(Copy& copy);
   void start_drain(Copy& copy, detail::DrainPurpose purpose);
   void on_drained(Copy& copy);
-  // `failed`: a reader had reported the primary copy that drained.
-  void after_primary_drained(Replica& replica, detail::DrainPurpose purpose, bool failed);
+  // `health`: what readers found of the primary copy that drained.
+  void after_primary_drained(Replica& replica, detail::DrainPurpose purpose,
+                             const detail::CopyHealth& health);
   Copy& start_offload(Replica& replica, VersionRecord& record);
   Copy* releasing_offload(const Replica& replica, Version version) const;
   Copy* failed_offload(const Replica& replica, Version version) const;

@@ -228,8 +228,8 @@ void Hub::undrain(Replica& replica) {
 }
 
 // An update that fails after its held copy drained but before any shard was told to read: the
-// buffers still hold the previous version, so the replica holds it again (reported, if it was).
-void Hub::restore_previous(Replica& replica, Version version, bool failed) {
+// buffers still hold the previous version, so the replica holds it again (as readers found it).
+void Hub::restore_previous(Replica& replica, Version version, const detail::CopyHealth& health) {
   Model& model = *replica.model;
   TH_ASSERT(replica.primary == nullptr);
   VersionRecord& record = record_for(model, version);
@@ -239,7 +239,13 @@ void Hub::restore_previous(Replica& replica, Version version, bool failed) {
   Copy& copy = create_copy(replica, record, CopyKind::kPrimary, CopyState::kComplete);
   copy.ready = first_shards(replica.num_shards);
   replica.primary = &copy;
-  if (failed) set_failed(copy);
+  copy.mismatched = health.mismatched;
+  copy.corrupt = health.corrupt;
+  if (health.failed) {
+    set_failed(copy);
+  } else {
+    reindex(copy);  // a corrupt copy is no root
+  }
   on_copy_complete(copy);
 }
 

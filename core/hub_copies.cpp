@@ -276,19 +276,20 @@ void Hub::on_drained(Copy& copy) {
           return;
         }
       }
-      const bool failed = copy.failed;
+      const detail::CopyHealth health = copy.health();
       remove_copy(copy);
-      after_primary_drained(owner, purpose, failed);
+      after_primary_drained(owner, purpose, health);
       return;
   }
 }
 
-void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose, bool failed) {
+void Hub::after_primary_drained(Replica& replica, DrainPurpose purpose,
+                                const detail::CopyHealth& health) {
   const TxnStage stage = purpose == DrainPurpose::kUpdate ? TxnStage::kDrainingOld : TxnStage::kDraining;
   for (auto& [seq, txn] : replica.txns) {
     if (txn.stage != stage || txn.result) continue;
     if (purpose == DrainPurpose::kUpdate) {
-      txn.previous_failed = failed;
+      txn.previous_health = health;
       begin_receive(replica, txn, *txn.target);
     } else {
       finish(replica, txn, UnpublishOk{});
@@ -350,9 +351,12 @@ void Hub::reconcile_offloads(Model& model) {
     const VersionRecord& record = *offload.record;
     // (A seed a reader reported is not trusted any more: kept only as retention needs.)
     if (offload.seed && !offload.failed && seed_needed(offload)) continue;
-    // Released once another non-spot replica holds the version completely, once a second offload
-    // copy exists, or once the version leaves retention.
-    if (record.safe_primaries > 0 || record.safe_offloads > 1 ||
+    // Released once another non-spot replica holds the version completely, once another safe
+    // offload copy holds it (this one is among the safe ones unless a reader reported it: a
+    // reported copy beside one safe copy is not needed either), or once the version leaves
+    // retention.
+    const std::uint32_t own = offload.counted.safe_offload ? 1 : 0;
+    if (record.safe_primaries > 0 || record.safe_offloads > own ||
         !is_retained(model, record.version)) {
       start_drain(offload, DrainPurpose::kRelease);
     }
@@ -419,9 +423,9 @@ void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDo
   if (primary != nullptr && primary->awaiting_offload == offload->id) {
     primary->awaiting_offload = 0;
     const DrainPurpose purpose = primary->drain_purpose;
-    const bool failed = primary->failed;
+    const detail::CopyHealth health = primary->health();
     remove_copy(*primary);
-    after_primary_drained(replica, purpose, failed);
+    after_primary_drained(replica, purpose, health);
   }
 }
 

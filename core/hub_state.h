@@ -90,6 +90,13 @@ struct Contribution {
   friend bool operator==(const Contribution&, const Contribution&) = default;
 };
 
+// What readers found of a copy's bytes (see Copy::failed, mismatched, corrupt).
+struct CopyHealth {
+  bool failed = false;
+  ShardSet mismatched;
+  bool corrupt = false;
+};
+
 struct Copy {
   CopyId id = 0;
   Replica* owner = nullptr;
@@ -106,6 +113,7 @@ struct Copy {
   // not even a last resort any more. A copy still receiving sheds both when it reads afresh.
   ShardSet mismatched;
   bool corrupt = false;
+  CopyHealth health() const { return {failed, mismatched, corrupt}; }
   DrainPurpose drain_purpose = DrainPurpose::kUnpublish;
   CopyId awaiting_offload = 0;     // a draining primary waits for this offload copy to complete
   // An offload copy made by offload seeding (read from another datacenter, not copied from the
@@ -182,10 +190,10 @@ struct Txn {
   std::optional<Outcome> result;       // once set, every expected shard gets exactly this
   std::optional<Version> target;       // replicate/update: the version settled on
   std::optional<Version> previous;     // update: the version held before, until data moves
-  // update: a reader reported the copy of `previous` (Copy::failed). Restored after a failed update,
-  // it holds the same bytes as before, so it stays reported: the copy is the same buffers whether
-  // its drain finished (restore_previous) or not (undrain).
-  bool previous_failed = false;
+  // update: what readers found of the copy of `previous`. Restored after a failed update, it holds
+  // the same bytes as before, so it keeps that: the copy is the same buffers whether its drain
+  // finished (restore_previous) or not (undrain).
+  CopyHealth previous_health;
   bool released = false;               // failed after a shard was told to read (Reply::released)
   std::vector<LayoutRef> layouts;      // replicate/update: each shard's registered layout
   TimeMs deadline_ms = 0;              // 0: none

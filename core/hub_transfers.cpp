@@ -540,7 +540,7 @@ void Hub::fail_transfer(Transfer& transfer, const Error& error) {
   auto found = replica.txns.find(seq);
   if (found == replica.txns.end() || found->second.result) return;
   if (!written && found->second.previous) {
-    restore_previous(replica, *found->second.previous, found->second.previous_failed);
+    restore_previous(replica, *found->second.previous, found->second.previous_health);
   }
   found->second.released = written;
   finish(replica, found->second, error);

@@ -72,6 +72,7 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"pipelined reads", seen.pipelined_reads > 0},
                 {"cross-datacenter reads", seen.cross_dc_reads > 0},
                 {"failed reads", seen.reads_failed > 0},
+                {"checksum failures", seen.checksum_failures > 0},
                 {"offloads", seen.offloads > 0},
                 {"evictions", seen.evictions > 0},
                 {"failovers", seen.failovers > 0},
@@ -90,6 +91,7 @@ void tally(Coverage& coverage, const Cluster& cluster) {
   coverage.add({{"reads", seen.reads_done > 0},
                 {"pipelined reads", seen.pipelined_reads > 0},
                 {"failed reads", seen.reads_failed > 0},
+                {"checksum failures", seen.checksum_failures > 0},
                 {"offloads", seen.offloads > 0},
                 {"failovers", seen.failovers > 0},
                 {"evictions", seen.evictions > 0},
@@ -165,6 +167,29 @@ TEST(HubModel, SpotReplicasNeverCountForRetention) {
               /*retention=*/true);
   }));
   coverage.check("HubModel.SpotReplicasNeverCountForRetention", {"reads", "offloads"}, kShareMin);
+}
+
+// Chains of pipelined sources across four datacenters, whose roots fail (testkit/fleet.h,
+// ChainCase): every reader still gets its version or a clear error once faults heal (DESIGN.md
+// §5.6), checked as in every HubModel property. RC_LOG prints the fleet and the actions as
+// property-regressions.txt takes them.
+TEST(HubModel, ChainsAcrossDatacentersConverge) {
+  Coverage coverage;
+  EXPECT_TRUE(rc::check("chains across datacenters converge", [&] {
+    const ChainCase chain_case = *gen_chain_case();
+    const FleetSpec& spec = chain_case.spec;
+    RC_LOG() << spec << '\n';
+    Fleet fleet(spec);
+    fleet.open_all();  // so that each planned call goes out at once
+    for (const Action& action : chain_case.program) {
+      RC_LOG() << action << ' ';
+      fleet.apply(action);
+    }
+    fleet.heal_and_check_liveness();
+    tally(coverage, fleet);
+  }));
+  coverage.check("HubModel.ChainsAcrossDatacentersConverge", {"reads", "pipelined reads", "cross-datacenter reads"},
+                 kShareMin);
 }
 
 TEST(AgentModel, LossyNetworkOneAnswerRightBytes) {

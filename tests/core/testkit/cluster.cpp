@@ -51,7 +51,7 @@ std::string_view action_name(ClusterAction::Kind kind) {
                                            "deliver-all", "drop",    "duplicate", "finish-read",
                                            "fail-read", "offload",   "crash",    "tick",
                                            "failover",  "burst",     "crash-source",
-                                           "replay",    "cancel"};
+                                           "replay",    "cancel",    "tamper"};
   const auto index = static_cast<std::size_t>(kind);
   return index < std::size(kNames) ? kNames[index] : std::string_view{};
 }
@@ -88,6 +88,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         {2 * faults, ClusterAction::Kind::kCrashSource},
         {2 * loss, ClusterAction::Kind::kReplay},
         {3, ClusterAction::Kind::kCancel},
+        {1 * faults, ClusterAction::Kind::kTamper},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
     const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
@@ -108,12 +109,15 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
       case ClusterAction::Kind::kCancel:
         action.b = *rc::gen::inRange<std::uint32_t>(0, shards);
         break;
+      case ClusterAction::Kind::kFailRead:
+        action.b = *rc::gen::inRange<std::uint32_t>(0, 3);
+        [[fallthrough]];
       case ClusterAction::Kind::kDeliver:
       case ClusterAction::Kind::kDrop:
       case ClusterAction::Kind::kDuplicate:
       case ClusterAction::Kind::kFinishRead:
-      case ClusterAction::Kind::kFailRead:
       case ClusterAction::Kind::kOffload:
+      case ClusterAction::Kind::kTamper:
         action.a = *rc::gen::inRange<std::uint32_t>(0, 16);
         break;
       case ClusterAction::Kind::kCrash:
@@ -214,8 +218,13 @@ void Cluster::apply(const ClusterAction& action) {
       }
       break;
     case ClusterAction::Kind::kFinishRead:
+      finish_read(action.a, std::nullopt);
+      break;
     case ClusterAction::Kind::kFailRead:
-      finish_read(action.a, action.kind == ClusterAction::Kind::kFailRead);
+      finish_read(action.a, read_failure_of(action.b));
+      break;
+    case ClusterAction::Kind::kTamper:
+      tamper(action.a);
       break;
     case ClusterAction::Kind::kOffload:
       make_offload(action.a);
@@ -375,6 +384,7 @@ void Cluster::step(std::uint32_t replica, std::uint32_t shard) {
         }
       }
       worker.content = op.version;
+      worker.tampered = false;
       worker.complete = true;
     }
   }
@@ -401,6 +411,9 @@ void Cluster::crash(std::uint32_t replica, bool connection_lost) {
     worker.grants.clear();
     worker.making.clear();
     worker.offload_copies.clear();
+    worker.tampered_offloads.clear();
+    worker.failed_reads.clear();
+    worker.tampered = false;
     worker.in_call = false;
   }
 }
@@ -593,6 +606,13 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
             }
             worker.offload_ids[offloaded->version] = offloaded->copy;
           }
+          if (const auto* done = std::get_if<TransferDone>(&e.report.body)) {
+            auto failed = worker.failed_reads.find(done->transfer);
+            if (failed != worker.failed_reads.end() && failed->second == done->epoch) {
+              fail(who + " reports done its read of transfer " + std::to_string(done->transfer) + " (epoch " +
+                   std::to_string(done->epoch) + "), which failed" + " (bytes that failed their checksums taken as done?)");
+            }
+          }
           if (std::holds_alternative<Heartbeat>(e.report.body)) {
             hub_step(e.server, e.report);  // heartbeats do not queue behind the test's choices
             return;
@@ -619,6 +639,8 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
             }
           }
           worker.reads[e.read.transfer] = e.read;
+          worker.failed_reads.erase(e.read.transfer);
+          worker.tampered = false;  // every byte is written anew
           worker.content = e.read.version;
           worker.complete = false;
         } else if constexpr (std::is_same_v<T, CancelRead>) {
@@ -660,6 +682,7 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
             }
           }
           worker.offload_copies.erase(e.version);
+          worker.tampered_offloads.erase(e.version);
           // The next copy of this version is another buffer: unnamed until the agent reports it
           // (one made for a late instruction may be freed unreported, when its release is late too).
           worker.offload_ids.erase(e.version);
@@ -755,7 +778,7 @@ std::vector<std::pair<int, TransferId>> Cluster::reads_in_progress() const {
   return reads;
 }
 
-void Cluster::finish_read(std::size_t index, bool fail_it) {
+void Cluster::finish_read(std::size_t index, std::optional<ReadFailure> fail_it) {
   // The reads whose outcome is decided now: a read from a source still receiving the version can
   // only take what is there and wait for the rest.
   struct Decided {
@@ -767,7 +790,7 @@ void Cluster::finish_read(std::size_t index, bool fail_it) {
   for (const auto& [w, transfer] : reads_in_progress()) {
     const StartRead& read = workers_[w].reads.at(transfer);
     if (fail_it) {
-      decided.push_back({w, transfer, ReadFailure::kSourceUnreachable});
+      decided.push_back({w, transfer, *fail_it});
       continue;
     }
     const std::optional<int> source = source_of(read);
@@ -785,7 +808,10 @@ void Cluster::finish_read(std::size_t index, bool fail_it) {
     if (read.source.kind == CopyKind::kPrimary && from.content == read.version && !from.complete) {
       continue;  // pipelined: the source is still receiving
     }
-    decided.push_back({w, transfer, std::nullopt});
+    // The data plane checks every byte against the version's checksums.
+    const bool tampered = read.source.kind == CopyKind::kPrimary ? from.tampered
+                                                                 : from.tampered_offloads.contains(read.version);
+    decided.push_back({w, transfer, tampered ? std::optional(ReadFailure::kChecksumMismatch) : std::nullopt});
   }
   if (decided.empty()) return;
   const Decided chosen = decided[index % decided.size()];
@@ -794,6 +820,12 @@ void Cluster::finish_read(std::size_t index, bool fail_it) {
   reader.reads.erase(chosen.transfer);
   if (chosen.failure) {
     ++coverage_.reads_failed;
+    if (*chosen.failure == ReadFailure::kChecksumMismatch) {
+      ++coverage_.checksum_failures;
+      // Whatever arrived is not the version: never to be reported done, or kept.
+      if (read.offload_copy == 0) reader.complete = false;
+    }
+    reader.failed_reads[read.transfer] = read.epoch;
     agent_step(chosen.reader, ReadFinished{read.transfer, read.epoch, chosen.failure});
     return;
   }
@@ -814,6 +846,19 @@ void Cluster::finish_read(std::size_t index, bool fail_it) {
   agent_step(chosen.reader, ReadFinished{read.transfer, read.epoch, std::nullopt});
 }
 
+void Cluster::tamper(std::size_t index) {
+  std::vector<int> serving;
+  for (std::size_t w = 0; w < workers_.size(); ++w) {
+    const Worker& worker = workers_[w];
+    const bool primary_grant = std::any_of(worker.grants.begin(), worker.grants.end(), [](const auto& entry) {
+      return entry.second.kind == CopyKind::kPrimary;
+    });
+    if (worker.alive && worker.complete && !worker.tampered && primary_grant) serving.push_back(static_cast<int>(w));
+  }
+  if (serving.empty()) return;
+  workers_[serving[index % serving.size()]].tampered = true;
+}
+
 void Cluster::make_offload(std::size_t index) {
   std::vector<std::pair<int, std::size_t>> making;
   for (std::size_t w = 0; w < workers_.size(); ++w) {
@@ -828,6 +873,7 @@ void Cluster::make_offload(std::size_t index) {
   // The copy is of whatever the buffers hold; the agent keeps it only if that is the version.
   if (worker.content == version && worker.complete) {
     worker.offload_copies.insert(version);
+    if (worker.tampered) worker.tampered_offloads.insert(version);  // a copy of the changed bytes
     ++coverage_.offloads;
   }
   agent_step(w, OffloadFinished{version});
@@ -852,7 +898,7 @@ void Cluster::heal_and_check_liveness() {
       }
     }
     for (int i = 0; i < 64 && !reads_in_progress().empty(); ++i) {
-      finish_read(0, false);
+      finish_read(0, std::nullopt);
       deliver_all(kDeliveriesMax);
     }
     for (int i = 0; i < 64; ++i) {
@@ -882,6 +928,33 @@ void Cluster::heal_and_check_liveness() {
            "'s " + (worker.opening ? std::string("open") : std::string(op_name(worker.call_kind))) +
            " has not returned after healing (agent " + std::string(agent_phase_name(worker.agent->phase())) +
            ")");
+    }
+  }
+  check_offload_memory();
+}
+
+// Healed, every offload copy a live shard keeps in CPU memory is one the server counts for its
+// replica, and the other way round: a copy the server does not count is memory nobody ever gives
+// back; one it counts that the shard does not have is a copy retention relies on in vain.
+void Cluster::check_offload_memory() const {
+  for (const Worker& worker : workers_) {
+    if (!worker.alive || worker.agent->phase() != AgentPhase::kOpen) continue;
+    const FleetSpec::ReplicaSpec& spec = spec_.replicas[worker.replica];
+    const std::optional<ListSnapshot> snapshot = hubs_[active_]->snapshot(spec_.models[spec.model].name);
+    if (!snapshot) continue;
+    const auto listed = std::find_if(snapshot->replicas.begin(), snapshot->replicas.end(), [&](const auto& info) {
+      return info.name == spec.name && info.incarnation == worker.agent->incarnation();
+    });
+    if (listed == snapshot->replicas.end() || listed->state == "resuming") continue;
+    const std::set<Version> counted(listed->offloads.begin(), listed->offloads.end());
+    if (counted != worker.offload_copies) {
+      auto text = [](const std::set<Version>& versions) {
+        std::string out;
+        for (Version version : versions) out += " v" + std::to_string(version);
+        return out.empty() ? std::string(" none") : out;
+      };
+      fail(spec.name + "/" + std::to_string(worker.shard) + " keeps offload copies of" +
+           text(worker.offload_copies) + " after healing, where the server counts" + text(counted));
     }
   }
 }

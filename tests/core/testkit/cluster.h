@@ -47,7 +47,7 @@ struct ClusterAction {
     kDrop,        // the a-th message in flight is lost
     kDuplicate,   // the a-th message in flight arrives twice (later)
     kFinishRead,  // the a-th read in progress completes (or fails, if its source cannot serve)
-    kFailRead,    // the a-th read in progress fails
+    kFailRead,    // the a-th read in progress fails, b % 3 says why (see read_failure_of)
     kOffload,     // the a-th offload copy being made is made
     kCrash,       // replica a's processes die (b: the server sees their connections drop)
     kTick,        // a * 100 ms pass
@@ -56,6 +56,8 @@ struct ClusterAction {
     kCrashSource, // the a-th replica that serves a read dies, its connections dropping
     kReplay,      // the a-th of the last instructions the hub sent arrives again, late (stale)
     kCancel,      // the application of shard b of replica a cancels its call in flight
+    kTamper,      // the a-th shard that serves a read has its buffers changed under the version
+                  // they hold: every read of them fails its checksums until they hold another
   };
   Kind kind = Kind::kTick;
   std::uint32_t a = 0;
@@ -93,6 +95,7 @@ class Cluster {
     std::size_t reordered = 0;
     std::size_t answers = 0;
     std::size_t cancels = 0;  // the application cancelled a call in flight
+    std::size_t checksum_failures = 0;  // reads whose bytes failed their checksums
   };
   const Coverage& coverage() const { return coverage_; }
   const Reference& reference() const { return reference_; }
@@ -123,6 +126,11 @@ class Cluster {
     std::set<std::pair<TransferId, std::uint32_t>> withdrawn;
     std::map<Version, std::uint64_t> offload_ids;  // the copy it last reported, per version
     std::map<Version, std::uint64_t> released;     // the last ReleaseOffload, per version
+    // The bytes: the buffers changed under the version they hold (kTamper); the reads whose bytes
+    // failed their checksums (transfer -> epoch), which the agent must never report done.
+    bool tampered = false;
+    std::set<Version> tampered_offloads;  // offload copies made of tampered buffers
+    std::map<TransferId, std::uint32_t> failed_reads;
     // The application.
     bool opened = false;
     bool in_call = false;
@@ -154,13 +162,16 @@ class Cluster {
   void agent_step(int worker, const AgentInput& input);
   void on_agent_effect(int worker, const AgentEffect& effect);
   void on_call_done(int worker, const CallDone& done);
-  void finish_read(std::size_t index, bool fail);
+  // `failure`: the read fails, for this reason, whatever the source could give.
+  void finish_read(std::size_t index, std::optional<ReadFailure> failure);
+  void tamper(std::size_t index);
   void make_offload(std::size_t index);
   std::vector<std::pair<int, TransferId>> reads_in_progress() const;
   std::optional<int> source_of(const StartRead& read) const;
   std::pair<std::uint64_t, std::uint64_t> place(int worker) const;
   bool peers_behind(int worker) const;
   void verify_told(int worker, const char* when) const;
+  void check_offload_memory() const;
   [[noreturn]] void fail(const std::string& what) const;
 
   FleetSpec spec_;

@@ -17,6 +17,12 @@ constexpr int kHealRoundsMax = 400;
 
 }  // namespace
 
+ReadFailure read_failure_of(std::uint32_t choice) {
+  static constexpr ReadFailure kReasons[] = {ReadFailure::kSourceUnreachable, ReadFailure::kSourceRefused,
+                                             ReadFailure::kChecksumMismatch};
+  return kReasons[choice % 3];
+}
+
 std::ostream& operator<<(std::ostream& out, const FleetSpec& spec) {
   out << "settings{pipeline=" << spec.settings.pipeline << " fanout=" << spec.settings.fanout_max
       << " smart_skipping=" << spec.settings.smart_skipping << "} faults=" << spec.faults
@@ -140,8 +146,10 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
       case Action::Kind::kCancel:
         action.b = *rc::gen::inRange<std::uint32_t>(0, shards);
         break;
-      case Action::Kind::kFinishRead:
       case Action::Kind::kFailRead:
+        action.b = *rc::gen::inRange<std::uint32_t>(0, 3);
+        [[fallthrough]];
+      case Action::Kind::kFinishRead:
       case Action::Kind::kOffload:
         action.a = *rc::gen::inRange<std::uint32_t>(0, 8);
         break;
@@ -168,6 +176,122 @@ rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command
         std::make_shared<FleetCommand>(action));
   });
 }
+
+rc::Gen<Action> gen_chain_action(const FleetSpec& spec) {
+  const auto replicas = static_cast<std::uint32_t>(spec.replicas.size());
+  return rc::gen::exec([=] {
+    Action action;
+    action.kind = *rc::gen::weightedElement<Action::Kind>({
+        {12, Action::Kind::kPlan},
+        {12, Action::Kind::kFinishRead},
+        {3, Action::Kind::kCrashSource},
+        {2, Action::Kind::kStepAll},
+        {1, Action::Kind::kTick},
+    });
+    switch (action.kind) {
+      case Action::Kind::kPlan:
+        // A rollout replicates latest (drops its copy first if it holds one); the trainer
+        // unpublishes and publishes the next version.
+        action.a = *rc::gen::weightedElement<std::uint32_t>({{1, 0}, {12, 1}});
+        action.a = action.a == 0 ? 0 : *rc::gen::inRange<std::uint32_t>(1, replicas);
+        action.b = action.a == 0 ? *rc::gen::element<std::uint32_t>(0, 1) : *rc::gen::element<std::uint32_t>(2, 1);
+        action.c = action.a == 0 ? 1 : 0;  // publish: the next version; replicate: latest
+        action.go = true;
+        break;
+      case Action::Kind::kCrashSource:
+        action.b = 1;  // rollouts only: the chains' roots, not the trainer that holds every version
+        [[fallthrough]];
+      case Action::Kind::kFinishRead:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, 8);
+        break;
+      case Action::Kind::kStepAll:
+        action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
+        break;
+      default:
+        action.a = *rc::gen::inRange<std::uint32_t>(1, 8);
+        break;
+    }
+    return action;
+  });
+}
+
+rc::Gen<ChainCase> gen_chain_case() {
+  return rc::gen::exec([] {
+    ChainCase chain_case;
+    FleetSpec& spec = chain_case.spec;
+    spec = fleet_base(/*faults=*/true, /*closes=*/false);
+    spec.settings.pipeline = true;
+    spec.settings.fanout_max = 1;
+    spec.settings.smart_skipping = true;
+    spec.models.push_back({"m0", 1});
+    auto add = [&](const std::string& datacenter, bool trainer) {
+      FleetSpec::ReplicaSpec replica;
+      replica.name = "r" + std::to_string(spec.replicas.size());
+      replica.datacenter = datacenter;
+      replica.trainer = trainer;
+      if (trainer) replica.retention.keep_latest = 1;  // its unpublish offloads
+      spec.replicas.push_back(std::move(replica));
+      return static_cast<std::uint32_t>(spec.replicas.size() - 1);
+    };
+    std::vector<std::string> remote = {"dc1", "dc2", "dc3"};
+    const std::string trainer_dc = remote[*rc::gen::inRange<std::size_t>(0, 3)];
+    add(trainer_dc, true);
+    // The datacenters of the chains' tails: each a datacenter of its own, apart from the trainer's,
+    // as far as there are; else any.
+    std::erase(remote, trainer_dc);
+    if (*rc::gen::arbitrary<bool>()) std::swap(remote[0], remote[1]);
+    const int chains = *rc::gen::weightedElement<int>({{1, 1}, {3, 2}, {2, 3}});
+    std::vector<std::uint32_t> sources;
+    for (int c = 0; c < chains; ++c) sources.push_back(add("dc0", false));
+    // Someone near the trainer reads it first, so that the tails read the chains' ends.
+    const bool occupied = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
+    const std::uint32_t occupier = occupied ? add(trainer_dc, false) : 0;
+    std::vector<std::vector<std::uint32_t>> levels;  // readers by depth, one per chain and depth
+    const int depth = *rc::gen::inRange(1, 4);
+    for (int d = 0; d < depth; ++d) {
+      levels.emplace_back();
+      for (int c = 0; c < chains; ++c) levels.back().push_back(add("dc0", false));
+    }
+    std::vector<std::uint32_t> tails;
+    for (int c = 0; c < chains; ++c) {
+      tails.push_back(add(c < 2 && *rc::gen::weightedElement<bool>({{4, true}, {1, false}})
+                              ? remote[static_cast<std::size_t>(c)]
+                              : *rc::gen::element<std::string>("dc1", "dc2", "dc3"),
+                          false));
+    }
+    const int extra = *rc::gen::inRange(0, 3);
+    for (int e = 0; e < extra; ++e) {
+      add(*rc::gen::element<std::string>("dc0", "dc1", "dc2", "dc3"), false);
+    }
+
+    std::vector<Action>& program = chain_case.program;
+    auto replicate = [&](std::uint32_t replica) {
+      program.push_back(Action{Action::Kind::kPlan, replica, 2, 0, 0, true});
+    };
+    program.push_back(Action{Action::Kind::kPlan, 0, 0, 1, 0, true});  // the trainer publishes
+    for (std::uint32_t source : sources) {
+      replicate(source);
+      program.push_back(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});  // the only one
+    }
+    for (const auto& level : levels) {
+      for (std::uint32_t reader : level) replicate(reader);
+    }
+    // After the chains, so that the tails (which take the least loaded, oldest copy) read their
+    // ends rather than the copy it makes.
+    if (occupied) replicate(occupier);
+    for (std::uint32_t tail : tails) replicate(tail);
+    // Sources die: mostly the chains' roots' (the first serving rollouts), in any order.
+    const int deaths = *rc::gen::inRange(0, chains + 2);
+    for (int d = 0; d < deaths; ++d) {
+      const std::uint32_t which = *rc::gen::weightedElement<std::uint32_t>({{3, 0}, {2, 1}, {1, 2}, {1, 3}, {1, 4}});
+      program.push_back(Action{Action::Kind::kCrashSource, which, 1, 0, 0, false});
+    }
+    const int more = *rc::gen::inRange(0, 20);
+    for (int i = 0; i < more; ++i) program.push_back(*gen_chain_action(spec));
+    return chain_case;
+  });
+}
+
 
 Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings), reference_(spec.settings) {
   driver_.set_watcher(&reference_);
@@ -200,8 +324,9 @@ void Fleet::apply(const Action& action) {
     case Action::Kind::kFailRead: {
       auto reads = outstanding_reads();
       std::erase_if(reads, [&](const auto& entry) {
-        // A crashed source serves nothing: its reads can only fail.
-        return action.kind == Action::Kind::kFinishRead && crashed_source(entry.second);
+        // A crashed source serves nothing, and one still receiving not all: such reads can only
+        // fail, or wait.
+        return action.kind == Action::Kind::kFinishRead && !can_finish(entry.second);
       });
       if (reads.empty()) break;
       const auto [client, read] = reads[action.a % reads.size()];
@@ -211,11 +336,13 @@ void Fleet::apply(const Action& action) {
       coverage_.cross_dc_reads += read.source.datacenter != spec_.replicas[replica].datacenter;
       if (action.kind == Action::Kind::kFinishRead) {
         ++coverage_.reads_done;
+        runs_[replica].shards[shard].bytes = read.version;
         driver_.report(client, TransferDone{read.transfer, read.epoch});
       } else {
         ++coverage_.reads_failed;
-        driver_.report(client, TransferFailed{read.transfer, read.epoch,
-                                              ReadFailure::kSourceUnreachable});
+        const ReadFailure reason = read_failure_of(action.b);
+        coverage_.checksum_failures += reason == ReadFailure::kChecksumMismatch;
+        driver_.report(client, TransferFailed{read.transfer, read.epoch, reason});
       }
       break;
     }
@@ -270,6 +397,7 @@ void Fleet::apply(const Action& action) {
       for (std::uint32_t replica = 0; replica < runs_.size(); ++replica) {
         const ReplicaRun& run = runs_[replica];
         if (run.crashed || run.shards[0].client == 0) continue;
+        if (action.b == 1 && spec_.replicas[replica].trainer) continue;
         if (!driver_.inbox(run.shards[0].client).grants.empty()) sources.push_back(replica);
       }
       if (sources.empty()) break;
@@ -362,6 +490,9 @@ void Fleet::pump() {
       Inbox& box = driver_.inbox(shard.client);
       if (!box.evictions.empty()) evicted.insert(replica);
       if (shard.pending_seq && !box.reads.empty()) shard.wrote_buffers = true;
+      for (const auto& [transfer, read] : box.reads) {
+        if (shard.bytes != read.version) shard.bytes.reset();  // rewritten from now on
+      }
       for (Version version : box.releases) shard.offloads.erase(version);
       box.releases.clear();
       while (auto reply = driver_.take_reply(shard.client)) {
@@ -432,6 +563,7 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
           if (shard.wrote_buffers) shard.held.reset();
         } else if constexpr (std::is_same_v<T, PublishOk>) {
           hold(outcome.version);
+          shard.bytes = outcome.version;  // written before it published
         } else if constexpr (std::is_same_v<T, ReplicateOk>) {
           hold(outcome.version);
         } else if constexpr (std::is_same_v<T, UpdateOk>) {
@@ -495,11 +627,12 @@ std::set<ClientId> Fleet::silent_clients() const {
   return silent;
 }
 
-bool Fleet::crashed_source(const StartRead& read) const {
+bool Fleet::can_finish(const StartRead& read) const {
   for (std::size_t i = 0; i < runs_.size(); ++i) {
-    if (spec_.replicas[i].name == read.source.replica) {
-      return runs_[i].crashed || runs_[i].incarnation != read.source.incarnation;
-    }
+    if (spec_.replicas[i].name != read.source.replica) continue;
+    if (runs_[i].crashed || runs_[i].incarnation != read.source.incarnation) return false;
+    if (read.source.kind == CopyKind::kOffload) return true;
+    return read.shard < runs_[i].shards.size() && runs_[i].shards[read.shard].bytes == read.version;
   }
   return false;
 }
@@ -566,7 +699,7 @@ void Fleet::heal_and_check_liveness() {
       }
     }
     for (auto reads = outstanding_reads(); !reads.empty(); reads = outstanding_reads()) {
-      std::erase_if(reads, [&](const auto& entry) { return crashed_source(entry.second); });
+      std::erase_if(reads, [&](const auto& entry) { return !can_finish(entry.second); });
       if (reads.empty()) break;
       apply(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});
       progress = true;

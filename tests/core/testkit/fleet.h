@@ -59,7 +59,8 @@ struct Action {
     kStep,        // shard b of replica a issues its next op (opening first if needed)
     kStepAll,     // every shard of replica a steps
     kFinishRead,  // the a-th outstanding read completes
-    kFailRead,    // the a-th outstanding read fails (source unreachable)
+    kFailRead,    // the a-th outstanding read fails: b % 3 says why (source unreachable, source
+                  // refused, the bytes failed their checksums)
     kOffload,     // the a-th outstanding offload instruction is carried out
     kCrash,       // replica a dies (b: its connection drops at once)
     kTick,        // time passes: a * 100 ms
@@ -68,7 +69,8 @@ struct Action {
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps at once: a
                   // step boundary, where readers chain into pipelines
     kCrashSource, // the a-th replica that serves a read dies, its connection dropping: the copies
-                  // pipelining from it lose their root mid-transfer (DESIGN.md §5.6)
+                  // pipelining from it lose their root mid-transfer (DESIGN.md §5.6); b == 1:
+                  // the a-th rollout that serves a read
     kCancel,      // shard b of replica a cancels its call in flight (CancelCall)
   };
   Kind kind = Kind::kTick;
@@ -80,8 +82,26 @@ struct Action {
 };
 std::ostream& operator<<(std::ostream& out, const Action& action);
 std::string_view action_name(Action::Kind kind);  // as operator<< prints it: "finish-read"
+// Why a read fails, for a fail-read's `b`: unreachable, refused, checksums failed (b % 3).
+ReadFailure read_failure_of(std::uint32_t choice);
 
 rc::Gen<Action> gen_action(const FleetSpec& spec);
+// Actions that grow chains: rollouts replicate the latest version, reads finish, sources die, the
+// trainer publishes anew now and then.
+rc::Gen<Action> gen_chain_action(const FleetSpec& spec);
+
+// Chains of pipelined sources whose roots fail (HubModel.ChainsAcrossDatacentersConverge): one
+// model of one shard, pipelines with one reader per source, smart skipping, four datacenters.
+// One to three chains grow in dc0 from complete sources there, each one to three readers long
+// and read at its end from a datacenter of its own; the trainer's one slot may be taken; then
+// sources die in any order, and random actions follow. Such chains need more replicas and a more
+// careful order than random programs over gen_fleet's fleets reach (roots that wait for each
+// other's chains: the mutant 'waiting-chain-counts').
+struct ChainCase {
+  FleetSpec spec;
+  std::vector<Action> program;
+};
+rc::Gen<ChainCase> gen_chain_case();
 
 class Fleet {
  public:
@@ -111,6 +131,7 @@ class Fleet {
     std::size_t failovers = 0;
     std::size_t unavailable = 0;
     std::size_t cancels = 0;  // CancelCall sent for a call in flight
+    std::size_t checksum_failures = 0;  // reads whose bytes failed their checksums
   };
   const Coverage& coverage() const { return coverage_; }
 
@@ -129,6 +150,9 @@ class Fleet {
     std::optional<TxnRecord> last_txn;
     std::optional<HeldCopy> held;
     std::map<Version, HeldCopy> offloads;
+    // The version whose every byte the buffers hold (published, or read to the end): what a read
+    // from this shard can take whole. A source still receiving serves only what it has.
+    std::optional<Version> bytes;
   };
   struct ReplicaRun {
     std::uint64_t incarnation = 1;
@@ -147,7 +171,8 @@ class Fleet {
   std::vector<std::pair<ClientId, StartRead>> outstanding_reads();
   std::vector<std::pair<ClientId, Version>> outstanding_offloads();
   std::set<ClientId> silent_clients() const;
-  bool crashed_source(const StartRead& read) const;
+  // Whether the data plane could finish this read now: its source runs and holds every byte.
+  bool can_finish(const StartRead& read) const;
   void failover();
   OpenRequest open_request(std::uint32_t replica, std::uint32_t shard) const;
 
@@ -169,5 +194,6 @@ struct FleetCommand : rc::state::Command<FleetSpec, Fleet> {
 };
 rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Fleet>>> gen_command(
     const FleetSpec& spec);
+
 
 }  // namespace th::test

@@ -1,6 +1,7 @@
 #include "tests/core/testkit/reference.h"
 
 #include <algorithm>
+#include <array>
 #include <sstream>
 
 #include "core/assert.h"
@@ -32,19 +33,22 @@ std::string name_of(const Outcome& outcome) {
   return out.str();
 }
 
-bool exit_error(const Outcome& outcome) {
+// Errors that end a call for one shard without being the replica's answer to it: the shard's
+// replica went (evicted, closed, divergent), or the hub does not know the shard or its numbering.
+// Which of them a shard may get is judged by judge_exit.
+constexpr std::array kEndingErrors = {Errc::kReplicaEvicted, Errc::kDivergentCall, Errc::kReplicaClosed,
+                                      Errc::kUnknownClient, Errc::kSequenceGap};
+
+std::optional<Errc> ending_error(const Outcome& outcome) {
   const auto* error = std::get_if<Error>(&outcome);
-  if (error == nullptr) return false;
-  switch (error->code) {
-    case Errc::kReplicaEvicted:
-    case Errc::kDivergentCall:
-    case Errc::kReplicaClosed:
-    case Errc::kUnknownClient:
-      return true;
-    default:
-      return false;
+  if (error == nullptr ||
+      std::find(kEndingErrors.begin(), kEndingErrors.end(), error->code) == kEndingErrors.end()) {
+    return std::nullopt;
   }
+  return error->code;
 }
+
+bool exit_error(const Outcome& outcome) { return ending_error(outcome).has_value(); }
 
 std::optional<Errc> error_of(const Outcome& outcome) {
   if (const auto* error = std::get_if<Error>(&outcome)) return error->code;
@@ -102,21 +106,34 @@ bool Reference::model_unsure(const std::string& model) const { return unsure_mod
 
 // Whether some copy holds, or will hold without reading another, every byte of the version: a
 // complete copy (even one a reader reported), one being published, one draining (it serves its
-// readers to the end; `unsure`: it may be gone), an offload copy made or being made.
+// readers to the end; `unsure`: it may be gone), an offload copy made or being made; but not a
+// copy whose bytes failed readers' checksums twice (corrupt).
 bool Reference::has_bytes(const std::string& model, Version version, bool* unsure) const {
   bool bytes = false;
   for (const auto& [key, replica] : replicas_) {
     if (replica.model != model || !present(replica)) continue;
-    const bool primary = replica.version == version && (replica.holding == Holding::kComplete ||
-                                                        replica.holding == Holding::kPublishing ||
-                                                        replica.holding == Holding::kDraining);
+    const bool primary = replica.version == version && !replica.corrupt &&
+                         (replica.holding == Holding::kComplete || replica.holding == Holding::kPublishing ||
+                          replica.holding == Holding::kDraining);
     // A draining copy (an unpublish, a close, an update's old copy) goes within the step once no
     // reader is left: whether it is still there the model does not follow.
     if (primary && (replica.drain_unsure || replica.holding == Holding::kDraining)) *unsure = true;
-    bytes = bytes || primary || replica.offloads.contains(version) ||
-            replica.offloading.contains(version);
+    const bool offload = (replica.offloads.contains(version) || replica.offloading.contains(version)) &&
+                         !replica.corrupt_offloads.contains(version);
+    bytes = bytes || primary || offload;
   }
   return bytes;
+}
+
+void Reference::strike(ShardSet& mismatched, bool& corrupt, std::uint32_t shard) {
+  if (mismatched.test(shard)) corrupt = true;
+  mismatched.set(shard);
+}
+
+void Reference::fresh_copy(Replica& replica) {
+  replica.failed = false;
+  replica.mismatched.reset();
+  replica.corrupt = false;
 }
 
 Reference::Resolution Reference::resolve(const std::string& model, const Selector& selector) const {
@@ -336,6 +353,7 @@ void Reference::on_call(const Request& request, TimeMs now_ms) {
     if (!call.seeded) arrive(*replica, call, client.shard, now_ms);
   }
   call.arrived.set(client.shard);
+  call.ops[client.shard] = op_key(request.body);
 }
 
 // The first shard of a call arrived: what the hub decides now, it decides from what is now.
@@ -358,7 +376,7 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
           } else {
             replica.holding = Holding::kPublishing;
             replica.version = body.version;
-            replica.failed = false;  // a new copy
+            fresh_copy(replica);
           }
         } else if constexpr (std::is_same_v<T, UnpublishRequest>) {
           if (replica.holding != Holding::kComplete) {
@@ -390,7 +408,7 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
                 call.allowed.insert(resolution.version);
                 replica.holding = Holding::kReceiving;
                 replica.version = resolution.version;
-                replica.failed = false;
+                fresh_copy(replica);
                 break;
               case Resolution::Kind::kWait:
                 break;  // resolved later (see end_of_step)
@@ -424,7 +442,7 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
             } else {
               replica.holding = Holding::kReceiving;
               replica.version = resolution.version;
-              replica.failed = false;
+              fresh_copy(replica);
             }
           }
           if (unsure) {
@@ -481,6 +499,16 @@ void Reference::on_report(const Report& report) {
       // forgets who read what when it detaches one); done in an earlier epoch, it counts once
       // the transfer reads from a new source.
       if (done->epoch == transfer.epoch && (!transfer.started.test(shard) || !transfer.attached)) continue;
+      // Read well from the current source: its bytes of this shard are good after all.
+      if (done->epoch == transfer.epoch && !transfer.done.test(shard)) {
+        if (auto source = replicas_.find(transfer.source); source != replicas_.end()) {
+          if (transfer.kind == CopyKind::kOffload) {
+            source->second.offload_mismatched[transfer.version].reset(shard);
+          } else if (source->second.version == transfer.version) {
+            source->second.mismatched.reset(shard);
+          }
+        }
+      }
       transfer.done.set(shard);
       if (auto call = replica->calls.find(transfer.call); call != replica->calls.end()) {
         call->second.done.set(shard);
@@ -492,13 +520,22 @@ void Reference::on_report(const Report& report) {
           !transfer.attached || !transfer.started.test(shard) || transfer.done.test(shard)) {
         continue;
       }
-      // The hub no longer trusts the source copy: it serves only as a last resort.
+      // The hub no longer trusts the source copy: it serves only as a last resort; bytes that fail
+      // their checksums twice for a shard make it no source at all.
       auto source = replicas_.find(transfer.source);
       if (source == replicas_.end()) continue;
+      const bool mismatch = failed->reason == ReadFailure::kChecksumMismatch;
+      Replica& from = source->second;
       if (transfer.kind == CopyKind::kOffload) {
-        source->second.failed_offloads.insert(transfer.version);
-      } else if (source->second.version == transfer.version) {
-        source->second.failed = true;
+        from.failed_offloads.insert(transfer.version);
+        if (mismatch) {
+          bool corrupt = from.corrupt_offloads.contains(transfer.version);
+          strike(from.offload_mismatched[transfer.version], corrupt, shard);
+          if (corrupt) from.corrupt_offloads.insert(transfer.version);
+        }
+      } else if (from.version == transfer.version) {
+        from.failed = true;
+        if (mismatch) strike(from.mismatched, from.corrupt, shard);
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&report.body)) {
@@ -510,6 +547,8 @@ void Reference::on_report(const Report& report) {
     if (reported == all_shards(replica->num_shards)) {
       replica->offloads[offloaded->version] = offloaded->copy;
       replica->failed_offloads.erase(offloaded->version);
+      replica->offload_mismatched.erase(offloaded->version);
+      replica->corrupt_offloads.erase(offloaded->version);
       replica->offloading.erase(making);
       replica->offload_reported.erase(offloaded->version);
     }
@@ -519,6 +558,17 @@ void Reference::on_report(const Report& report) {
 // ==== Effects ======================================================================================
 
 void Reference::after_step(const Input& input, const Effects& effects, TimeMs now_ms) {
+  // The replicas the hub ends in this step: their shards' calls may end without an answer.
+  evicted_now_.clear();
+  released_now_.clear();
+  for (const Effect& effect : effects) {
+    const auto* evicted = std::get_if<Evicted>(&effect.message);
+    auto client = clients_.find(effect.client);
+    if (evicted != nullptr && evicted->reason != Errc::kUnknownClient && client != clients_.end() &&
+        client->second.bound && effect.session == client->second.session) {
+      evicted_now_.emplace(client->second.key, evicted->reason);
+    }
+  }
   // Effects in the order the hub made them: an eviction takes a replica's copies before the
   // answers that follow from it (a reader told the version is unavailable).
   for (const Effect& effect : effects) {
@@ -564,17 +614,7 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
               replica->offloading[message.version] = message.copy;
             }
           } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
-            Replica* replica = replica_of(effect.client);
-            if (replica == nullptr) return;
-            if (auto found = replica->offloads.find(message.version);
-                found != replica->offloads.end() && found->second == message.copy) {
-              replica->offloads.erase(found);
-              replica->failed_offloads.erase(message.version);
-            }
-            if (auto found = replica->offloading.find(message.version);
-                found != replica->offloading.end() && found->second == message.copy) {
-              replica->offloading.erase(found);
-            }
+            if (Replica* replica = replica_of(effect.client)) on_release(*replica, effect.client, message, input);
           } else if constexpr (std::is_same_v<T, Evicted>) {
             auto client = clients_.find(effect.client);
             if (client == clients_.end()) return;
@@ -592,6 +632,63 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
         effect.message);
   }
   end_of_step(input, effects, now_ms);
+}
+
+// Every ReleaseOffload names a copy the hub made (or was told of at a resume) and releases once;
+// told to every shard of the replica, it is one release.
+void Reference::on_release(Replica& replica, ClientId client_id, const ReleaseOffload& release,
+                           const Input& input) {
+  const std::string key = key_of(replica);
+  if (!released_now_.emplace(key, release.copy).second) return;
+  const Version version = release.version;
+  bool counted = false;
+  if (auto found = replica.offloads.find(version); found != replica.offloads.end() && found->second == release.copy) {
+    replica.offloads.erase(found);
+    replica.failed_offloads.erase(version);
+    replica.offload_mismatched.erase(version);
+    replica.corrupt_offloads.erase(version);
+    counted = true;
+  }
+  if (auto found = replica.offloading.find(version); found != replica.offloading.end() && found->second == release.copy) {
+    replica.offloading.erase(found);
+    counted = true;
+  }
+  if (counted) {
+    released_.insert(release.copy);
+    return;
+  }
+  // Not a copy the hub counts for the replica: the answer to a shard that reported a copy it no
+  // longer counts (or never did), or a copy a shard announced at a resume that cannot be used.
+  const auto* report = std::get_if<Report>(&input);
+  const auto* reported = report != nullptr && report->client == client_id ? std::get_if<OffloadDone>(&report->body)
+                                                                          : nullptr;
+  if (reported != nullptr && reported->version == version && reported->copy == release.copy) return;
+  for (const auto& [id, client] : clients_) {
+    if (client.key != key || !client.resume) continue;
+    for (const HeldCopy& held : client.resume->offloads) {
+      if (held.version == version && held.copy == release.copy) return;
+    }
+  }
+  if (model_unsure(replica.model)) return;
+  fail("offloads: " + replica.name + " is told to free offload copy " + std::to_string(release.copy) +
+       " of version " + std::to_string(version) +
+       (released_.contains(release.copy) ? ", which it was told to free before (released twice)"
+                                         : ", which the hub never made"));
+}
+
+bool Reference::offload_needed(const Replica& replica, Version version) const {
+  if (!retained(replica.model, version)) return false;
+  for (const auto& [key, other] : replicas_) {
+    if (other.model != replica.model || !present(other)) continue;
+    if (!other.spot && other.holding == Holding::kComplete && other.version == version && !other.failed &&
+        !other.corrupt) {
+      return false;
+    }
+    if (&other != &replica && other.offloads.contains(version) && !other.failed_offloads.contains(version)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void Reference::on_open_answer(ClientId client_id, const Reply& reply, TimeMs now_ms) {
@@ -697,6 +794,22 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
          std::to_string(read.call) + ", whose selector names " +
          std::to_string(*call->second.allowed.begin()));
   }
+  // A complete copy whose bytes failed readers' checksums twice holds other bytes than the
+  // version's: no reader is sent to it, even as a last resort (it would fail again and again).
+  if (assigned && !read.source.partial && !model_unsure(reader->model)) {
+    auto source = replicas_.find(transfer.source);
+    const bool corrupt =
+        source != replicas_.end() &&
+        (read.source.kind == CopyKind::kOffload
+             ? source->second.corrupt_offloads.contains(read.version)
+             : source->second.corrupt && source->second.version == read.version &&
+                   source->second.holding != Holding::kReceiving);
+    if (corrupt) {
+      fail(reader->name + " is sent to read version " + std::to_string(read.version) + " from " +
+           read.source.replica + (read.source.kind == CopyKind::kOffload ? "'s offload copy" : "") +
+           ", whose bytes of a shard failed their checksums twice");
+    }
+  }
   // Smart skipping (paper §4.3.4), for replicate as for update: nobody starts to pipeline from a
   // copy that is itself still receiving across datacenters. (One already pipelining when its
   // source turned to another datacenter goes on: the bytes it has are not read again.)
@@ -715,8 +828,13 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
       }
     }
   }
-  // The old copy of a moving update is gone once the new one is read into the buffers.
-  if (reader->holding != Holding::kReceiving) reader->failed = false;
+  // The old copy of a moving update is gone once the new one is read into the buffers; a copy
+  // that reads from a new source reads afresh.
+  if (reader->holding != Holding::kReceiving) fresh_copy(*reader);
+  if (assigned) {
+    reader->mismatched.reset();
+    reader->corrupt = false;
+  }
   reader->holding = Holding::kReceiving;
   reader->version = read.version;
   reader->drain_unsure = false;
@@ -767,7 +885,14 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   }
   auto call = replica->calls.find(reply.seq);
   if (call == replica->calls.end()) {
-    if (error_of(reply.outcome) == Errc::kSequenceGap) return;
+    if (error_of(reply.outcome) == Errc::kSequenceGap) {
+      if (reply.seq == client->second.last_seq + 1) {
+        fail("shard " + std::to_string(client->second.shard) + " of " + replica->name +
+             " is told sequence-gap for call " + std::to_string(reply.seq) +
+             ", which is the call the hub expects next");
+      }
+      return;
+    }
     const auto& last = client->second.last_answer;
     if (last && last->first == reply.seq) {
       // The answer again, to a retransmission of a call the model has settled.
@@ -803,6 +928,18 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
       return;
     }
   }
+  // Consistency (§5.3): an error that ends the call for this shard alone must be explained by the
+  // shard's own situation; the replica's answer may not follow "closed" told to a peer.
+  if (const std::optional<Errc> ending = ending_error(reply.outcome)) {
+    judge_exit(*replica, call->second, shard, client->second, reply.seq, *ending);
+    if (*ending == Errc::kReplicaClosed) call->second.closed_out = true;
+  } else {
+    if (call->second.closed_out && !call->second.seeded && !model_unsure(replica->model)) {
+      fail("shard " + std::to_string(shard) + " of " + replica->name + " got " + name_of(reply.outcome) +
+           " for call " + std::to_string(reply.seq) + " where a peer was told the replica closed");
+    }
+    call->second.answered_for_all = true;
+  }
   // The first answer that is the replica's (not an exit error told to one shard, such as "closed"
   // to a shard that diverged from a close) is the one the model applies.
   if (call->second.answer && (exit_error(*call->second.answer) == exit_error(reply.outcome) ||
@@ -820,6 +957,46 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   ++seen_.answers_checked;
   check_answer(*replica, reply.seq, call->second, reply.outcome, now_ms);
   apply_answer(*replica, reply.seq, call->second, reply.outcome);
+}
+
+void Reference::judge_exit(const Replica& replica, const Call& call, std::uint32_t shard,
+                           const Client& client, std::uint64_t seq, Errc code) const {
+  // After a failover the shards behind are told what their peers were told before it: the model
+  // does not follow those calls.
+  if (call.seeded || model_unsure(replica.model)) return;
+  const std::string what = "shard " + std::to_string(shard) + " of " + replica.name + " is told " +
+                           std::string(errc_name(code)) + " for call " + std::to_string(seq) + " (" +
+                           std::string(op_name(call.op.kind)) + ")";
+  const bool evicted_now = evicted_now_.contains(key_of(replica));
+  switch (code) {
+    case Errc::kReplicaEvicted:
+      if (!evicted_now) fail(what + ", but the hub does not evict its replica");
+      break;
+    case Errc::kDivergentCall: {
+      // Its own call was not the replica's, it ran too far ahead of a peer, or the replica ends
+      // now because another shard diverged.
+      const auto own = call.ops.find(shard);
+      const bool differs = own != call.ops.end() && !(own->second == call.op);
+      const bool ahead = !replica.calls.empty() && seq - replica.calls.begin()->first >= limits::kTxnWindowMax;
+      if (!differs && !ahead && !evicted_now) fail(what + ", although it made the call its peers made");
+      break;
+    }
+    case Errc::kReplicaClosed:
+      if (!replica.closing) fail(what + ", but no shard of the replica is closing it");
+      break;
+    case Errc::kUnknownClient:
+      fail(what + ", although the hub let it in and did not evict it");
+    case Errc::kSequenceGap:
+      if (seq == client.last_seq + 1) fail(what + ", although it is the call the hub expects next");
+      break;
+    default:
+      TH_ASSERT(false, "not an error that ends a call", errc_name(code));
+  }
+  // The replica's answer went to a peer: this shard is owed the same, unless it made another call.
+  if (call.answered_for_all && (code == Errc::kReplicaEvicted || code == Errc::kReplicaClosed)) {
+    fail(what + " where a peer got the replica's answer" +
+         (call.answer ? " (" + name_of(*call.answer) + ")" : std::string()));
+  }
 }
 
 void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome,
@@ -966,7 +1143,7 @@ bool Reference::refresh(Replica& replica, Call& call) {
         if (replica.holding == Holding::kNone) {
           replica.holding = Holding::kReceiving;
           replica.version = resolution.version;
-          replica.failed = false;
+          fresh_copy(replica);
         }
         break;
       case Resolution::Kind::kNotFound:
@@ -1001,8 +1178,11 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
     return;
   }
   auto hold = [&](Version version) {
-    // A copy a reader reported while it was received stays reported once complete.
+    // A copy a reader reported while it was received stays reported once complete; what readers
+    // found of its bytes while they arrived is moot (every shard verified them).
     if (replica.holding != Holding::kReceiving || replica.version != version) replica.failed = false;
+    replica.mismatched.reset();
+    replica.corrupt = false;
     replica.holding = Holding::kComplete;
     replica.version = version;
     replica.drain_unsure = false;
@@ -1159,6 +1339,7 @@ void Reference::on_server_restart() {
   replicas_.clear();
   existing_.clear();
   transfers_.clear();
+  released_.clear();  // copy ids are the new server's
 }
 
 void Reference::check_quiescent() const {
@@ -1175,6 +1356,15 @@ void Reference::check_quiescent() const {
       }
       fail("liveness: " + replica.name + " call " + std::to_string(seq) + " (" +
            std::string(op_name(call.op.kind)) + ") is still unanswered after healing");
+    }
+    // Every offload copy left is one retention needs: any other is CPU memory never given back.
+    if (model_unsure(replica.model)) continue;
+    for (const auto& [version, copy] : replica.offloads) {
+      if (!offload_needed(replica, version)) {
+        fail("offloads: " + replica.name + " still holds offload copy " + std::to_string(copy) + " of version " +
+             std::to_string(version) + " after healing, although " +
+             (retained(replica.model, version) ? "another safe copy holds it" : "no rule retains it"));
+      }
     }
   }
 }

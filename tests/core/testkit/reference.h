@@ -15,6 +15,14 @@
 //   list         shows latest and what each replica holds
 //   eviction     a shard silent for longer than the heartbeat timeout is evicted at the next tick,
 //                and no other
+//   consistency  the shards of a replica get one answer per call; an error that ends a call for
+//                one shard without being the replica's answer (evicted, closed, divergent,
+//                unknown client, sequence gap) only where that shard's own situation explains
+//                it: never "closed" to a shard whose peers got the answer
+//   checksums    a copy whose shard failed a reader's checksums twice without a good read between
+//                holds other bytes: no reader is sent to it, and it keeps no version readable
+//   offloads     every offload copy the hub releases is one it made (or was told of), once; at
+//                the end, every one left is needed (its version retained, no other safe copy)
 //   liveness     with faults healed and every read done, nothing the hub owes is left unanswered
 //
 // It reads nothing of the hub but its settings. Where its account cannot follow the hub exactly
@@ -90,6 +98,11 @@ class Reference : public StepWatcher {
     // A shard that had made it cancelled it (CancelCall) while it was unanswered: the hub owes
     // every shard kCancelled at once (it may still have answered otherwise in that same step).
     bool cancelled = false;
+    // Consistency: each shard's call (the hub takes the first shard's as the replica's), whether
+    // some shard got the replica's answer, and whether some shard was told the replica closed.
+    std::map<std::uint32_t, OpKey> ops;
+    bool answered_for_all = false;
+    bool closed_out = false;
   };
   struct Replica {
     std::string model;
@@ -106,11 +119,17 @@ class Reference : public StepWatcher {
     Holding holding = Holding::kNone;
     Version version = 0;            // of the holding
     bool failed = false;            // a reader reported the primary copy
+    // Checksum failures of the primary copy's shards since their last good read, and whether one
+    // failed twice (corrupt: other bytes than the version's).
+    ShardSet mismatched;
+    bool corrupt = false;
     bool drain_unsure = false;      // an update's old copy drains or is gone: unknown which
     std::map<Version, std::uint64_t> offloads;  // complete offload copies (id)
     std::map<Version, std::uint64_t> offloading;
     std::map<Version, ShardSet> offload_reported;  // shards that reported the copy made
     std::set<Version> failed_offloads;             // a reader reported the offload copy
+    std::map<Version, ShardSet> offload_mismatched;  // as `mismatched`, of offload copies
+    std::set<Version> corrupt_offloads;
     std::map<std::uint64_t, Call> calls;
     std::uint64_t resumed_at = 0;   // calls up to this one may be redone after a failover (seeded)
   };
@@ -161,6 +180,19 @@ class Reference : public StepWatcher {
   void apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome);
   bool refresh(Replica& replica, Call& call);
   void on_start_read(ClientId client, const StartRead& read);
+  // An error that ends call `seq` for shard `shard` without being the replica's answer: fails
+  // unless the shard's own situation explains it.
+  void judge_exit(const Replica& replica, const Call& call, std::uint32_t shard, const Client& client,
+                  std::uint64_t seq, Errc code) const;
+  void on_release(Replica& replica, ClientId client, const ReleaseOffload& release, const Input& input);
+  // Whether `replica`'s complete offload copy of `version` is still needed: retained, and no other
+  // safe copy (a non-spot replica's healthy complete copy, another healthy offload copy).
+  bool offload_needed(const Replica& replica, Version version) const;
+  // A reader found shard `shard` of a copy failing its checksums: the second time since the
+  // shard's last good read, the copy is corrupt.
+  static void strike(ShardSet& mismatched, bool& corrupt, std::uint32_t shard);
+  // The replica's primary copy is a new one (or reads afresh): nothing a reader found holds.
+  static void fresh_copy(Replica& replica);
   void evict(const std::string& key);
   void end_of_step(const Input& input, const Effects& effects, TimeMs now_ms);
 
@@ -189,6 +221,11 @@ class Reference : public StepWatcher {
   std::map<std::string, std::set<Version>> existing_;       // per model
   std::map<std::pair<std::string, std::uint64_t>, Transfer> transfers_;  // (reader, call)
   std::set<std::string> unsure_models_;  // after a failover, until its replicas are back
+  // This step: the replicas the hub evicts (by key, with the reason), and the offload copies it
+  // releases (replica key, copy id). Offload copies released on this server, by id: never twice.
+  std::map<std::string, Errc> evicted_now_;
+  std::set<std::pair<std::string, std::uint64_t>> released_now_;
+  std::set<std::uint64_t> released_;
   Seen seen_;
 };
 

@@ -199,10 +199,11 @@ void replay(const Counterexample& counterexample) {
                              ? only_spot_rollouts(parse_fleet_spec(counterexample.spec))
                              : parse_fleet_spec(counterexample.spec);
   if (property.starts_with("HubModel.")) {
-    // Every HubModel property but the first opens all replicas first and checks retention last.
-    const bool retention = property != "HubModel.AnswersMatchTheReferenceModelUnderFaults";
+    // The retention properties open all replicas first and check retention last.
+    const bool retention = property == "HubModel.RetainedVersionsStayReadable" ||
+                           property == "HubModel.SpotReplicasNeverCountForRetention";
     Fleet fleet(spec);
-    if (retention) fleet.open_all();
+    if (retention || property == "HubModel.ChainsAcrossDatacentersConverge") fleet.open_all();
     for (const Action& action : parse_fleet_actions(counterexample.actions)) fleet.apply(action);
     fleet.heal_and_check_liveness();
     if (retention) fleet.check_retained_versions_readable();

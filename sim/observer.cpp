@@ -81,7 +81,7 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
     drop_grants_of(client);  // a new session: the client revoked every grant of the old one
   }
   const std::string key = replica_key(request);
-  clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false};
+  clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false, 0, {}};
   // An open of a newer incarnation replaces the older ones (the hub evicts them, whichever of
   // their shards it tells): nothing they held is held any more.
   for (auto& [other_key, other] : replicas_) {
@@ -111,6 +111,13 @@ void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& bo
   auto found = clients_.find(client);
   if (found == clients_.end()) return;
   found->second.called_seq = std::max(found->second.called_seq, seq);
+  // Calls far behind the latest are answered long since (a replica's shards stay within
+  // limits::kTxnWindowMax calls of each other): forgotten, so that the map stays small.
+  std::map<std::uint64_t, OpKey>& ops = found->second.ops;
+  ops[seq] = op_key(body);
+  while (!ops.empty() && ops.begin()->first + 2 * limits::kTxnWindowMax < found->second.called_seq) {
+    ops.erase(ops.begin());
+  }
   if (!found->second.bound) return;
   // A shard late to a call its replica already got the answer to changes nothing.
   if (answers_.contains({found->second.replica_key, seq})) return;
@@ -215,6 +222,8 @@ void Observer::leave(ClientId client) {
   replica.bound.erase(client);
   if (!replica.bound.empty()) return;
   std::erase_if(answers_, [&](const auto& entry) { return entry.first.first == key; });
+  std::erase_if(answered_ops_, [&](const auto& entry) { return entry.first.first == key; });
+  std::erase_if(closed_calls_, [&](const auto& entry) { return entry.first == key; });
 }
 
 // Grants are ordered by source first: a source's are one range (a fleet of thousands has many).
@@ -228,13 +237,48 @@ void Observer::drop_grants_of(ClientId client) {
 }
 
 void Observer::check_consistency(const ClientInfo& info, const Reply& reply) {
-  if (is_exit_error(reply.outcome) || std::holds_alternative<OpenOk>(reply.outcome)) return;
+  if (std::holds_alternative<OpenOk>(reply.outcome)) return;
+  if (is_exit_error(reply.outcome)) {
+    check_ending(info, reply, std::get<Error>(reply.outcome).code);
+    return;
+  }
+  const std::pair key{info.replica_key, reply.seq};
   const std::string summary = summarize(reply.outcome);
-  auto [found, inserted] = answers_.try_emplace({info.replica_key, reply.seq}, summary);
+  auto [found, inserted] = answers_.try_emplace(key, summary);
   if (!inserted && found->second != summary) {
     violation("consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key +
               " got '" + summary + "' for call " + std::to_string(reply.seq) +
               " where another shard got '" + found->second + "'");
+  }
+  if (closed_calls_.contains(key)) {
+    violation("consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key + " got '" +
+              summary + "' for call " + std::to_string(reply.seq) + " where another shard was told the "
+              "replica closed");
+  }
+  if (inserted) {
+    if (auto op = info.ops.find(reply.seq); op != info.ops.end()) answered_ops_.emplace(key, op->second);
+  }
+}
+
+void Observer::check_ending(const ClientInfo& info, const Reply& reply, Errc code) {
+  const std::pair key{info.replica_key, reply.seq};
+  const auto answered = answers_.find(key);
+  const std::string who = "consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key;
+  if (code == Errc::kReplicaClosed) closed_calls_.insert(key);
+  if (answered == answers_.end()) return;
+  // A call its peers got the replica's answer to was decided: closing the replica or evicting it
+  // afterwards does not undo that (the hub answers late shards the same).
+  if (code == Errc::kReplicaClosed || code == Errc::kReplicaEvicted) {
+    violation(who + " was told " + std::string(errc_name(code)) + " for call " + std::to_string(reply.seq) +
+              " where another shard got '" + answered->second + "'");
+  }
+  if (code == Errc::kDivergentCall) {
+    const auto own = info.ops.find(reply.seq);
+    const auto theirs = answered_ops_.find(key);
+    if (own != info.ops.end() && theirs != answered_ops_.end() && own->second == theirs->second) {
+      violation(who + " was told its call " + std::to_string(reply.seq) + " diverged although it made the "
+                "call another shard got '" + answered->second + "' for");
+    }
   }
 }
 
@@ -485,7 +529,11 @@ void Observer::on_latest(const std::string& model, std::optional<Version> latest
 }
 
 void Observer::on_server_reset(bool answers_delivered) {
-  if (!answers_delivered) answers_.clear();
+  if (!answers_delivered) {
+    answers_.clear();
+    answered_ops_.clear();
+    closed_calls_.clear();
+  }
   grants_.clear();
   reads_.clear();
   hub_latest_.clear();

@@ -7,7 +7,9 @@
 //   retention    when a non-spot holder of a retained version stops holding it by unpublish or update,
 //                some other non-spot holder or an offload copy still holds it (close and crashes are
 //                departures: what the leaving process held goes with it)
-//   consistency  the shards of a replica get equal answers to the same call
+//   consistency  the shards of a replica get equal answers to the same call; a shard is told its
+//                replica closed or was evicted only while no peer got the replica's answer, and
+//                that its call diverged only if it made another call than the peer that did
 //   load         a source shard serves at most fanout_max transfers at once
 //   topology     a reader is sent to another datacenter only when no complete, healthy copy is in its own
 //   monotonicity `latest` never decreases on one server
@@ -52,6 +54,8 @@ class Observer {
     // The latest call this client made: the hub answers a late retransmission of an earlier call
     // again, which tells a client that moved on nothing (its agent ignores it).
     std::uint64_t called_seq = 0;
+    // What it called as its recent calls (by number), to tell a divergent call from a same one.
+    std::map<std::uint64_t, OpKey> ops;
   };
   struct ReplicaInfo {
     std::string model;
@@ -93,6 +97,8 @@ class Observer {
   void check_topology(const ClientInfo& info, const ReplicaInfo& reader, const StartRead& read);
   void on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica);
   void check_consistency(const ClientInfo& info, const Reply& reply);
+  // An error that ends the call for this shard alone, beside its peers' answers.
+  void check_ending(const ClientInfo& info, const Reply& reply, Errc code);
   void stop_holding(ReplicaInfo& replica, const char* why);
   bool retained(const std::string& model, Version version) const;
   std::size_t safe_holders(const std::string& model, Version version, const ReplicaInfo* except) const;
@@ -109,6 +115,10 @@ class Observer {
   std::map<std::pair<ClientId, TransferId>, StartRead> reads_;  // the latest per reader and transfer
   std::map<ClientId, Resume> announced_;                          // what resumed clients announced
   std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
+  // (replica, seq) -> the call of the shard that got that answer first; and the calls a shard was
+  // told the replica closed.
+  std::map<std::pair<std::string, std::uint64_t>, OpKey> answered_ops_;
+  std::set<std::pair<std::string, std::uint64_t>> closed_calls_;
   std::map<std::string, std::set<Version>> completed_;  // per model: versions complete (replies)
   // Counts, per model, opens that added a retention rule and departures (close, eviction). The hub
   // decides on an offload at some point while a call runs; a rule added or a holder gone meanwhile

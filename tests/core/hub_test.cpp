@@ -1111,6 +1111,84 @@ TEST(HubFailures, FailedSourceIsReplacedForTheSameTransfer) {
   EXPECT_NE(read_of(driver, r2[0])->source.replica, "t1");
 }
 
+// Bytes that fail a reader's checksums: a source is suspected at once and tried again only as a
+// last resort; failing a second time with no good read between, it holds other bytes than the
+// version's (a buffer written while published), and with no other copy the reader is told the
+// version is unavailable at once, not after kSourceFailuresPerTransferMax tries.
+TEST(HubFailures, ACopyWhoseBytesFailChecksumsTwiceIsNoSourceAnyMore) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r", 1));
+  start_replicate(driver, r, Selector::latest());
+  const auto first = *read_of(driver, r[0]);
+  driver.report(r[0], TransferFailed{first.transfer, first.epoch, ReadFailure::kChecksumMismatch});
+  const auto second = read_of(driver, r[0]);
+  ASSERT_TRUE(second && second->epoch == first.epoch + 1) << "one failure: the only copy, as a last resort";
+  EXPECT_EQ(second->source.replica, "t");
+  driver.report(r[0], TransferFailed{second->transfer, second->epoch, ReadFailure::kChecksumMismatch});
+  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
+  // A later reader is not sent to it either: the version is unavailable while t holds those bytes.
+  const auto r2 = driver.open_replica(rollout("r2", 1));
+  start_replicate(driver, r2, Selector::latest());
+  EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionUnavailable), "");
+  EXPECT_FALSE(read_of(driver, r2[0]));
+}
+
+// A good read between two checksum failures says the first was passing trouble (a link, the
+// reader): the copy stays a last resort.
+TEST(HubFailures, AGoodReadClearsAnEarlierChecksumFailure) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  driver.publish(t, 1);
+  const auto a = driver.open_replica(rollout("a", 1));
+  start_replicate(driver, a, Selector::latest());
+  const auto first = *read_of(driver, a[0]);
+  driver.report(a[0], TransferFailed{first.transfer, first.epoch, ReadFailure::kChecksumMismatch});
+  driver.finish_reads(a);  // from t again, well
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(a)));
+  driver.call_all(a, UnpublishRequest{});
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(a)));
+  const auto b = driver.open_replica(rollout("b", 1));
+  start_replicate(driver, b, Selector::latest());
+  const auto read = *read_of(driver, b[0]);
+  EXPECT_EQ(read.source.replica, "t");
+  driver.report(b[0], TransferFailed{read.transfer, read.epoch, ReadFailure::kChecksumMismatch});
+  const auto again = read_of(driver, b[0]);
+  ASSERT_TRUE(again && again->epoch == read.epoch + 1) << "t is still a last resort";
+  driver.finish_reads(b);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(b)));
+}
+
+// A wait on what replicas hold is answered when a copy is complete again without a new version:
+// an update cancelled while its old copy drained (property-regressions.txt, RC seeds 7 and 16).
+TEST(HubRegression, AWaitIsAnsweredWhenACancelledUpdateKeepsItsCopy) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 1));
+  driver.publish(t, 1);
+  const auto a = driver.open_replica(rollout("a", 1));
+  const auto b = driver.open_replica(rollout("b", 1));
+  for (const auto& replica : {a, b}) {
+    start_replicate(driver, replica, Selector::latest());
+    driver.finish_reads(replica);
+    ASSERT_TRUE(is<ReplicateOk>(driver.replies(replica)));
+  }
+  driver.call_all(t, UnpublishRequest{});
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  // c reads version 1 from a, so that a's copy drains (waits for c) when a moves on.
+  const auto c = driver.open_replica(rollout("c", 1));
+  start_replicate(driver, c, Selector::latest());
+  ASSERT_EQ(read_of(driver, c[0])->source.replica, "a");
+  driver.publish(t, 2);
+  const std::uint64_t update = driver.call(a[0], UpdateRequest{Selector::latest(), layout_for(0)});
+  const auto w = driver.open_replica(rollout("w", 1));
+  driver.call(w[0], WaitRequest{{WaitPredicate::Kind::kReplicasHold, 1, 2, ""}, 0});
+  EXPECT_FALSE(driver.has_reply(w[0])) << "a's copy of version 1 drains: only b holds it";
+  driver.report(a[0], CancelCall{update});
+  EXPECT_EQ(expect_error(driver.replies(a), Errc::kCancelled), "");
+  EXPECT_TRUE(is<WaitOk>(driver.replies(w))) << "a holds version 1 again";
+}
+
 TEST(HubFailures, EvictedReaderReleasesItsSource) {
   HubSettings settings;
   settings.heartbeat_timeout_ms = 1000;

@@ -2,16 +2,22 @@
 """Mutation testing of core/: runs the property test, then the th-sim CI block, against every
 mutant of catalogue.txt and reports how many each kills (ctest -L mutants).
 
-A mutant is killed by the property test if the test binary fails (or hangs past its timeout) with
-TH_MUTANT=N; the th-sim block (and, with --regression-seeds, the named seeds of
-tests/sim/regression-seeds.txt) runs only for the mutants the property test left alive, and kills
-one with a violation (or a hang). The targets: the property test alone kills at least 90%, property
-test and simulator together kill all. The property test runs with a fixed RapidCheck seed, so the
-score is the same on every machine; TH_MUTANT_SEED changes it (a look at other cases).
+A mutant is killed by the property test if the test binary fails with TH_MUTANT=N, or if one of
+the counterexamples of tests/core/property-regressions.txt fails against it (--regressions). The
+property test runs once per RapidCheck seed (--seeds, three by default): its score is reported per
+seed, and the targets must hold for every seed, so that a score is not the luck of one seed. It
+runs without shrinking: a kill needs a failing case, not its smallest form (shrinking a mutant's
+failure can outlast any timeout).
 
-    run.py --list mutants.tsv --property BIN --sim BIN [--unit BIN] [--regression-seeds FILE]
-           [--report FILE] [--jobs N]
-           [--cases N] [--only NAME,...] [--property-target 0.9] [--combined-target 1.0]
+The th-sim block (and, with --regression-seeds, the named seeds of tests/sim/regression-seeds.txt)
+runs for the mutants the property test left alive on some seed, and kills one with a violation.
+The targets: the property test alone kills at least 90%, property test and simulator together
+kill all, on every seed. A kill that is only a timeout (the binary hung) is not a kill: the run
+fails and names the mutant (a hang is a bug of the tests or of the mutant's catalogue entry).
+
+    run.py --list mutants.tsv --property BIN --sim BIN [--regressions BIN] [--unit BIN]
+           [--regression-seeds FILE] [--report FILE] [--jobs N] [--cases N] [--seeds A,B,C]
+           [--only NAME,...] [--property-target 0.9] [--combined-target 1.0]
 
 With --unit, the hub's unit tests (core_hub_test built against the mutants) also run against the
 survivors of both: a third figure, for information; the targets are the two above.
@@ -29,9 +35,12 @@ import time
 WORKLOADS = ["colocated", "standalone", "elastic", "cross-dc", "off-by-k", "multi-model", "mixed"]
 SIM_BLOCK = [["--seeds", "1..2000"]] + [
     ["--seeds", "3001..3500", "--workload", workload, "--profile", profile]
-    for profile in ("harsh-net", "harsh-crash") for workload in WORKLOADS] + [
+    for profile in ("harsh-net", "harsh-crash", "harsh-bytes") for workload in WORKLOADS] + [
     ["--seeds", "5001..5500", "--workload", workload, "--profile", "harsh-crash", "--faults", "rack=1"]
     for workload in ("cross-dc", "mixed")]
+
+# The fixed seed of CI's property test, and two others.
+DEFAULT_SEEDS = "20261130,2,3"
 
 
 def regression_seeds(path):
@@ -43,12 +52,14 @@ def regression_seeds(path):
             if words:
                 blocks.append(["--seed"] + words)
     return blocks
-PROPERTY_TIMEOUT_S = 300
+
+
+PROPERTY_TIMEOUT_S = 600
 SIM_TIMEOUT_S = 300
 
 
 def run(command, env_extra, timeout_s):
-    """Returns (status, seconds, last lines): status 'pass', 'fail' or 'hang'."""
+    """Returns (status, seconds, output): status 'pass', 'fail' or 'hang'."""
     env = dict(os.environ)
     env.update(env_extra)
     started = time.monotonic()
@@ -64,30 +75,42 @@ def run(command, env_extra, timeout_s):
 
 
 def first_failure(output):
-    for marker in ("Exception thrown with message:", "violation at"):
+    for marker in ("Exception thrown with message:", "violation at", "throws th::AssertionFailure"):
         index = output.find(marker)
         if index >= 0:
-            line = output[index:].split("\n")[1 if marker.startswith("Exception") else 0]
+            if marker.startswith("Exception"):
+                line = output[index:].split("\n")[1]
+            else:
+                line = output[index:].split("\n")[0]
             return line.strip()[:160]
     return ""
 
 
-def property_command(args):
-    return [args.property]
-
-
-def property_env(args, mutant):
+def property_env(args, mutant, seed):
     return {"TH_MUTANT": str(mutant),
-            "RC_PARAMS": f"max_success={args.cases} max_size=200 seed={args.seed}"}
+            "RC_PARAMS": f"max_success={args.cases} max_size=200 seed={seed} noshrink=1"}
+
+
+def judge_property(args, number, seed):
+    """The property test (and the counterexamples) against mutant `number` on one seed."""
+    status, seconds, output = run([args.property], property_env(args, number, seed), PROPERTY_TIMEOUT_S)
+    why = first_failure(output) if status == "fail" else ""
+    if status == "pass" and args.regressions:
+        status, more, output = run([args.regressions], {"TH_MUTANT": str(number)}, PROPERTY_TIMEOUT_S)
+        seconds += more
+        why = "counterexample: " + first_failure(output) if status == "fail" else ""
+    return status, seconds, why
 
 
 def judge(args, number, name):
-    status, seconds, output = run(property_command(args), property_env(args, number),
-                                  PROPERTY_TIMEOUT_S)
-    result = {"id": number, "name": name, "property": status, "property_s": seconds,
-              "property_why": first_failure(output) if status != "pass" else "",
-              "sim": "-", "sim_s": 0.0, "sim_why": ""}
-    if status != "pass":
+    result = {"id": number, "name": name, "property": {}, "property_why": "",
+              "sim": "-", "sim_s": 0.0, "sim_why": "", "unit": "-"}
+    for seed in args.seeds:
+        status, seconds, why = judge_property(args, number, seed)
+        result["property"][seed] = (status, seconds)
+        if why and not result["property_why"]:
+            result["property_why"] = why
+    if all(status == "fail" for status, _ in result["property"].values()):
         return result
     sim_seconds = 0.0
     for block in SIM_BLOCK + args.regression_blocks:
@@ -95,13 +118,12 @@ def judge(args, number, name):
         sim_seconds += seconds
         if status != "pass":
             result["sim"] = status
-            result["sim_why"] = " ".join(block) + ": " + first_failure(output)
+            result["sim_why"] = " ".join(block) + ": " + (first_failure(output) or status)
             break
     else:
         result["sim"] = "pass"
     result["sim_s"] = sim_seconds
-    result["unit"] = "-"
-    if result["sim"] == "pass" and args.unit:
+    if result["sim"] != "fail" and args.unit:
         status, _, output = run([args.unit], {"TH_MUTANT": str(number)}, PROPERTY_TIMEOUT_S)
         result["unit"] = status
         if status != "pass":
@@ -111,10 +133,20 @@ def judge(args, number, name):
     return result
 
 
+def killed_by_property(result, seed):
+    return result["property"][seed][0] == "fail"
+
+
+def killed(result, seed):
+    return killed_by_property(result, seed) or result["sim"] == "fail"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", required=True)
     parser.add_argument("--property", required=True)
+    parser.add_argument("--regressions", default="",
+                        help="the property counterexamples' replay, built against the mutants")
     parser.add_argument("--sim", required=True)
     parser.add_argument("--unit", default="")
     parser.add_argument("--regression-seeds", default="",
@@ -122,11 +154,16 @@ def main():
     parser.add_argument("--report")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=int(os.environ.get("TH_MUTANT_SEED", "20261130")))
+    parser.add_argument("--seeds", default=os.environ.get("TH_MUTANT_SEEDS", DEFAULT_SEEDS),
+                        help="RapidCheck seeds of the property test, comma-separated (three by default)")
     parser.add_argument("--only", default="")
     parser.add_argument("--property-target", type=float, default=0.9)
     parser.add_argument("--combined-target", type=float, default=1.0)
     args = parser.parse_args()
+    args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    if not args.seeds:
+        print("run.py: no seeds", file=sys.stderr)
+        return 2
     args.regression_blocks = regression_seeds(args.regression_seeds) if args.regression_seeds else []
 
     mutants = []
@@ -144,11 +181,12 @@ def main():
 
     # The copy without any mutant must pass, or no kill means anything.
     started = time.monotonic()
-    status, _, output = run(property_command(args), property_env(args, 0), PROPERTY_TIMEOUT_S)
-    if status != "pass":
-        print(output[-3000:])
-        print("run.py: the property test fails without any mutant")
-        return 1
+    for seed in args.seeds:
+        status, _, why = judge_property(args, 0, seed)
+        if status != "pass":
+            print(why)
+            print(f"run.py: the property test fails without any mutant (seed {seed})")
+            return 1
     status, _, output = run([args.sim, "--seeds", "1..200"], {"TH_MUTANT": "0"}, SIM_TIMEOUT_S)
     if status != "pass":
         print(output[-3000:])
@@ -161,40 +199,50 @@ def main():
     elapsed = time.monotonic() - started
 
     total = len(results)
-    by_property = sum(1 for result in results if result["property"] != "pass")
-    by_either = sum(1 for result in results if result["property"] != "pass" or result["sim"] != "pass")
-    rows = ["| # | mutant | file | property test | th-sim block | what caught it |",
-            "|---|---|---|---|---|---|"]
+    seed_columns = " | ".join(f"property test, seed {seed}" for seed in args.seeds)
+    rows = [f"| # | mutant | file | {seed_columns} | th-sim block | what caught it |",
+            "|---|---|---|" + "---|" * len(args.seeds) + "---|---|"]
     files = {number: path for number, _, path, _ in mutants}
     for result in results:
         caught = (result["property_why"] or result["sim_why"] or
                   (f"SURVIVED (killed by {result['unit_why']})" if result.get("unit_why") else "SURVIVED"))
         sim = result["sim"] if result["sim"] == "-" else f"{result['sim']} ({result['sim_s']:.0f} s)"
-        rows.append(f"| {result['id']} | {result['name']} | {files[result['id']]} | "
-                    f"{result['property']} ({result['property_s']:.1f} s) | {sim} | {caught} |")
-    property_score = by_property / total
-    combined_score = by_either / total
-    summary = (f"mutants: {total}; the property test alone kills {by_property} "
-               f"({100 * property_score:.0f}%, target {100 * args.property_target:.0f}%); property "
-               f"test + th-sim CI block kill {by_either} ({100 * combined_score:.0f}%, target "
-               f"{100 * args.combined_target:.0f}%); {elapsed:.0f} s, {args.cases} cases per "
-               f"property, RapidCheck seed {args.seed}")
-    survivors = [result["name"] for result in results
-                 if result["property"] == "pass" and result["sim"] == "pass"]
-    if args.unit and survivors:
+        cells = " | ".join(f"{status} ({seconds:.1f} s)" for status, seconds in result["property"].values())
+        rows.append(f"| {result['id']} | {result['name']} | {files[result['id']]} | {cells} | {sim} | {caught} |")
+
+    ok = True
+    lines = [f"mutants: {total}; {args.cases} cases per property, no shrinking; {elapsed:.0f} s"]
+    for seed in args.seeds:
+        by_property = sum(1 for result in results if killed_by_property(result, seed))
+        by_either = sum(1 for result in results if killed(result, seed))
+        property_score = by_property / total
+        combined_score = by_either / total
+        ok = ok and property_score >= args.property_target and combined_score >= args.combined_target
+        lines.append(f"RapidCheck seed {seed}: the property test alone kills {by_property} "
+                     f"({100 * property_score:.0f}%, target {100 * args.property_target:.0f}%); property "
+                     f"test + th-sim CI block kill {by_either} ({100 * combined_score:.0f}%, target "
+                     f"{100 * args.combined_target:.0f}%)")
+    survivors = sorted({result["name"] for result in results for seed in args.seeds
+                        if not killed(result, seed)})
+    hangs = [result["name"] for result in results
+             if any(status == "hang" for status, _ in result["property"].values()) or result["sim"] == "hang"]
+    if survivors:
+        lines.append("survivors (on some seed): " + ", ".join(survivors))
         by_unit = [result["name"] for result in results
                    if result["name"] in survivors and result.get("unit") not in ("-", "pass")]
-        summary += (f"; the hub's unit tests kill {len(by_unit)} of the {len(survivors)} survivors"
-                    + (f" ({', '.join(by_unit)})" if by_unit else ""))
+        if args.unit:
+            lines.append(f"the hub's unit tests kill {len(by_unit)} of them" +
+                         (f" ({', '.join(by_unit)})" if by_unit else ""))
+    if hangs:
+        ok = False
+        lines.append("hung (a timeout is not a kill; fix the test or the mutant): " + ", ".join(hangs))
+    summary = "\n".join(lines)
     print("\n".join(rows))
     print(summary)
-    if survivors:
-        print("survivors: " + ", ".join(survivors))
     if args.report:
         with open(args.report, "w", encoding="utf-8") as report:
             report.write(f"# Mutation testing, {datetime.date.today()}\n\n{summary}\n\n")
             report.write("\n".join(rows) + "\n")
-    ok = property_score >= args.property_target and combined_score >= args.combined_target
     return 0 if ok else 1
 
 

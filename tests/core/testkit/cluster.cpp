@@ -27,23 +27,6 @@ AgentConfig agent_config(ClientId client) {
   return config;
 }
 
-bool exit_error(const Outcome& outcome) {
-  const auto* error = std::get_if<Error>(&outcome);
-  if (error == nullptr) return false;
-  switch (error->code) {
-    case Errc::kReplicaEvicted:
-    case Errc::kDivergentCall:
-    case Errc::kReplicaClosed:
-    case Errc::kUnknownClient:
-    case Errc::kSequenceGap:
-    case Errc::kStaleIncarnation:
-    case Errc::kBarrierTimeout:
-      return true;
-    default:
-      return false;
-  }
-}
-
 }  // namespace
 
 std::string_view action_name(ClusterAction::Kind kind) {
@@ -715,10 +698,12 @@ void Cluster::on_call_done(int w, const CallDone& done) {
     worker.opened = std::holds_alternative<OpenOk>(outcome);
     return;
   }
-  // Replica consistency, as the applications see it: an answer of the hub that completed call n.
+  // Replica consistency, as the applications see it: every answer that completed call n, errors
+  // included (a call that ends with its replica, evicted or divergent, does not complete: the
+  // agent re-opens and the program makes it again).
   const bool answered = worker.agent->last_seq() == worker.seq_before + 1 &&
                         worker.agent->phase() == AgentPhase::kOpen;
-  if (answered && !exit_error(outcome)) {
+  if (answered) {
     const auto key = std::tuple{worker.replica, runs_[worker.replica].incarnation,
                                 worker.agent->starts(), worker.agent->last_seq()};
     auto [found, inserted] = answers_.try_emplace(key, outcome);

@@ -5,33 +5,11 @@
 #include <sstream>
 
 #include "core/assert.h"
+#include "tests/core/testkit/driver.h"  // describe(Outcome)
 
 namespace th::test {
 
 namespace {
-
-std::string name_of(const Outcome& outcome) {
-  std::ostringstream out;
-  std::visit(
-      [&](const auto& value) {
-        using T = std::decay_t<decltype(value)>;
-        if constexpr (std::is_same_v<T, Error>) {
-          out << errc_name(value.code);
-        } else if constexpr (std::is_same_v<T, PublishOk>) {
-          out << "PublishOk{" << value.version << "}";
-        } else if constexpr (std::is_same_v<T, ReplicateOk>) {
-          out << "ReplicateOk{" << value.version << " from " << value.source_replica << "}";
-        } else if constexpr (std::is_same_v<T, UpdateOk>) {
-          out << "UpdateOk{" << update_status_name(value.status) << " "
-              << (value.version ? std::to_string(*value.version) : "nothing") << " "
-              << value.source_replica << "}";
-        } else {
-          out << "answer#" << outcome.index();
-        }
-      },
-      outcome);
-  return out.str();
-}
 
 // Errors that end a call for one shard without being the replica's answer to it: the shard's
 // replica went (evicted, closed, divergent), or the hub does not know the shard or its numbering.
@@ -879,7 +857,7 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
     // A client the hub does not know gets "unknown client"; one the model lost track of (its
     // replica went) only an exit error.
     if (!exit_error(reply.outcome) && !std::holds_alternative<Error>(reply.outcome)) {
-      fail("an answer (" + name_of(reply.outcome) + ") to a client the hub does not know");
+      fail("an answer (" + describe(reply.outcome) + ") to a client the hub does not know");
     }
     return;
   }
@@ -898,11 +876,11 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
       // The answer again, to a retransmission of a call the model has settled.
       if (!same_answer(last->second, reply.outcome)) {
         fail(replica->name + " call " + std::to_string(reply.seq) + " is answered " +
-             name_of(reply.outcome) + " again, after " + name_of(last->second));
+             describe(reply.outcome) + " again, after " + describe(last->second));
       }
       return;
     }
-    fail(replica->name + " got an answer (" + name_of(reply.outcome) + ") for call " +
+    fail(replica->name + " got an answer (" + describe(reply.outcome) + ") for call " +
          std::to_string(reply.seq) + ", which the hub never took");
   }
   const std::uint32_t shard = client->second.shard;
@@ -935,7 +913,7 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
     if (*ending == Errc::kReplicaClosed) call->second.closed_out = true;
   } else {
     if (call->second.closed_out && !call->second.seeded && !model_unsure(replica->model)) {
-      fail("shard " + std::to_string(shard) + " of " + replica->name + " got " + name_of(reply.outcome) +
+      fail("shard " + std::to_string(shard) + " of " + replica->name + " got " + describe(reply.outcome) +
            " for call " + std::to_string(reply.seq) + " where a peer was told the replica closed");
     }
     call->second.answered_for_all = true;
@@ -948,8 +926,8 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
     if (!exit_error(reply.outcome) && !exit_error(*call->second.answer) &&
         !same_answer(reply.outcome, *call->second.answer)) {
       fail("shard " + std::to_string(shard) + " of " + replica->name + " got " +
-           name_of(reply.outcome) + " for call " + std::to_string(reply.seq) +
-           " where another shard got " + name_of(*call->second.answer));
+           describe(reply.outcome) + " for call " + std::to_string(reply.seq) +
+           " where another shard got " + describe(*call->second.answer));
     }
     return;
   }
@@ -995,7 +973,7 @@ void Reference::judge_exit(const Replica& replica, const Call& call, std::uint32
   // The replica's answer went to a peer: this shard is owed the same, unless it made another call.
   if (call.answered_for_all && (code == Errc::kReplicaEvicted || code == Errc::kReplicaClosed)) {
     fail(what + " where a peer got the replica's answer" +
-         (call.answer ? " (" + name_of(*call.answer) + ")" : std::string()));
+         (call.answer ? " (" + describe(*call.answer) + ")" : std::string()));
   }
 }
 
@@ -1006,7 +984,7 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
     std::string allowed;
     for (Version version : call.allowed) allowed += " " + std::to_string(version);
     fail(replica.name + " call " + std::to_string(seq) + " (" + std::string(op_name(call.op.kind)) +
-         "): answered " + name_of(outcome) + ", " + why + " [arrived at " +
+         "): answered " + describe(outcome) + ", " + why + " [arrived at " +
          std::to_string(call.arrived_ms) + " ms; versions it may read:" + allowed +
          (call.moves ? "; moves" : "") + (call.read_started ? "; read" : "") +
          (call.may_unavailable ? "; may be unavailable" : "") +
@@ -1021,7 +999,7 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
   }
   refresh(replica, call);  // what changed in this very step counts
   if (call.decided) {
-    if (!same_answer(outcome, *call.decided)) wrong("expected " + name_of(*call.decided));
+    if (!same_answer(outcome, *call.decided)) wrong("expected " + describe(*call.decided));
     return;
   }
   if (error == Errc::kTimeout) {
@@ -1281,7 +1259,7 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
       const std::string what = replica.name + " call " + std::to_string(seq) + " (" +
                                std::string(op_name(call.op.kind)) + ")";
       if (call.cancelled) fail(what + " is not answered though a shard cancelled it");
-      if (call.decided) fail(what + " is not answered at once: expected " + name_of(*call.decided));
+      if (call.decided) fail(what + " is not answered at once: expected " + describe(*call.decided));
       if (resolution_error) fail(what + " is not answered though its version can never be read");
       if (call.op.kind == OpKind::kList) fail(what + " is not answered at once");
       if (call.op.kind == OpKind::kPublish && call.arrived == all_shards(replica.num_shards)) {

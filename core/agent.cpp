@@ -139,6 +139,7 @@ void ShardAgent::open(bool resume) {
   ++session_;
   named_this_session_.clear();  // the next server names the copies anew
   released_seeds_.clear();      // ids of the previous session's copies mean nothing to this one
+  overtaken_releases_.clear();
   phase_ = AgentPhase::kOpening;
   reports_.clear();  // reports belong to a session: the new one announces what is held instead
   OpenRequest request = open_;
@@ -538,6 +539,14 @@ void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
 }
 
 void ShardAgent::on_release_offload(const ReleaseOffload& release) {
+  if (!seeds_.contains(release.version) && !offloads_.contains(release.version) &&
+      !offloading_.contains(release.version)) {
+    // Nothing of this version is held: the release may have overtaken the StartRead of the seed
+    // it frees. A seed begun after its release is memory no server counts: remembered, by version
+    // and id (an id alone may be an earlier server's number, echoed back by this one).
+    overtaken_releases_.emplace_back(release.version, release.copy);
+    if (overtaken_releases_.size() > kReleasedSeedsMax) overtaken_releases_.pop_front();
+  }
   if (auto seed = seeds_.find(release.version);
       seed != seeds_.end() && seed->second.copy == release.copy) {
     released_seeds_.push_back(release.copy);
@@ -551,7 +560,13 @@ void ShardAgent::on_release_offload(const ReleaseOffload& release) {
     offloading_.erase(making);  // freed when the copy finishes
   }
   auto made = offloads_.find(release.version);
-  if (made == offloads_.end() || made->second.copy != release.copy) return;  // stale: another copy
+  if (made == offloads_.end()) return;
+  // A copy this session's server never named to this shard is one it adopted from the open's
+  // announcement (its renaming Offload lost or still on the way): the server knows one copy per
+  // version of a replica, so a release of the version this session names that copy. Ignoring it
+  // would keep the memory for ever while the server counts nothing.
+  const bool named_this_session = named_this_session_.contains(release.version);
+  if (named_this_session && made->second.copy != release.copy) return;  // stale: another copy
   // The hub releases only a drained copy, but its StopServing may still be on the way.
   revoke_grants([&](const ServeRead& grant) {
     return grant.kind == CopyKind::kOffload && grant.version == release.version;
@@ -596,6 +611,10 @@ void ShardAgent::on_seed_read(const StartRead& read) {
   if (std::find(released_seeds_.begin(), released_seeds_.end(), read.offload_copy) !=
       released_seeds_.end()) {
     return;  // repeated or late, about a seed the hub released
+  }
+  if (std::find(overtaken_releases_.begin(), overtaken_releases_.end(),
+                std::pair{read.version, read.offload_copy}) != overtaken_releases_.end()) {
+    return;  // overtaken by its release
   }
   if (auto found = seeds_.find(read.version); found != seeds_.end()) {
     Seeding& seed = found->second;

@@ -269,6 +269,9 @@ class ShardAgent {
   // Seed copies released lately: a StartRead for one, repeated or late, must not start it again.
   static constexpr std::size_t kReleasedSeedsMax = 64;
   std::deque<std::uint64_t> released_seeds_;
+  // Releases of a (version, copy) this shard held nothing of when they came: the StartRead of
+  // that seed, overtaken by its release, must not start it (at most kReleasedSeedsMax).
+  std::deque<std::pair<Version, std::uint64_t>> overtaken_releases_;
   // Grants the hub withdrew lately: a ServeRead repeated or overtaken by its StopServing is stale.
   static constexpr std::size_t kStoppedGrantsMax = 1024;
   std::set<std::pair<TransferId, std::uint32_t>> stopped_;

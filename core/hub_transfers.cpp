@@ -344,10 +344,11 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     if (detour != nullptr) return {Pick::kFound, detour};
   }
 
-  // Wait while some copy holds, or will hold without reading from another copy, all the bytes: a
-  // root every chain of sources must reach. None is ever downstream of this reader. Without one,
-  // no transfer of the version can complete: its readers are told at once, never left hanging.
-  return {record.roots > 0 ? Pick::kWait : Pick::kUnavailable, nullptr};
+  // Wait: some copy holds, or will hold without reading from another copy, all the bytes (a root
+  // every chain of sources must reach; none is ever downstream of this reader). Without one the
+  // reader was told at the top: no transfer of the version can complete.
+  TH_ASSERT(record.roots > 0, "a reader waits only for a version some copy holds");
+  return {Pick::kWait, nullptr};
 }
 
 void Hub::assign(Transfer& transfer, Copy& source) {

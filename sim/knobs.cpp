@@ -131,6 +131,8 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   // Drawn last (see above): corrupted bytes, in flight and at the source.
   if (on(rng)) knobs.corrupt = pick(rng, kRareToCommon);
   if (on(rng)) knobs.tamper_per_s = pick(rng, kPerSecond);
+  // Drawn last (see above): instructions that arrive again, late.
+  if (on(rng)) knobs.stale = pick(rng, kRareToCommon);
   return knobs;
 }
 
@@ -145,7 +147,7 @@ bool parse_number(std::string_view text, T& value) {
 }  // namespace
 
 std::string fault_keys() {
-  return "none, drop, duplicate, delay (mean ms), clog (per s), partition (per s), crash (per s), "
+  return "none, drop, duplicate, stale (share of instructions that arrive again 0.5-8 s late), delay (mean ms), clog (per s), partition (per s), crash (per s), "
          "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
          "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls), "
          "corrupt (share of reads with a bit flipped in flight), tamper (per s: a source's published buffers "
@@ -159,7 +161,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
     const std::string_view item = rest.substr(0, comma);
     rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
     if (item == "none") {
-      knobs.drop = knobs.duplicate = knobs.clog_per_s = knobs.partition_per_s = 0;
+      knobs.drop = knobs.duplicate = knobs.stale = knobs.clog_per_s = knobs.partition_per_s = 0;
       knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = 0;
       knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
       knobs.clock_skew_ppm = 0;
@@ -181,6 +183,8 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.drop = number;
     } else if (key == "duplicate" && number <= 1) {
       knobs.duplicate = number;
+    } else if (key == "stale" && number <= 1) {
+      knobs.stale = number;
     } else if (key == "delay") {
       knobs.delay_mean_ms = static_cast<TimeMs>(number);
     } else if (key == "clog") {
@@ -221,7 +225,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
 std::string profile_list() { return "drawn, harsh-net, harsh-crash, harsh-bytes, harsh"; }
 
 Status apply_profile(Knobs& knobs, std::string_view profile) {
-  constexpr std::string_view kNet = "partition=1,clog=1,delay=100";
+  constexpr std::string_view kNet = "partition=1,clog=1,delay=100,stale=0.05";
   constexpr std::string_view kCrash = "drop=0.05,crash=0.5,read-failure=0.1,server-crash=1";
   constexpr std::string_view kBytes = "corrupt=0.1,tamper=0.5";
   if (profile == "drawn") return Unit{};
@@ -246,7 +250,7 @@ std::string describe(const Knobs& knobs) {
       << " pipeline=" << knobs.pipeline << " fanout=" << knobs.fanout
       << " smart-skipping=" << knobs.smart_skipping << " offload-seeding=" << knobs.offload_seeding
       << " heartbeat-timeout=" << knobs.heartbeat_timeout_ms
-      << "ms drop=" << knobs.drop << " duplicate=" << knobs.duplicate << " delay=" << knobs.delay_min_ms
+      << "ms drop=" << knobs.drop << " duplicate=" << knobs.duplicate << " stale=" << knobs.stale << " delay=" << knobs.delay_min_ms
       << "+" << knobs.delay_mean_ms << "ms clog=" << knobs.clog_per_s << "/s*" << knobs.clog_ms
       << "ms partition=" << knobs.partition_per_s << "/s*" << knobs.partition_ms
       << "ms crash=" << knobs.crash_per_s << "/s rack=" << knobs.rack_crashes << " storm=" << knobs.preemption_storm

@@ -49,6 +49,9 @@ struct Knobs {
   // Network faults (control plane).
   double drop = 0;                   // per message
   double duplicate = 0;              // per message
+  // Per instruction to a worker: a copy arrives again 0.5-8 s later, after newer ones (a stale
+  // instruction: a retransmission from an earlier path, a message replayed by a proxy).
+  double stale = 0;
   TimeMs delay_min_ms = 1;
   TimeMs delay_mean_ms = 2;          // exponential on top of the minimum: reorders messages
   double clog_per_s = 0;             // a worker's messages stall for clog_ms

@@ -109,6 +109,7 @@ struct SimResult {
   std::uint64_t seeds = 0;          // offload seeding: CPU copies read across datacenters
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;
+  std::uint64_t stale_messages = 0;  // instructions that arrived again, late (knob stale)
   PlanStats plan;                   // with SimOptions::plan
 
   std::string summary() const;

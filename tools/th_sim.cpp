@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 3600.0));
   app.add_option("--profile", cli.profile,
                  "a named fault profile over the drawn knobs: " + th::sim::profile_list() +
-                     " (harsh-net: partition=1,clog=1,delay=100; harsh-crash: drop=0.05,crash=0.5,"
+                     " (harsh-net: partition=1,clog=1,delay=100,stale=0.05; harsh-crash: drop=0.05,crash=0.5,"
                      "read-failure=0.1,server-crash=1; harsh-bytes: corrupt=0.1,tamper=0.5; harsh: all three)");
   app.add_option("--faults", cli.faults,
                  "override drawn fault knobs, key=value,...; keys: " + th::sim::fault_keys());

@@ -69,7 +69,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         {1 * faults, ClusterAction::Kind::kFailover},
         {4, ClusterAction::Kind::kBurst},
         {2 * faults, ClusterAction::Kind::kCrashSource},
-        {2 * loss, ClusterAction::Kind::kReplay},
+        {4 * loss, ClusterAction::Kind::kReplay},
         {3, ClusterAction::Kind::kCancel},
         {1 * faults, ClusterAction::Kind::kTamper},
     });
@@ -111,6 +111,7 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
         break;
       case ClusterAction::Kind::kReplay:
         action.a = *rc::gen::inRange<std::uint32_t>(0, 32);
+        action.b = *rc::gen::inRange<std::uint32_t>(0, 2);  // 1: an order about an offload copy
         break;
       case ClusterAction::Kind::kTick:
         action.a = *rc::gen::inRange<std::uint32_t>(1, 16);
@@ -184,14 +185,17 @@ void Cluster::apply(const ClusterAction& action) {
         ++coverage_.lost;
       }
       break;
-    case ClusterAction::Kind::kReplay:
-      if (!delivered_.empty()) {
-        Packet copy = delivered_[delivered_.size() - 1 - action.a % delivered_.size()];
+    case ClusterAction::Kind::kReplay: {
+      const std::deque<Packet>& window =
+          action.b == 1 && !delivered_copy_orders_.empty() ? delivered_copy_orders_ : delivered_;
+      if (!window.empty()) {
+        Packet copy = window[window.size() - 1 - action.a % window.size()];
         copy.id = next_packet_++;
         network_.push_back(std::move(copy));
         ++coverage_.replayed;
       }
       break;
+    }
     case ClusterAction::Kind::kDuplicate:
       if (!network_.empty()) {
         Packet copy = network_[action.a % network_.size()];
@@ -458,14 +462,17 @@ void Cluster::deliver(std::size_t index) {
   const Effect& effect = std::get<Effect>(packet.message);
   // Instructions, not answers, are worth replaying: an agent tells a late answer by its number.
   if (!std::holds_alternative<Reply>(effect.message)) {
-    delivered_.push_back(packet);
-    if (delivered_.size() > kReplayWindow) delivered_.pop_front();
+    const bool copy_order = std::holds_alternative<Offload>(effect.message) ||
+                            std::holds_alternative<ReleaseOffload>(effect.message);
+    std::deque<Packet>& window = copy_order ? delivered_copy_orders_ : delivered_;
+    window.push_back(packet);
+    if (window.size() > kReplayWindow) window.pop_front();
   }
   if (packet.server == worker.agent->server() && effect.session == worker.agent->session()) {
     if (const auto* stop = std::get_if<StopServing>(&effect.message)) {
       worker.withdrawn.insert({stop->transfer, stop->epoch});
     } else if (const auto* release = std::get_if<ReleaseOffload>(&effect.message)) {
-      worker.released[release->version] = release->copy;
+      worker.released[release->version] = {release->copy, effect.session};
     }
   }
   agent_step(client->second, FromHub{packet.server, effect});
@@ -527,7 +534,16 @@ void Cluster::hub_step(std::uint32_t server, const Input& input) {
         return worker.alive && worker.client == effect.client && worker.shard == silent &&
                (worker.agent->phase() == AgentPhase::kOpen || worker.agent->phase() == AgentPhase::kOpening);
       };
-      if (!lossy_ && active && for_silence && client != clients_.end() && live(workers_[client->second])) {
+      // Silence that began while the network was still lossy (a heartbeat lost just before
+      // healing) may end in an eviction after it: only silence wholly after healing is a bug.
+      const std::size_t silent_for = evicted->detail.find("sent no heartbeat for ");
+      long long silent_ms = 0;
+      const bool silent_since_healing =
+          silent_for != std::string::npos &&
+          std::sscanf(evicted->detail.c_str() + silent_for, "sent no heartbeat for %lld ms", &silent_ms) == 1 &&
+          (healed_at_ms_ < 0 || now_ms_ - silent_ms >= healed_at_ms_);
+      if (!lossy_ && active && for_silence && silent_since_healing && client != clients_.end() &&
+          live(workers_[client->second])) {
         fail("a live shard whose heartbeats reach the server was evicted: " + evicted->detail);
       }
     }
@@ -587,7 +603,7 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
               fail(who + " reports an offload copy of version " + std::to_string(offloaded->version) +
                    " it does not have");
             }
-            worker.offload_ids[offloaded->version] = offloaded->copy;
+            worker.offload_ids[offloaded->version] = {offloaded->copy, worker.agent->session()};
           }
           if (const auto* done = std::get_if<TransferDone>(&e.report.body)) {
             auto failed = worker.failed_reads.find(done->transfer);
@@ -648,15 +664,20 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
           worker.making.push_back(e.version);
         } else if constexpr (std::is_same_v<T, FreeOffload>) {
           // A kept copy goes only when the hub releases that very copy, or when the shard leaves
-          // or starts over (closed or evicted: every copy goes).
+          // or starts over (closed or evicted: every copy goes). A server of a later session than
+          // the one the shard last reported the copy to knows it by a number of its own (it
+          // adopted the copy the open announced; its renaming Offload may not have arrived): its
+          // release of the version is a release of that copy.
           const AgentPhase phase = worker.agent->phase();
           auto id = worker.offload_ids.find(e.version);
           auto released = worker.released.find(e.version);
+          const bool that_copy_released =
+              id != worker.offload_ids.end() && released != worker.released.end() &&
+              (released->second.copy == id->second.copy || released->second.session > id->second.session);
           if (worker.offload_copies.contains(e.version) && phase == AgentPhase::kOpen &&
-              id != worker.offload_ids.end() &&
-              (released == worker.released.end() || released->second != id->second)) {
+              id != worker.offload_ids.end() && !that_copy_released) {
             fail(who + " frees its offload copy of version " + std::to_string(e.version) +
-                 " (copy " + std::to_string(id->second) + ") that the hub did not release");
+                 " (copy " + std::to_string(id->second.copy) + ") that the hub did not release");
           }
           for (const auto& [key, grant] : worker.grants) {
             if (grant.kind == CopyKind::kOffload && grant.version == e.version) {
@@ -867,6 +888,7 @@ void Cluster::make_offload(std::size_t index) {
 // ==== Healing ======================================================================================
 
 void Cluster::heal_and_check_liveness() {
+  if (lossy_) healed_at_ms_ = now_ms_;
   lossy_ = false;
   deliver_all(kDeliveriesMax);
   constexpr int kQuietRoundsMin = (kCallTimeoutMaxMs + 4 * 1000) / 300 + 1;

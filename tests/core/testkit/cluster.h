@@ -54,7 +54,8 @@ struct ClusterAction {
     kFailover,    // the active server dies; clients fail over to a fresh one
     kBurst,       // every rollout plans update(latest) (a: or replicate) and steps: a step boundary
     kCrashSource, // the a-th replica that serves a read dies, its connections dropping
-    kReplay,      // the a-th of the last instructions the hub sent arrives again, late (stale)
+    kReplay,      // the a-th of the last instructions the hub sent arrives again, late (stale); b == 1:
+                  // the a-th of the last orders about offload copies
     kCancel,      // the application of shard b of replica a cancels its call in flight
     kTamper,      // the a-th shard that serves a read has its buffers changed under the version
                   // they hold: every read of them fails its checksums until they hold another
@@ -124,8 +125,13 @@ class Cluster {
     std::vector<Version> making;                                       // offload copies asked for
     // What the hub told it, as delivered: grants withdrawn, offload copies named and released.
     std::set<std::pair<TransferId, std::uint32_t>> withdrawn;
-    std::map<Version, std::uint64_t> offload_ids;  // the copy it last reported, per version
-    std::map<Version, std::uint64_t> released;     // the last ReleaseOffload, per version
+    // A copy's id as some session's server knows it: (id, the agent's session then).
+    struct Named {
+      std::uint64_t copy = 0;
+      std::uint64_t session = 0;
+    };
+    std::map<Version, Named> offload_ids;  // the copy it last reported, per version
+    std::map<Version, Named> released;     // the last ReleaseOffload, per version
     // The bytes: the buffers changed under the version they hold (kTamper); the reads whose bytes
     // failed their checksums (transfer -> epoch), which the agent must never report done.
     bool tampered = false;
@@ -181,6 +187,7 @@ class Cluster {
   std::uint32_t active_ = 0;
   std::uint64_t id_base_ = 0;
   TimeMs now_ms_ = 0;
+  TimeMs healed_at_ms_ = -1;  // when a lossy network became reliable (-1: it never was lossy)
   std::vector<ReplicaRun> runs_;
   std::vector<Worker> workers_;
   std::map<ClientId, int> clients_;
@@ -189,6 +196,9 @@ class Cluster {
   // The last instructions delivered to agents, for late copies of them (kReplay); a bounded window.
   static constexpr std::size_t kReplayWindow = 32;
   std::deque<Packet> delivered_;
+  // Orders about offload copies are rare among instructions yet the ones whose late copy can rename
+  // or free the wrong copy: a window of their own, replayed as often as all the rest.
+  std::deque<Packet> delivered_copy_orders_;
   std::uint64_t next_packet_ = 1;
   sim::Observer observer_;
   Reference reference_;

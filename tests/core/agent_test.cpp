@@ -577,6 +577,44 @@ TEST_F(AgentTest, AnOffloadOfBuffersThatMovedOnIsDropped) {
   EXPECT_EQ(only<FreeOffload>(finished).version, 8u);
 }
 
+// th-sim seed 3114 (colocated, harsh-crash): after a failover the new server adopted the copy the
+// open announced (under an id of its own) and later released it, but its renaming Offload had been
+// lost: the release named an id the shard did not know, and the copy stayed in CPU memory for
+// ever while no server counted it.
+TEST_F(AgentTest, AReleaseOfTheVersionFreesTheCopyTheOpenAnnouncedThoughItsNewNameNeverCame) {
+  open();
+  publish(1, 8);
+  hub(Offload{8, 80});
+  step(OffloadFinished{8});
+  const AgentEffects lost = step(ServerLost{0});
+  ASSERT_EQ(std::get<OpenRequest>(requests(lost).at(0).body).resume->offloads.at(0).copy, 80u);
+  open_reply(1, OpenOk{2, std::nullopt});
+  ASSERT_EQ(agent_.phase(), AgentPhase::kOpen);
+  // The new server counts the copy as its 3 (Offload{8, 3} lost) and releases it.
+  EXPECT_TRUE(hub(ReleaseOffload{9, 3}).empty()) << "another version: nothing";
+  EXPECT_EQ(only<FreeOffload>(hub(ReleaseOffload{8, 3})).version, 8u);
+  EXPECT_TRUE(hub(ReleaseOffload{8, 3}).empty()) << "freed once";
+  // Once this server named the copy, a release under another id is stale again.
+  publish(2, 9);
+  hub(Offload{9, 5});
+  step(OffloadFinished{9});
+  EXPECT_TRUE(hub(ReleaseOffload{9, 4}).empty()) << "an earlier copy's release, late";
+  EXPECT_EQ(only<FreeOffload>(hub(ReleaseOffload{9, 5})).version, 9u);
+}
+
+// th-sim seed 3308 (mixed, harsh-net): a seed's ReleaseOffload overtook its StartRead; the shard
+// then read the seed, and kept a CPU copy nobody counted.
+TEST_F(AgentTest, ASeedWhoseReleaseCameFirstIsNeverStarted) {
+  open();
+  publish(1, 4);
+  EXPECT_TRUE(hub(ReleaseOffload{5, 50}).empty()) << "nothing of version 5 held yet";
+  EXPECT_TRUE(hub(seed_read(7, 1, 5, 50)).empty()) << "overtaken by its release";
+  EXPECT_EQ(only<BeginRead>(hub(seed_read(8, 1, 5, 51))).read.offload_copy, 51u) << "a later copy";
+  // Remembered by version and id: the same number for another version is another copy (a
+  // release of a number the open announced may echo an earlier server's id).
+  EXPECT_EQ(only<BeginRead>(hub(seed_read(9, 1, 6, 50))).read.offload_copy, 50u);
+}
+
 TEST_F(AgentTest, ASeedIsReadOutsideAnyCallAndServedOnlyOnceWhole) {
   open();
   publish(1, 4);

@@ -223,7 +223,7 @@ void Observer::leave(ClientId client) {
   if (!replica.bound.empty()) return;
   std::erase_if(answers_, [&](const auto& entry) { return entry.first.first == key; });
   std::erase_if(answered_ops_, [&](const auto& entry) { return entry.first.first == key; });
-  std::erase_if(closed_calls_, [&](const auto& entry) { return entry.first == key; });
+  std::erase_if(closed_calls_, [&](const auto& entry) { return entry.first.first == key; });
 }
 
 // Grants are ordered by source first: a source's are one range (a fleet of thousands has many).
@@ -250,7 +250,12 @@ void Observer::check_consistency(const ClientInfo& info, const Reply& reply) {
               " got '" + summary + "' for call " + std::to_string(reply.seq) +
               " where another shard got '" + found->second + "'");
   }
-  if (closed_calls_.contains(key)) {
+  const auto own_op = info.ops.find(reply.seq);
+  const auto [closed_begin, closed_end] = closed_calls_.equal_range(key);
+  const bool closed_out = std::any_of(closed_begin, closed_end, [&](const auto& closed) {
+    return !closed.second || own_op == info.ops.end() || *closed.second == own_op->second;
+  });
+  if (closed_out) {
     violation("consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key + " got '" +
               summary + "' for call " + std::to_string(reply.seq) + " where another shard was told the "
               "replica closed");
@@ -264,7 +269,10 @@ void Observer::check_ending(const ClientInfo& info, const Reply& reply, Errc cod
   const std::pair key{info.replica_key, reply.seq};
   const auto answered = answers_.find(key);
   const std::string who = "consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key;
-  if (code == Errc::kReplicaClosed) closed_calls_.insert(key);
+  if (code == Errc::kReplicaClosed) {
+    const auto own = info.ops.find(reply.seq);
+    closed_calls_.emplace(key, own == info.ops.end() ? std::nullopt : std::optional<OpKey>(own->second));
+  }
   if (answered == answers_.end()) return;
   // A call its peers got the replica's answer to was decided: closing the replica or evicting it
   // afterwards does not undo that (the hub answers late shards the same).

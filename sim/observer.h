@@ -118,7 +118,8 @@ class Observer {
   // (replica, seq) -> the call of the shard that got that answer first; and the calls a shard was
   // told the replica closed.
   std::map<std::pair<std::string, std::uint64_t>, OpKey> answered_ops_;
-  std::set<std::pair<std::string, std::uint64_t>> closed_calls_;
+  // (A shard's call, where known: one whose program diverged was told "closed" about another call.)
+  std::multimap<std::pair<std::string, std::uint64_t>, std::optional<OpKey>> closed_calls_;
   std::map<std::string, std::set<Version>> completed_;  // per model: versions complete (replies)
   // Counts, per model, opens that added a retention rule and departures (close, eviction). The hub
   // decides on an offload at some point while a call runs; a rule added or a holder gone meanwhile

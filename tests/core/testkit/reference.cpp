@@ -910,7 +910,11 @@ void Reference::on_reply(ClientId client_id, const Reply& reply, TimeMs now_ms) 
   // shard's own situation; the replica's answer may not follow "closed" told to a peer.
   if (const std::optional<Errc> ending = ending_error(reply.outcome)) {
     judge_exit(*replica, call->second, shard, client->second, reply.seq, *ending);
-    if (*ending == Errc::kReplicaClosed) call->second.closed_out = true;
+    // (Only a shard that made the replica's call: one whose call diverged from its peers' is
+    // told "closed" about a call that is not the one they are answered.)
+    const auto own = call->second.ops.find(shard);
+    const bool made_the_call = own == call->second.ops.end() || own->second == call->second.op;
+    if (*ending == Errc::kReplicaClosed && made_the_call) call->second.closed_out = true;
   } else {
     if (call->second.closed_out && !call->second.seeded && !model_unsure(replica->model)) {
       fail("shard " + std::to_string(shard) + " of " + replica->name + " got " + describe(reply.outcome) +

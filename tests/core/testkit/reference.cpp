@@ -98,6 +98,9 @@ bool Reference::has_bytes(const std::string& model, Version version, bool* unsur
     if (primary && (replica.drain_unsure || replica.holding == Holding::kDraining)) *unsure = true;
     const bool offload = (replica.offloads.contains(version) || replica.offloading.contains(version)) &&
                          !replica.corrupt_offloads.contains(version);
+    // A closing replica's offload copies leave with it: the hub may already have stopped counting
+    // them as a source (and a close refused as the last retained copy keeps them).
+    if (offload && replica.closing) *unsure = true;
     bytes = bytes || primary || offload;
   }
   return bytes;

@@ -149,8 +149,9 @@ std::vector<Action> parse_fleet_actions(std::string_view text) {
   return parse_actions<Action>(text, Action::Kind::kCancel);
 }
 
+// (The last kind of each: a counterexample may name any of them.)
 std::vector<ClusterAction> parse_cluster_actions(std::string_view text) {
-  return parse_actions<ClusterAction>(text, ClusterAction::Kind::kCancel);
+  return parse_actions<ClusterAction>(text, ClusterAction::Kind::kTamper);
 }
 
 std::vector<Counterexample> read_counterexamples(const std::string& path) {

@@ -139,7 +139,6 @@ void ShardAgent::open(bool resume) {
   ++session_;
   named_this_session_.clear();  // the next server names the copies anew
   released_seeds_.clear();      // ids of the previous session's copies mean nothing to this one
-  overtaken_releases_.clear();
   phase_ = AgentPhase::kOpening;
   reports_.clear();  // reports belong to a session: the new one announces what is held instead
   OpenRequest request = open_;
@@ -539,18 +538,20 @@ void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
 }
 
 void ShardAgent::on_release_offload(const ReleaseOffload& release) {
+  auto remember_released_seed = [&] {
+    released_seeds_.emplace_back(release.version, release.copy);
+    if (released_seeds_.size() > kReleasedSeedsMax) released_seeds_.pop_front();
+  };
   if (!seeds_.contains(release.version) && !offloads_.contains(release.version) &&
       !offloading_.contains(release.version)) {
     // Nothing of this version is held: the release may have overtaken the StartRead of the seed
-    // it frees. A seed begun after its release is memory no server counts: remembered, by version
-    // and id (an id alone may be an earlier server's number, echoed back by this one).
-    overtaken_releases_.emplace_back(release.version, release.copy);
-    if (overtaken_releases_.size() > kReleasedSeedsMax) overtaken_releases_.pop_front();
+    // it frees, and a seed begun after its release is memory no server counts. (By version and
+    // id: an id alone may be an earlier server's number, echoed back by this one.)
+    remember_released_seed();
   }
   if (auto seed = seeds_.find(release.version);
       seed != seeds_.end() && seed->second.copy == release.copy) {
-    released_seeds_.push_back(release.copy);
-    if (released_seeds_.size() > kReleasedSeedsMax) released_seeds_.pop_front();
+    remember_released_seed();
     const bool done = seed->second.done;
     drop_seed(release.version);
     if (!done) return;  // freed with the read; a complete one is released below
@@ -608,13 +609,9 @@ void ShardAgent::on_seed_read(const StartRead& read) {
   TH_ASSERT(read.layout != nullptr && read.checksums != nullptr, "a seed read names its layout");
   // While (re-)opening, the hub repeats the instruction with the heartbeats that follow.
   if (phase_ != AgentPhase::kOpen) return;
-  if (std::find(released_seeds_.begin(), released_seeds_.end(), read.offload_copy) !=
+  if (std::find(released_seeds_.begin(), released_seeds_.end(), std::pair{read.version, read.offload_copy}) !=
       released_seeds_.end()) {
-    return;  // repeated or late, about a seed the hub released
-  }
-  if (std::find(overtaken_releases_.begin(), overtaken_releases_.end(),
-                std::pair{read.version, read.offload_copy}) != overtaken_releases_.end()) {
-    return;  // overtaken by its release
+    return;  // repeated or late (or overtaken by its release), about a seed the hub released
   }
   if (auto found = seeds_.find(read.version); found != seeds_.end()) {
     Seeding& seed = found->second;

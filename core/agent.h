@@ -266,12 +266,11 @@ class ShardAgent {
   std::map<Version, std::uint64_t> named_this_session_;
   std::map<Version, std::uint64_t> offloading_;  // MakeOffload issued: the copy id it will report
   std::map<Version, Seeding> seeds_;             // offload seeds, by version
-  // Seed copies released lately: a StartRead for one, repeated or late, must not start it again.
+  // Seed copies released lately, as (version, copy), and releases that came while nothing of the
+  // version was held: a StartRead for one, repeated, late or overtaken by its release, must not
+  // start it (again).
   static constexpr std::size_t kReleasedSeedsMax = 64;
-  std::deque<std::uint64_t> released_seeds_;
-  // Releases of a (version, copy) this shard held nothing of when they came: the StartRead of
-  // that seed, overtaken by its release, must not start it (at most kReleasedSeedsMax).
-  std::deque<std::pair<Version, std::uint64_t>> overtaken_releases_;
+  std::deque<std::pair<Version, std::uint64_t>> released_seeds_;
   // Grants the hub withdrew lately: a ServeRead repeated or overtaken by its StopServing is stale.
   static constexpr std::size_t kStoppedGrantsMax = 1024;
   std::set<std::pair<TransferId, std::uint32_t>> stopped_;

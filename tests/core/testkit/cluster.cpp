@@ -538,10 +538,11 @@ void Cluster::hub_step(std::uint32_t server, const Input& input) {
       // healing) may end in an eviction after it: only silence wholly after healing is a bug.
       const std::size_t silent_for = evicted->detail.find("sent no heartbeat for ");
       long long silent_ms = 0;
-      const bool silent_since_healing =
+      // (A detail it cannot read counts as silence after healing: the check stays on.)
+      const bool silent_known =
           silent_for != std::string::npos &&
-          std::sscanf(evicted->detail.c_str() + silent_for, "sent no heartbeat for %lld ms", &silent_ms) == 1 &&
-          (healed_at_ms_ < 0 || now_ms_ - silent_ms >= healed_at_ms_);
+          std::sscanf(evicted->detail.c_str() + silent_for, "sent no heartbeat for %lld ms", &silent_ms) == 1;
+      const bool silent_since_healing = healed_at_ms_ < 0 || !silent_known || now_ms_ - silent_ms >= healed_at_ms_;
       if (!lossy_ && active && for_silence && silent_since_healing && client != clients_.end() &&
           live(workers_[client->second])) {
         fail("a live shard whose heartbeats reach the server was evicted: " + evicted->detail);

@@ -366,8 +366,11 @@ void ShardAgent::became_evicted(const Error& error) {
       break;  // e.g. a barrier that timed out: the replica is gone, not replaced
   }
   // A replica whose shards cannot agree, or cannot all come back after a failover (one closed,
-  // or died for good), starts over: resuming again would wait in the same barrier for ever.
-  if (error.code == Errc::kDivergentCall || error.code == Errc::kBarrierTimeout) {
+  // or died for good), starts over: resuming again would wait in the same barrier for ever. So does
+  // one whose re-open is told it closed: its copies went with the close, and a resume would be told
+  // the same again.
+  if (error.code == Errc::kDivergentCall || error.code == Errc::kBarrierTimeout ||
+      error.code == Errc::kReplicaClosed) {
     start_over();
     start_over_ = true;
   }

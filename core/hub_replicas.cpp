@@ -270,6 +270,21 @@ void Hub::complete_barrier(Replica& replica) {
     low = std::min(low, slot.open_seq);
     high = std::max(high, slot.open_seq);
   }
+  // Closing is the end of an incarnation: a shard told so by the previous server (its last call was
+  // answered "replica closed") says this one ended there, though no shard saw the close finish.
+  // Resumed here it would answer a close its peers were told had ended the replica (§5.3).
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    const std::shared_ptr<const Resume>& resume = replica.shards[shard].resume;
+    const auto* error = resume && resume->last_txn ? std::get_if<Error>(&resume->last_txn->outcome) : nullptr;
+    if (error != nullptr && error->code == Errc::kReplicaClosed) {
+      fail_barrier(replica, make_error(Errc::kReplicaClosed,
+                                       describe(replica) + " was closing on the previous server (shard " +
+                                           std::to_string(shard) + " was told so at call " +
+                                           std::to_string(resume->last_txn->seq) +
+                                           "); open it afresh"));
+      return;
+    }
+  }
   if (high - low > 1) {
     fail_barrier(replica, make_error(Errc::kDivergentCall,
                                      "shards of " + describe(replica) + " resumed at calls " +

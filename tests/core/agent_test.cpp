@@ -356,6 +356,32 @@ TEST_F(AgentTest, AStartOverOpenResentAfterAFailoverStillStartsARun) {
   EXPECT_EQ(requests(call(ListRequest{}))[0].seq, 1u);
 }
 
+// property-long seed 5: the new server refuses to resume a replica one of whose shards was told
+// "replica closed" by the old one. Resuming again would be refused the same way for ever; the
+// shard starts over (its copies went with the close) and opens the same incarnation afresh.
+TEST_F(AgentTest, AResumeRefusedAsClosedStartsOver) {
+  open();
+  publish(1, 4);
+  hub(Offload{4, 40});
+  ASSERT_EQ(reports(step(OffloadFinished{4})).size(), 1u);
+  const std::vector<Request> resumed = requests(step(ServerLost{agent_.server()}));
+  ASSERT_EQ(resumed.size(), 1u);
+  const auto& resume = std::get<OpenRequest>(resumed[0].body);
+  ASSERT_NE(resume.resume, nullptr);
+  ASSERT_TRUE(resume.resume->primary.has_value());
+  const AgentEffects refused = open_reply(1, make_error(Errc::kReplicaClosed, "closing on the previous server"), 2);
+  EXPECT_EQ(only<FreeOffload>(refused).version, 4u);
+  EXPECT_FALSE(agent_.held().has_value());
+  const std::vector<Request> sent = requests(tick_at(*agent_.next_deadline_ms()));
+  ASSERT_EQ(sent.size(), 1u);
+  const auto& fresh = std::get<OpenRequest>(sent[0].body);
+  EXPECT_EQ(fresh.resume, nullptr) << "a resume would be refused as closed again";
+  EXPECT_EQ(fresh.incarnation, 2u);
+  EXPECT_EQ(sent[0].seq, 0u);
+  open_reply(0, OpenOk{2, std::nullopt});
+  EXPECT_EQ(agent_.starts(), 2u);
+}
+
 TEST_F(AgentTest, JoinsTheIncarnationTheHubNamesInsteadOfReplacingIt) {
   open();
   hub(Evicted{Errc::kReplicaEvicted, "heartbeat"});

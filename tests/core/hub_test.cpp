@@ -1599,6 +1599,35 @@ TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {
   EXPECT_EQ(expect_error(driver.replies({shard0, shard1}), Errc::kDivergentCall), "");
 }
 
+// Found by property-long (seed 5): the shards of a closing replica were told "replica closed" by the
+// old server, which died before the close finished. They resumed the replica on a fresh server and
+// a later close of it was answered CloseOk: the replica its shards were told had closed lived on.
+// Closing ends the incarnation, across failovers too.
+TEST(HubRegression, AReplicaOneShardWasToldClosedIsNotResumed) {
+  Driver driver;
+  const ReplicaSpec spec = trainer("t");
+  TxnRecord record;
+  record.seq = 6;
+  record.op.kind = OpKind::kClose;
+  record.outcome = make_error(Errc::kReplicaClosed, "closed on the old server");
+  const ClientId shard0 = driver.new_client();
+  const ClientId shard1 = driver.new_client();
+  driver.open(shard0, resume_request(driver, spec, 0, 3, record), 6);
+  driver.open(shard1, resume_request(driver, spec, 1, 3), 5);
+  const auto refused = driver.replies({shard0, shard1});
+  ASSERT_EQ(expect_error(refused, Errc::kReplicaClosed), "");
+  const std::string& detail = std::get<Error>(*refused).detail;
+  EXPECT_NE(detail.find("shard 0 was told so at call 6"), std::string::npos) << detail;
+  EXPECT_FALSE(driver.hub().latest("m")) << "the closed replica's copy is not published again";
+  // Opened afresh, it is a new replica that holds nothing.
+  const auto fresh = driver.open_replica(spec);
+  driver.call_all(fresh, ListRequest{});
+  const auto list = driver.replies(fresh);
+  ASSERT_TRUE(is<ListOk>(list));
+  EXPECT_EQ(std::get<ListOk>(*list).snapshot->replicas.size(), 1u);
+  EXPECT_EQ(std::get<ListOk>(*list).snapshot->replicas[0].state, "empty");
+}
+
 // ---- regressions: cases the property test once falsified ------------------------------------------
 
 // Found by HubProperty: after a failover, a shard that had not yet called `list` got the new server's

@@ -224,6 +224,7 @@ void Observer::leave(ClientId client) {
   std::erase_if(answers_, [&](const auto& entry) { return entry.first.first == key; });
   std::erase_if(answered_ops_, [&](const auto& entry) { return entry.first.first == key; });
   std::erase_if(closed_calls_, [&](const auto& entry) { return entry.first.first == key; });
+  replica.closed_at_seq.reset();
 }
 
 // Grants are ordered by source first: a source's are one range (a fleet of thousands has many).
@@ -260,6 +261,12 @@ void Observer::check_consistency(const ClientInfo& info, const Reply& reply) {
               summary + "' for call " + std::to_string(reply.seq) + " where another shard was told the "
               "replica closed");
   }
+  const std::optional<std::uint64_t> closed_at = replicas_[info.replica_key].closed_at_seq;
+  if (closed_at && reply.seq > *closed_at && !std::holds_alternative<CloseOk>(reply.outcome)) {
+    violation("consistency: shard " + std::to_string(info.shard) + " of " + info.replica_key + " got '" +
+              summary + "' for call " + std::to_string(reply.seq) + " after a shard was told at call " +
+              std::to_string(*closed_at) + " that the replica closed");
+  }
   if (inserted) {
     if (auto op = info.ops.find(reply.seq); op != info.ops.end()) answered_ops_.emplace(key, op->second);
   }
@@ -272,6 +279,8 @@ void Observer::check_ending(const ClientInfo& info, const Reply& reply, Errc cod
   if (code == Errc::kReplicaClosed) {
     const auto own = info.ops.find(reply.seq);
     closed_calls_.emplace(key, own == info.ops.end() ? std::nullopt : std::optional<OpKey>(own->second));
+    std::optional<std::uint64_t>& closed_at = replicas_[info.replica_key].closed_at_seq;
+    closed_at = std::min(closed_at.value_or(reply.seq), reply.seq);
   }
   if (answered == answers_.end()) return;
   // A call its peers got the replica's answer to was decided: closing the replica or evicting it
@@ -300,6 +309,9 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     // client (a late or repeated answer) changes nothing.
     if (reply.seq != info.open_seq || info.bound) return;
     info.bound = std::holds_alternative<OpenOk>(reply.outcome);
+    // A fresh open is let in only where the hub holds no closing replica of this name and
+    // incarnation: a new one begins (the agent's after its resume was told the replica closed).
+    if (info.bound && !announced_.contains(client) && replica.bound.empty()) replica.closed_at_seq.reset();
     if (info.bound) {
       replica.bound.insert(client);
       if (info.retention != Retention{}) ++changes_[replica.model];
@@ -555,6 +567,7 @@ void Observer::on_server_reset(bool answers_delivered) {
     replica.pending_update_seqs.clear();
     replica.update_wrote = false;
     replica.bound.clear();  // the new server binds the shards anew
+    if (!answers_delivered) replica.closed_at_seq.reset();
   }
   for (auto& [client, info] : clients_) info.bound = false;
 }

@@ -81,6 +81,9 @@ class Observer {
     std::set<std::uint64_t> pending_update_seqs;
     bool update_wrote = false;       // a StartRead arrived during the pending update: buffers changed
     std::set<ClientId> bound;        // shards between OpenOk and CloseOk/eviction
+    // The first call a shard was told "replica closed" for: closing ends an incarnation, so no
+    // later call of it is answered as if it lived on (a close joins the closing, CloseOk).
+    std::optional<std::uint64_t> closed_at_seq;
   };
   struct Grant {
     ClientId source;

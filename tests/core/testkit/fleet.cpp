@@ -528,11 +528,26 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
   if (!shard.pending_seq || reply.seq != *shard.pending_seq) return;
   shard.pending_seq.reset();
   const bool diverged = std::exchange(shard.pending_diverged, false);
+  TxnRecord record;
+  record.seq = reply.seq;
+  record.outcome = reply.outcome;
+  if (!diverged) {
+    const PlannedOp& op = run.program[shard.next_op];
+    record.op.kind = op.kind;
+    if (op.kind == OpKind::kPublish) record.op.version = op.version;
+    if (op.kind == OpKind::kReplicate || op.kind == OpKind::kUpdate) record.op.selector = op.selector;
+    if (op.kind == OpKind::kWait) record.op.predicate = op.predicate;
+  }
   if (const auto* error = std::get_if<Error>(&reply.outcome)) {
     switch (error->code) {
+      case Errc::kReplicaClosed:
+        // The call is answered (a resume after a failover says so, as the agent's does); the shard
+        // makes its planned call again as the next one, so that the close completes.
+        shard.last_seq = reply.seq;
+        shard.last_txn = record;
+        return;
       case Errc::kReplicaEvicted:
       case Errc::kDivergentCall:
-      case Errc::kReplicaClosed:
       case Errc::kUnknownClient:
         return;  // the eviction notice restarts the replica
       default:
@@ -545,16 +560,6 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
     shard.held = HeldCopy{version, layout_for(index), checksums_for(version, index)};
     if (!spot) completed_[model].insert(version);
   };
-  TxnRecord record;
-  record.seq = reply.seq;
-  record.outcome = reply.outcome;
-  if (!diverged) {
-    const PlannedOp& op = run.program[shard.next_op];
-    record.op.kind = op.kind;
-    if (op.kind == OpKind::kPublish) record.op.version = op.version;
-    if (op.kind == OpKind::kReplicate || op.kind == OpKind::kUpdate) record.op.selector = op.selector;
-    if (op.kind == OpKind::kWait) record.op.predicate = op.predicate;
-  }
   std::visit(
       [&](const auto& outcome) {
         using T = std::decay_t<decltype(outcome)>;

@@ -689,6 +689,17 @@ void Reference::on_open_answer(ClientId client_id, const Reply& reply, TimeMs no
     return;
   }
   if (client.bound) return;
+  // Closing ends a replica (§5.3): a shard that resumes saying its last call was answered "replica
+  // closed" is not let back into it, on this server or any later one; otherwise the replica its
+  // application was told had closed lives on, holding and serving what it held.
+  if (client.resume && client.resume->last_txn) {
+    const auto* told = std::get_if<Error>(&client.resume->last_txn->outcome);
+    if (told != nullptr && told->code == Errc::kReplicaClosed) {
+      fail("shard " + std::to_string(client.shard) + " of " + client.key + " resumes saying call " +
+           std::to_string(client.resume->last_txn->seq) +
+           " was answered 'replica closed', and is let back in (OpenOk)");
+    }
+  }
   client.bound = true;
   client.last_seq = client.open_seq;
   Replica& replica = replica_for(client);

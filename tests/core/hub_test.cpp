@@ -1498,6 +1498,15 @@ TEST(HubModels, AreIndependent) {
 
 // ---- server failover ------------------------------------------------------------------------------
 
+// What a shard's resume says of its last answered call.
+TxnRecord answered(std::uint64_t seq, OpKind kind, Outcome outcome) {
+  TxnRecord record;
+  record.seq = seq;
+  record.op.kind = kind;
+  record.outcome = std::move(outcome);
+  return record;
+}
+
 OpenRequest resume_request(Driver& driver, const ReplicaSpec& spec, std::uint32_t shard,
                            std::optional<Version> held, std::optional<TxnRecord> last = {}) {
   OpenRequest request = driver.open_request(spec, shard);
@@ -1599,6 +1608,8 @@ TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {
   EXPECT_EQ(expect_error(driver.replies({shard0, shard1}), Errc::kDivergentCall), "");
 }
 
+// ---- regressions: cases the property test once falsified ------------------------------------------
+
 // Found by property-long (seed 5): the shards of a closing replica were told "replica closed" by the
 // old server, which died before the close finished. They resumed the replica on a fresh server and
 // a later close of it was answered CloseOk: the replica its shards were told had closed lived on.
@@ -1606,10 +1617,7 @@ TEST(HubFailover, ShardsThatDisagreeAboutTheirPositionFailTheBarrier) {
 TEST(HubRegression, AReplicaOneShardWasToldClosedIsNotResumed) {
   Driver driver;
   const ReplicaSpec spec = trainer("t");
-  TxnRecord record;
-  record.seq = 6;
-  record.op.kind = OpKind::kClose;
-  record.outcome = make_error(Errc::kReplicaClosed, "closed on the old server");
+  const TxnRecord record = answered(6, OpKind::kClose, make_error(Errc::kReplicaClosed, "closed on the old server"));
   const ClientId shard0 = driver.new_client();
   const ClientId shard1 = driver.new_client();
   driver.open(shard0, resume_request(driver, spec, 0, 3, record), 6);
@@ -1628,20 +1636,15 @@ TEST(HubRegression, AReplicaOneShardWasToldClosedIsNotResumed) {
   EXPECT_EQ(std::get<ListOk>(*list).snapshot->replicas[0].state, "empty");
 }
 
-// ---- regressions: cases the property test once falsified ------------------------------------------
-
 // Found by HubProperty: after a failover, a shard that had not yet called `list` got the new server's
 // answer while its peer had the old server's. The resuming client's record now carries the answer.
 TEST(HubRegression, ListAnsweredBeforeAFailoverIsAnsweredTheSameAfterIt) {
   Driver driver;
   const ReplicaSpec spec = rollout("r");
-  TxnRecord record;
-  record.seq = 4;
-  record.op.kind = OpKind::kList;
   auto old_listing = std::make_shared<ListSnapshot>();
   old_listing->model = "m";
   old_listing->latest = 17;
-  record.outcome = ListOk{old_listing};
+  const TxnRecord record = answered(4, OpKind::kList, ListOk{old_listing});
   const ClientId shard0 = driver.new_client();
   const ClientId shard1 = driver.new_client();
   driver.open(shard0, resume_request(driver, spec, 0, std::nullopt, record), 4);

@@ -28,12 +28,13 @@ Plan make_plan(const std::map<std::string, Registered, std::less<>>& registry) {
   if (registry.empty()) return plan;
   std::vector<TensorSpec> specs;
   for (const auto& [name, tensor] : registry) {
-    specs.push_back({name, tensor.dtype, tensor.bytes});
+    TH_ASSERT(tensor.spec.name == name, "a registered tensor is filed under its name");
+    specs.push_back(tensor.spec);
     plan.tensor_data.push_back(tensor.data);
     plan.on_device.push_back(tensor.on_device);
-    if (tensor.bytes < kPackedTensorBytesMax) {
+    if (tensor.spec.bytes < kPackedTensorBytesMax) {
       plan.packed_offset.push_back(plan.packed_bytes);
-      plan.packed_bytes += tensor.bytes;
+      plan.packed_bytes += tensor.spec.bytes;
     } else {
       plan.packed_offset.push_back(Plan::kNotPacked);
       plan.big.push_back(specs.size() - 1);
@@ -518,10 +519,11 @@ Outcome Handle::Impl::call(RequestBody body, std::optional<TimeMs> deadline_ms) 
   return outcome;
 }
 
-Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype,
-                                     MemoryKind memory) {
+Status Handle::Impl::register_tensor(TensorSpec spec, void* data, MemoryKind memory) {
+  const std::string& name = spec.name;
+  const std::uint64_t bytes = spec.bytes;
   if (data == nullptr && bytes > 0) return make_error(Errc::kInvalidArgument, "tensor '" + name + "' has no memory");
-  if (auto alone = ShardLayout::make({TensorSpec{name, dtype, bytes}}); !alone.ok()) return alone.error();
+  if (auto alone = ShardLayout::make({spec}); !alone.ok()) return alone.error();
   // GPU memory: which device (one per handle), checked here, off the I/O thread (the first CUDA
   // call of the process loads the driver). An empty tensor has nothing to move: it stays a CPU one.
   std::shared_ptr<Gpu> device_access;
@@ -564,9 +566,9 @@ Status Handle::Impl::register_tensor(std::string name, void* data, std::uint64_t
                                          ": moved over TCP through pinned staging, checked on the GPU");
     }
     const bool on_device = device >= 0;
-    registry_.emplace(std::move(name),
-                      Registered{static_cast<std::byte*>(data), bytes, dtype,
-                                 transport_->lease_memory(static_cast<std::byte*>(data), bytes, on_device), on_device});
+    auto lease = transport_->lease_memory(static_cast<std::byte*>(data), bytes, on_device);
+    std::string key = name;
+    registry_.emplace(std::move(key), Registered{static_cast<std::byte*>(data), std::move(spec), std::move(lease), on_device});
     plan_stale_ = true;
   });
   return status;
@@ -826,7 +828,48 @@ Handle::~Handle() {
 Status Handle::register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
-  return impl_->register_tensor(std::move(name), data, bytes, dtype, memory);
+  return impl_->register_tensor(TensorSpec{std::move(name), dtype, bytes}, data, memory);
+}
+
+namespace {
+
+// The bytes of a buffer of `shape` elements of `dtype`, or why there is no such buffer.
+Result<std::uint64_t> buffer_bytes(const std::string& name, DType dtype, const Shape& shape) {
+  if (static_cast<int>(dtype) >= kDTypeCount) return make_error(Errc::kInvalidArgument, "tensor '" + name + "' has no valid dtype");
+  if (shape.size() > limits::kBoxRankMax) {
+    return make_error(Errc::kInvalidArgument, "tensor '" + name + "': shape " + describe_shape(shape) +
+                                                  " has more than " + std::to_string(limits::kBoxRankMax) + " dimensions");
+  }
+  const std::optional<std::uint64_t> elements = checked_element_count(shape);
+  std::uint64_t bytes = 0;
+  if (!elements || __builtin_mul_overflow(*elements, dtype_bytes(dtype), &bytes)) {
+    return make_error(Errc::kInvalidArgument, "tensor '" + name + "': shape " + describe_shape(shape) + " is too big");
+  }
+  return bytes;
+}
+
+}  // namespace
+
+Status Handle::register_tensor(std::string name, void* data, DType dtype, Shape shape, MemoryKind memory) {
+  auto bytes = buffer_bytes(name, dtype, shape);
+  if (!bytes.ok()) return bytes.error();
+  TensorSpec spec{std::move(name), dtype, bytes.value()};
+  spec.kind = TensorKind::kLocal;
+  spec.shape = std::move(shape);
+  return impl_->register_tensor(std::move(spec), data, memory);
+}
+
+Status Handle::register_piece(std::string name, void* data, DType dtype, Shape global_shape, Box box,
+                              MemoryKind memory) {
+  // The box is checked against the shape first, so that the size below is the box's.
+  if (Status placed = check_box(name, global_shape, box); !placed) return placed;
+  auto bytes = buffer_bytes(name, dtype, box.extent);
+  if (!bytes.ok()) return bytes.error();
+  TensorSpec spec{std::move(name), dtype, bytes.value()};
+  spec.kind = TensorKind::kPiece;
+  spec.shape = std::move(global_shape);
+  spec.box = std::move(box);
+  return impl_->register_tensor(std::move(spec), data, memory);
 }
 Status Handle::unregister_tensor(std::string_view name) {
   OneCallAtATime exclusive(impl_->user_call_busy_);

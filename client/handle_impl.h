@@ -105,7 +105,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // This handle's section of the process's metrics (attached from start() until ~Impl).
   std::shared_ptr<client::HandleMetrics> metrics_;
   Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
-  Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype, MemoryKind memory);
+  Status register_tensor(TensorSpec spec, void* data, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
   Result<Version> publish(Version version, void* cuda_stream);
   // Starts a replicate or update (validated by the caller) whose answer goes to the State it

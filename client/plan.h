@@ -21,8 +21,7 @@ constexpr std::uint64_t kPackedTensorBytesMax = 2ull << 20;
 
 struct Registered {
   std::byte* data = nullptr;
-  std::uint64_t bytes = 0;
-  DType dtype = DType::kFloat32;
+  TensorSpec spec;  // name, dtype, bytes and what the tensor is (a shard's own, a piece)
   std::shared_ptr<void> lease;  // lent to the data plane (DataTransport::lease_memory)
   bool on_device = false;       // CUDA device memory (MemoryKind::kCuda)
 };

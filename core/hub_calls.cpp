@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/hub_internal.h"
+#include "core/replica_layout.h"
 
 namespace th {
 
@@ -360,13 +361,21 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
 
   // Every shard published. Another copy of this version may have completed meanwhile, so check all
   // shards again before committing any.
+  std::vector<LayoutRef> layouts(replica.num_shards);
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
+    layouts[s] = copy.pending_layouts[s] ? copy.pending_layouts[s] : model.layouts[s];
+    TH_ASSERT(layouts[s] != nullptr, "a shard announced before a failover fixed its layout");
     if (!copy.pending_layouts[s]) continue;  // announced before a failover, already committed
     Status checked = check_shard(model, record, s, copy.pending_layouts[s], copy.pending_checksums[s]);
     if (!checked) {
       abort_txn(replica, txn, checked.error());
       return;
     }
+  }
+  // The shards' pieces of each logical tensor must tile it: readers of other layouts rely on it.
+  if (Status tiled = check_replica_pieces(layouts); !tiled) {
+    abort_txn(replica, txn, tiled.error());
+    return;
   }
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
     if (!copy.pending_layouts[s]) continue;

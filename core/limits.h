@@ -12,6 +12,13 @@ inline constexpr std::size_t kModelsMax = 64;
 inline constexpr std::size_t kReplicasPerModelMax = 16384;
 inline constexpr std::uint32_t kShardsMax = 256;  // model-parallel group size
 inline constexpr std::size_t kTensorsPerShardMax = 65536;
+// Layouts (core/box.h): a tensor's rank, its pieces in one layout, and the byte runs that fill
+// one piece from another layout's pieces (a column split finer than this is packed at the source).
+inline constexpr std::size_t kBoxRankMax = 8;
+inline constexpr std::size_t kBoxesPerTensorMax = 4096;
+inline constexpr std::size_t kCopyRunsPerTensorMax = std::size_t{1} << 20;
+// Pieces of tensors in all of a replica's shards, checked for tiling once per publish.
+inline constexpr std::size_t kPiecesPerReplicaMax = std::size_t{1} << 20;
 inline constexpr std::size_t kNameBytesMax = 256;  // model, replica, datacenter, role, tensor names
 inline constexpr std::size_t kEndpointBytesMax = 512;
 inline constexpr std::size_t kDatacentersMax = 256;

@@ -149,6 +149,13 @@ std::string_view dtype_name(DType dtype) {
   return kDTypeNames[index];
 }
 
+std::uint32_t dtype_bytes(DType dtype) {
+  constexpr std::array<std::uint32_t, kDTypeCount> kBytes = {4, 2, 2, 1, 1, 8, 1, 1, 2, 4, 8, 1};
+  const auto index = static_cast<std::size_t>(dtype);
+  TH_ASSERT(index < kBytes.size(), "dtype", index);
+  return kBytes[index];
+}
+
 std::optional<DType> parse_dtype(std::string_view name) {
   for (std::size_t i = 0; i < kDTypeNames.size(); ++i) {
     if (kDTypeNames[i] == name) return static_cast<DType>(i);
@@ -180,6 +187,24 @@ void fnv_mix(std::uint64_t& hash, std::uint64_t value) {
 
 }  // namespace
 
+std::string_view tensor_kind_name(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::kBytes: return "bytes";
+    case TensorKind::kLocal: return "local";
+    case TensorKind::kPiece: return "piece";
+  }
+  TH_ASSERT(false, "tensor kind", static_cast<int>(kind));
+}
+
+std::optional<Shape> TensorSpec::buffer_shape() const {
+  switch (kind) {
+    case TensorKind::kBytes: return std::nullopt;
+    case TensorKind::kLocal: return shape;
+    case TensorKind::kPiece: return box.extent;
+  }
+  TH_ASSERT(false, "tensor kind", static_cast<int>(kind));
+}
+
 ShardLayout::ShardLayout(std::vector<TensorSpec> tensors) : tensors_(std::move(tensors)) {
   digest_ = kFnvOffset;
   for (const TensorSpec& tensor : tensors_) {
@@ -187,9 +212,54 @@ ShardLayout::ShardLayout(std::vector<TensorSpec> tensors) : tensors_(std::move(t
     fnv_mix(digest_, tensor.name);
     fnv_mix(digest_, static_cast<std::uint64_t>(tensor.dtype));
     fnv_mix(digest_, tensor.bytes);
+    fnv_mix(digest_, static_cast<std::uint64_t>(tensor.kind));
+    fnv_mix(digest_, tensor.shape.size());
+    for (std::uint64_t length : tensor.shape) fnv_mix(digest_, length);
+    for (std::uint64_t at : tensor.box.offset) fnv_mix(digest_, at);
+    for (std::uint64_t length : tensor.box.extent) fnv_mix(digest_, length);
     total_bytes_ += tensor.bytes;
   }
 }
+
+namespace {
+
+// A tensor's shape and box agree with its kind, its dtype and its size.
+Status check_tensor(const TensorSpec& tensor) {
+  const auto invalid = [&](const std::string& why) {
+    return make_error(Errc::kInvalidArgument, "tensor '" + tensor.name + "': " + why);
+  };
+  if (static_cast<int>(tensor.kind) > static_cast<int>(TensorKind::kPiece)) return invalid("no valid kind");
+  if (tensor.kind == TensorKind::kBytes) {
+    if (!tensor.shape.empty() || !tensor.box.offset.empty() || !tensor.box.extent.empty()) {
+      return invalid("a tensor of bytes has no shape");
+    }
+    return Unit{};
+  }
+  if (tensor.shape.size() > limits::kBoxRankMax) {
+    return invalid("its shape " + describe_shape(tensor.shape) + " has more than " +
+                   std::to_string(limits::kBoxRankMax) + " dimensions");
+  }
+  if (tensor.kind == TensorKind::kLocal) {
+    if (!tensor.box.offset.empty() || !tensor.box.extent.empty()) {
+      return invalid("a shard's own tensor has no box (register it as a piece of the model's tensor)");
+    }
+  } else if (Status placed = check_box(tensor.name, tensor.shape, tensor.box); !placed) {
+    return placed;
+  }
+  const Shape buffer = *tensor.buffer_shape();
+  const std::optional<std::uint64_t> elements = checked_element_count(buffer);
+  std::uint64_t bytes = 0;
+  if (!elements || __builtin_mul_overflow(*elements, dtype_bytes(tensor.dtype), &bytes)) {
+    return invalid("shape " + describe_shape(buffer) + " has more than 2^64 bytes");
+  }
+  if (bytes != tensor.bytes) {
+    return invalid(std::to_string(tensor.bytes) + " bytes for shape " + describe_shape(buffer) + " of " +
+                   std::string(dtype_name(tensor.dtype)) + ", which is " + std::to_string(bytes) + " bytes");
+  }
+  return Unit{};
+}
+
+}  // namespace
 
 Result<LayoutRef> ShardLayout::make(std::vector<TensorSpec> tensors) {
   if (tensors.empty()) return make_error(Errc::kInvalidArgument, "a shard layout needs a tensor");
@@ -208,6 +278,7 @@ Result<LayoutRef> ShardLayout::make(std::vector<TensorSpec> tensors) {
     if (static_cast<int>(tensor.dtype) >= kDTypeCount) {
       return make_error(Errc::kInvalidArgument, "tensor '" + tensor.name + "' has no valid dtype");
     }
+    if (Status valid = check_tensor(tensor); !valid) return valid.error();
     if (tensor.bytes > std::numeric_limits<std::uint64_t>::max() - total_bytes) {
       return make_error(Errc::kInvalidArgument, "shard size overflows 64 bits");
     }
@@ -224,22 +295,66 @@ Result<LayoutRef> ShardLayout::make(std::vector<TensorSpec> tensors) {
   return LayoutRef(new ShardLayout(std::move(tensors)));
 }
 
+namespace {
+
+// Why a reader's tensor `got` cannot take the bytes of the model's `want` (same name), if so.
+std::optional<std::string> tensor_mismatch(const TensorSpec& want, const TensorSpec& got) {
+  const std::string prefix = "tensor '" + want.name + "': ";
+  if (want.dtype != got.dtype) {
+    return prefix + "dtype " + std::string(dtype_name(want.dtype)) + " in the model, " +
+           std::string(dtype_name(got.dtype)) + " here";
+  }
+  if (want.kind == TensorKind::kPiece && got.kind == TensorKind::kPiece) {
+    if (want.shape != got.shape) {
+      return prefix + "global shape " + describe_shape(want.shape) + " in the model, " +
+             describe_shape(got.shape) + " here";
+    }
+    if (want.box != got.box) {
+      return prefix + "box " + describe_box(want.box) + " in the model, " + describe_box(got.box) + " here";
+    }
+  }
+  const std::optional<Shape> want_shape = want.buffer_shape();
+  const std::optional<Shape> got_shape = got.buffer_shape();
+  if (want_shape && got_shape && *want_shape != *got_shape) {
+    return prefix + "shape " + describe_shape(*want_shape) + " in the model, " + describe_shape(*got_shape) +
+           " here";
+  }
+  if (want.bytes != got.bytes) {
+    return prefix + std::to_string(want.bytes) + " bytes in the model, " + std::to_string(got.bytes) + " here";
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::optional<std::string> ShardLayout::mismatch(const ShardLayout& other) const {
   if (digest_ == other.digest_ && tensors_ == other.tensors_) return std::nullopt;
-  if (tensors_.size() != other.tensors_.size()) {
-    return "expected " + std::to_string(tensors_.size()) + " tensors, got " +
-           std::to_string(other.tensors_.size());
+  // Name the first tensor (by name) that one side has and the other lacks.
+  std::vector<std::string_view> want;
+  std::vector<std::string_view> got;
+  for (const TensorSpec& tensor : tensors_) want.push_back(tensor.name);
+  for (const TensorSpec& tensor : other.tensors_) got.push_back(tensor.name);
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  const std::string counts =
+      " (the model's shard has " + std::to_string(want.size()) + " tensors, this one " + std::to_string(got.size()) + ")";
+  for (std::size_t i = 0; i < want.size() || i < got.size(); ++i) {
+    if (i < want.size() && i < got.size() && want[i] == got[i]) continue;
+    if (i >= got.size() || (i < want.size() && want[i] < got[i])) {
+      return "tensor '" + std::string(want[i]) + "' is missing here" + counts;
+    }
+    return "tensor '" + std::string(got[i]) + "' is not in the model" + counts;
   }
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    const TensorSpec& want = tensors_[i];
-    const TensorSpec& got = other.tensors_[i];
-    if (want == got) continue;
-    return "tensor " + std::to_string(i) + ": expected " + want.name + " " +
-           std::string(dtype_name(want.dtype)) + " " + std::to_string(want.bytes) + " bytes, got " +
-           got.name + " " + std::string(dtype_name(got.dtype)) + " " + std::to_string(got.bytes) +
-           " bytes";
+    const TensorSpec& mine = tensors_[i];
+    const TensorSpec& theirs = other.tensors_[i];
+    if (mine.name != theirs.name) {
+      return "tensor " + std::to_string(i) + " is '" + mine.name + "' in the model, '" + theirs.name +
+             "' here: tensors go in one order";
+    }
+    if (auto why = tensor_mismatch(mine, theirs)) return why;
   }
-  TH_ASSERT(false, "layouts differ but no tensor does");
+  return std::nullopt;  // compatible: equal where both sides said what their tensors are
 }
 
 // ---- Settings ---------------------------------------------------------------------------------------

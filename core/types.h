@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/box.h"
 #include "core/limits.h"
 #include "core/result.h"
 #include "tensorhub/types.h"
@@ -54,10 +55,25 @@ std::string format_selector(const Selector& selector);
 // ---- Tensor layouts ---------------------------------------------------------------------------------
 
 
+// What a registered tensor is, as far as its shard said (README "Layouts").
+enum class TensorKind : std::uint8_t {
+  kBytes,  // a size only (register_tensor of bytes): matched by name, dtype and size
+  kLocal,  // a tensor of `shape` that belongs to its shard alone (such as a slice the engine owns)
+  kPiece,  // the box `box` of the model's logical tensor `name`, whose (global) shape is `shape`;
+           // a replica's pieces of one tensor tile it
+};
+std::string_view tensor_kind_name(TensorKind kind);
+
 struct TensorSpec {
   std::string name;
   DType dtype = DType::kFloat32;
   std::uint64_t bytes = 0;
+  TensorKind kind = TensorKind::kBytes;
+  Shape shape{};  // kLocal: the tensor's shape; kPiece: the logical tensor's; kBytes: empty
+  Box box{};      // kPiece: where its bytes sit in `shape`; otherwise empty
+
+  // The shape of the bytes themselves, where the registering shard said it.
+  std::optional<Shape> buffer_shape() const;
 
   friend bool operator==(const TensorSpec&, const TensorSpec&) = default;
 };
@@ -72,7 +88,9 @@ class ShardLayout {
   std::uint64_t digest() const { return digest_; }
   std::uint64_t total_bytes() const { return total_bytes_; }
 
-  // Why `other` is not compatible with this layout, or nothing when it is.
+  // Why `other` (a reader's, or another publisher's) is not compatible with this layout (the
+  // model's), or nothing when it is. Tensors of kind kBytes on either side compare by dtype and
+  // size; tensors whose shapes both sides said compare by shape too; pieces by global shape and box.
   std::optional<std::string> mismatch(const ShardLayout& other) const;
 
  private:

@@ -22,6 +22,10 @@ struct TensorSpec {
   name @0 :Text;
   dtype @1 :UInt8;   # th::DType
   bytes @2 :UInt64;
+  kind @3 :UInt8;    # th::TensorKind: 0 bytes (what senders before it meant), 1 local, 2 piece
+  shape @4 :List(UInt64);
+  boxOffset @5 :List(UInt64);  # pieces only
+  boxExtent @6 :List(UInt64);
 }
 
 struct Retention {

@@ -19,6 +19,10 @@ void put(const Selector& selector, wire::Selector::Builder out) {
   }
 }
 
+void put_shape(const Shape& shape, capnp::List<std::uint64_t>::Builder out) {
+  for (unsigned d = 0; d < shape.size(); ++d) out.set(d, shape[d]);
+}
+
 template <typename InitList>
 void put_layout(const LayoutRef& layout, InitList init) {
   if (layout == nullptr) return;  // an absent layout is an empty list; decode refuses it where needed
@@ -28,6 +32,13 @@ void put_layout(const LayoutRef& layout, InitList init) {
     list[i].setName(tensors[i].name);
     list[i].setDtype(static_cast<std::uint8_t>(tensors[i].dtype));
     list[i].setBytes(tensors[i].bytes);
+    if (tensors[i].kind == TensorKind::kBytes) continue;
+    list[i].setKind(static_cast<std::uint8_t>(tensors[i].kind));
+    put_shape(tensors[i].shape, list[i].initShape(static_cast<unsigned>(tensors[i].shape.size())));
+    if (tensors[i].kind != TensorKind::kPiece) continue;
+    const Box& box = tensors[i].box;
+    put_shape(box.offset, list[i].initBoxOffset(static_cast<unsigned>(box.offset.size())));
+    put_shape(box.extent, list[i].initBoxExtent(static_cast<unsigned>(box.extent.size())));
   }
 }
 
@@ -227,6 +238,14 @@ Selector get(wire::Selector::Reader in) {
   invalid("selector of an unknown kind");
 }
 
+Shape get_shape(capnp::List<std::uint64_t>::Reader in) {
+  list_at_most(in, limits::kBoxRankMax, "shape");
+  Shape shape;
+  shape.reserve(in.size());
+  for (std::uint64_t length : in) shape.push_back(length);
+  return shape;
+}
+
 // An empty list is "no layout": the hub refuses a call that needs one with its own error.
 LayoutRef get_layout(capnp::List<wire::TensorSpec>::Reader in) {
   if (in.size() == 0) return nullptr;
@@ -234,9 +253,12 @@ LayoutRef get_layout(capnp::List<wire::TensorSpec>::Reader in) {
   std::vector<TensorSpec> tensors;
   tensors.reserve(in.size());
   for (auto tensor : in) {
-    tensors.push_back(TensorSpec{name(tensor.getName(), "tensor name"),
-                                 enum_in_range(tensor.getDtype(), DType::kBool, "dtype"),
-                                 tensor.getBytes()});
+    TensorSpec spec{name(tensor.getName(), "tensor name"), enum_in_range(tensor.getDtype(), DType::kBool, "dtype"),
+                    tensor.getBytes()};
+    spec.kind = enum_in_range(tensor.getKind(), TensorKind::kPiece, "tensor kind");
+    spec.shape = get_shape(tensor.getShape());
+    spec.box = Box{get_shape(tensor.getBoxOffset()), get_shape(tensor.getBoxExtent())};
+    tensors.push_back(std::move(spec));
   }
   auto layout = ShardLayout::make(std::move(tensors));
   if (!layout.ok()) invalid("layout: " + layout.error().detail);

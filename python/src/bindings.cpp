@@ -150,22 +150,38 @@ class PyHandle {
   PyHandle(const PyHandle&) = delete;
   PyHandle& operator=(const PyHandle&) = delete;
 
+  // What Python says of a tensor: its bytes, and where it knows them its shape (a shard's own
+  // tensor) or its global shape and offset (a piece of the model's tensor, of extent `shape`).
+  using Dims = std::optional<std::vector<std::uint64_t>>;
   void register_tensor(const std::string& name, std::uintptr_t data, std::uint64_t bytes, const std::string& dtype,
-                       bool cuda) {
+                       bool cuda, const Dims& shape, const Dims& global_shape, const Dims& offset) {
     const std::optional<th::DType> parsed = th::parse_dtype(dtype);
     if (!parsed) throw CallError{"invalid-argument", "unknown dtype '" + dtype + "'"};
-    ok_or_raise(live().register_tensor(name, reinterpret_cast<void*>(data), bytes, *parsed,
-                                       cuda ? th::MemoryKind::kCuda : th::MemoryKind::kCpu));
+    void* const memory = reinterpret_cast<void*>(data);
+    const th::MemoryKind kind = cuda ? th::MemoryKind::kCuda : th::MemoryKind::kCpu;
+    if (!shape) {
+      if (global_shape || offset) throw CallError{"invalid-argument", "tensor '" + name + "': a piece needs its shape"};
+      ok_or_raise(live().register_tensor(name, memory, bytes, *parsed, kind));
+      return;
+    }
+    if (!global_shape) {
+      if (offset) throw CallError{"invalid-argument", "tensor '" + name + "': an offset needs a global shape"};
+      ok_or_raise(live().register_tensor(name, memory, *parsed, *shape, kind));
+      return;
+    }
+    th::Box box{offset ? *offset : std::vector<std::uint64_t>(global_shape->size(), 0), *shape};
+    ok_or_raise(live().register_piece(name, memory, *parsed, *global_shape, std::move(box), kind));
   }
-  // register_tensor for each (name, data, bytes, dtype, cuda) in order, one call from Python for a
-  // whole state dict. Stops at the first failure: (how many were registered, its code, its detail);
-  // the code is empty when all were.
+  // register_tensor for each (name, data, bytes, dtype, cuda, shape, global shape, offset) in
+  // order, one call from Python for a whole state dict. Stops at the first failure: (how many were
+  // registered, its code, its detail); the code is empty when all were.
   py::tuple register_many(
-      const std::vector<std::tuple<std::string, std::uintptr_t, std::uint64_t, std::string, bool>>& tensors) {
+      const std::vector<std::tuple<std::string, std::uintptr_t, std::uint64_t, std::string, bool, Dims, Dims, Dims>>&
+          tensors) {
     std::size_t done = 0;
     try {
-      for (const auto& [name, data, bytes, dtype, cuda] : tensors) {
-        register_tensor(name, data, bytes, dtype, cuda);
+      for (const auto& [name, data, bytes, dtype, cuda, shape, global_shape, offset] : tensors) {
+        register_tensor(name, data, bytes, dtype, cuda, shape, global_shape, offset);
         ++done;
       }
     } catch (const CallError& error) {
@@ -475,7 +491,8 @@ PYBIND11_MODULE(_core, module) {
   py::class_<PyHandle>(module, "Handle")
       .def(py::init([](const py::kwargs& kwargs) { return std::make_unique<PyHandle>(options_from(kwargs)); }))
       .def("register_raw", &PyHandle::register_tensor, py::arg("name"), py::arg("data"), py::arg("bytes"),
-           py::arg("dtype"), py::arg("cuda"))
+           py::arg("dtype"), py::arg("cuda"), py::arg("shape") = py::none(), py::arg("global_shape") = py::none(),
+           py::arg("offset") = py::none())
       .def("register_many", &PyHandle::register_many)
       .def("unregister", &PyHandle::unregister_tensor)
       .def("keep", &PyHandle::keep)

@@ -14,8 +14,8 @@ trainer publishes the weights in its tensors; rollouts pull them straight into t
 
 Blocking calls release the GIL and honour Ctrl-C within a tenth of a second (the handle is then
 done: open another). Failures raise the exception class of their code (:mod:`tensorhub.errors`).
-Tensors: torch tensors (CPU; CUDA is refused until libthclient moves GPU memory), numpy arrays and
-any writable C-contiguous buffer, or objects with ``__dlpack__``. A registered object is kept alive
+Tensors: torch tensors (CPU or CUDA), numpy arrays and any writable C-contiguous buffer, or objects
+with ``__dlpack__``; each may say where it sits in the model's tensor (:mod:`tensorhub.layouts`). A registered object is kept alive
 until it is unregistered or the handle is closed.
 """
 
@@ -36,10 +36,12 @@ from ._core import metrics_address
 from ._core import set_error_factory as _set_error_factory
 from .errors import *  # noqa: F401,F403  (the exception classes, as tensorhub.VersionUnavailable etc.)
 from .errors import InvalidArgument, TensorHubError
+from .layouts import Placement
 
 _set_error_factory(errors.error_of)
 
-__all__ = ["Handle", "Receive", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError", "metrics_address"] + [
+__all__ = ["Handle", "Receive", "Server", "ReplicateInfo", "UpdateInfo", "TensorHubError", "metrics_address",
+           "Placement"] + [
     name for name in dir(errors) if isinstance(getattr(errors, name), type)
     and issubclass(getattr(errors, name), TensorHubError) and name != "TensorHubError"]
 
@@ -89,8 +91,8 @@ except ImportError:
 
 
 def _describe(name: str, tensor: Any):
-    """(address, bytes, dtype name, is_cuda, what to keep alive) of a tensor-like object, or
-    InvalidArgument."""
+    """(address, bytes, dtype name, is_cuda, what to keep alive, shape) of a tensor-like object,
+    or InvalidArgument."""
     if _torch is not None and isinstance(tensor, _torch.Tensor):
         if tensor.layout != _torch.strided:
             raise InvalidArgument(f"tensor '{name}' is {tensor.layout}: only dense (strided) tensors")
@@ -102,7 +104,7 @@ def _describe(name: str, tensor: Any):
         cuda = tensor.is_cuda
         if not cuda and tensor.device.type != "cpu":
             raise InvalidArgument(f"tensor '{name}' is on {tensor.device}: only CPU and CUDA memory")
-        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), dtype, cuda, tensor
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), dtype, cuda, tensor, list(tensor.shape)
     if hasattr(tensor, "__dlpack__") and not hasattr(tensor, "__array_interface__"):
         # Through torch (writable, and the result owns the capsule: it is what is kept alive).
         if _torch is None:
@@ -124,11 +126,31 @@ def _describe(name: str, tensor: Any):
     dtype = _BUFFER_DTYPES.get(view.format.lstrip("@=<"))
     if dtype is None or (dtype == "int64" and view.itemsize != 8):
         raise InvalidArgument(f"tensor '{name}' has element format '{view.format}', which TensorHub does not move")
+    shape = list(view.shape) if view.shape is not None else None
     if view.nbytes == 0:
-        return 0, 0, dtype, False, view
+        return 0, 0, dtype, False, view, shape
     import ctypes
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return address, view.nbytes, dtype, False, view
+    return address, view.nbytes, dtype, False, view, shape
+
+
+def _registration(name: str, tensor: Any, placement: Optional["Placement"],
+                  global_shape: Optional[Sequence[int]], offset: Optional[Sequence[int]]):
+    """(name, address, bytes, dtype, is_cuda, keep, shape, global shape, offset) for register_raw."""
+    address, nbytes, dtype, cuda, keep, shape = _describe(name, tensor)
+    if placement is not None:
+        if global_shape is not None or offset is not None:
+            raise InvalidArgument(f"tensor '{name}': a placement or global_shape/offset, not both")
+        if shape is not None and tuple(shape) != tuple(placement.extent):
+            raise InvalidArgument(f"tensor '{name}' has shape {list(shape)}, its placement a piece of "
+                                  f"{list(placement.extent)}")
+        global_shape, offset = placement.global_shape, placement.offset
+    elif offset is not None and global_shape is None:
+        raise InvalidArgument(f"tensor '{name}': an offset needs a global_shape")
+    if global_shape is not None and shape is None:
+        raise InvalidArgument(f"tensor '{name}': a piece needs a shape (a torch tensor or an array)")
+    as_list = (lambda dims: None if dims is None else [int(d) for d in dims])
+    return (name, address, nbytes, dtype, cuda, keep, shape, as_list(global_shape), as_list(offset))
 
 
 # ---- The handle ----------------------------------------------------------------------------------
@@ -229,23 +251,36 @@ class Handle:
 
     # -- tensors --
 
-    def register(self, name: str, tensor: Any) -> None:
+    def register(self, name: str, tensor: Any, placement: Optional["Placement"] = None, *,
+                 global_shape: Optional[Sequence[int]] = None, offset: Optional[Sequence[int]] = None) -> None:
         """Registers a tensor (torch, numpy, a writable buffer, or ``__dlpack__``) by unique name.
         Only while the shard holds no version (before the first publish/replicate, or after
-        unpublish). Its memory is read and written in place."""
-        address, nbytes, dtype, cuda, keep = _describe(name, tensor)
-        self._core.register_raw(name, address, nbytes, dtype, cuda)
-        self._core.keep(name, keep)  # alive until the C++ handle is gone, whatever Python drops first
-        self._tensors[name] = (tensor, address)
+        unpublish). Its memory is read and written in place.
 
-    def register_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "") -> None:
+        Without a placement the tensor is this shard's own, of its shape: a replica whose shard
+        registers another shape under the name is refused (``LayoutMismatch``). With one, it is
+        the piece of the model's tensor ``name`` of ``global_shape`` that begins at ``offset``
+        (zeros if left out) and has the tensor's shape: see :mod:`tensorhub.layouts` for Megatron,
+        FSDP and replicated placements. A replica's pieces of one tensor must tile it."""
+        entry = _registration(name, tensor, placement, global_shape, offset)
+        self._core.register_raw(*entry[:5], shape=entry[6], global_shape=entry[7], offset=entry[8])
+        self._core.keep(name, entry[5])  # alive until the C++ handle is gone, whatever Python drops first
+        self._tensors[name] = (tensor, entry[1])
+
+    def register_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "",
+                            placements: Optional[Mapping[str, "Placement"]] = None) -> None:
         """Registers every tensor of a state dict under ``prefix + key``, in one call into
         libthclient. For a module's own parameters (written in place), pass ``module.state_dict()``
-        or use register_module(). On a refusal, the tensors before it stay registered."""
-        items = [(prefix + key, tensor) for key, tensor in state_dict.items()]
-        described = [(name, *_describe(name, tensor)) for name, tensor in items]  # refusals before any
-        done, code, detail = self._core.register_many([entry[:5] for entry in described])
-        for (name, tensor), entry in zip(items[:done], described[:done]):
+        or use register_module(). ``placements`` (by key) makes those tensors pieces, as
+        register() does. On a refusal, the tensors before it stay registered."""
+        placements = placements or {}
+        unknown = sorted(set(placements) - set(state_dict))
+        if unknown:
+            raise InvalidArgument(f"a placement for '{unknown[0]}', which the state dict does not have")
+        items = [(prefix + key, tensor, placements.get(key)) for key, tensor in state_dict.items()]
+        described = [_registration(name, tensor, placement, None, None) for name, tensor, placement in items]
+        done, code, detail = self._core.register_many([entry[:5] + entry[6:] for entry in described])
+        for (name, tensor, _), entry in zip(items[:done], described[:done]):
             self._core.keep(name, entry[5])
             self._tensors[name] = (tensor, entry[1])
         if code:

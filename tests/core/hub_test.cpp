@@ -416,6 +416,52 @@ TEST(HubReplicate, LayoutMismatchIsATypedError) {
   EXPECT_TRUE(driver.inbox(t[0]).grants.empty()) << "nothing is transferred";
 }
 
+LayoutRef pieces_of_w(Box box) {
+  TensorSpec spec{"w", DType::kBFloat16, element_count(box.extent) * 2};
+  spec.kind = TensorKind::kPiece;
+  spec.shape = {64, 64};
+  spec.box = std::move(box);
+  return ShardLayout::make({spec}).value();
+}
+
+ChecksumsRef one_checksum(std::uint64_t value) { return std::make_shared<const Checksums>(Checksums{value}); }
+
+TEST(HubPublish, PiecesThatOverlapAreRefusedOnEveryShardAndFixNoLayout) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.call(t[0], PublishRequest{1, pieces_of_w(Box{{0, 0}, {40, 64}}), one_checksum(1)});
+  driver.call(t[1], PublishRequest{1, pieces_of_w(Box{{32, 0}, {32, 64}}), one_checksum(2)});
+  const auto refused = driver.replies(t);  // one answer, the same on both shards
+  ASSERT_EQ(expect_error(refused, Errc::kLayoutMismatch), "");
+  const std::string said = describe(*refused);
+  EXPECT_NE(said.find("tensor 'w'"), std::string::npos) << said;
+  EXPECT_NE(said.find("overlap in [32:40, 0:64]"), std::string::npos) << said;
+  EXPECT_FALSE(driver.hub().latest("m").has_value()) << "a refused publish makes no version";
+  // The layout was not fixed by the refused publish: the right tiling is taken.
+  driver.call(t[0], PublishRequest{1, pieces_of_w(Box{{0, 0}, {32, 64}}), one_checksum(1)});
+  driver.call(t[1], PublishRequest{1, pieces_of_w(Box{{32, 0}, {32, 64}}), one_checksum(2)});
+  EXPECT_TRUE(is<PublishOk>(driver.replies(t)));
+  // A reader whose shard 1 holds another box of w is told which and where.
+  const auto r = driver.open_replica(rollout("r"));
+  driver.call(r[0], ReplicateRequest{Selector::latest(), pieces_of_w(Box{{0, 0}, {32, 64}}), 0});
+  driver.call(r[1], ReplicateRequest{Selector::latest(), pieces_of_w(Box{{0, 32}, {64, 32}}), 0});
+  const auto mismatched = driver.replies(r);
+  ASSERT_EQ(expect_error(mismatched, Errc::kLayoutMismatch), "");
+  EXPECT_NE(describe(*mismatched).find("tensor 'w': box [32:64, 0:64] in the model, [0:64, 32:64] here"),
+            std::string::npos)
+      << describe(*mismatched);
+}
+
+TEST(HubPublish, PiecesWithAGapAreRefused) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.call(t[0], PublishRequest{1, pieces_of_w(Box{{0, 0}, {32, 64}}), one_checksum(1)});
+  driver.call(t[1], PublishRequest{1, pieces_of_w(Box{{32, 0}, {16, 64}}), one_checksum(2)});
+  const auto refused = driver.replies(t);
+  ASSERT_EQ(expect_error(refused, Errc::kLayoutMismatch), "");
+  EXPECT_NE(describe(*refused).find("3072 of the 4096 elements"), std::string::npos) << describe(*refused);
+}
+
 TEST(HubReplicate, TimeoutIsATypedError) {
   Driver driver;
   const auto r = driver.open_replica(rollout("r"));

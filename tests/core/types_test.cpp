@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "core/box.h"
 #include "core/siphash.h"
 #include "core/types.h"
 
@@ -50,13 +51,82 @@ TEST(Layout, DigestAndMismatchDescribeDifferences) {
   auto same = ShardLayout::make({{"w", DType::kBFloat16, 100}, {"b", DType::kFloat32, 4}}).value();
   auto bigger = ShardLayout::make({{"w", DType::kBFloat16, 200}, {"b", DType::kFloat32, 4}}).value();
   auto shorter = ShardLayout::make({{"w", DType::kBFloat16, 100}}).value();
+  auto longer = ShardLayout::make({{"w", DType::kBFloat16, 100}, {"b", DType::kFloat32, 4}, {"a", DType::kInt8, 1}}).value();
+  auto wider = ShardLayout::make({{"w", DType::kFloat32, 200}, {"b", DType::kFloat32, 4}}).value();
   EXPECT_EQ(a->digest(), same->digest());
   EXPECT_EQ(a->total_bytes(), 104u);
   EXPECT_FALSE(a->mismatch(*same));
   EXPECT_NE(a->digest(), bigger->digest());
-  EXPECT_EQ(*a->mismatch(*bigger),
-            "tensor 0: expected w bfloat16 100 bytes, got w bfloat16 200 bytes");
-  EXPECT_EQ(*a->mismatch(*shorter), "expected 2 tensors, got 1");
+  EXPECT_EQ(*a->mismatch(*bigger), "tensor 'w': 100 bytes in the model, 200 here");
+  EXPECT_EQ(*a->mismatch(*wider), "tensor 'w': dtype bfloat16 in the model, float32 here");
+  // Counts alone do not say which tensor to look for: the first one missing or extra is named.
+  EXPECT_EQ(*a->mismatch(*shorter), "tensor 'b' is missing here (the model's shard has 2 tensors, this one 1)");
+  EXPECT_EQ(*a->mismatch(*longer), "tensor 'a' is not in the model (the model's shard has 2 tensors, this one 3)");
+}
+
+TensorSpec local(std::string name, DType dtype, Shape shape) {
+  TensorSpec spec{std::move(name), dtype, 0};
+  spec.kind = TensorKind::kLocal;
+  spec.shape = std::move(shape);
+  spec.bytes = element_count(spec.shape) * dtype_bytes(dtype);
+  return spec;
+}
+
+TensorSpec piece(std::string name, DType dtype, Shape shape, Box box) {
+  TensorSpec spec{std::move(name), dtype, element_count(box.extent) * dtype_bytes(dtype)};
+  spec.kind = TensorKind::kPiece;
+  spec.shape = std::move(shape);
+  spec.box = std::move(box);
+  return spec;
+}
+
+TEST(Layout, ShapesBothSidesSaidMustAgree) {
+  // The silent garbage of before: 32×64 and 64×32 have one size.
+  auto model = ShardLayout::make({local("w", DType::kBFloat16, {32, 64})}).value();
+  auto transposed = ShardLayout::make({local("w", DType::kBFloat16, {64, 32})}).value();
+  EXPECT_EQ(*model->mismatch(*transposed), "tensor 'w': shape [32, 64] in the model, [64, 32] here");
+  // A side that said only bytes (the C++ register of before) still meets one that said a shape.
+  auto bytes_only = ShardLayout::make({{"w", DType::kBFloat16, 32 * 64 * 2}}).value();
+  EXPECT_FALSE(model->mismatch(*bytes_only));
+  EXPECT_FALSE(bytes_only->mismatch(*transposed));
+  // A piece meets a shard's own tensor of its box's shape (a TP slice registered plainly).
+  auto half = ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{0, 0}, {32, 64}})}).value();
+  EXPECT_FALSE(half->mismatch(*model));
+  EXPECT_EQ(*half->mismatch(*transposed), "tensor 'w': shape [32, 64] in the model, [64, 32] here");
+  auto other_half = ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{32, 0}, {32, 64}})}).value();
+  EXPECT_EQ(*half->mismatch(*other_half), "tensor 'w': box [0:32, 0:64] in the model, [32:64, 0:64] here");
+  auto other_global = ShardLayout::make({piece("w", DType::kBFloat16, {32, 128}, Box{{0, 0}, {32, 64}})}).value();
+  EXPECT_EQ(*half->mismatch(*other_global), "tensor 'w': global shape [64, 64] in the model, [32, 128] here");
+  EXPECT_NE(half->digest(), other_half->digest());
+}
+
+TEST(Layout, ShapesAndBoxesAgreeWithKindAndSize) {
+  const auto refused = [](TensorSpec spec, const std::string& says) {
+    auto made = ShardLayout::make({std::move(spec)});
+    ASSERT_FALSE(made.ok()) << says;
+    EXPECT_EQ(made.error().code, Errc::kInvalidArgument);
+    EXPECT_NE(made.error().detail.find(says), std::string::npos) << made.error().detail;
+  };
+  TensorSpec wrong_size = local("w", DType::kFloat32, {4, 4});
+  wrong_size.bytes = 32;
+  refused(wrong_size, "tensor 'w': 32 bytes for shape [4, 4] of float32, which is 64 bytes");
+  refused(piece("w", DType::kFloat32, {4, 4}, Box{{2, 0}, {4, 4}}), "lies outside its shape [4, 4]");
+  refused(piece("w", DType::kFloat32, {4, 4}, Box{{0}, {4}}), "tensor 'w': a box of 1 offsets");
+  TensorSpec bytes_with_shape{"w", DType::kInt8, 4};
+  bytes_with_shape.shape = {4};
+  refused(bytes_with_shape, "tensor 'w': a tensor of bytes has no shape");
+  TensorSpec local_with_box = local("w", DType::kInt8, {4});
+  local_with_box.box = Box{{0}, {4}};
+  refused(local_with_box, "tensor 'w': a shard's own tensor has no box");
+  refused(local("w", DType::kInt8, Shape(limits::kBoxRankMax + 1, 1)), "has more than 8 dimensions");
+  TensorSpec huge = local("w", DType::kInt8, {1});
+  huge.shape = {1ull << 40, 1ull << 40};
+  refused(huge, "has more than 2^64 bytes");
+  TensorSpec bad_kind = local("w", DType::kInt8, {4});
+  bad_kind.kind = static_cast<TensorKind>(7);
+  refused(bad_kind, "tensor 'w': no valid kind");
+  EXPECT_TRUE(ShardLayout::make({local("scalar", DType::kFloat32, {})}).ok());
+  EXPECT_TRUE(ShardLayout::make({local("empty", DType::kFloat32, {0, 8})}).ok());
 }
 
 TEST(Layout, RejectsInvalidTensors) {

@@ -379,7 +379,7 @@ struct Units {
     for (const auto& [name, bytes] : sizes) {
       auto& buffer = memory.emplace_back(bytes);
       for (std::size_t i = 0; i < bytes; ++i) buffer[i] = static_cast<std::byte>(i * 13 + name[0]);
-      registry.emplace(name, client_impl::Registered{buffer.data(), bytes, DType::kUInt8, nullptr});
+      registry.emplace(name, client_impl::Registered{buffer.data(), TensorSpec{name, DType::kUInt8, bytes}, nullptr});
     }
     plan = client_impl::make_plan(registry);
     packed.resize(plan.packed_bytes);
@@ -456,8 +456,8 @@ TEST(ReadAttempt, TheReaderChecksOnlyWhatTheApplicationDidNotAndStopsAtABadUnit)
 TEST(ReadAttempt, TensorsOfZeroBytesMakeAPackedUnitOfZeroBytes) {
   std::map<std::string, client_impl::Registered, std::less<>> registry;
   std::byte nothing[1];
-  registry.emplace("a", client_impl::Registered{nothing, 0, DType::kUInt8, nullptr});
-  registry.emplace("b", client_impl::Registered{nothing, 0, DType::kUInt8, nullptr});
+  registry.emplace("a", client_impl::Registered{nothing, TensorSpec{"a", DType::kUInt8, 0}, nullptr});
+  registry.emplace("b", client_impl::Registered{nothing, TensorSpec{"b", DType::kUInt8, 0}, nullptr});
   const client_impl::Plan plan = client_impl::make_plan(registry);
   auto checksums = std::make_shared<Checksums>(2, client_impl::checksum(nothing, 0));
   client_impl::ReadAttempt read(plan, nullptr, checksums, 1, true);

@@ -137,6 +137,26 @@ TEST(Wire, EveryCallKind) {
       round_trip<wire::Request>(Request{1, 2, CloseRequest{}, 3}).body));
 }
 
+// A tensor of each kind (bytes, a shard's own of a shape, a piece of the model's tensor).
+LayoutRef placed_layout() {
+  TensorSpec own{"bias", DType::kFloat32, 4 * 4 * 4};
+  own.kind = TensorKind::kLocal;
+  own.shape = {4, 4};
+  TensorSpec piece{"qkv", DType::kBFloat16, 48 * 64 * 2};
+  piece.kind = TensorKind::kPiece;
+  piece.shape = {96, 64};
+  piece.box = Box{{48, 0}, {48, 64}};
+  return layout_of({{"embed", DType::kBFloat16, 4096}, own, piece});
+}
+
+TEST(Wire, TensorsKeepTheirShapeAndPlace) {
+  const auto checksums = std::make_shared<const Checksums>(Checksums{1, 2, 3});
+  const auto got = std::get<PublishRequest>(
+      round_trip<wire::Request>(Request{1, 2, PublishRequest{5, placed_layout(), checksums}, 3}).body);
+  expect_same_layout(got.layout, placed_layout());
+  EXPECT_EQ(got.layout->tensors()[2].box, (Box{{48, 0}, {48, 64}}));
+}
+
 TEST(Wire, EveryReportKind) {
   const auto failed = std::get<TransferFailed>(
       round_trip<wire::Report>(Report{4, TransferFailed{10, 2, ReadFailure::kChecksumMismatch}, 6}).body);
@@ -357,6 +377,26 @@ TEST(WireRefuses, BadCalls) {
   encode(Request{1, 1, ReplicateRequest{Selector::latest(), nullptr, limits::kDeadlineMsMax + 1}, 1},
          request);
   expect_refused(decode(request.asReader()), "replicate timeout");
+}
+
+TEST(WireRefuses, ShapesAndPlacesThatCannotBe) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<wire::Request>();
+  const auto checksums = std::make_shared<const Checksums>(Checksums{1, 2, 3});
+  const auto fresh = [&] {
+    encode(Request{1, 1, PublishRequest{5, placed_layout(), checksums}, 1}, request);
+    return request.getBody().getPublish().getLayout();
+  };
+  fresh()[2].setKind(3);
+  expect_refused(decode(request.asReader()), "tensor kind");
+  fresh()[2].getBoxOffset().set(0, 64);  // rows 64..112 of 96
+  expect_refused(decode(request.asReader()), "lies outside its shape");
+  fresh()[1].initShape(9);
+  expect_refused(decode(request.asReader()), "shape");
+  fresh()[1].getShape().set(0, 5);  // 5×4 float32 is not 64 bytes
+  expect_refused(decode(request.asReader()), "tensor 'bias': 64 bytes for shape [5, 4]");
+  fresh()[0].initShape(1).set(0, 4096);  // a tensor of bytes has no shape
+  expect_refused(decode(request.asReader()), "no shape");
 }
 
 TEST(WireRefuses, BadReportsAndEffects) {

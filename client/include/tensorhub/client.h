@@ -243,8 +243,19 @@ class Handle {
   // be the same on every replica of the model. Only while the shard holds no version (before the
   // first publish/replicate, or after unpublish). The memory must stay valid until unregistered or
   // the handle is gone. Immediate.
+  // Three ways to say what a tensor is (README "Layouts"):
+  //  - bytes: `bytes` of `dtype`, nothing more; matched with other replicas by name, dtype, size;
+  //  - a shape: this shard's own tensor of `shape` (row-major); a replica whose shard says another
+  //    shape for it (a transposed 64×32 for a 32×64) is refused with kLayoutMismatch;
+  //  - a piece: the box `box` of the model's tensor `name` of `global_shape`. The pieces of one
+  //    tensor on a replica's shards must tile it (no overlap, no gap; checked at publish), and
+  //    readers compare the global shape and box.
   Status register_tensor(std::string name, void* data, std::uint64_t bytes, DType dtype,
                          MemoryKind memory = MemoryKind::kCpu);
+  Status register_tensor(std::string name, void* data, DType dtype, Shape shape,
+                         MemoryKind memory = MemoryKind::kCpu);
+  Status register_piece(std::string name, void* data, DType dtype, Shape global_shape, Box box,
+                        MemoryKind memory = MemoryKind::kCpu);
   Status unregister_tensor(std::string_view name);
 
   // Promises that the registered tensors hold `version` and will not change until unpublish().

@@ -25,6 +25,17 @@ enum class DType : std::uint8_t {
 inline constexpr int kDTypeCount = 12;
 std::string_view dtype_name(DType dtype);
 std::optional<DType> parse_dtype(std::string_view name);
+std::uint32_t dtype_bytes(DType dtype);  // bytes per element
+
+// Where a shard's piece of a logical tensor sits in the whole of it (README "Layouts"): the
+// elements per dimension, outermost first, and a box of them (offset and extent per dimension).
+// A piece's buffer holds its box row-major, as a contiguous torch tensor of shape `extent` does.
+using Shape = std::vector<std::uint64_t>;
+struct Box {
+  Shape offset;
+  Shape extent;
+  friend bool operator==(const Box&, const Box&) = default;
+};
 
 // ---- Retention --------------------------------------------------------------------------------------
 

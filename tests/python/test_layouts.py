@@ -1,0 +1,144 @@
+"""Tensors that know their place (README "Layouts"): shapes compared between replicas, pieces of
+the model's tensors placed with tensorhub.layouts and checked by the server (ctest -L python)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tensorhub
+from tensorhub import layouts
+
+
+@pytest.fixture()
+def server():
+    with tensorhub.Server() as running:
+        yield running
+
+
+def handle(server, replica, **options):
+    options.setdefault("model", "m")
+    return tensorhub.Handle(servers=server.address, token=server.token, replica=replica, **options)
+
+
+def on_every_shard(work, shards):
+    """Runs work(shard) for each shard at once (a replica's shards call together); returns each
+    one's result or the exception it raised."""
+    results = [None] * shards
+
+    def run(shard):
+        try:
+            results[shard] = work(shard)
+        except Exception as error:  # noqa: BLE001 (handed back to the test to judge)
+            results[shard] = error
+
+    threads = [threading.Thread(target=run, args=(shard,)) for shard in range(shards)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a shard's call did not return"
+    return results
+
+
+def test_a_transposed_tensor_is_refused_naming_it_and_both_shapes(server):
+    # Same byte count, other shape: before, the reader took the bytes and reported success.
+    with handle(server, "trainer") as trainer, handle(server, "rollout") as rollout:
+        trainer.register("w", torch.randn(32, 64))
+        rollout.register("w", torch.zeros(64, 32))
+        trainer.publish(1)
+        with pytest.raises(tensorhub.LayoutMismatch) as refused:
+            rollout.replicate("latest", timeout=10)
+        assert "tensor 'w': shape [32, 64] in the model, [64, 32] here" in str(refused.value)
+        trainer.unpublish()
+
+
+def test_a_missing_tensor_is_named(server):
+    with handle(server, "trainer") as trainer, handle(server, "rollout") as rollout:
+        trainer.register("a", torch.zeros(4))
+        trainer.register("b", torch.zeros(4))
+        rollout.register("a", torch.zeros(4))
+        trainer.publish(1)
+        with pytest.raises(tensorhub.LayoutMismatch) as refused:
+            rollout.replicate("latest", timeout=10)
+        assert "tensor 'b' is missing here" in str(refused.value)
+        trainer.unpublish()
+
+
+def test_placements_of_the_common_layouts():
+    assert layouts.column_parallel((96, 64), 1, 2) == layouts.Placement((96, 64), (48, 0), (48, 64))
+    assert layouts.row_parallel((64, 96), 2, 3) == layouts.Placement((64, 96), (0, 64), (64, 32))
+    assert layouts.replicated((64,)) == layouts.Placement((64,), (0,), (64,))
+    # FSDP2 Shard(0) cuts as torch.chunk does: 10 rows over 4 ranks are 3, 3, 3, 1.
+    rows = [layouts.dim0_shard((10, 8), rank, 4) for rank in range(4)]
+    assert [p.extent[0] for p in rows] == [len(c) for c in torch.arange(10).chunk(4)]
+    assert layouts.dim0_shard((2, 8), 3, 4) is None  # torch.chunk gives this rank nothing
+    full = torch.arange(96 * 64).reshape(96, 64)
+    assert torch.equal(layouts.column_parallel(full.shape, 1, 2).slice_of(full), full[48:])
+    with pytest.raises(ValueError, match="does not split into 5 equal pieces"):
+        layouts.split((64, 64), 0, 0, 5)
+    with pytest.raises(ValueError, match="does not lie within"):
+        layouts.Placement((4,), (2,), (4,))
+
+
+def test_a_placement_must_fit_the_tensor(server):
+    with handle(server, "trainer") as trainer:
+        with pytest.raises(tensorhub.InvalidArgument, match=r"tensor 'w' has shape \[48, 64\], its placement a piece of \[32, 64\]"):
+            trainer.register("w", torch.zeros(48, 64), layouts.column_parallel((64, 64), 0, 2))
+        with pytest.raises(tensorhub.InvalidArgument, match="lies outside its shape"):
+            trainer.register("w", torch.zeros(48, 64), global_shape=(64, 64), offset=(32, 0))
+        with pytest.raises(tensorhub.InvalidArgument, match="'nope', which the state dict does not have"):
+            trainer.register_state_dict({"w": torch.zeros(4)}, placements={"nope": layouts.whole((4,))})
+
+
+def tensor_parallel_state(rank, size, full):
+    """Megatron-style pieces of a small layer: q/k/v rows split, output columns split, norm whole."""
+    return {
+        "qkv.weight": (layouts.column_parallel(full["qkv.weight"].shape, rank, size)),
+        "o.weight": (layouts.row_parallel(full["o.weight"].shape, rank, size)),
+        "norm.weight": layouts.replicated(full["norm.weight"].shape),
+    }
+
+
+def test_a_tensor_parallel_replica_publishes_pieces_and_a_like_replica_reads_them(server):
+    torch.manual_seed(7)
+    full = {"qkv.weight": torch.randn(96, 64), "o.weight": torch.randn(64, 64), "norm.weight": torch.randn(64)}
+    received = [{}, {}]
+
+    def shard(rank):
+        placements = tensor_parallel_state(rank, 2, full)
+        pieces = {name: placements[name].slice_of(full[name]).clone() for name in full}
+        empty = {name: torch.zeros_like(piece) for name, piece in pieces.items()}
+        with handle(server, "trainer", num_shards=2, shard=rank) as trainer, \
+                handle(server, "rollout", num_shards=2, shard=rank) as rollout:
+            trainer.register_state_dict(pieces, placements=placements)
+            rollout.register_state_dict(empty, placements=placements)
+            trainer.publish(1)
+            rollout.replicate("latest", timeout=30)
+            received[rank] = empty
+            trainer.unpublish()
+            rollout.close()
+        return pieces
+
+    results = on_every_shard(shard, 2)
+    for rank, pieces in enumerate(results):
+        assert not isinstance(pieces, Exception), pieces
+        for name in full:
+            assert torch.equal(received[rank][name], pieces[name]), name
+
+
+def test_pieces_that_overlap_are_refused_at_publish_on_every_shard(server):
+    full = torch.randn(64, 64)
+    boxes = [layouts.Placement((64, 64), (0, 0), (40, 64)), layouts.Placement((64, 64), (32, 0), (32, 64))]
+
+    def shard(rank):
+        with handle(server, "trainer", num_shards=2, shard=rank) as trainer:
+            trainer.register("w", boxes[rank].slice_of(full).clone(), boxes[rank])
+            trainer.publish(1)
+
+    results = on_every_shard(shard, 2)
+    for result in results:
+        assert isinstance(result, tensorhub.LayoutMismatch), result
+        assert "tensor 'w'" in str(result) and "overlap in [32:40, 0:64]" in str(result)

@@ -851,6 +851,8 @@ Result<std::uint64_t> buffer_bytes(const std::string& name, DType dtype, const S
 }  // namespace
 
 Status Handle::register_tensor(std::string name, void* data, DType dtype, Shape shape, MemoryKind memory) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   auto bytes = buffer_bytes(name, dtype, shape);
   if (!bytes.ok()) return bytes.error();
   TensorSpec spec{std::move(name), dtype, bytes.value()};
@@ -861,6 +863,8 @@ Status Handle::register_tensor(std::string name, void* data, DType dtype, Shape 
 
 Status Handle::register_piece(std::string name, void* data, DType dtype, Shape global_shape, Box box,
                               MemoryKind memory) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
   // The box is checked against the shape first, so that the size below is the box's.
   if (Status placed = check_box(name, global_shape, box); !placed) return placed;
   auto bytes = buffer_bytes(name, dtype, box.extent);

@@ -107,19 +107,31 @@ Status check_tiling(std::string_view tensor, const Shape& shape, const std::vect
   for (const Box& box : boxes) {
     if (Status valid = check_box(tensor, shape, box); !valid) return valid;
   }
-  // Overlaps: a sweep along dimension 0 compares only boxes whose rows meet (a row split is
-  // linear; a column split of n pieces is n² / 2 comparisons, n <= kBoxesPerTensorMax).
+  // Overlaps: a sweep along the dimension the boxes are cut most along compares only boxes that
+  // meet in it (a split along one dimension is linear; a grid of n pieces is about n^1.5).
   std::uint64_t covered = 0;
   if (!shape.empty()) {
+    std::size_t sweep = 0;
+    std::size_t most_cuts = 0;
+    std::vector<std::uint64_t> offsets(boxes.size());
+    for (std::size_t d = 0; d < shape.size(); ++d) {
+      for (std::size_t i = 0; i < boxes.size(); ++i) offsets[i] = boxes[i].offset[d];
+      std::sort(offsets.begin(), offsets.end());
+      const auto cuts = static_cast<std::size_t>(std::unique(offsets.begin(), offsets.end()) - offsets.begin());
+      if (cuts > most_cuts) {
+        most_cuts = cuts;
+        sweep = d;
+      }
+    }
     std::vector<std::size_t> order(boxes.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::sort(order.begin(), order.end(),
-              [&](std::size_t a, std::size_t b) { return boxes[a].offset[0] < boxes[b].offset[0]; });
+              [&](std::size_t a, std::size_t b) { return boxes[a].offset[sweep] < boxes[b].offset[sweep]; });
     for (std::size_t i = 0; i < order.size(); ++i) {
       const Box& box = boxes[order[i]];
       for (std::size_t j = i + 1; j < order.size(); ++j) {
         const Box& later = boxes[order[j]];
-        if (later.offset[0] >= box.offset[0] + box.extent[0]) break;  // and so do all after it
+        if (later.offset[sweep] >= box.offset[sweep] + box.extent[sweep]) break;  // and so do all after it
         Box common;
         if (intersect(box, later, &common)) {
           return invalid(tensor, "boxes " + describe_box(box) + " and " + describe_box(later) +

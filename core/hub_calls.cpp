@@ -305,7 +305,8 @@ Status Hub::commit_shard(Model& model, VersionRecord& record, std::uint32_t shar
                          const LayoutRef& layout, const ChecksumsRef& checksums) {
   Status checked = check_shard(model, record, shard, layout, checksums);
   if (!checked) return checked;
-  if (!model.layouts[shard]) model.layouts[shard] = layout;
+  // The model's layout grows as specific as the most specific replica accepted (see refine()).
+  model.layouts[shard] = model.layouts[shard] ? ShardLayout::refine(model.layouts[shard], layout) : layout;
   if (!record.checksums[shard]) record.checksums[shard] = checksums;
   return Unit{};
 }

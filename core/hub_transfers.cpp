@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/hub_internal.h"
+#include "core/replica_layout.h"
 #include "core/siphash.h"
 
 namespace th {
@@ -114,7 +115,7 @@ void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
   // The source is chosen once every shard has called: a shard still busy with its old weights must
   // not hold a source's fan-out slot.
   if ((txn.arrived & txn.expected) != txn.expected) return;
-  const Model& model = *replica.model;
+  Model& model = *replica.model;
   for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
     if (!txn.expected.test(shard) || !model.layouts[shard]) continue;
     TH_ASSERT(txn.layouts[shard] != nullptr, "an arrived shard recorded its layout");
@@ -122,6 +123,17 @@ void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
       abort_txn(replica, txn, make_error(Errc::kLayoutMismatch,
                                          "shard " + std::to_string(shard) + ": " + *why));
       return;
+    }
+  }
+  // A reader becomes a source too: its pieces must tile as a publisher's do, and what it says of
+  // its tensors binds the replicas after it (so that no two sources describe them differently).
+  if (txn.expected.count() == replica.num_shards) {
+    if (Status tiled = check_replica_pieces(txn.layouts); !tiled) {
+      abort_txn(replica, txn, tiled.error());
+      return;
+    }
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+      if (model.layouts[shard]) model.layouts[shard] = ShardLayout::refine(model.layouts[shard], txn.layouts[shard]);
     }
   }
   set_state(copy, CopyState::kWaiting);

@@ -30,14 +30,10 @@ Status check_replica_pieces(const std::vector<LayoutRef>& shards) {
   }
   if (!any_piece) return Unit{};
   std::map<std::string_view, Pieces> by_name;
-  std::map<std::string_view, std::uint32_t> not_pieces;  // a name some shard holds as its own
   std::size_t pieces_total = 0;
   for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
     for (const TensorSpec& tensor : shards[shard]->tensors()) {
-      if (tensor.kind != TensorKind::kPiece) {
-        not_pieces.emplace(tensor.name, shard);
-        continue;
-      }
+      if (tensor.kind != TensorKind::kPiece) continue;
       if (++pieces_total > limits::kPiecesPerReplicaMax) {
         return make_error(Errc::kLimitExceeded, "a replica's shards hold more than " +
                                                     std::to_string(limits::kPiecesPerReplicaMax) +
@@ -57,12 +53,18 @@ Status check_replica_pieces(const std::vector<LayoutRef>& shards) {
       pieces.owners.push_back(shard);
     }
   }
-  for (const auto& [name, pieces] : by_name) {
-    if (const auto own = not_pieces.find(name); own != not_pieces.end()) {
-      return mismatch("tensor '" + std::string(name) + "' is a piece of the model's tensor on shard " +
-                      std::to_string(pieces.first_shard) + " but shard " + std::to_string(own->second) +
-                      "'s own tensor: give one of them another name");
+  // A name some shard holds as its own (or as bytes) must be a piece nowhere.
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    for (const TensorSpec& tensor : shards[shard]->tensors()) {
+      if (tensor.kind == TensorKind::kPiece) continue;
+      if (const auto piece = by_name.find(tensor.name); piece != by_name.end()) {
+        return mismatch("tensor '" + tensor.name + "' is a piece of the model's tensor on shard " +
+                        std::to_string(piece->second.first_shard) + " but shard " + std::to_string(shard) +
+                        "'s own tensor: give one of them another name");
+      }
     }
+  }
+  for (const auto& [name, pieces] : by_name) {
     // Shards may each hold the same box (a tensor every tensor-parallel rank keeps whole, such
     // as a norm's weight): one piece, several holders. Boxes that differ must not overlap.
     std::vector<Box> distinct = pieces.boxes;

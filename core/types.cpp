@@ -329,6 +329,18 @@ std::optional<std::string> tensor_mismatch(const TensorSpec& want, const TensorS
 
 std::optional<std::string> ShardLayout::mismatch(const ShardLayout& other) const {
   if (digest_ == other.digest_ && tensors_ == other.tensors_) return std::nullopt;
+  // The common case first: the same names in the same order (clients send them sorted), told
+  // apart tensor by tensor without sorting anything.
+  if (tensors_.size() == other.tensors_.size()) {
+    bool same_names = true;
+    for (std::size_t i = 0; i < tensors_.size() && same_names; ++i) same_names = tensors_[i].name == other.tensors_[i].name;
+    if (same_names) {
+      for (std::size_t i = 0; i < tensors_.size(); ++i) {
+        if (auto why = tensor_mismatch(tensors_[i], other.tensors_[i])) return why;
+      }
+      return std::nullopt;  // compatible: equal where both sides said what their tensors are
+    }
+  }
   // Name the first tensor (by name) that one side has and the other lacks.
   std::vector<std::string_view> want;
   std::vector<std::string_view> got;
@@ -354,7 +366,24 @@ std::optional<std::string> ShardLayout::mismatch(const ShardLayout& other) const
     }
     if (auto why = tensor_mismatch(mine, theirs)) return why;
   }
-  return std::nullopt;  // compatible: equal where both sides said what their tensors are
+  return std::nullopt;
+}
+
+LayoutRef ShardLayout::refine(const LayoutRef& known, const LayoutRef& other) {
+  TH_ASSERT(known != nullptr && other != nullptr, "refining layouts that exist");
+  TH_ASSERT(!known->mismatch(*other), "only a compatible layout refines the model's");
+  TH_ASSERT(known->tensors_.size() == other->tensors_.size(), "compatible layouts have the same tensors");
+  std::vector<TensorSpec> tensors;
+  bool refined = false;
+  for (std::size_t i = 0; i < known->tensors_.size(); ++i) {
+    const TensorSpec& mine = known->tensors_[i];
+    const TensorSpec& theirs = other->tensors_[i];
+    const bool more = static_cast<int>(theirs.kind) > static_cast<int>(mine.kind);
+    refined = refined || more;
+    tensors.push_back(more ? theirs : mine);
+  }
+  if (!refined) return known;
+  return LayoutRef(new ShardLayout(std::move(tensors)));
 }
 
 // ---- Settings ---------------------------------------------------------------------------------------

@@ -93,6 +93,14 @@ class ShardLayout {
   // size; tensors whose shapes both sides said compare by shape too; pieces by global shape and box.
   std::optional<std::string> mismatch(const ShardLayout& other) const;
 
+  // What the model knows of a shard's tensors once `other`, compatible with `known` (mismatch()
+  // said nothing), was accepted too: each tensor as the more specific of the two says it (a piece
+  // over a shape over bytes). Without it, two replicas that each matched a model that said only
+  // bytes could say contradictory things (32×64 and 64×32) and read each other's bytes. `known`
+  // itself when `other` adds nothing.
+  static std::shared_ptr<const ShardLayout> refine(const std::shared_ptr<const ShardLayout>& known,
+                                                   const std::shared_ptr<const ShardLayout>& other);
+
  private:
   explicit ShardLayout(std::vector<TensorSpec> tensors);
   std::vector<TensorSpec> tensors_;

@@ -164,6 +164,16 @@ class PyHandle {
       ok_or_raise(live().register_tensor(name, memory, bytes, *parsed, kind));
       return;
     }
+    // The buffer's size must be its shape's (the shape says how much the data plane may write).
+    std::uint64_t elements = 1;
+    std::uint64_t shape_bytes = 0;
+    bool overflow = false;
+    for (const std::uint64_t length : *shape) overflow = overflow || __builtin_mul_overflow(elements, length, &elements);
+    overflow = overflow || __builtin_mul_overflow(elements, th::dtype_bytes(*parsed), &shape_bytes);
+    if (overflow || shape_bytes != bytes) {
+      throw CallError{"invalid-argument", "tensor '" + name + "': its buffer has " + std::to_string(bytes) +
+                                              " bytes, which is not its shape's size"};
+    }
     if (!global_shape) {
       if (offset) throw CallError{"invalid-argument", "tensor '" + name + "': an offset needs a global shape"};
       ok_or_raise(live().register_tensor(name, memory, *parsed, *shape, kind));

@@ -149,7 +149,13 @@ def _registration(name: str, tensor: Any, placement: Optional["Placement"],
         raise InvalidArgument(f"tensor '{name}': an offset needs a global_shape")
     if global_shape is not None and shape is None:
         raise InvalidArgument(f"tensor '{name}': a piece needs a shape (a torch tensor or an array)")
-    as_list = (lambda dims: None if dims is None else [int(d) for d in dims])
+    def as_list(dims):
+        if dims is None:
+            return None
+        listed = list(dims)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 64) for d in listed):
+            raise InvalidArgument(f"tensor '{name}': dimensions are whole numbers from 0 to 2^64 - 1, not {listed}")
+        return listed
     return (name, address, nbytes, dtype, cuda, keep, shape, as_list(global_shape), as_list(offset))
 
 

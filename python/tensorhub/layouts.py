@@ -19,6 +19,7 @@ The helpers follow the conventions of the frameworks they are named after, as pu
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Sequence, Tuple
 
 
@@ -29,6 +30,8 @@ class Placement:
     extent: Tuple[int, ...]
 
     def __post_init__(self) -> None:
+        for field in ("global_shape", "offset", "extent"):
+            object.__setattr__(self, field, _dims(getattr(self, field)))
         if not (len(self.global_shape) == len(self.offset) == len(self.extent)):
             raise ValueError(f"a placement of {len(self.offset)} offsets and {len(self.extent)} extents "
                              f"for a shape of {len(self.global_shape)} dimensions")
@@ -45,8 +48,17 @@ class Placement:
         return full[tuple(slice(at, at + length) for at, length in zip(self.offset, self.extent))]
 
 
-def _shape(global_shape: Sequence[int]) -> Tuple[int, ...]:
-    return tuple(int(d) for d in global_shape)
+def _dims(dims: Sequence[int]) -> Tuple[int, ...]:
+    """Whole numbers (Python, numpy or torch integers), as a tuple of ints; anything else is a ValueError."""
+    try:
+        if any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        return tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise ValueError(f"dimensions are whole numbers, not {list(dims)}") from None
+
+
+_shape = _dims
 
 
 def whole(global_shape: Sequence[int]) -> Placement:

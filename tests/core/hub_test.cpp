@@ -452,6 +452,53 @@ TEST(HubPublish, PiecesThatOverlapAreRefusedOnEveryShardAndFixNoLayout) {
       << describe(*mismatched);
 }
 
+LayoutRef w_as_bytes() { return ShardLayout::make({TensorSpec{"w", DType::kBFloat16, 32 * 64 * 2}}).value(); }
+
+LayoutRef w_of_shape(Shape shape) {
+  TensorSpec spec{"w", DType::kBFloat16, 32 * 64 * 2};
+  spec.kind = TensorKind::kLocal;
+  spec.shape = std::move(shape);
+  return ShardLayout::make({spec}).value();
+}
+
+TEST(HubReplicate, AReplicaThatSaidMoreBindsThoseAfterIt) {
+  // The first publisher says only bytes; the second says 32×64. A reader of 64×32 matched the
+  // first alone, but would read the second's bytes: refused (it used to load them).
+  Driver driver;
+  const auto a = driver.open_replica(trainer("a"));
+  const auto b = driver.open_replica(trainer("b"));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(a[shard], PublishRequest{1, w_as_bytes(), one_checksum(1)});
+  EXPECT_TRUE(is<PublishOk>(driver.replies(a)));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(b[shard], PublishRequest{1, w_of_shape({32, 64}), one_checksum(1)});
+  EXPECT_TRUE(is<PublishOk>(driver.replies(b)));
+  const auto r = driver.open_replica(rollout("r"));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(r[shard], ReplicateRequest{Selector::latest(), w_of_shape({64, 32}), 0});
+  const auto refused = driver.replies(r);
+  ASSERT_EQ(expect_error(refused, Errc::kLayoutMismatch), "");
+  EXPECT_NE(describe(*refused).find("tensor 'w': shape [32, 64] in the model, [64, 32] here"), std::string::npos)
+      << describe(*refused);
+}
+
+TEST(HubReplicate, AReaderWhosePiecesOverlapIsRefusedBeforeItReads) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(t[shard], PublishRequest{1, w_of_shape({32, 64}), one_checksum(1)});
+  EXPECT_TRUE(is<PublishOk>(driver.replies(t)));
+  const auto r = driver.open_replica(rollout("r"));
+  TensorSpec top{"w", DType::kBFloat16, 32 * 64 * 2};
+  top.kind = TensorKind::kPiece;
+  top.shape = {64, 64};
+  top.box = Box{{0, 0}, {32, 64}};
+  const LayoutRef both_top = ShardLayout::make({top}).value();
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(r[shard], ReplicateRequest{Selector::latest(), both_top, 0});
+  // Both shards holding rows 0:32 is one box held twice (a replicated tensor), but then rows
+  // 32:64 are nobody's.
+  const auto refused = driver.replies(r);
+  ASSERT_EQ(expect_error(refused, Errc::kLayoutMismatch), "");
+  EXPECT_NE(describe(*refused).find("2048 of the 4096 elements"), std::string::npos) << describe(*refused);
+  EXPECT_TRUE(driver.inbox(t[0]).grants.empty()) << "nothing is transferred";
+}
+
 TEST(HubPublish, PiecesWithAGapAreRefused) {
   Driver driver;
   const auto t = driver.open_replica(trainer("t"));
@@ -995,7 +1042,7 @@ TEST(HubUpdate, FailingWhileDrainingKeepsThePreviousVersion) {
   Driver& driver = fleet.driver;
   // Shard 0 starts the update (r drains); shard 1 registered the wrong tensors.
   driver.call(fleet.r[0], UpdateRequest{Selector::latest(), layout_for(0)});
-  driver.call(fleet.r[1], UpdateRequest{Selector::latest(), layout_for(1, 77)});
+  driver.call(fleet.r[1], UpdateRequest{Selector::latest(), layout_for(1, 80)});
   EXPECT_EQ(expect_error(driver.replies(fleet.r), Errc::kLayoutMismatch), "");
   driver.finish_reads(fleet.newcomer);
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(fleet.newcomer)));

@@ -100,6 +100,22 @@ TEST(Layout, ShapesBothSidesSaidMustAgree) {
   EXPECT_NE(half->digest(), other_half->digest());
 }
 
+TEST(Layout, RefiningKeepsTheMostSpecificDescriptionOfEachTensor) {
+  const LayoutRef bytes = ShardLayout::make({{"w", DType::kBFloat16, 32 * 64 * 2}, {"b", DType::kFloat32, 16}}).value();
+  const LayoutRef shaped = ShardLayout::make({local("w", DType::kBFloat16, {32, 64}), {"b", DType::kFloat32, 16}}).value();
+  const LayoutRef placed =
+      ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{0, 0}, {32, 64}}), {"b", DType::kFloat32, 16}}).value();
+  EXPECT_EQ(ShardLayout::refine(shaped, bytes), shaped) << "nothing new: the same layout";
+  EXPECT_EQ(ShardLayout::refine(bytes, shaped)->tensors(), shaped->tensors());
+  EXPECT_EQ(ShardLayout::refine(shaped, placed)->tensors(), placed->tensors());
+  EXPECT_EQ(ShardLayout::refine(placed, shaped), placed);
+  // After refining, what matched the vaguer layout alone is told apart.
+  const LayoutRef transposed = ShardLayout::make({local("w", DType::kBFloat16, {64, 32}), {"b", DType::kFloat32, 16}}).value();
+  EXPECT_FALSE(bytes->mismatch(*transposed));
+  EXPECT_TRUE(ShardLayout::refine(bytes, shaped)->mismatch(*transposed));
+  EXPECT_THROW(ShardLayout::refine(shaped, transposed), std::logic_error);
+}
+
 TEST(Layout, ShapesAndBoxesAgreeWithKindAndSize) {
   const auto refused = [](TensorSpec spec, const std::string& says) {
     auto made = ShardLayout::make({std::move(spec)});

@@ -142,3 +142,20 @@ def test_pieces_that_overlap_are_refused_at_publish_on_every_shard(server):
     for result in results:
         assert isinstance(result, tensorhub.LayoutMismatch), result
         assert "tensor 'w'" in str(result) and "overlap in [32:40, 0:64]" in str(result)
+
+
+def test_dimensions_are_whole_numbers():
+    import numpy as np
+    assert layouts.Placement((np.int64(8),), (0,), (torch.tensor(8).item(),)).global_shape == (8,)
+    with pytest.raises(ValueError, match="whole numbers"):
+        layouts.Placement((8.5,), (0,), (4,))
+    with pytest.raises(ValueError, match="whole numbers"):
+        layouts.whole((True, 4))
+
+
+def test_a_placement_that_does_not_fit_64_bits_is_refused_clearly(server):
+    with handle(server, "trainer") as trainer:
+        with pytest.raises(tensorhub.InvalidArgument, match="whole numbers from 0 to 2"):
+            trainer.register("w", torch.zeros(4), global_shape=(-4,))
+        with pytest.raises(tensorhub.InvalidArgument, match="is not its shape's size"):
+            trainer._core.register_raw("w", torch.zeros(2).data_ptr(), 8, "float32", False, shape=[1 << 20])

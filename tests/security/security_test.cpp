@@ -390,9 +390,13 @@ TEST_F(Security, ACallWhileAnotherRunsOnTheHandleIsRefused) {
   std::thread meddler([&] {
     // Harmless probes until publish() is seen running (a probe that gets in changes nothing) ...
     while (!published.load() && !busy(handle->unregister_tensor("no-such-tensor"))) std::this_thread::yield();
-    // ... then what used to corrupt the published version.
+    // ... then what used to corrupt the published version, in each of the three ways to register.
     for (int i = 0; !published.load(); ++i) {
-      const Status status = handle->register_tensor("extra-" + std::to_string(i), extra.data(), extra.size(), DType::kUInt8);
+      const std::string name = "extra-" + std::to_string(i);
+      const Status status =
+          i % 3 == 0   ? handle->register_tensor(name, extra.data(), extra.size(), DType::kUInt8)
+          : i % 3 == 1 ? handle->register_tensor(name, extra.data(), DType::kUInt8, {extra.size()})
+                       : handle->register_piece(name, extra.data(), DType::kUInt8, {extra.size()}, Box{{0}, {extra.size()}});
       ++calls_during;
       if (status.ok()) ++accepted;
     }

@@ -84,6 +84,11 @@ rc::Gen<ClusterAction> gen_cluster_action(const FleetSpec& spec, bool lossy) {
           action.b = *rc::gen::weightedElement<std::uint32_t>(
               {{1, 0}, {2, 1}, {5, 2}, {9, 3}, {1, 4}, {1, 5}, {1 * closes, 6}});
         }
+        // Now and then a shard registers a layout the hub must refuse (program.h plan_op).
+        if ((action.b == 0 || action.b == 2 || action.b == 3) &&
+            *rc::gen::weightedElement<bool>({{15, false}, {1, true}})) {
+          action.b += 7 * (1 + 2 * *rc::gen::inRange<std::uint32_t>(0, shards) + *rc::gen::inRange<std::uint32_t>(0, 2));
+        }
         action.c = *rc::gen::weightedElement<std::uint32_t>({{2, 0}, {5, 1}, {1, 2}, {1, 3}});
         action.d = *rc::gen::inRange<std::uint32_t>(0, 4);
         action.go = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});

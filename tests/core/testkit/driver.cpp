@@ -85,12 +85,20 @@ std::string describe_effect(const Effect& effect) {
 }
 
 
-LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes) {
-  std::vector<TensorSpec> tensors = {
-      {"layer." + std::to_string(shard) + ".weight", DType::kBFloat16, bytes},
-      {"layer." + std::to_string(shard) + ".bias", DType::kFloat32, 64},
-  };
-  return ShardLayout::make(std::move(tensors)).value();
+LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes, LayoutFault fault) {
+  TH_ASSERT(bytes % 4 == 0, "a weight of whole bfloat16 pairs");
+  TensorSpec weight{"layer." + std::to_string(shard) + ".weight", DType::kBFloat16, bytes};
+  weight.kind = TensorKind::kLocal;
+  weight.shape = fault == LayoutFault::kTransposed ? Shape{2, bytes / 4} : Shape{bytes / 2};
+  TensorSpec bias{"bias", DType::kFloat32, 64};
+  bias.kind = TensorKind::kPiece;
+  bias.shape = {16};
+  bias.box = Box{{0}, {16}};
+  if (fault == LayoutFault::kBadBox) {
+    bias.box.extent = {8};
+    bias.bytes = 32;
+  }
+  return ShardLayout::make({std::move(bias), std::move(weight)}).value();
 }
 
 ChecksumsRef checksums_for(Version version, std::uint32_t shard) {

@@ -13,15 +13,20 @@
 
 #include "core/hub.h"
 #include "sim/observer.h"
+#include "tests/core/testkit/program.h"
 #include "tests/core/testkit/reference.h"
 
 namespace th::test {
 
 using sim::Observer;
 
-// Deterministic tensors: shard s of every version has two tensors; checksums depend on the version,
-// so that a mix-up of versions is visible.
-LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes = 4096);
+// Deterministic tensors: shard s of every version has two tensors, "layer.<s>.weight" (the shard's
+// own, of shape [bytes / 2] bfloat16) and "bias" (a piece of the model's tensor of float32 [16],
+// which every shard holds whole); checksums depend on the version, so that a mix-up of versions is
+// visible. A fault makes the layout one the hub must refuse (README "Layouts"): kBadBox holds
+// only half of "bias" (a gap on a publisher, another box for a reader); kTransposed gives the
+// weight the shape [2, bytes / 4] (as many bytes, another shape).
+LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes = 4096, LayoutFault fault = LayoutFault::kNone);
 ChecksumsRef checksums_for(Version version, std::uint32_t shard);
 
 struct Inbox {

@@ -10,6 +10,15 @@ namespace th::test {
 PlannedOp plan_op(std::uint32_t op, std::uint32_t p1, std::uint32_t p2, Version latest) {
   PlannedOp planned;
   planned.kind = static_cast<OpKind>(op % 7);
+  const std::uint32_t fault = op / 7;
+  const bool carries_layout = planned.kind == OpKind::kPublish || planned.kind == OpKind::kReplicate ||
+                              planned.kind == OpKind::kUpdate;
+  if (fault > 0 && carries_layout) {
+    // A transposed weight on a publisher would fix the model's layout (nothing to refuse then).
+    const bool transposed = (fault - 1) % 2 == 1 && planned.kind != OpKind::kPublish;
+    planned.layout_fault = transposed ? LayoutFault::kTransposed : LayoutFault::kBadBox;
+    planned.fault_shard = (fault - 1) / 2;
+  }
   switch (planned.kind) {
     case OpKind::kPublish:
       // The next version, one that skips numbers (so that latest-k must count), or an old one.
@@ -47,15 +56,16 @@ PlannedOp plan_op(std::uint32_t op, std::uint32_t p1, std::uint32_t p2, Version 
 }
 
 RequestBody body_for(const PlannedOp& op, std::uint32_t shard) {
+  const LayoutRef layout = layout_for(shard, 4096, shard == op.fault_shard ? op.layout_fault : LayoutFault::kNone);
   switch (op.kind) {
     case OpKind::kPublish:
-      return PublishRequest{op.version, layout_for(shard), checksums_for(op.version, shard)};
+      return PublishRequest{op.version, layout, checksums_for(op.version, shard)};
     case OpKind::kUnpublish:
       return UnpublishRequest{};
     case OpKind::kReplicate:
-      return ReplicateRequest{op.selector, layout_for(shard), op.timeout_ms};
+      return ReplicateRequest{op.selector, layout, op.timeout_ms};
     case OpKind::kUpdate:
-      return UpdateRequest{op.selector, layout_for(shard)};
+      return UpdateRequest{op.selector, layout};
     case OpKind::kList:
       return ListRequest{};
     case OpKind::kWait:

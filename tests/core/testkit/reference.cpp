@@ -309,6 +309,19 @@ void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs 
   }
 }
 
+namespace {
+
+// Whether a request's layout (if it has one) is the one the testkit gives `shard`.
+bool testkit_layout(const RequestBody& body, std::uint32_t shard) {
+  LayoutRef layout;
+  if (const auto* publish = std::get_if<PublishRequest>(&body)) layout = publish->layout;
+  if (const auto* replicate = std::get_if<ReplicateRequest>(&body)) layout = replicate->layout;
+  if (const auto* update = std::get_if<UpdateRequest>(&body)) layout = update->layout;
+  return layout == nullptr || layout->tensors() == layout_for(shard)->tensors();
+}
+
+}  // namespace
+
 void Reference::on_call(const Request& request, TimeMs now_ms) {
   auto found = clients_.find(request.client);
   if (found == clients_.end()) return;
@@ -335,6 +348,11 @@ void Reference::on_call(const Request& request, TimeMs now_ms) {
   }
   call.arrived.set(client.shard);
   call.ops[client.shard] = op_key(request.body);
+  if (testkit_layout(request.body, client.shard)) {
+    call.layout_good.set(client.shard);
+  } else {
+    call.layout_bad = true;
+  }
 }
 
 // The first shard of a call arrived: what the hub decides now, it decides from what is now.
@@ -997,7 +1015,26 @@ void Reference::judge_exit(const Replica& replica, const Call& call, std::uint32
 
 void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome,
                              TimeMs now_ms) {
-  if (exit_error(outcome) || call.seeded || !call.exact || model_unsure(replica.model)) return;
+  if (exit_error(outcome)) return;
+  // Layouts, whatever else the model knows: a call with a layout the testkit never makes for a
+  // shard is never carried out, and one whose every shard sent the testkit's is never refused
+  // for its layout (every publish that succeeds sent the testkit's, so that is the model's).
+  const bool bad_layout = call.layout_bad;
+  const bool refused_for_layout = error_of(outcome) == Errc::kLayoutMismatch;
+  const auto* moved = std::get_if<UpdateOk>(&outcome);
+  const bool carried_out = std::holds_alternative<PublishOk>(outcome) || std::holds_alternative<ReplicateOk>(outcome) ||
+                           (moved != nullptr && moved->status == UpdateStatus::kUpdated);
+  if (bad_layout && carried_out) {
+    fail(replica.name + " call " + std::to_string(seq) + " (" + std::string(op_name(call.op.kind)) + "): answered " +
+         describe(outcome) + " although a shard sent a layout the model does not have");
+  }
+  if (!bad_layout && call.layout_good == all_shards(replica.num_shards) && refused_for_layout) {
+    fail(replica.name + " call " + std::to_string(seq) + " (" + std::string(op_name(call.op.kind)) + "): answered " +
+         describe(outcome) + " although every shard sent the model's layout");
+  }
+  // Refused, or a call some shard of which the model did not see: which check came first is the hub's.
+  if (bad_layout || refused_for_layout) return;
+  if (call.seeded || !call.exact || model_unsure(replica.model)) return;
   auto wrong = [&](const std::string& why) {
     std::string allowed;
     for (Version version : call.allowed) allowed += " " + std::to_string(version);
@@ -1057,7 +1094,6 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
       } else {
         if (error == Errc::kVersionUnavailable && call.may_unavailable) return;
         if (error == Errc::kVersionNotFound && call.may_not_found) return;
-        if (error == Errc::kLayoutMismatch) return;
         wrong("an error the specification does not give here");
         return;
       }

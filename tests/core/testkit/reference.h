@@ -103,6 +103,11 @@ class Reference : public StepWatcher {
     std::map<std::uint32_t, OpKey> ops;
     bool answered_for_all = false;
     bool closed_out = false;
+    // Layouts: the shards whose request carried the testkit's (layout_for), and whether one
+    // carried another. Such a call must not be carried out; one whose every shard sent the
+    // testkit's must not be refused for its layout.
+    ShardSet layout_good;
+    bool layout_bad = false;
   };
   struct Replica {
     std::string model;

@@ -1,5 +1,6 @@
 #include "client/convert.h"
 
+#include <bit>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -7,17 +8,8 @@
 namespace th::client_impl {
 namespace {
 
-std::uint32_t bits_of(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
-float float_of(std::uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+std::uint32_t bits_of(float value) { return std::bit_cast<std::uint32_t>(value); }
+float float_of(std::uint32_t bits) { return std::bit_cast<float>(bits); }
 
 bool is_float(DType dtype) {
   return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;

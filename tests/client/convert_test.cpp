@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -14,30 +15,11 @@
 namespace th::client_impl {
 namespace {
 
-std::uint32_t bits_of(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
+std::uint32_t bits_of(float value) { return std::bit_cast<std::uint32_t>(value); }
+float float_of(std::uint32_t bits) { return std::bit_cast<float>(bits); }
 
-float float_of(std::uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-std::uint16_t oracle_float16(float value) {
-  const _Float16 half = static_cast<_Float16>(value);
-  std::uint16_t bits;
-  std::memcpy(&bits, &half, sizeof bits);
-  return bits;
-}
-
-float oracle_from_float16(std::uint16_t bits) {
-  _Float16 half;
-  std::memcpy(&half, &bits, sizeof half);
-  return static_cast<float>(half);
-}
+std::uint16_t oracle_float16(float value) { return std::bit_cast<std::uint16_t>(static_cast<_Float16>(value)); }
+float oracle_from_float16(std::uint16_t bits) { return static_cast<float>(std::bit_cast<_Float16>(bits)); }
 
 // The bfloat16 nearest to `value` (ties to the even one), by comparing the two candidates in double.
 std::uint16_t oracle_bfloat16(float value) {

@@ -5,23 +5,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/testkit/tensors.h"
+
 namespace th {
 namespace {
 
-TensorSpec piece(std::string name, Shape shape, Box box, DType dtype = DType::kBFloat16) {
-  TensorSpec spec{std::move(name), dtype, element_count(box.extent) * dtype_bytes(dtype)};
-  spec.kind = TensorKind::kPiece;
-  spec.shape = std::move(shape);
-  spec.box = std::move(box);
-  return spec;
-}
-
-TensorSpec own(std::string name, Shape shape) {
-  TensorSpec spec{std::move(name), DType::kBFloat16, element_count(shape) * 2};
-  spec.kind = TensorKind::kLocal;
-  spec.shape = std::move(shape);
-  return spec;
-}
+using test::own;
+using test::piece;
 
 LayoutRef layout(std::vector<TensorSpec> tensors) { return ShardLayout::make(std::move(tensors)).value(); }
 

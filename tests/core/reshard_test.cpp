@@ -8,16 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/testkit/tensors.h"
+
 namespace th {
 namespace {
 
-TensorSpec piece(std::string name, Shape shape, Box box, DType dtype = DType::kBFloat16) {
-  TensorSpec spec{std::move(name), dtype, element_count(box.extent) * dtype_bytes(dtype)};
-  spec.kind = TensorKind::kPiece;
-  spec.shape = std::move(shape);
-  spec.box = std::move(box);
-  return spec;
-}
+using test::own;
+using test::piece;
 
 // The box of rank `rank` of `size` in an even split of dimension `dim`.
 Box split(const Shape& shape, std::size_t dim, std::uint64_t rank, std::uint64_t size) {

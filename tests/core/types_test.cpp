@@ -3,9 +3,13 @@
 #include "core/box.h"
 #include "core/siphash.h"
 #include "core/types.h"
+#include "tests/core/testkit/tensors.h"
 
 namespace th {
 namespace {
+
+using test::own;
+using test::piece;
 
 // A Result read the wrong way throws a std::logic_error that says what the error was (an
 // adopter's Handle::open(options).value() on a failed open shows why it failed).
@@ -64,53 +68,37 @@ TEST(Layout, DigestAndMismatchDescribeDifferences) {
   EXPECT_EQ(*a->mismatch(*longer), "tensor 'a' is not in the model (the model's shard has 2 tensors, this one 3)");
 }
 
-TensorSpec local(std::string name, DType dtype, Shape shape) {
-  TensorSpec spec{std::move(name), dtype, 0};
-  spec.kind = TensorKind::kLocal;
-  spec.shape = std::move(shape);
-  spec.bytes = element_count(spec.shape) * dtype_bytes(dtype);
-  return spec;
-}
-
-TensorSpec piece(std::string name, DType dtype, Shape shape, Box box) {
-  TensorSpec spec{std::move(name), dtype, element_count(box.extent) * dtype_bytes(dtype)};
-  spec.kind = TensorKind::kPiece;
-  spec.shape = std::move(shape);
-  spec.box = std::move(box);
-  return spec;
-}
-
 TEST(Layout, ShapesBothSidesSaidMustAgree) {
   // The silent garbage of before: 32×64 and 64×32 have one size.
-  auto model = ShardLayout::make({local("w", DType::kBFloat16, {32, 64})}).value();
-  auto transposed = ShardLayout::make({local("w", DType::kBFloat16, {64, 32})}).value();
+  auto model = ShardLayout::make({own("w", {32, 64}, DType::kBFloat16)}).value();
+  auto transposed = ShardLayout::make({own("w", {64, 32}, DType::kBFloat16)}).value();
   EXPECT_EQ(*model->mismatch(*transposed), "tensor 'w': shape [32, 64] in the model, [64, 32] here");
   // A side that said only bytes (the C++ register of before) still meets one that said a shape.
   auto bytes_only = ShardLayout::make({{"w", DType::kBFloat16, 32 * 64 * 2}}).value();
   EXPECT_FALSE(model->mismatch(*bytes_only));
   EXPECT_FALSE(bytes_only->mismatch(*transposed));
   // A piece meets a shard's own tensor of its box's shape (a TP slice registered plainly).
-  auto half = ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{0, 0}, {32, 64}})}).value();
+  auto half = ShardLayout::make({piece("w", {64, 64}, Box{{0, 0}, {32, 64}}, DType::kBFloat16)}).value();
   EXPECT_FALSE(half->mismatch(*model));
   EXPECT_EQ(*half->mismatch(*transposed), "tensor 'w': shape [32, 64] in the model, [64, 32] here");
-  auto other_half = ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{32, 0}, {32, 64}})}).value();
+  auto other_half = ShardLayout::make({piece("w", {64, 64}, Box{{32, 0}, {32, 64}}, DType::kBFloat16)}).value();
   EXPECT_EQ(*half->mismatch(*other_half), "tensor 'w': box [0:32, 0:64] in the model, [32:64, 0:64] here");
-  auto other_global = ShardLayout::make({piece("w", DType::kBFloat16, {32, 128}, Box{{0, 0}, {32, 64}})}).value();
+  auto other_global = ShardLayout::make({piece("w", {32, 128}, Box{{0, 0}, {32, 64}}, DType::kBFloat16)}).value();
   EXPECT_EQ(*half->mismatch(*other_global), "tensor 'w': global shape [64, 64] in the model, [32, 128] here");
   EXPECT_NE(half->digest(), other_half->digest());
 }
 
 TEST(Layout, RefiningKeepsTheMostSpecificDescriptionOfEachTensor) {
   const LayoutRef bytes = ShardLayout::make({{"w", DType::kBFloat16, 32 * 64 * 2}, {"b", DType::kFloat32, 16}}).value();
-  const LayoutRef shaped = ShardLayout::make({local("w", DType::kBFloat16, {32, 64}), {"b", DType::kFloat32, 16}}).value();
+  const LayoutRef shaped = ShardLayout::make({own("w", {32, 64}, DType::kBFloat16), {"b", DType::kFloat32, 16}}).value();
   const LayoutRef placed =
-      ShardLayout::make({piece("w", DType::kBFloat16, {64, 64}, Box{{0, 0}, {32, 64}}), {"b", DType::kFloat32, 16}}).value();
+      ShardLayout::make({piece("w", {64, 64}, Box{{0, 0}, {32, 64}}, DType::kBFloat16), {"b", DType::kFloat32, 16}}).value();
   EXPECT_EQ(ShardLayout::refine(shaped, bytes), shaped) << "nothing new: the same layout";
   EXPECT_EQ(ShardLayout::refine(bytes, shaped)->tensors(), shaped->tensors());
   EXPECT_EQ(ShardLayout::refine(shaped, placed)->tensors(), placed->tensors());
   EXPECT_EQ(ShardLayout::refine(placed, shaped), placed);
   // After refining, what matched the vaguer layout alone is told apart.
-  const LayoutRef transposed = ShardLayout::make({local("w", DType::kBFloat16, {64, 32}), {"b", DType::kFloat32, 16}}).value();
+  const LayoutRef transposed = ShardLayout::make({own("w", {64, 32}, DType::kBFloat16), {"b", DType::kFloat32, 16}}).value();
   EXPECT_FALSE(bytes->mismatch(*transposed));
   EXPECT_TRUE(ShardLayout::refine(bytes, shaped)->mismatch(*transposed));
   EXPECT_THROW(ShardLayout::refine(shaped, transposed), std::logic_error);
@@ -123,26 +111,26 @@ TEST(Layout, ShapesAndBoxesAgreeWithKindAndSize) {
     EXPECT_EQ(made.error().code, Errc::kInvalidArgument);
     EXPECT_NE(made.error().detail.find(says), std::string::npos) << made.error().detail;
   };
-  TensorSpec wrong_size = local("w", DType::kFloat32, {4, 4});
+  TensorSpec wrong_size = own("w", {4, 4}, DType::kFloat32);
   wrong_size.bytes = 32;
   refused(wrong_size, "tensor 'w': 32 bytes for shape [4, 4] of float32, which is 64 bytes");
-  refused(piece("w", DType::kFloat32, {4, 4}, Box{{2, 0}, {4, 4}}), "lies outside its shape [4, 4]");
-  refused(piece("w", DType::kFloat32, {4, 4}, Box{{0}, {4}}), "tensor 'w': a box of 1 offsets");
+  refused(piece("w", {4, 4}, Box{{2, 0}, {4, 4}}, DType::kFloat32), "lies outside its shape [4, 4]");
+  refused(piece("w", {4, 4}, Box{{0}, {4}}, DType::kFloat32), "tensor 'w': a box of 1 offsets");
   TensorSpec bytes_with_shape{"w", DType::kInt8, 4};
   bytes_with_shape.shape = {4};
   refused(bytes_with_shape, "tensor 'w': a tensor of bytes has no shape");
-  TensorSpec local_with_box = local("w", DType::kInt8, {4});
+  TensorSpec local_with_box = own("w", {4}, DType::kInt8);
   local_with_box.box = Box{{0}, {4}};
   refused(local_with_box, "tensor 'w': a shard's own tensor has no box");
-  refused(local("w", DType::kInt8, Shape(limits::kBoxRankMax + 1, 1)), "has more than 8 dimensions");
-  TensorSpec huge = local("w", DType::kInt8, {1});
+  refused(own("w", Shape(limits::kBoxRankMax + 1, 1), DType::kInt8), "has more than 8 dimensions");
+  TensorSpec huge = own("w", {1}, DType::kInt8);
   huge.shape = {1ull << 40, 1ull << 40};
   refused(huge, "has more than 2^64 bytes");
-  TensorSpec bad_kind = local("w", DType::kInt8, {4});
+  TensorSpec bad_kind = own("w", {4}, DType::kInt8);
   bad_kind.kind = static_cast<TensorKind>(7);
   refused(bad_kind, "tensor 'w': no valid kind");
-  EXPECT_TRUE(ShardLayout::make({local("scalar", DType::kFloat32, {})}).ok());
-  EXPECT_TRUE(ShardLayout::make({local("empty", DType::kFloat32, {0, 8})}).ok());
+  EXPECT_TRUE(ShardLayout::make({own("scalar", {}, DType::kFloat32)}).ok());
+  EXPECT_TRUE(ShardLayout::make({own("empty", {0, 8}, DType::kFloat32)}).ok());
 }
 
 TEST(Layout, RejectsInvalidTensors) {

@@ -12,15 +12,7 @@ import tensorhub
 from tensorhub import layouts
 
 
-@pytest.fixture()
-def server():
-    with tensorhub.Server() as running:
-        yield running
-
-
-def handle(server, replica, **options):
-    options.setdefault("model", "m")
-    return tensorhub.Handle(servers=server.address, token=server.token, replica=replica, **options)
+from conftest import open_handle as handle  # noqa: E402  (the fixture `server` is conftest's too)
 
 
 def on_every_shard(work, shards):

@@ -27,15 +27,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SPAWN = mp.get_context("spawn")
 
 
-@pytest.fixture()
-def server():
-    with tensorhub.Server() as running:
-        yield running
-
-
-def handle(server, replica, **options):
-    options.setdefault("model", "m")
-    return tensorhub.Handle(servers=server.address, token=server.token, replica=replica, **options)
+from conftest import open_handle as handle  # noqa: E402  (the fixture `server` is conftest's too)
 
 
 def mixed_state_dict(seed: int):

@@ -5,15 +5,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/reshard.h"
+
 namespace th::client_impl {
 namespace {
 
 std::uint32_t bits_of(float value) { return std::bit_cast<std::uint32_t>(value); }
 float float_of(std::uint32_t bits) { return std::bit_cast<float>(bits); }
-
-bool is_float(DType dtype) {
-  return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
-}
 
 float load(DType dtype, const std::byte* at) {
   if (dtype == DType::kFloat32) {
@@ -37,7 +35,7 @@ void store(DType dtype, float value, std::byte* at) {
 
 }  // namespace
 
-bool convertible(DType from, DType to) { return from == to || (is_float(from) && is_float(to)); }
+bool convertible(DType from, DType to) { return converts(from, to); }  // the planner's rule, one place
 
 float bfloat16_to_float(std::uint16_t bits) { return float_of(static_cast<std::uint32_t>(bits) << 16); }
 

@@ -371,18 +371,20 @@ std::optional<std::string> ShardLayout::mismatch(const ShardLayout& other) const
 
 LayoutRef ShardLayout::refine(const LayoutRef& known, const LayoutRef& other) {
   TH_ASSERT(known != nullptr && other != nullptr, "refining layouts that exist");
-  TH_ASSERT(!known->mismatch(*other), "only a compatible layout refines the model's");
-  TH_ASSERT(known->tensors_.size() == other->tensors_.size(), "compatible layouts have the same tensors");
-  std::vector<TensorSpec> tensors;
-  bool refined = false;
-  for (std::size_t i = 0; i < known->tensors_.size(); ++i) {
-    const TensorSpec& mine = known->tensors_[i];
-    const TensorSpec& theirs = other->tensors_[i];
-    const bool more = static_cast<int>(theirs.kind) > static_cast<int>(mine.kind);
-    refined = refined || more;
-    tensors.push_back(more ? theirs : mine);
+  if (known == other || (known->digest_ == other->digest_ && known->tensors_ == other->tensors_)) {
+    return known;  // the common case: nothing to compare, nothing to copy
   }
-  if (!refined) return known;
+  TH_ASSERT(!known->mismatch(*other), "only a compatible layout refines the model's");
+  const auto more_specific = [&](std::size_t i) {
+    return static_cast<int>(other->tensors_[i].kind) > static_cast<int>(known->tensors_[i].kind);
+  };
+  std::size_t first = 0;
+  while (first < known->tensors_.size() && !more_specific(first)) ++first;
+  if (first == known->tensors_.size()) return known;  // nothing to add: no copy
+  std::vector<TensorSpec> tensors = known->tensors_;
+  for (std::size_t i = first; i < tensors.size(); ++i) {
+    if (more_specific(i)) tensors[i] = other->tensors_[i];
+  }
   return LayoutRef(new ShardLayout(std::move(tensors)));
 }
 

@@ -435,7 +435,7 @@ void ShardAgent::on_start_read(const StartRead& read) {
   auto found = reads_.find(read.transfer);
   if (found != reads_.end()) {
     if (found->second.done) {
-      report(TransferDone{read.transfer, found->second.epoch});  // the hub missed our report
+      report(done_report(read.transfer, found->second));  // the hub missed our report
       return;
     }
     if (read.epoch <= found->second.epoch) return;
@@ -448,7 +448,8 @@ void ShardAgent::on_start_read(const StartRead& read) {
     held_.reset();
     revoke_grants(primary);
   }
-  reads_[read.transfer] = Reading{read.epoch, read.version, read.checksums, false};
+  const bool reshard = !read.reshard.empty();
+  reads_[read.transfer] = Reading{read.epoch, read.version, reshard ? nullptr : read.checksums, false, reshard};
   emit(BeginRead{read});
 }
 
@@ -624,7 +625,7 @@ void ShardAgent::on_seed_read(const StartRead& read) {
       // went): answered again, since that answer may have been lost.
       if (read.transfer != seed.transfer || read.epoch < seed.epoch) return;
       if (seed.done) {
-        send_report(TransferDone{seed.transfer, seed.epoch});
+        send_report(TransferDone{seed.transfer, seed.epoch, nullptr});
         return;
       }
       if (read.epoch == seed.epoch) {
@@ -669,7 +670,7 @@ void ShardAgent::on_seed_finished(const ReadFinished& finished) {
     seed.done = true;
     offloads_[version] = HeldCopy{version, seed.layout, seed.checksums, seed.copy};
     named_this_session_[version] = seed.copy;
-    send_report(TransferDone{seed.transfer, seed.epoch});
+    send_report(TransferDone{seed.transfer, seed.epoch, nullptr});
     return;
   }
   // A seed dropped meanwhile: its buffer was freed with it.
@@ -703,11 +704,25 @@ void ShardAgent::on_read_finished(const ReadFinished& finished) {
   }
   if (found->second.epoch != finished.epoch || found->second.done) return;
   if (!finished.failure) {
-    found->second.done = true;
-    report(TransferDone{finished.transfer, finished.epoch});
+    Reading& reading = found->second;
+    if (reading.reshard) {
+      if (finished.checksums == nullptr) {
+        // The data plane owes these; without them nobody could vouch for the bytes.
+        report(TransferFailed{finished.transfer, finished.epoch, ReadFailure::kChecksumMismatch});
+        return;
+      }
+      reading.checksums = finished.checksums;
+    }
+    reading.done = true;
+    report(done_report(finished.transfer, reading));
   } else {
     report(TransferFailed{finished.transfer, finished.epoch, *finished.failure});
   }
+}
+
+TransferDone ShardAgent::done_report(TransferId transfer, const Reading& reading) {
+  TH_ASSERT(reading.done);
+  return TransferDone{transfer, reading.epoch, reading.reshard ? reading.checksums : nullptr};
 }
 
 void ShardAgent::report(ReportBody body) {

@@ -72,6 +72,9 @@ struct ReadFinished {
   TransferId transfer = 0;
   std::uint32_t epoch = 0;
   std::optional<ReadFailure> failure;  // none: every byte arrived and matched its checksum
+  // A read from another layout (StartRead::reshard) that succeeded: the checksums of the tensors
+  // as assembled, which the agent reports and keeps as what its buffers hold.
+  ChecksumsRef checksums = nullptr;
 };
 struct OffloadFinished {
   Version version = 0;
@@ -192,8 +195,9 @@ class ShardAgent {
   struct Reading {
     std::uint32_t epoch = 0;
     Version version = 0;
-    ChecksumsRef checksums;
+    ChecksumsRef checksums;  // of the reader's own tensors: from the hub, or assembled (reshard)
     bool done = false;  // every byte arrived and matched (reported to the hub)
+    bool reshard = false;  // from a source of another layout: TransferDone carries `checksums`
   };
 
   void on_call(const UserCall& call);
@@ -202,6 +206,7 @@ class ShardAgent {
   void on_hub(const FromHub& message);
   void on_reply(const Reply& reply);
   void on_start_read(const StartRead& read);
+  static TransferDone done_report(TransferId transfer, const Reading& reading);
   void on_serve(const ServeRead& grant);
   void on_stop_serving(const StopServing& stop);
   void on_offload(const Offload& offload);

@@ -144,11 +144,8 @@ void Hub::take_request(const Request& request) {
 
 Hub::VersionRecord& Hub::record_for(Model& model, Version version) {
   auto [found, inserted] = model.versions.try_emplace(version);
-  if (inserted) {
-    found->second.version = version;
-    found->second.checksums.resize(model.num_shards);
-  }
-  TH_ASSERT(found->second.version == version && found->second.checksums.size() == model.num_shards);
+  if (inserted) found->second.version = version;
+  TH_ASSERT(found->second.version == version);
   return found->second;
 }
 
@@ -216,9 +213,7 @@ std::optional<ClientIdentity> Hub::identify(ClientId client) const {
   TH_ASSERT(binding->shard < replica.num_shards, "a binding names a shard of its replica");
   ClientIdentity identity{model.name, replica.name, replica.incarnation, binding->shard, replica.datacenter,
                           replica.role, 0};
-  if (binding->shard < model.layouts.size() && model.layouts[binding->shard] != nullptr) {
-    identity.shard_bytes = model.layouts[binding->shard]->total_bytes();
-  }
+  if (replica.layout != nullptr) identity.shard_bytes = replica.layout->shards[binding->shard]->total_bytes();
   return identity;
 }
 

@@ -168,6 +168,7 @@ class Hub {
   void try_resolve(Replica& replica, Txn& txn);
   void begin_receive(Replica& replica, Txn& txn, Version version);
   void maybe_start_transfer(Replica& replica, Txn& txn);
+  bool settle_layout(Replica& replica, Txn& txn);
   void try_assign(Transfer& transfer);
   SourceChoice select_source(const Transfer& transfer) const;
   void assign(Transfer& transfer, Copy& source);
@@ -191,7 +192,7 @@ class Hub {
   bool smart_skip(const VersionRecord& record, detail::DcId dc) const;
   // Offload seeding: whether this update would be the first read of the version into the
   // replica's datacenter, and so reads it into a CPU copy in the background instead.
-  bool wants_seed(const VersionRecord& record, const Replica& replica) const;
+  bool wants_seed(const VersionRecord& record, const Replica& replica, const detail::ModelLayout& layout) const;
   void start_seed(Replica& replica, VersionRecord& record);
   // Whether an offload seed may still be consumed by its owner (see reconcile_offloads).
   bool seed_needed(const Copy& seed) const;
@@ -222,10 +223,38 @@ class Hub {
   // An offload copy draining to be released that is again the last safe copy of a retained
   // version (the copy that made it redundant went first).
   bool offload_needed_again(const Copy& offload) const;
-  Status commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
-                      const LayoutRef& layout, const ChecksumsRef& checksums);
-  Status check_shard(const Model& model, const VersionRecord& record, std::uint32_t shard,
+
+  // Layouts (hub_layouts.cpp).
+  // Why shard `shard`'s tensors cannot be of `replica`'s layout, known before its peers described
+  // theirs: another than the replica's, or not pieces and unlike every layout of its shard count.
+  std::optional<Error> early_layout_mismatch(const Replica& replica, std::uint32_t shard,
+                                             const LayoutRef& layout) const;
+  // The model's layout these shards' layouts make (refined by them), or a new one if they are all
+  // pieces. Null entries (shards unknown after a failover) only match a layout the model has.
+  Result<detail::ModelLayout*> layout_for(Model& model, const std::vector<LayoutRef>& shards);
+  void relate(Model& model, detail::ModelLayout& layout);
+  // The model's first layout of `num_shards` shards that the shards' layouts so far match (null
+  // entries: not described yet), or null.
+  static detail::ModelLayout* known_layout(const Model& model, const std::vector<LayoutRef>& shards,
+                                           std::uint32_t num_shards);
+  static std::optional<std::string> reads_across(const detail::ModelLayout& reader,
+                                                 const detail::ModelLayout& source);
+  // Whether `reader` may read from `candidate` (its layout, or a complete copy of one it reads).
+  bool serves(const Copy& candidate, const Copy& reader) const;
+  // Whether some copy the reader may read holds, or will hold without reading another, every byte.
+  bool may_complete(const Copy& reader) const;
+  // Why no layout holding the version (a complete copy of it made its checksums) serves the reader.
+  std::optional<std::string> unreadable(const Copy& reader) const;
+  Status check_shard(const Replica& replica, const VersionRecord& record, std::uint32_t shard,
                      const LayoutRef& layout, const ChecksumsRef& checksums) const;
+  Status check_checksums(const VersionRecord& record, const detail::ModelLayout& layout, std::uint32_t shard,
+                         const LayoutRef& tensors, const ChecksumsRef& checksums) const;
+  static void commit_checksums(VersionRecord& record, const detail::ModelLayout& layout, std::uint32_t shard,
+                               const ChecksumsRef& checksums);
+  static const ChecksumsRef& checksums_of(const VersionRecord& record, const detail::ModelLayout& layout,
+                                          std::uint32_t shard);
+  // Every shard of the layout has the version's checksums.
+  static bool vouched(const VersionRecord& record, const detail::ModelLayout& layout);
 
   // Replicas, retention, failover.
   void evict(Replica& replica, Errc reason, const std::string& detail);

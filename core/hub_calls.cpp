@@ -234,9 +234,7 @@ void Hub::restore_previous(Replica& replica, Version version, const detail::Copy
   Model& model = *replica.model;
   TH_ASSERT(replica.primary == nullptr);
   VersionRecord& record = record_for(model, version);
-  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-    if (!record.checksums[shard] || !model.layouts[shard]) return;  // cannot vouch for the bytes
-  }
+  if (replica.layout == nullptr || !vouched(record, *replica.layout)) return;  // cannot vouch for the bytes
   Copy& copy = create_copy(replica, record, CopyKind::kPrimary, CopyState::kComplete);
   copy.ready = first_shards(replica.num_shards);
   replica.primary = &copy;
@@ -251,7 +249,6 @@ void Hub::restore_previous(Replica& replica, Version version, const detail::Copy
 }
 
 bool Hub::record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const LayoutRef& layout) {
-  const Model& model = *replica.model;
   TH_ASSERT(shard < replica.num_shards);
   TH_ASSERT(txn.op.kind == OpKind::kReplicate || txn.op.kind == OpKind::kUpdate);
   if (!layout) {
@@ -260,56 +257,14 @@ bool Hub::record_layout(Replica& replica, Txn& txn, std::uint32_t shard, const L
   }
   if (txn.layouts.empty()) txn.layouts.resize(replica.num_shards);
   txn.layouts[shard] = layout;
-  if (const LayoutRef& known = model.layouts[shard]) {
-    if (auto why = known->mismatch(*layout)) {
-      abort_txn(replica, txn, make_error(Errc::kLayoutMismatch,
-                                         "shard " + std::to_string(shard) + ": " + *why));
-      return false;
-    }
+  if (auto error = early_layout_mismatch(replica, shard, layout)) {
+    abort_txn(replica, txn, *error);
+    return false;
   }
   return true;
 }
 
 // ---- publish ---------------------------------------------------------------------------------------
-
-Status Hub::check_shard(const Model& model, const VersionRecord& record, std::uint32_t shard,
-                        const LayoutRef& layout, const ChecksumsRef& checksums) const {
-  if (!layout || !checksums) {
-    return make_error(Errc::kInvalidArgument, "publish needs registered tensors and checksums");
-  }
-  if (checksums->size() != layout->tensors().size()) {
-    return make_error(Errc::kInvalidArgument,
-                      "shard " + std::to_string(shard) + " sent " +
-                          std::to_string(checksums->size()) + " checksums for " +
-                          std::to_string(layout->tensors().size()) + " tensors");
-  }
-  if (const LayoutRef& known = model.layouts[shard]) {
-    if (auto why = known->mismatch(*layout)) {
-      return make_error(Errc::kLayoutMismatch, "shard " + std::to_string(shard) + ": " + *why);
-    }
-  }
-  if (const ChecksumsRef& known = record.checksums[shard]) {
-    if (*known != *checksums) {
-      std::size_t tensor = 0;
-      while ((*known)[tensor] == (*checksums)[tensor]) ++tensor;
-      return make_error(Errc::kChecksumConflict,
-                        "version " + std::to_string(record.version) + " shard " +
-                            std::to_string(shard) + " tensor '" + layout->tensors()[tensor].name +
-                            "' differs from what an earlier publisher announced");
-    }
-  }
-  return Unit{};
-}
-
-Status Hub::commit_shard(Model& model, VersionRecord& record, std::uint32_t shard,
-                         const LayoutRef& layout, const ChecksumsRef& checksums) {
-  Status checked = check_shard(model, record, shard, layout, checksums);
-  if (!checked) return checked;
-  // The model's layout grows as specific as the most specific replica accepted (see refine()).
-  model.layouts[shard] = model.layouts[shard] ? ShardLayout::refine(model.layouts[shard], layout) : layout;
-  if (!record.checksums[shard]) record.checksums[shard] = checksums;
-  return Unit{};
-}
 
 void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const PublishRequest& request) {
   Model& model = *replica.model;
@@ -351,7 +306,7 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
   TH_ASSERT(copy.record->version == version, "divergent versions pass the op check");
   VersionRecord& record = *copy.record;
 
-  if (Status checked = check_shard(model, record, shard, request.layout, request.checksums); !checked) {
+  if (Status checked = check_shard(replica, record, shard, request.layout, request.checksums); !checked) {
     abort_txn(replica, txn, checked.error());
     return;
   }
@@ -360,29 +315,36 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
   copy.ready.set(shard);
   if (copy.ready.count() < replica.num_shards) return;
 
-  // Every shard published. Another copy of this version may have completed meanwhile, so check all
-  // shards again before committing any.
+  // Every shard published. The shards' pieces of each logical tensor must tile it: readers of
+  // other layouts rely on it.
   std::vector<LayoutRef> layouts(replica.num_shards);
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
-    layouts[s] = copy.pending_layouts[s] ? copy.pending_layouts[s] : model.layouts[s];
-    TH_ASSERT(layouts[s] != nullptr, "a shard announced before a failover fixed its layout");
+    // (A shard that announced its bytes before a failover did so in the replica's layout.)
+    TH_ASSERT(copy.pending_layouts[s] || replica.layout, "a shard announced before a failover fixed its layout");
+    layouts[s] = copy.pending_layouts[s] ? copy.pending_layouts[s] : replica.layout->shards[s];
+  }
+  if (Status tiled = check_replica_pieces(layouts); !tiled) {
+    abort_txn(replica, txn, tiled.error());
+    return;
+  }
+  Result<detail::ModelLayout*> layout = replica.layout ? replica.layout : layout_for(model, layouts);
+  if (!layout) {
+    abort_txn(replica, txn, layout.error());
+    return;
+  }
+  // Another copy of this version may have completed meanwhile: check every shard's checksums
+  // before committing any.
+  for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
     if (!copy.pending_layouts[s]) continue;  // announced before a failover, already committed
-    Status checked = check_shard(model, record, s, copy.pending_layouts[s], copy.pending_checksums[s]);
+    Status checked = check_checksums(record, *layout.value(), s, copy.pending_layouts[s], copy.pending_checksums[s]);
     if (!checked) {
       abort_txn(replica, txn, checked.error());
       return;
     }
   }
-  // The shards' pieces of each logical tensor must tile it: readers of other layouts rely on it.
-  if (Status tiled = check_replica_pieces(layouts); !tiled) {
-    abort_txn(replica, txn, tiled.error());
-    return;
-  }
+  replica.layout = layout.value();
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
-    if (!copy.pending_layouts[s]) continue;
-    const Status committed =
-        commit_shard(model, record, s, copy.pending_layouts[s], copy.pending_checksums[s]);
-    TH_ASSERT(committed.ok(), "checked shards commit");
+    if (copy.pending_layouts[s]) commit_checksums(record, *layout.value(), s, copy.pending_checksums[s]);
   }
   copy.pending_layouts.clear();
   copy.pending_checksums.clear();
@@ -536,9 +498,14 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
     finish(replica, txn, UpdateOk{UpdateStatus::kNotYet, held_version, {}});
     return;
   }
-  if (settings_.offload_seeding && wants_seed(record, replica)) {
+  // The first shard's call decides: a replica whose layout is not settled yet seeds in the layout
+  // of the model that its shards' descriptions so far match (a layout new to the model has no copy
+  // to seed from).
+  detail::ModelLayout* layout = replica.layout != nullptr ? replica.layout : known_layout(model, txn.layouts, replica.num_shards);
+  if (settings_.offload_seeding && layout != nullptr && wants_seed(record, replica, *layout)) {
     // The replica's buffers keep what they hold; it seeds its datacenter from CPU memory and
     // consumes that copy at its next update (paper §4.3.4).
+    replica.layout = layout;
     start_seed(replica, model.versions.at(resolution.version));
     finish(replica, txn, UpdateOk{UpdateStatus::kNotYet, held_version, {}});
     return;

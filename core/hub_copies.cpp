@@ -132,8 +132,12 @@ Contribution Hub::contribution(const Copy& copy) const {
   const bool fits = copy.readers < settings_.fanout_max;
   // A seed (an offload copy being read) is not a pipeline source: its buffer is the data plane's
   // until verified whole.
-  c.eligible = fits && usable &&
-               (complete || (active && settings_.pipeline && copy.kind == CopyKind::kPrimary));
+  // Nor is a copy reading another layout: its shards assemble their bytes out of order, and
+  // vouch for them only once done (TransferDone::checksums).
+  const bool pipelines = active && settings_.pipeline && copy.kind == CopyKind::kPrimary &&
+                         copy.incoming != nullptr && !copy.incoming->reshard;
+  c.eligible = fits && usable && (complete || pipelines);
+  c.layout = copy.owner->layout != nullptr ? copy.owner->layout->id : detail::kNoLayout;
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
   return c;
 }
@@ -158,6 +162,11 @@ void Hub::apply(Copy& copy, const Contribution& c, int sign) {
   add_count(record.safe_offloads, c.safe_offload, sign);
   add_count(record.complete_primaries, c.complete_primary, sign);
   add_count(record.roots, c.root, sign);
+  if (c.root) {
+    std::uint32_t& roots = record.roots_by_layout[c.layout];
+    add_count(roots, true, sign);
+    if (roots == 0) record.roots_by_layout.erase(c.layout);
+  }
 }
 
 void Hub::reindex(Copy& copy) {

@@ -71,16 +71,11 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     }
     auto model = std::make_unique<Model>();
     model->name = open.model;
-    model->num_shards = open.num_shards;
-    model->layouts.resize(open.num_shards);
     model_found = models_.emplace(open.model, std::move(model)).first;
   }
+  // Replicas of one model may have any number of shards: their layouts say whether they read one
+  // another (hub_layouts.cpp), once their shards have described their tensors.
   Model& model = *model_found->second;
-  if (model.num_shards != open.num_shards) {
-    reject(Errc::kOpenMismatch, "model '" + model.name + "' has " +
-                                    std::to_string(model.num_shards) + " shards per replica");
-    return;
-  }
   if (!datacenters_.contains(open.datacenter) && datacenters_.size() >= limits::kDatacentersMax) {
     reject(Errc::kLimitExceeded, "more than 256 datacenters");
     return;
@@ -111,6 +106,11 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
             describe(*replica) + " was replaced by incarnation " + std::to_string(open.incarnation));
       replica = nullptr;
     } else {
+      if (replica->num_shards != open.num_shards) {
+        reject(Errc::kOpenMismatch, describe(*replica) + " has " + std::to_string(replica->num_shards) +
+                                        " shards, not " + std::to_string(open.num_shards));
+        return;
+      }
       if (replica->datacenter != open.datacenter || replica->spot != open.spot ||
           replica->role != open.role) {
         reject(Errc::kOpenMismatch, describe(*replica) +
@@ -408,25 +408,54 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
       }
     }
     VersionRecord& record = record_for(model, *version);
+    std::vector<LayoutRef> held_layouts(shards);
     for (std::uint32_t shard = 0; shard < shards; ++shard) {
       if (!holders.test(shard)) continue;
       const HeldCopy& held = *replica.shards[shard].resume->primary;
-      if (Status checked = check_shard(model, record, shard, held.layout, held.checksums); !checked) {
+      if (Status checked = check_shard(replica, record, shard, held.layout, held.checksums); !checked) {
         fail_barrier(replica, checked.error());
         return false;
       }
+      held_layouts[shard] = held.layout;
     }
-    for (std::uint32_t shard = 0; shard < shards; ++shard) {
-      if (!holders.test(shard)) continue;
-      const HeldCopy& held = *replica.shards[shard].resume->primary;
-      const Status committed = commit_shard(model, record, shard, held.layout, held.checksums);
-      TH_ASSERT(committed.ok());
+    // Which of the model's layouts the replica has. A copy only some shards hold may be of a
+    // layout the model does not know yet (a first publish, or a first read from another layout,
+    // when the server failed over): its shards' descriptions wait for the others'.
+    Result<detail::ModelLayout*> layout = replica.layout ? replica.layout : layout_for(model, held_layouts);
+    if (!layout && full) {
+      fail_barrier(replica, layout.error());
+      return false;
+    }
+    if (layout) {
+      for (std::uint32_t shard = 0; shard < shards; ++shard) {
+        if (!holders.test(shard)) continue;
+        const HeldCopy& held = *replica.shards[shard].resume->primary;
+        if (Status checked = check_checksums(record, *layout.value(), shard, held.layout, held.checksums); !checked) {
+          fail_barrier(replica, checked.error());
+          return false;
+        }
+      }
+      replica.layout = layout.value();
     }
     Copy& copy = create_copy(replica, record, CopyKind::kPrimary, state);
     copy.ready = holders;
-    if (state == CopyState::kPublishing) {
-      copy.pending_layouts.resize(shards);
-      copy.pending_checksums.resize(shards);
+    if (state == CopyState::kPublishing) copy.pending_layouts.resize(shards);
+    // (A copy receiving keeps what shards that read another layout assembled: complete_transfer.)
+    if (state != CopyState::kComplete) copy.pending_checksums.resize(shards);
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      if (!holders.test(shard)) continue;
+      const HeldCopy& held = *replica.shards[shard].resume->primary;
+      if (replica.layout != nullptr) {
+        commit_checksums(record, *replica.layout, shard, held.checksums);
+      } else if (state == CopyState::kPublishing) {
+        copy.pending_layouts[shard] = held.layout;
+        copy.pending_checksums[shard] = held.checksums;
+      } else {
+        TH_ASSERT(state == CopyState::kGathering && seeded != nullptr);
+        if (seeded->layouts.empty()) seeded->layouts.resize(shards);
+        seeded->layouts[shard] = held.layout;
+        copy.pending_checksums[shard] = held.checksums;
+      }
     }
     replica.primary = &copy;
     if (full) on_copy_complete(copy);
@@ -441,10 +470,24 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
   for (const auto& [offload_version, offload_holders] : offloads) {
     bool usable = offload_holders.count() == shards;
     VersionRecord& record = record_for(model, offload_version);
+    std::vector<LayoutRef> held_layouts(shards);
     for (std::uint32_t shard = 0; usable && shard < shards; ++shard) {
       for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
         if (held.version != offload_version) continue;
-        usable = usable && check_shard(model, record, shard, held.layout, held.checksums).ok();
+        usable = usable && check_shard(replica, record, shard, held.layout, held.checksums).ok();
+        held_layouts[shard] = held.layout;
+      }
+    }
+    detail::ModelLayout* layout = replica.layout;
+    if (usable && layout == nullptr) {
+      Result<detail::ModelLayout*> found = layout_for(model, held_layouts);
+      usable = found.ok();
+      if (usable) layout = found.value();
+    }
+    for (std::uint32_t shard = 0; usable && shard < shards; ++shard) {
+      for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
+        if (held.version != offload_version) continue;
+        usable = check_checksums(record, *layout, shard, held.layout, held.checksums).ok();
       }
     }
     if (!usable || replica.offloads.size() >= limits::kOffloadsPerReplicaMax) {
@@ -457,11 +500,10 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
       }
       continue;
     }
+    replica.layout = layout;
     for (std::uint32_t shard = 0; shard < shards; ++shard) {
       for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
-        if (held.version != offload_version) continue;
-        const Status committed = commit_shard(model, record, shard, held.layout, held.checksums);
-        TH_ASSERT(committed.ok());
+        if (held.version == offload_version) commit_checksums(record, *layout, shard, held.checksums);
       }
     }
     Copy& offload = create_copy(replica, record, CopyKind::kOffload, CopyState::kComplete);

@@ -39,8 +39,11 @@ namespace th::detail {
 
 using DcId = std::uint32_t;
 using CopyId = std::uint64_t;
+using LayoutId = std::uint32_t;
+inline constexpr LayoutId kNoLayout = ~LayoutId{0};
 
 struct Model;
+struct ModelLayout;
 struct Replica;
 struct Transfer;
 struct VersionRecord;
@@ -86,6 +89,7 @@ struct Contribution {
   bool root = false;            // holds, or will hold without reading another copy, every byte
   bool seeding = false;         // kActive, not failed, receiving from another datacenter
   bool crossing = false;        // kActive, receiving from another datacenter (failed or not)
+  LayoutId layout = kNoLayout;  // of the copy's replica, where known (a root counts under it)
 
   friend bool operator==(const Contribution&, const Contribution&) = default;
 };
@@ -139,13 +143,18 @@ struct DcSources {
 struct VersionRecord {
   Version version = 0;
   bool ever_complete = false;               // some copy completed: the version "exists"
-  std::vector<ChecksumsRef> checksums;      // per shard, fixed by the first complete copy
+  // Per layout, per shard: fixed by the first complete copy of that layout (a copy read from
+  // another layout reports what it assembled).
+  std::map<LayoutId, std::vector<ChecksumsRef>> checksums;
   std::vector<Copy*> copies;                // unordered: counted and listed, never chosen from
   std::map<DcId, DcSources> by_dc;
   std::uint32_t safe_primaries = 0;
   std::uint32_t safe_offloads = 0;
   std::uint32_t complete_primaries = 0;
   std::uint32_t roots = 0;  // copies with `root`: while none is left, the version is unavailable
+  // Roots by their layout (kNoLayout: a copy still publishing, of a layout not yet known): while
+  // none a reader can read from is left, the version is unavailable to it.
+  std::map<LayoutId, std::uint32_t> roots_by_layout;
   std::deque<Transfer*> waiting;            // transfers waiting for a source, in arrival order
   bool dirty = false;                       // sources changed since `waiting` was last retried
 };
@@ -161,6 +170,9 @@ struct Transfer {
   bool queued = false;           // in reader->record->waiting
   std::uint64_t txn_seq = 0;     // the reader's transaction that completes with this transfer
   std::string last_source;       // name of the replica the data came from, for the reply
+  // The source is of another layout: every reader shard reads from all its shards, which serve
+  // until the transfer leaves it (README "Layouts").
+  bool reshard = false;
   // A seed's transfer (no call retransmits its instructions): when each shard may next be told
   // again (see Hub::resend_seed_reads).
   std::vector<TimeMs> resend_at_ms;
@@ -225,6 +237,9 @@ struct Replica {
   std::string name;
   std::uint64_t incarnation = 0;
   std::uint32_t num_shards = 0;
+  // Set once the replica's shards have all described their tensors (a publish or a read began),
+  // or its resume said what it holds; the same for the rest of its incarnation.
+  ModelLayout* layout = nullptr;
   DcId dc = 0;
   std::string datacenter;
   bool spot = false;
@@ -254,10 +269,23 @@ struct TxnRef {
   std::uint64_t seq = 0;
 };
 
+// One layout of a model: how the shards of the replicas that have it hold its tensors (README
+// "Layouts"). Replicas of one layout read from one another shard by shard, pipelined; a replica
+// reads a copy of another layout only once that copy is complete, each reader shard from every
+// shard of it (StartRead::reshard), and only if every tensor of both is a piece of the model's.
+// Taken by the first replica that committed it, refined by those after (ShardLayout::refine).
+struct ModelLayout {
+  LayoutId id = 0;
+  std::vector<LayoutRef> shards;
+  bool pieces_only = false;  // every tensor of every shard is a piece (TensorKind::kPiece)
+  // For each other layout: why replicas of this one cannot read copies of it (nullopt: they can).
+  // Set for both directions when a layout is made; refining never changes a piece's description.
+  std::map<LayoutId, std::optional<std::string>> reads_from;
+};
+
 struct Model {
   std::string name;
-  std::uint32_t num_shards = 0;
-  std::vector<LayoutRef> layouts;  // per shard, fixed by the first complete copy
+  std::vector<std::unique_ptr<ModelLayout>> layouts;  // by LayoutId; at most kLayoutsPerModelMax
   std::optional<Version> latest;
   std::map<Version, VersionRecord> versions;
   std::map<std::string, std::unique_ptr<Replica>> replicas;

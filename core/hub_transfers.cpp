@@ -37,10 +37,13 @@ bool Hub::smart_skip(const VersionRecord& record, DcId dc) const {
   return found != record.by_dc.end() && found->second.complete == 0 && found->second.seeding > 0;
 }
 
-bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const {
+bool Hub::wants_seed(const VersionRecord& record, const Replica& replica, const detail::ModelLayout& layout) const {
   // One slot is kept for the offload copy retention may need when the primary drains.
   if (replica.spot || replica.offloads.size() + 1 >= limits::kOffloadsPerReplicaMax) return false;
   if (replica.seed_failed == record.version) return false;
+  // A seed is read from a copy of the replica's own layout (hub_layouts.cpp, serves()), verified
+  // against that layout's checksums: some copy of it must have completed.
+  if (!vouched(record, layout)) return false;
   const auto local = record.by_dc.find(replica.dc);
   if (local != record.by_dc.end() && (local->second.servable > 0 || local->second.complete > 0)) {
     return false;  // a copy here serves, or will: read it instead (the common case, decided in O(1))
@@ -61,7 +64,7 @@ bool Hub::wants_seed(const VersionRecord& record, const Replica& replica) const 
 }
 
 void Hub::start_seed(Replica& replica, VersionRecord& record) {
-  TH_ASSERT(wants_seed(record, replica));
+  TH_ASSERT(replica.layout != nullptr && wants_seed(record, replica, *replica.layout));
   Model& model = *replica.model;
   // At most one seed of a replica is read at a time: an older one still crossing datacenters is
   // moot once the replica's updates have moved past it (they would otherwise pile up, each a
@@ -106,6 +109,51 @@ void Hub::begin_receive(Replica& replica, Txn& txn, Version version) {
   maybe_start_transfer(replica, txn);
 }
 
+// The replica's layout: known already (it published or read before), or made of what every shard
+// described. A reader becomes a source too: its pieces must tile as a publisher's do, and what it
+// says of its tensors binds the replicas after it (so that no two sources describe them
+// differently). False: the transaction failed, saying why.
+bool Hub::settle_layout(Replica& replica, Txn& txn) {
+  Model& model = *replica.model;
+  std::vector<LayoutRef> layouts(replica.num_shards);
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    if (shard < txn.layouts.size() && txn.layouts[shard]) {
+      layouts[shard] = txn.layouts[shard];
+    } else if (replica.layout != nullptr) {
+      layouts[shard] = replica.layout->shards[shard];
+    }
+  }
+  const bool described = std::all_of(layouts.begin(), layouts.end(), [](const LayoutRef& l) { return l != nullptr; });
+  if (described) {
+    if (Status tiled = check_replica_pieces(layouts); !tiled) {
+      abort_txn(replica, txn, tiled.error());
+      return false;
+    }
+  }
+  if (replica.layout != nullptr) {
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+      if (auto why = replica.layout->shards[shard]->mismatch(*layouts[shard])) {
+        abort_txn(replica, txn, make_error(Errc::kLayoutMismatch, "shard " + std::to_string(shard) + ": " + *why));
+        return false;
+      }
+    }
+  }
+  if (replica.layout != nullptr) {
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+      replica.layout->shards[shard] = ShardLayout::refine(replica.layout->shards[shard], layouts[shard]);
+    }
+    return true;
+  }
+  Result<detail::ModelLayout*> layout = layout_for(model, layouts);
+  if (!layout) {
+    abort_txn(replica, txn, layout.error());
+    return false;
+  }
+  replica.layout = layout.value();
+  return true;
+}
+
+
 void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
   if (txn.stage != TxnStage::kReceiving) return;
   TH_ASSERT(replica.primary != nullptr && replica.primary->incoming != nullptr,
@@ -115,26 +163,12 @@ void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
   // The source is chosen once every shard has called: a shard still busy with its old weights must
   // not hold a source's fan-out slot.
   if ((txn.arrived & txn.expected) != txn.expected) return;
-  Model& model = *replica.model;
-  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-    if (!txn.expected.test(shard) || !model.layouts[shard]) continue;
-    TH_ASSERT(txn.layouts[shard] != nullptr, "an arrived shard recorded its layout");
-    if (auto why = model.layouts[shard]->mismatch(*txn.layouts[shard])) {
-      abort_txn(replica, txn, make_error(Errc::kLayoutMismatch,
-                                         "shard " + std::to_string(shard) + ": " + *why));
-      return;
-    }
-  }
-  // A reader becomes a source too: its pieces must tile as a publisher's do, and what it says of
-  // its tensors binds the replicas after it (so that no two sources describe them differently).
-  if (txn.expected.count() == replica.num_shards) {
-    if (Status tiled = check_replica_pieces(txn.layouts); !tiled) {
-      abort_txn(replica, txn, tiled.error());
-      return;
-    }
-    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-      if (model.layouts[shard]) model.layouts[shard] = ShardLayout::refine(model.layouts[shard], txn.layouts[shard]);
-    }
+  if (!settle_layout(replica, txn)) return;
+  // A layout nobody holding the version has, nor one it reads: say which tensor, rather than wait.
+  if (auto why = unreadable(copy)) {
+    abort_txn(replica, txn, make_error(Errc::kLayoutMismatch, "version " + std::to_string(copy.record->version) +
+                                                                  " cannot be read into " + describe(replica) + ": " + *why));
+    return;
   }
   set_state(copy, CopyState::kWaiting);
   try_assign(*copy.incoming);
@@ -205,7 +239,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   const VersionRecord& record = *reader.record;
   // No copy holds, or will hold without reading another, every byte (the last one went, or its
   // bytes turned out corrupt): no chain of sources can complete, however busy it looks.
-  if (record.roots == 0) return {Pick::kUnavailable, nullptr};
+  if (record.roots == 0 || !may_complete(reader)) return {Pick::kUnavailable, nullptr};
   const Model& model = *reader.owner->model;
   const DcId dc = reader.owner->dc;
   // A reader that already serves others (a pipeline source whose own source was lost) must not
@@ -229,7 +263,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     }
   }
   auto usable = [&](const Copy* candidate) {
-    return candidate != &reader &&
+    return candidate != &reader && serves(*candidate, reader) &&
            (!has_downstream || !is_downstream(*candidate, reader, model.copies.size())) &&
            (!several_dcs || !makes_detour(*candidate, dc, downstream_dcs, model.copies.size()));
   };
@@ -347,7 +381,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     Copy* detour = nullptr;
     for (Copy* copy : record.copies) {
       if (copy->state != CopyState::kComplete || copy->corrupt || copy->owner->dc == dc ||
-          copy->readers >= settings_.fanout_max) {
+          copy->readers >= settings_.fanout_max || !serves(*copy, reader)) {
         continue;
       }
       auto rank = [](const Copy* c) { return std::tuple{c->failed, c->readers, c->id}; };
@@ -383,6 +417,9 @@ void Hub::assign(Transfer& transfer, Copy& source) {
               "a remote source was chosen while a complete local one could serve");
   }
   transfer.source = &source;
+  transfer.reshard = source.owner->layout != owner.layout;
+  TH_ASSERT(!transfer.reshard || (source.state == CopyState::kComplete && reader.kind == CopyKind::kPrimary),
+            "another layout is read from complete copies only");
   ++transfer.epoch;
   transfer.last_source = source.owner->name;
   set_readers(source, source.readers + 1);
@@ -437,9 +474,14 @@ GrantSecret Hub::grant_secret(const Transfer& transfer) const {
 void Hub::emit_grant(const Transfer& transfer, std::uint32_t shard) {
   TH_ASSERT(transfer.source != nullptr && transfer.started.test(shard));
   const Copy& source = *transfer.source;
-  emit_to(source.owner->shards[shard],
-          ServeRead{transfer.id, transfer.epoch, transfer.reader->record->version, source.kind, shard,
-                    transfer.reader->owner->name, grant_secret(transfer)});
+  // Another layout: every source shard serves every reader shard (a repeated grant is one grant).
+  const std::uint32_t first = transfer.reshard ? 0 : shard;
+  const std::uint32_t end = transfer.reshard ? source.owner->num_shards : shard + 1;
+  for (std::uint32_t serving = first; serving < end; ++serving) {
+    emit_to(source.owner->shards[serving],
+            ServeRead{transfer.id, transfer.epoch, transfer.reader->record->version, source.kind, serving,
+                      transfer.reader->owner->name, grant_secret(transfer)});
+  }
   emit_start_read(transfer, shard);
 }
 
@@ -448,18 +490,27 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
   const Copy& source = *transfer.source;
   const VersionRecord& record = *reader.record;
   TH_ASSERT(transfer.started.test(shard));
-  TH_ASSERT(record.checksums[shard] != nullptr, "a source's version has checksums");
+  const detail::ModelLayout& layout = *reader.owner->layout;
+  const ChecksumsRef& checksums = checksums_of(record, layout, shard);
+  TH_ASSERT(transfer.reshard || checksums != nullptr, "a source's version has checksums");
+  const std::uint32_t source_shard = transfer.reshard ? 0 : shard;
   StartRead start{transfer.id, transfer.epoch, transfer.txn_seq, record.version, shard,
                   SourceRef{source.owner->name, source.owner->incarnation, source.owner->datacenter,
-                            source.owner->shards[shard].endpoint, source.kind,
+                            source.owner->shards[source_shard].endpoint, source.kind,
                             source.state != CopyState::kComplete},
-                  record.checksums[shard], 0, nullptr, grant_secret(transfer)};
+                  checksums, 0, nullptr, grant_secret(transfer), {}};
+  if (transfer.reshard) {
+    const detail::ModelLayout& held = *source.owner->layout;
+    for (std::uint32_t serving = 0; serving < source.owner->num_shards; ++serving) {
+      const ChecksumsRef& vouching = checksums_of(record, held, serving);
+      TH_ASSERT(vouching != nullptr, "a complete copy's layout has the version's checksums");
+      start.reshard.push_back(SourceShard{source.owner->shards[serving].endpoint, held.shards[serving], vouching});
+    }
+  }
   if (reader.kind == CopyKind::kOffload) {
-    TH_ASSERT(reader.seed, "only a seed copy is read into");
-    const LayoutRef& layout = reader.owner->model->layouts[shard];
-    TH_ASSERT(layout != nullptr, "a version that exists fixed the model's layout");
+    TH_ASSERT(reader.seed && !transfer.reshard, "only a seed copy is read into, from its own layout");
     start.offload_copy = reader.id;
-    start.layout = layout;
+    start.layout = layout.shards[shard];
   }
   emit_to(reader.owner->shards[shard], std::move(start));
 }
@@ -468,10 +519,18 @@ void Hub::detach_source(Transfer& transfer) {
   Copy* source = transfer.source;
   if (source == nullptr) return;
   Model& model = *source->owner->model;
-  for_each_shard(transfer.started, source->owner->num_shards, [&](std::uint32_t shard) {
-    emit_to(source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
-  });
+  if (transfer.reshard) {
+    // Every source shard served every reader shard until the last was done.
+    for (std::uint32_t shard = 0; shard < source->owner->num_shards; ++shard) {
+      emit_to(source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+    }
+  } else {
+    for_each_shard(transfer.started, source->owner->num_shards, [&](std::uint32_t shard) {
+      emit_to(source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+    });
+  }
   transfer.started.reset();
+  transfer.reshard = false;
   transfer.source = nullptr;
   TH_ASSERT(source->readers > 0, "a source counts the transfer that leaves it");
   set_readers(*source, source->readers - 1);
@@ -518,9 +577,17 @@ void Hub::complete_transfer(Transfer& transfer) {
   reader.incoming = nullptr;
   model.transfers.erase(transfer.id);
   ++stats_.transfers_completed;
-  // Every shard verified its bytes: what readers found in them while they arrived is moot.
+  // Every shard verified its bytes: what readers found in them while they arrived is moot. Those
+  // read from another layout vouch for their layout's bytes from now on, unless a copy of it
+  // completed meanwhile (then they were compared with it, on_transfer_done).
   reader.mismatched.reset();
   reader.corrupt = false;
+  for (std::uint32_t shard = 0; shard < reader.pending_checksums.size(); ++shard) {
+    if (reader.pending_checksums[shard] != nullptr) {
+      commit_checksums(*reader.record, *replica.layout, shard, reader.pending_checksums[shard]);
+    }
+  }
+  reader.pending_checksums.clear();
   set_state(reader, CopyState::kComplete);
   on_copy_complete(reader);
   if (reader.kind == CopyKind::kOffload) return;  // a seed: no call waits for it
@@ -626,12 +693,29 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   if (done.epoch == transfer.epoch && !transfer.started.test(shard)) return;
   // The client verified every tensor against the published checksums, so bytes read from an earlier
   // source count too. Either way the shard no longer reads from the current one.
+  // After a read from another layout the shard says what it assembled; else it verified its bytes
+  // against its layout's checksums, which the version has then.
+  const detail::ModelLayout& layout = *replica.layout;
+  if (done.checksums != nullptr) {
+    if (done.checksums->size() != layout.shards[shard]->tensors().size()) return;  // not this layout's
+    if (!check_checksums(*reader.record, layout, shard, layout.shards[shard], done.checksums)) {
+      // What it assembled is not what a copy of its layout holds: read again, from another source.
+      on_transfer_failed(replica, shard, TransferFailed{done.transfer, done.epoch, ReadFailure::kChecksumMismatch});
+      return;
+    }
+    if (reader.pending_checksums.empty()) reader.pending_checksums.resize(replica.num_shards);
+    reader.pending_checksums[shard] = done.checksums;
+  } else if (checksums_of(*reader.record, layout, shard) == nullptr) {
+    return;  // nothing vouches for its bytes (a report that is not this read's)
+  }
   if (transfer.started.test(shard)) {
     TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
-    emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+    if (!transfer.reshard) {
+      emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
+      // The source's bytes of this shard read well: an earlier checksum failure was passing trouble.
+      if (done.epoch == transfer.epoch) transfer.source->mismatched.reset(shard);
+    }
     transfer.started.reset(shard);
-    // The source's bytes of this shard read well: an earlier checksum failure was passing trouble.
-    if (done.epoch == transfer.epoch) transfer.source->mismatched.reset(shard);
   }
   reader.ready.set(shard);
   if (reader.ready.count() == replica.num_shards) complete_transfer(transfer);
@@ -651,7 +735,7 @@ void Hub::on_transfer_failed(Replica& replica, std::uint32_t shard, const Transf
   }
   if (failed.epoch != transfer.epoch) return;
   ++stats_.source_failures;
-  if (failed.reason == ReadFailure::kChecksumMismatch) {
+  if (failed.reason == ReadFailure::kChecksumMismatch && !transfer.reshard) {
     on_mismatch(*transfer.source, shard);
   } else {
     set_failed(*transfer.source);

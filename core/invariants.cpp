@@ -65,7 +65,13 @@ void Hub::check_invariants() const {
   for (const auto& [model_name, model_ptr] : models_) {
     const Model& model = *model_ptr;
     TH_ASSERT(model.name == model_name);
-    TH_ASSERT(model.layouts.size() == model.num_shards);
+    TH_ASSERT(model.layouts.size() <= limits::kLayoutsPerModelMax);
+    for (std::size_t id = 0; id < model.layouts.size(); ++id) {
+      const detail::ModelLayout& layout = *model.layouts[id];
+      TH_ASSERT(layout.id == id && !layout.shards.empty());
+      TH_ASSERT(layout.reads_from.size() + 1 == model.layouts.size(), "a layout is related to every other");
+      for (const LayoutRef& shard : layout.shards) TH_ASSERT(shard != nullptr, "a layout describes every shard");
+    }
     TH_ASSERT(!model.dirty, "dirty models are settled after every step");
 
     // ---- replicas ----
@@ -77,7 +83,10 @@ void Hub::check_invariants() const {
       const Replica& replica = *replica_ptr;
       replicas.insert(&replica);
       TH_ASSERT(replica.model == &model && replica.name == name);
-      TH_ASSERT(replica.num_shards == model.num_shards);
+      TH_ASSERT(replica.layout == nullptr ||
+                    (replica.layout->id < model.layouts.size() && model.layouts[replica.layout->id].get() == replica.layout &&
+                     replica.layout->shards.size() == replica.num_shards),
+                "a replica's layout is one of its model's, of its shard count");
       TH_ASSERT(replica.shards.size() == replica.num_shards);
       std::uint32_t bound = 0;
       for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
@@ -261,11 +270,16 @@ void Hub::check_invariants() const {
     RecordCounts sums;
     for (const auto& [version, record] : model.versions) {
       TH_ASSERT(record.version == version);
-      TH_ASSERT(record.checksums.size() == model.num_shards);
+      for (const auto& [layout, checksums] : record.checksums) {
+        TH_ASSERT(layout < model.layouts.size() && checksums.size() == model.layouts[layout]->shards.size(),
+                  "a version's checksums are per shard of a layout of its model");
+      }
       listed_copies += record.copies.size();
       sums.reset();
+      std::map<detail::LayoutId, std::uint32_t> roots_by_layout;
       for (const Copy* copy : record.copies) {
         const Contribution& c = copy->counted;
+        if (c.root) ++roots_by_layout[c.layout];
         DcCounts& sources = sums.at(copy->owner->dc);
         if (c.eligible) {
           // Each eligible copy is indexed; with the counts equal below, the index holds no others.
@@ -301,7 +315,7 @@ void Hub::check_invariants() const {
       TH_ASSERT(record.safe_primaries == sums.safe_primaries &&
                     record.safe_offloads == sums.safe_offloads &&
                     record.complete_primaries == sums.complete_primaries &&
-                    record.roots == sums.roots,
+                    record.roots == sums.roots && record.roots_by_layout == roots_by_layout,
                 "version counters of", version);
       TH_ASSERT(model.versions_with_waiters.contains(version) == !record.waiting.empty());
       for (const Transfer* transfer : record.waiting) {

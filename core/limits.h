@@ -19,6 +19,9 @@ inline constexpr std::size_t kBoxesPerTensorMax = 4096;
 inline constexpr std::size_t kCopyRunsPerTensorMax = std::size_t{1} << 20;
 // Pieces of tensors in all of a replica's shards, checked for tiling once per publish.
 inline constexpr std::size_t kPiecesPerReplicaMax = std::size_t{1} << 20;
+// Layouts of one model's replicas (a trainer's and each kind of rollout's): kept for the life of
+// the model, each a description of every shard's tensors.
+inline constexpr std::size_t kLayoutsPerModelMax = 16;
 inline constexpr std::size_t kNameBytesMax = 256;  // model, replica, datacenter, role, tensor names
 inline constexpr std::size_t kEndpointBytesMax = 512;
 inline constexpr std::size_t kDatacentersMax = 256;

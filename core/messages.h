@@ -163,6 +163,10 @@ struct Heartbeat {};
 struct TransferDone {
   TransferId transfer = 0;
   std::uint32_t epoch = 0;
+  // After a read from a source of another layout (StartRead::reshard): the checksums of the
+  // tensors as this shard assembled them, which fix its layout's checksums of the version until
+  // a copy of that layout completes. Null after a read of the reader's own layout.
+  ChecksumsRef checksums = nullptr;
 };
 struct TransferFailed {
   TransferId transfer = 0;
@@ -223,6 +227,13 @@ struct SourceRef {
   bool partial = false;  // still receiving: read its progress counter, take the prefix, repeat
 };
 
+// A shard of a source replica of another layout than the reader's: where it serves and what it holds.
+struct SourceShard {
+  std::string endpoint;
+  LayoutRef layout;
+  ChecksumsRef checksums;
+};
+
 // To a reader shard: read your shard of `version` from `source`, verify against `checksums`.
 // Into the registered buffers, for call `call`; or, with `offload_copy` set (offload seeding), into
 // a new CPU buffer of `layout` that becomes that offload copy once every byte is verified, outside
@@ -240,6 +251,12 @@ struct StartRead {
   std::uint64_t offload_copy = 0;  // 0: into the registered buffers
   LayoutRef layout;                // offload seeding: the layout of the buffer to fill
   GrantSecret secret{};            // what the source asks of this transfer's reads (see ServeRead)
+  // A source of another layout (README "Layouts"): every shard of it, in shard order. The reader
+  // plans its reads from their layouts (core/reshard.h), reads whole the pieces it needs of
+  // them, verifies each against its shard's checksums and reports the checksums of what it
+  // assembled (TransferDone::checksums); `checksums` is then its own layout's where they are
+  // known (to compare), null where not. Empty: a read of shard `shard` of the reader's layout.
+  std::vector<SourceShard> reshard = {};
 };
 // To a source shard: a grant; serve reads of (version, kind) to this transfer and epoch only.
 struct ServeRead {

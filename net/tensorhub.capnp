@@ -160,7 +160,8 @@ struct Report {
   session @1 :UInt64;
   body :union {
     heartbeat @2 :Void;
-    transferDone :group { transfer @3 :UInt64; epoch @4 :UInt32; }
+    # checksums: after a read from another layout, of the tensors as the shard assembled them
+    transferDone :group { transfer @3 :UInt64; epoch @4 :UInt32; checksums @11 :List(UInt64); }
     transferFailed :group { transfer @5 :UInt64; epoch @6 :UInt32; reason @7 :UInt8; }
     offloadDone @8 :UInt64;  # the version
     cancelCall @10 :UInt64;  # the sequence number of the call the application gave up
@@ -186,6 +187,13 @@ struct SourceRef {
   partial @5 :Bool;
 }
 
+# A shard of a source replica of another layout than the reader's.
+struct SourceShard {
+  endpoint @0 :Text;
+  layout @1 :List(TensorSpec);
+  checksums @2 :List(UInt64);
+}
+
 struct Effect {
   client @0 :UInt64;
   session @1 :UInt64;
@@ -208,6 +216,7 @@ struct Effect {
       offloadCopy @26 :UInt64;  # offload seeding: read into this new CPU copy (0: the buffers)
       layout @27 :List(TensorSpec);  # offload seeding: the layout of that copy
       grantSecret @29 :Data;  # 16 bytes: what the source asks of this transfer's reads
+      reshard @31 :List(SourceShard);  # a source of another layout: all its shards (else empty)
     }
     serveRead :group {
       transfer @11 :UInt64;

@@ -464,7 +464,8 @@ Report get(wire::Report::Reader in) {
   switch (body.which()) {
     case wire::Report::Body::HEARTBEAT: report.body = Heartbeat{}; break;
     case wire::Report::Body::TRANSFER_DONE:
-      report.body = TransferDone{body.getTransferDone().getTransfer(), body.getTransferDone().getEpoch()};
+      report.body = TransferDone{body.getTransferDone().getTransfer(), body.getTransferDone().getEpoch(),
+                                 get_checksums(body.getTransferDone().getChecksums())};
       break;
     case wire::Report::Body::TRANSFER_FAILED: {
       auto failed = body.getTransferFailed();
@@ -505,8 +506,16 @@ Effect get(wire::Effect::Reader in) {
                     enum_in_range(source.getKind(), CopyKind::kOffload, "copy kind"),
                     source.getPartial()},
           get_checksums(read.getChecksums()), read.getOffloadCopy(), get_layout(read.getLayout()),
-          get_secret(read.getGrantSecret())};
-      const auto& start = std::get<StartRead>(effect.message);
+          get_secret(read.getGrantSecret()), {}};
+      auto& start = std::get<StartRead>(effect.message);
+      list_at_most(read.getReshard(), limits::kShardsMax, "source shards");
+      for (auto shard : read.getReshard()) {
+        start.reshard.push_back(SourceShard{text(shard.getEndpoint(), limits::kEndpointBytesMax, "source endpoint"),
+                                           get_layout(shard.getLayout()), get_checksums(shard.getChecksums())});
+        if (start.reshard.back().layout == nullptr || start.reshard.back().checksums == nullptr) {
+          invalid("a source shard of another layout without its tensors or checksums");
+        }
+      }
       if (start.offload_copy != 0 && start.layout == nullptr) invalid("a seed read without a layout");
       break;
     }
@@ -616,6 +625,7 @@ void encode(const Report& report, wire::Report::Builder out) {
           auto done = body.initTransferDone();
           done.setTransfer(fact.transfer);
           done.setEpoch(fact.epoch);
+          put_checksums(fact.checksums, [&](unsigned n) { return done.initChecksums(n); });
         } else if constexpr (std::is_same_v<T, TransferFailed>) {
           auto failed = body.initTransferFailed();
           failed.setTransfer(fact.transfer);
@@ -664,6 +674,14 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           read.setOffloadCopy(body.offload_copy);
           if (body.layout) put_layout(body.layout, [&](unsigned n) { return read.initLayout(n); });
           put_secret(body.secret, read.initGrantSecret(sizeof(GrantSecret)));
+          auto reshard = read.initReshard(static_cast<unsigned>(body.reshard.size()));
+          for (unsigned i = 0; i < body.reshard.size(); ++i) {
+            const SourceShard& shard = body.reshard[i];
+            auto source_shard = reshard[i];
+            source_shard.setEndpoint(shard.endpoint);
+            put_layout(shard.layout, [&](unsigned n) { return source_shard.initLayout(n); });
+            put_checksums(shard.checksums, [&](unsigned n) { return source_shard.initChecksums(n); });
+          }
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           auto serve = message.initServeRead();
           serve.setTransfer(body.transfer);

@@ -946,7 +946,7 @@ class Simulation {
                                       read.source.kind == CopyKind::kOffload});
       }
     }
-    agent_step(reader, ReadFinished{read.transfer, read.epoch, failure});
+    agent_step(reader, ReadFinished{read.transfer, read.epoch, failure, nullptr});
   }
 
   void advance_flow(Flow& flow) {

@@ -92,7 +92,7 @@ TEST(HubOpen, RejectsMalformedRequests) {
 TEST(HubOpen, TypedErrorsForConflictingOpens) {
   Driver driver;
   const auto shards = driver.open_replica(rollout("r"));
-  // The same handle again, another num_shards for the model, another datacenter for the replica,
+  // The same handle again, another num_shards for the replica, another datacenter for it,
   // a shard that is already open, an older incarnation.
   auto rejected = [&](ClientId client, const OpenRequest& request, Errc code) {
     driver.open(client, request, 5);
@@ -101,7 +101,7 @@ TEST(HubOpen, TypedErrorsForConflictingOpens) {
         << errc_name(code) << ": " << (reply ? describe(reply->outcome) : "no reply");
   };
   rejected(shards[0], driver.open_request(rollout("other"), 0), Errc::kAlreadyOpen);
-  rejected(driver.new_client(), driver.open_request(rollout("x", 3), 0), Errc::kOpenMismatch);
+  rejected(driver.new_client(), driver.open_request(rollout("r", 3), 0), Errc::kOpenMismatch);
   rejected(driver.new_client(), driver.open_request(rollout("r", 2, "dc9"), 0), Errc::kOpenMismatch);
   rejected(driver.new_client(), driver.open_request(rollout("r"), 1), Errc::kShardAlreadyOpen);
   ReplicaSpec old = rollout("r");
@@ -441,13 +441,13 @@ TEST(HubPublish, PiecesThatOverlapAreRefusedOnEveryShardAndFixNoLayout) {
   driver.call(t[0], PublishRequest{1, pieces_of_w(Box{{0, 0}, {32, 64}}), one_checksum(1)});
   driver.call(t[1], PublishRequest{1, pieces_of_w(Box{{32, 0}, {32, 64}}), one_checksum(2)});
   EXPECT_TRUE(is<PublishOk>(driver.replies(t)));
-  // A reader whose shard 1 holds another box of w is told which and where.
+  // A reader whose pieces overlap one another is told which and where (it would be a source too).
   const auto r = driver.open_replica(rollout("r"));
   driver.call(r[0], ReplicateRequest{Selector::latest(), pieces_of_w(Box{{0, 0}, {32, 64}}), 0});
   driver.call(r[1], ReplicateRequest{Selector::latest(), pieces_of_w(Box{{0, 32}, {64, 32}}), 0});
   const auto mismatched = driver.replies(r);
   ASSERT_EQ(expect_error(mismatched, Errc::kLayoutMismatch), "");
-  EXPECT_NE(describe(*mismatched).find("tensor 'w': box [32:64, 0:64] in the model, [0:64, 32:64] here"),
+  EXPECT_NE(describe(*mismatched).find("tensor 'w': boxes [0:32, 0:64] and [0:64, 32:64] overlap in [0:32, 32:64]"),
             std::string::npos)
       << describe(*mismatched);
 }

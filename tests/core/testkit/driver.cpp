@@ -183,10 +183,17 @@ void Driver::route(const Effects& effects) {
           if constexpr (std::is_same_v<T, Reply>) {
             box.replies.push_back(message);
           } else if constexpr (std::is_same_v<T, StartRead>) {
-            // The metadata a reader verifies against must be the version's published checksums.
-            if (*message.checksums != *checksums_for(message.version, message.shard)) {
-              throw AssertionFailure("a reader was given checksums of another version");
+            // The metadata a reader verifies against must be the version's published checksums
+            // (each source shard's, for a read of another layout).
+            auto check = [&](const ChecksumsRef& checksums, std::uint32_t shard) {
+              if (checksums == nullptr || *checksums != *checksums_for(message.version, shard)) {
+                throw AssertionFailure("a reader was given checksums of another version");
+              }
+            };
+            for (std::uint32_t shard = 0; shard < message.reshard.size(); ++shard) {
+              check(message.reshard[shard].checksums, shard);
             }
+            if (message.reshard.empty() || message.checksums != nullptr) check(message.checksums, message.shard);
             box.reads[message.transfer] = message;
           } else if constexpr (std::is_same_v<T, ServeRead>) {
             box.grants[{message.transfer, message.epoch}] = message;

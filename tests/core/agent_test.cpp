@@ -485,6 +485,35 @@ TEST_F(AgentTest, ReadsOnlyInsideAReadingCallAndReportsOnce) {
   EXPECT_EQ(agent_.held()->version, 2u);
 }
 
+TEST_F(AgentTest, AReadOfAnotherLayoutReportsWhatItAssembledAndHoldsIt) {
+  open();
+  call(ReplicateRequest{Selector::absolute(2), layout_, 0});
+  StartRead read = start_read(1, 1, 2);
+  read.checksums = nullptr;  // the reader's layout has none yet
+  read.reshard.push_back(SourceShard{"source-0", layout_, std::make_shared<const Checksums>(Checksums{7})});
+  EXPECT_EQ(only<BeginRead>(hub(read)).read.reshard.size(), 1u);
+  // The data plane owes the checksums of what it assembled: without them nobody vouches.
+  const std::vector<ReportBody> refused = reports(step(ReadFinished{1, 1, std::nullopt}));
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(std::get<TransferFailed>(refused[0]).reason, ReadFailure::kChecksumMismatch);
+  read.epoch = 2;
+  hub(read);
+  const auto assembled = std::make_shared<const Checksums>(Checksums{42});
+  const std::vector<ReportBody> done = reports(step(ReadFinished{1, 2, std::nullopt, assembled}));
+  ASSERT_EQ(done.size(), 1u);
+  ASSERT_NE(std::get<TransferDone>(done[0]).checksums, nullptr);
+  EXPECT_EQ(*std::get<TransferDone>(done[0]).checksums, *assembled);
+  // Told again (the hub missed the report): the same checksums, no second read.
+  const AgentEffects again = hub(read);
+  EXPECT_TRUE(all_of<BeginRead>(again).empty());
+  ASSERT_EQ(reports(again).size(), 1u);
+  EXPECT_EQ(*std::get<TransferDone>(reports(again)[0]).checksums, *assembled);
+  reply(1, ReplicateOk{2, "source"});
+  ASSERT_TRUE(agent_.held().has_value());
+  ASSERT_NE(agent_.held()->checksums, nullptr);
+  EXPECT_EQ(*agent_.held()->checksums, *assembled) << "what a failover's resume says the buffers hold";
+}
+
 TEST_F(AgentTest, AFailedReadIsReportedAndRetransmittedUntilAnswered) {
   open();
   call(ReplicateRequest{Selector::absolute(2), layout_, 0});

@@ -243,8 +243,10 @@ class Hub {
   bool serves(const Copy& candidate, const Copy& reader) const;
   // Whether some copy the reader may read holds, or will hold without reading another, every byte.
   bool may_complete(const Copy& reader) const;
-  // Why no layout holding the version (a complete copy of it made its checksums) serves the reader.
-  std::optional<std::string> unreadable(const Copy& reader) const;
+  // Why replicas of `wanted` (a layout of the model, or one it would make: id kNoLayout) can read
+  // no copy of the version: no layout that holds it (a complete copy made its checksums) serves them.
+  std::optional<std::string> unreadable(const detail::ModelLayout& wanted, const Model& model,
+                                        const VersionRecord& record) const;
   Status check_shard(const Replica& replica, const VersionRecord& record, std::uint32_t shard,
                      const LayoutRef& layout, const ChecksumsRef& checksums) const;
   Status check_checksums(const VersionRecord& record, const detail::ModelLayout& layout, std::uint32_t shard,

@@ -216,15 +216,16 @@ bool Hub::may_complete(const Copy& reader) const {
   return false;
 }
 
-std::optional<std::string> Hub::unreadable(const Copy& reader) const {
-  const VersionRecord& record = *reader.record;
-  const ModelLayout& wanted = *reader.owner->layout;
+std::optional<std::string> Hub::unreadable(const ModelLayout& wanted, const Model& model,
+                                           const VersionRecord& record) const {
   std::optional<std::string> why;
   for (const auto& [layout, checksums] : record.checksums) {
     if (layout == wanted.id) return std::nullopt;
-    const auto& across = wanted.reads_from.at(layout);
+    // (A layout the model does not have yet is related to none: compared here, once.)
+    std::optional<std::string> across = wanted.id != detail::kNoLayout ? wanted.reads_from.at(layout)
+                                                                       : reads_across(wanted, *model.layouts[layout]);
     if (!across) return std::nullopt;
-    if (!why) why = across;
+    if (!why) why = std::move(across);
   }
   return why;
 }

@@ -163,11 +163,28 @@ void Hub::maybe_start_transfer(Replica& replica, Txn& txn) {
   // The source is chosen once every shard has called: a shard still busy with its old weights must
   // not hold a source's fan-out slot.
   if ((txn.arrived & txn.expected) != txn.expected) return;
-  if (!settle_layout(replica, txn)) return;
   // A layout nobody holding the version has, nor one it reads: say which tensor, rather than wait.
-  if (auto why = unreadable(copy)) {
+  // Judged before the replica takes a layout, so that a refused call pins nothing: the application
+  // may register otherwise and call again.
+  auto refuse = [&](const std::string& why) {
     abort_txn(replica, txn, make_error(Errc::kLayoutMismatch, "version " + std::to_string(copy.record->version) +
-                                                                  " cannot be read into " + describe(replica) + ": " + *why));
+                                                                  " cannot be read into " + describe(replica) + ": " + why));
+  };
+  Model& model = *replica.model;
+  if (replica.layout == nullptr && txn.layouts.size() == replica.num_shards &&
+      std::all_of(txn.layouts.begin(), txn.layouts.end(), [](const LayoutRef& l) { return l != nullptr; })) {
+    detail::ModelLayout candidate;
+    candidate.id = detail::kNoLayout;
+    candidate.shards = txn.layouts;
+    const detail::ModelLayout* known = known_layout(model, txn.layouts, replica.num_shards);
+    if (auto why = unreadable(known != nullptr ? *known : candidate, model, *copy.record)) {
+      refuse(*why);
+      return;
+    }
+  }
+  if (!settle_layout(replica, txn)) return;
+  if (auto why = unreadable(*replica.layout, model, *copy.record)) {
+    refuse(*why);
     return;
   }
   set_state(copy, CopyState::kWaiting);

@@ -5,6 +5,7 @@
 #include "client/cuda/ipc.h"
 #include "client/handle_impl.h"
 #include "client/receive.h"
+#include "client/reshard_read.h"
 
 namespace th {
 namespace {
@@ -15,17 +16,12 @@ namespace {
 Plan seed_copy_of(const LayoutRef& layout, OffloadCopy& copy) {
   Plan plan;
   plan.layout = layout;
+  DataPlaneGeometry geometry = data_plane_geometry(*layout);
+  plan.packed_offset = std::move(geometry.packed_offset);
+  plan.packed_bytes = geometry.packed_bytes;
+  plan.big = std::move(geometry.big);
   std::uint64_t big_bytes = 0;
-  for (const TensorSpec& tensor : layout->tensors()) {
-    if (tensor.bytes < kPackedTensorBytesMax) {
-      plan.packed_offset.push_back(plan.packed_bytes);
-      plan.packed_bytes += tensor.bytes;
-    } else {
-      plan.packed_offset.push_back(Plan::kNotPacked);
-      plan.big.push_back(plan.packed_offset.size() - 1);
-      big_bytes += tensor.bytes;
-    }
-  }
+  for (std::size_t index : plan.big) big_bytes += layout->tensors()[index].bytes;
   TH_ASSERT(copy.bytes.empty() && copy.regions.empty(), "a seed copy is filled once");
   copy.bytes.resize(plan.packed_bytes + big_bytes);
   if (plan.packed_bytes > 0) copy.regions.push_back({copy.bytes.data(), plan.packed_bytes});
@@ -183,6 +179,7 @@ void Handle::Impl::reader_main() {
 }
 
 void Handle::Impl::run_read(ReadJob& job) {
+  if (!job.read.reshard.empty()) return run_reshard_read(job);
   const Plan& plan = job.plan;
   std::vector<net::LocalRegion> targets;
   for (const net::ExposedRegion& region : regions_of(plan, job.packed)) {
@@ -286,6 +283,52 @@ void Handle::Impl::run_read(ReadJob& job) {
     }
   }
   on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure}] { step(finished); });
+}
+
+// A read from a source of another layout (client/reshard_read.h). Nothing of it is handed out
+// before it is whole: its bytes land piece by piece, tensor after tensor, and the checksums that
+// vouch for them are computed once all landed. So the Receive hears no attempt (and gives the
+// tensors once the call is answered), and the buffers count as ready, for readers of this shard,
+// only at the end.
+void Handle::Impl::run_reshard_read(ReadJob& job) {
+  net::PullOptions pull_options;
+  pull_options.chunk_bytes = options_.chunk_bytes;
+  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from = job.read.source.replica;
+  }
+  job.stream->begin(nullptr);  // (units checked by an earlier attempt are not this one's)
+  const auto started = std::chrono::steady_clock::now();
+  const ReshardOutcome outcome = read_resharded(job.read, job.plan, job.packed, pull_options, *job.cancelled);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (outcome.cancelled || job.cancelled->load()) {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from.clear();
+    return;  // replaced by a newer read, or dropped: nothing to report
+  }
+  if (outcome.failure) {
+    log(*outcome.failure == ReadFailure::kChecksumMismatch ? LogLevel::kError : LogLevel::kWarning, "data",
+        "version " + std::to_string(job.read.version) + " from " + job.read.source.replica +
+            " (another layout, " + std::to_string(job.read.reshard.size()) + " shards): " + outcome.detail);
+  }
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from.clear();
+    stats_.bytes_received += outcome.bytes_read;
+    if (outcome.failure) {
+      ++stats_.reads_failed;
+      if (*outcome.failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
+    } else {
+      stats_.last_read_bytes = outcome.bytes_read;
+      stats_.last_pull_seconds = seconds;
+      stats_.last_read_seconds = seconds;
+    }
+  }
+  if (!outcome.failure) job.progress->advance_to(job.plan.layout->total_bytes());
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, outcome.failure,
+                                       outcome.failure ? nullptr : outcome.checksums}] { step(finished); });
 }
 
 void Handle::Impl::start_offload(Version version) {

@@ -174,6 +174,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   bool on_io(kj::Function<void()> work);
   void reader_main();
   void run_read(ReadJob& job);
+  // run_read's for a source of another layout (StartRead::reshard set).
+  void run_reshard_read(ReadJob& job);
   void complete_call(std::uint64_t call_id, Outcome outcome);
   void fail_everything(Error error);
   void log(LogLevel level, std::string_view component, const std::string& line) const;

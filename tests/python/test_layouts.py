@@ -151,3 +151,37 @@ def test_a_placement_that_does_not_fit_64_bits_is_refused_clearly(server):
             trainer.register("w", torch.zeros(4), global_shape=(-4,))
         with pytest.raises(tensorhub.InvalidArgument, match="is not its shape's size"):
             trainer._core.register_raw("w", torch.zeros(2).data_ptr(), 8, "float32", False, shape=[1 << 20])
+
+
+def test_the_example_reshard_megatron_and_fsdp_into_vllm_layouts():
+    # Issue 31's example: TP=2 and FSDP trainers into fused, renamed vLLM-style rollouts at TP=1
+    # (float32) and TP=4, every tensor bit-exact against the same tensor computed from the full weights.
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, os.path.join(root, "examples", "reshard.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "reshard: ok" in result.stdout
+    assert "vllm-tp4-bf16 updated to version 2 from fsdp" in result.stdout, result.stdout
+    assert result.stdout.count("bit-exact") == 4, result.stdout
+
+
+def test_a_reader_of_another_layout_asking_for_a_tensor_nobody_holds_is_told_which(server):
+    with handle(server, "trainer", num_shards=2, shard=0) as t0, handle(server, "trainer", num_shards=2, shard=1) as t1, \
+            handle(server, "rollout") as rollout:
+        full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+        for rank, hub in enumerate((t0, t1)):
+            placement = layouts.column_parallel((64, 8), rank, 2)
+            hub.register("w", placement.slice_of(full).clone(), placement)
+        on_every_shard(lambda r: (t0, t1)[r].publish(1), 2)
+        rollout.register("w", torch.zeros(64, 8), layouts.whole((64, 8)))
+        rollout.register("lm_head", torch.zeros(4, 8), layouts.whole((4, 8)))
+        with pytest.raises(tensorhub.LayoutMismatch) as refused:
+            rollout.replicate("latest", timeout=10)
+        assert "tensor 'lm_head': no shard of the layout of 2 shards" in str(refused.value)
+        rollout.unregister("lm_head")
+        rollout.replicate("latest", timeout=10)  # what it can read, it reads
+        assert torch.equal(rollout.tensors["w"], full)
+        on_every_shard(lambda r: (t0, t1)[r].unpublish(), 2)

@@ -493,7 +493,7 @@ void Hub::emit_grant(const Transfer& transfer, std::uint32_t shard) {
   const Copy& source = *transfer.source;
   // Another layout: every source shard serves every reader shard (a repeated grant is one grant).
   const std::uint32_t first = transfer.reshard ? 0 : shard;
-  const std::uint32_t end = transfer.reshard ? source.owner->num_shards : shard + 1;
+  const std::uint32_t end = transfer.reshard ? source.owner->num_shards : std::min(shard + 1, source.owner->num_shards);
   for (std::uint32_t serving = first; serving < end; ++serving) {
     emit_to(source.owner->shards[serving],
             ServeRead{transfer.id, transfer.epoch, transfer.reader->record->version, source.kind, serving,

@@ -247,26 +247,29 @@ TEST_F(ReshardReadTest, AReaderTensorThatIsNotAPieceFailsTheReadNamingIt) {
   EXPECT_NE(outcome.detail.find("'a.bytes'"), std::string::npos) << outcome.detail;
 }
 
+// A one-shard reader of the norm and the big tensor, in float32.
+void takes_norm_and_big_whole(ReaderShard& reader, const Logical& norm, const Logical& big) {
+  reader.add(norm, DType::kFloat32, whole_box(norm.shape));
+  reader.add(big, DType::kFloat32, whole_box(big.shape));
+}
+
 TEST_F(ReshardReadTest, AssembledTensorsAreComparedWithTheVersionsChecksumsWhereKnown) {
   ReaderShard first;
-  first.add(norm_, DType::kFloat32, whole_box(norm_.shape));
-  first.add(big_, DType::kFloat32, whole_box(big_.shape));
+  takes_norm_and_big_whole(first, norm_, big_);
   const ReshardOutcome assembled = read(first, 0);
   ASSERT_FALSE(assembled.failure) << assembled.detail;
 
   StartRead known = read_for(1);
   known.checksums = assembled.checksums;  // another reader of this layout reported them
   ReaderShard second;
-  second.add(norm_, DType::kFloat32, whole_box(norm_.shape));
-  second.add(big_, DType::kFloat32, whole_box(big_.shape));
+  takes_norm_and_big_whole(second, norm_, big_);
   EXPECT_FALSE(read(second, 1, &known).failure);
 
   auto other = std::make_shared<Checksums>(*assembled.checksums);
   (*other)[1] ^= 1;
   known.checksums = other;
   ReaderShard third;
-  third.add(norm_, DType::kFloat32, whole_box(norm_.shape));
-  third.add(big_, DType::kFloat32, whole_box(big_.shape));
+  takes_norm_and_big_whole(third, norm_, big_);
   const ReshardOutcome outcome = read(third, 1, &known);
   ASSERT_EQ(outcome.failure, ReadFailure::kChecksumMismatch) << outcome.detail;
   EXPECT_NE(outcome.detail.find("'d.big'"), std::string::npos) << outcome.detail;

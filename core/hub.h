@@ -233,6 +233,8 @@ class Hub {
   // pieces. Null entries (shards unknown after a failover) only match a layout the model has.
   Result<detail::ModelLayout*> layout_for(Model& model, const std::vector<LayoutRef>& shards);
   void relate(Model& model, detail::ModelLayout& layout);
+  // Gives the replica its layout, recounting what its copies add to their versions.
+  void set_layout(Replica& replica, detail::ModelLayout* layout);
   // The model's first layout of `num_shards` shards that the shards' layouts so far match (null
   // entries: not described yet), or null.
   static detail::ModelLayout* known_layout(const Model& model, const std::vector<LayoutRef>& shards,

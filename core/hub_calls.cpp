@@ -342,7 +342,7 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
       return;
     }
   }
-  replica.layout = layout.value();
+  set_layout(replica, layout.value());
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
     if (copy.pending_layouts[s]) commit_checksums(record, *layout.value(), s, copy.pending_checksums[s]);
   }
@@ -505,7 +505,7 @@ void Hub::on_update(Replica& replica, Txn& txn, std::uint32_t shard, const Updat
   if (settings_.offload_seeding && layout != nullptr && wants_seed(record, replica, *layout)) {
     // The replica's buffers keep what they hold; it seeds its datacenter from CPU memory and
     // consumes that copy at its next update (paper §4.3.4).
-    replica.layout = layout;
+    set_layout(replica, layout);
     start_seed(replica, model.versions.at(resolution.version));
     finish(replica, txn, UpdateOk{UpdateStatus::kNotYet, held_version, {}});
     return;

@@ -191,6 +191,15 @@ void Hub::relate(Model& model, ModelLayout& layout) {
   }
 }
 
+void Hub::set_layout(Replica& replica, ModelLayout* layout) {
+  TH_ASSERT(layout != nullptr && layout->shards.size() == replica.num_shards);
+  if (replica.layout == layout) return;
+  replica.layout = layout;
+  // What a copy adds to its version's roots is counted under its replica's layout.
+  if (replica.primary != nullptr) reindex(*replica.primary);
+  for (Copy* offload : replica.offloads) reindex(*offload);
+}
+
 bool Hub::serves(const Copy& candidate, const Copy& reader) const {
   const ModelLayout* wanted = reader.owner->layout;
   const ModelLayout* held = candidate.owner->layout;

@@ -435,7 +435,7 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
           return false;
         }
       }
-      replica.layout = layout.value();
+      set_layout(replica, layout.value());
     }
     Copy& copy = create_copy(replica, record, CopyKind::kPrimary, state);
     copy.ready = holders;
@@ -500,7 +500,7 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
       }
       continue;
     }
-    replica.layout = layout;
+    set_layout(replica, layout);
     for (std::uint32_t shard = 0; shard < shards; ++shard) {
       for (const HeldCopy& held : replica.shards[shard].resume->offloads) {
         if (held.version == offload_version) commit_checksums(record, *layout, shard, held.checksums);

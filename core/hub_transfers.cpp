@@ -149,7 +149,7 @@ bool Hub::settle_layout(Replica& replica, Txn& txn) {
     abort_txn(replica, txn, layout.error());
     return false;
   }
-  replica.layout = layout.value();
+  set_layout(replica, layout.value());
   return true;
 }
 

@@ -207,6 +207,9 @@ class Hub {
   void set_failed(Copy& copy);
   // A reader found shard `shard` of `copy` failing the version's checksums (see Copy::corrupt).
   void on_mismatch(Copy& copy, std::uint32_t shard);
+  // A reader of another layout found a piece of `copy` failing its checksum, or assembled bytes
+  // that a copy of its own layout does not hold: it read from every shard and names none.
+  void on_reshard_mismatch(Copy& copy);
   void reindex(Copy& copy);
   detail::Contribution contribution(const Copy& copy) const;
   void apply(Copy& copy, const detail::Contribution& contribution, int sign);
@@ -243,6 +246,8 @@ class Hub {
                                                  const detail::ModelLayout& source);
   // Whether `reader` may read from `candidate` (its layout, or a complete copy of one it reads).
   bool serves(const Copy& candidate, const Copy& reader) const;
+  // Whether `reader` may read from `candidate` once that is complete: its layout, or one it reads.
+  bool serves_once_complete(const Copy& candidate, const Copy& reader) const;
   // Whether some copy the reader may read holds, or will hold without reading another, every byte.
   bool may_complete(const Copy& reader) const;
   // Why replicas of `wanted` (a layout of the model, or one it would make: id kNoLayout) can read

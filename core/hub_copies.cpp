@@ -209,6 +209,19 @@ void Hub::on_mismatch(Copy& copy, std::uint32_t shard) {
   set_failed(copy);
 }
 
+// The copy as a whole is suspect: a second failure of any of its shards, for a reader of any
+// layout, condemns it. Without this a corrupt source of another layout would be retried for ever
+// as the last resort (found by th-sim --seed 50337 --workload layouts --profile harsh-net). A good
+// read across layouts clears nothing: it may not have touched the shard at fault.
+void Hub::on_reshard_mismatch(Copy& copy) {
+  if (copy.mismatched.any()) {
+    copy.corrupt = true;
+  } else {
+    for (std::uint32_t shard = 0; shard < copy.owner->num_shards; ++shard) copy.mismatched.set(shard);
+  }
+  set_failed(copy);
+}
+
 void Hub::on_copy_complete(Copy& copy) {
   Model& model = *copy.owner->model;
   VersionRecord& record = *copy.record;

@@ -201,15 +201,20 @@ void Hub::set_layout(Replica& replica, ModelLayout* layout) {
 }
 
 bool Hub::serves(const Copy& candidate, const Copy& reader) const {
+  // Another layout is read whole (no pipelining: a piece needs all of its bytes before it
+  // verifies, and the reader's shards need bytes of every source shard).
+  return serves_once_complete(candidate, reader) &&
+         (candidate.owner->layout == reader.owner->layout || candidate.state == CopyState::kComplete);
+}
+
+bool Hub::serves_once_complete(const Copy& candidate, const Copy& reader) const {
   const ModelLayout* wanted = reader.owner->layout;
   const ModelLayout* held = candidate.owner->layout;
   TH_ASSERT(wanted != nullptr, "a reader looks for a source once its layout is known");
   if (held == wanted) return true;
   if (held == nullptr) return false;
-  // Another layout: read whole (no pipelining: a piece needs all of its bytes before it verifies,
-  // and the reader's shards need bytes of every source shard), and never into a seed's CPU copy.
-  return reader.kind == CopyKind::kPrimary && candidate.state == CopyState::kComplete &&
-         !wanted->reads_from.at(held->id).has_value();
+  // Never into a seed's CPU copy: an offload holds its replica's layout, byte for byte.
+  return reader.kind == CopyKind::kPrimary && !wanted->reads_from.at(held->id).has_value();
 }
 
 bool Hub::may_complete(const Copy& reader) const {

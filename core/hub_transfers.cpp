@@ -342,8 +342,15 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
       for (const Copy* on_path : path) grounded[on_path] = result;
       return result;
     };
+    // A copy of another layout the reader reads counts too: the reader waits until it is
+    // complete and then reads it here. Seeding past it would make two seeders, and each would
+    // take the other's place (keep_one_seeder) without end.
+    auto serves_here = [&](const Copy* copy) {
+      return usable(copy) || (copy != &reader && copy->owner->layout != reader.owner->layout &&
+                              serves_once_complete(*copy, reader));
+    };
     for (const Copy* copy : record.copies) {
-      if (copy->owner->dc == dc && copy->counted.servable && usable(copy) &&
+      if (copy->owner->dc == dc && copy->counted.servable && serves_here(copy) &&
           (copy->counted.seeding || reaches_root(copy))) {
         return true;
       }
@@ -568,14 +575,18 @@ void Hub::reassign(Transfer& transfer, bool failed) {
   orphans_.emplace_back(&model, transfer.id);  // settle() picks another source, or gives up
 }
 
-// A datacenter has at most one seeder per version (§5.5). A new one only starts where no other
+// A datacenter has at most one seeder per version for the copies that can read it (§5.5; a copy of
+// a layout that reads no other here seeds for itself). A new one only starts where no other
 // could serve (select_source), except for a chain root that took a complete copy in a datacenter
 // downstream of it: a copy of its own datacenter that reads across datacenters from that chain
 // then reads here instead (it waits for the new seeder, or pipelines from it).
 void Hub::keep_one_seeder(const Copy& seeder) {
   TH_ASSERT(seeder.counted.seeding || seeder.failed, "called for a copy that seeds");
   for (Copy* copy : seeder.record->copies) {
-    if (copy != &seeder && copy->owner->dc == seeder.owner->dc && copy->counted.seeding) {
+    // Only a copy that can read the new seeder gives way to it: one of a layout that cannot would
+    // seed again, and take the new seeder's place in turn.
+    if (copy != &seeder && copy->owner->dc == seeder.owner->dc && copy->counted.seeding &&
+        serves_once_complete(seeder, *copy)) {
       reassign(*copy->incoming, /*failed=*/false);
     }
   }
@@ -752,7 +763,9 @@ void Hub::on_transfer_failed(Replica& replica, std::uint32_t shard, const Transf
   }
   if (failed.epoch != transfer.epoch) return;
   ++stats_.source_failures;
-  if (failed.reason == ReadFailure::kChecksumMismatch && !transfer.reshard) {
+  if (failed.reason == ReadFailure::kChecksumMismatch && transfer.reshard) {
+    on_reshard_mismatch(*transfer.source);
+  } else if (failed.reason == ReadFailure::kChecksumMismatch) {
     on_mismatch(*transfer.source, shard);
   } else {
     set_failed(*transfer.source);

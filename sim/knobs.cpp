@@ -1,5 +1,6 @@
 #include "sim/knobs.h"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <sstream>
@@ -9,7 +10,7 @@ namespace th::sim {
 namespace {
 
 constexpr std::array<std::string_view, kWorkloadCount> kWorkloadNames = {
-    "colocated", "standalone", "elastic", "cross-dc", "off-by-k", "multi-model", "mixed"};
+    "colocated", "standalone", "elastic", "cross-dc", "off-by-k", "multi-model", "mixed", "layouts"};
 
 // A fault is off in about a third of the seeds; when on, its strength is drawn.
 bool on(Rng& rng) { return rng.below(3) != 0; }
@@ -23,7 +24,39 @@ double pick(Rng& rng, const std::array<double, N>& values) {
 constexpr std::array<double, 6> kRareToCommon = {0.001, 0.002, 0.005, 0.01, 0.02, 0.05};
 constexpr std::array<double, 5> kPerSecond = {0.005, 0.01, 0.03, 0.1, 0.2};
 
+// The layouts workload's replicas: trainers at TP=8 (TP=4 or TP=2 in some seeds: a smaller
+// cluster), bfloat16; rollouts take the kinds below in turn from a drawn start (so that four or
+// more cover them all), a third of them in float32 (converted on landing). The trainers' own
+// placement among them gives same-layout (pipelined) reads too.
+void draw_placements(Rng& rng, Knobs& knobs) {
+  using Kind = Placement::Kind;
+  constexpr std::array<std::uint32_t, 4> kTrainerShards = {8, 8, 4, 2};
+  // FSDP over 3, 5 or 6 shards: uneven chunks, and (5, 6) shards that hold no row of some tensors.
+  constexpr std::array<std::uint32_t, 3> kFsdpShards = {3, 5, 6};
+  const std::uint32_t tp = kTrainerShards[rng.below(kTrainerShards.size())];
+  knobs.shards = tp;
+  knobs.trainer_placement = Placement{Kind::kTensorParallel, tp, DType::kBFloat16};
+  // Enough rollouts that replicas of other layouts meet (the colocated workload draws as few as 0).
+  knobs.rollouts = std::max<std::uint32_t>(knobs.rollouts, 2);
+  const std::array<Placement, 5> kinds = {Placement{Kind::kTensorParallel, 4}, Placement{Kind::kTensorParallel, 2},
+                                          Placement{Kind::kTensorParallel, 1}, Placement{Kind::kFsdp, 0},
+                                          Placement{Kind::kTensorParallel, tp}};
+  const std::uint64_t start = rng.below(kinds.size());
+  knobs.rollout_placements.clear();
+  for (std::uint32_t r = 0; r < knobs.rollouts; ++r) {
+    Placement placement = kinds[(start + r) % kinds.size()];
+    if (placement.kind == Kind::kFsdp) placement.shards = kFsdpShards[rng.below(kFsdpShards.size())];
+    placement.dtype = rng.below(3) == 0 ? DType::kFloat32 : DType::kBFloat16;
+    knobs.rollout_placements.push_back(placement);
+  }
+}
+
 }  // namespace
+
+std::string describe(const Placement& placement) {
+  return std::string(placement.kind == Placement::Kind::kFsdp ? "fsdp" : "tp") + std::to_string(placement.shards) +
+         "/" + std::string(dtype_name(placement.dtype));
+}
 
 std::string_view workload_name(Workload workload) {
   return kWorkloadNames[static_cast<std::size_t>(workload)];
@@ -49,7 +82,7 @@ std::string workload_list() {
 Knobs draw_knobs(Rng& rng, const Workload* workload) {
   Knobs knobs;
   knobs.workload = workload != nullptr ? *workload
-                                       : static_cast<Workload>(rng.below(kWorkloadCount));
+                                       : static_cast<Workload>(rng.below(kFirstDrawnWorkloads));
   knobs.shards = static_cast<std::uint32_t>(rng.range(1, 3));
   knobs.trainers = static_cast<std::uint32_t>(rng.range(1, 2));
   knobs.rollouts = static_cast<std::uint32_t>(rng.range(2, 6));
@@ -78,6 +111,15 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
     case Workload::kMixed:
       knobs.models = static_cast<std::uint32_t>(rng.range(1, 2));
       knobs.colocated = rng.chance(0.5);
+      knobs.spot_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
+      knobs.remote_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
+      knobs.off_by = static_cast<std::uint32_t>(rng.range(0, 1));
+      knobs.preemption_storm = knobs.spot_rollouts > 0 && rng.chance(0.3);
+      break;
+    case Workload::kLayouts:
+      // Of everything the rollouts of the other workloads meet, some: spot instances (and
+      // storms), a second datacenter, rollouts that lag. The placements are drawn last (below).
+      knobs.rollouts = static_cast<std::uint32_t>(rng.range(3, 6));
       knobs.spot_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
       knobs.remote_rollouts = static_cast<std::uint32_t>(rng.range(0, knobs.rollouts / 2));
       knobs.off_by = static_cast<std::uint32_t>(rng.range(0, 1));
@@ -133,6 +175,10 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   if (on(rng)) knobs.tamper_per_s = pick(rng, kPerSecond);
   // Drawn last (see above): instructions that arrive again, late.
   if (on(rng)) knobs.stale = pick(rng, kRareToCommon);
+  // Drawn last (see above): one seed in eight of those that draw their workload reads across
+  // layouts, in the fleet its workload drew; then every replica's placement.
+  if (workload == nullptr && rng.below(8) == 0) knobs.workload = Workload::kLayouts;
+  if (knobs.workload == Workload::kLayouts) draw_placements(rng, knobs);
   return knobs;
 }
 
@@ -258,6 +304,12 @@ std::string describe(const Knobs& knobs) {
       << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " corrupt=" << knobs.corrupt
       << " tamper=" << knobs.tamper_per_s << "/s skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";
+  if (knobs.trainer_placement) {
+    out << " layouts=" << describe(*knobs.trainer_placement) << ":";
+    for (std::size_t r = 0; r < knobs.rollout_placements.size(); ++r) {
+      out << (r == 0 ? "" : ",") << describe(knobs.rollout_placements[r]);
+    }
+  }
   return out.str();
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,11 +23,32 @@ enum class Workload : std::uint8_t {
   kOffByK,      // asynchronous training: rollouts follow latest-k, the trainer retains latest-k
   kMultiModel,  // two models at once
   kMixed,       // all of the above in one fleet
+  // Replicas that place the model's tensors their own ways (sim/layouts.h): a TP=8 trainer, TP=4,
+  // TP=2, TP=1 and FSDP-like rollouts, some in float32, reading one another's copies across layouts.
+  kLayouts,
 };
-inline constexpr int kWorkloadCount = 7;
+inline constexpr int kWorkloadCount = 8;
+// The workloads a seed draws first: all but kLayouts, which is drawn last (draw_knobs), so that the
+// seeds of the others stay what they drew before it existed.
+inline constexpr int kFirstDrawnWorkloads = 7;
 std::string_view workload_name(Workload workload);
 Result<Workload> parse_workload(std::string_view name);
 std::string workload_list();  // "colocated, standalone, …"
+
+// How a replica places the model's logical tensors over its shards (the layouts workload, whose
+// tensors sim/layouts.h lists).
+struct Placement {
+  enum class Kind : std::uint8_t {
+    kTensorParallel,  // Megatron-style: each tensor split evenly by rows or by columns, or replicated
+    kFsdp,            // FSDP2 Shard(0): each tensor chunked by rows as torch.chunk does (the last
+                      // shards may hold fewer rows, or none of a tensor)
+  };
+  Kind kind = Kind::kTensorParallel;
+  std::uint32_t shards = 1;
+  DType dtype = DType::kBFloat16;
+  friend bool operator==(const Placement&, const Placement&) = default;
+};
+std::string describe(const Placement& placement);  // "tp8/bfloat16", "fsdp5/float32"
 
 struct Knobs {
   Workload workload = Workload::kMixed;
@@ -40,6 +62,11 @@ struct Knobs {
   std::uint32_t remote_datacenters = 1;  // the remote rollouts take turns among dc1..dcN
   std::uint32_t off_by = 0;          // rollouts follow latest-off_by
   bool colocated = false;            // trainers roll out between publish and unpublish
+  // The layouts workload: how the trainers and each rollout (by index) place the model's tensors;
+  // `shards` is then the trainers'. Empty otherwise: every replica holds `shards` shards of the
+  // other workloads' two fixed tensors.
+  std::optional<Placement> trainer_placement;
+  std::vector<Placement> rollout_placements;
   // The hub.
   bool pipeline = true;
   std::uint32_t fanout = 1;

@@ -90,6 +90,7 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
       other.held.reset();
       other.offloads.clear();
       other.leaving = false;
+      other.reading_across.reset();
       ++changes_[other.model];
     }
   }
@@ -211,6 +212,7 @@ void Observer::stop_holding(ReplicaInfo& replica, const char* why) {
   // The failed mark belongs to a version: the copy being received may already carry one.
   if (replica.failed == replica.held) replica.failed.reset();
   replica.held.reset();
+  replica.reading_across.reset();
 }
 
 void Observer::leave(ClientId client) {
@@ -348,6 +350,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     // A copy marked failed while it was still receiving stays failed once complete.
     if (replica.failed != version) replica.failed.reset();
     replica.held = version;
+    replica.reading_across.reset();
     replica.leaving = false;
     completed_[replica.model].insert(version);
   };
@@ -369,6 +372,7 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
   } else if (std::holds_alternative<CloseOk>(outcome)) {
     // A departure, like a crash: an offload would live in the memory of the process that leaves.
     replica.held.reset();
+    replica.reading_across.reset();
     replica.offloads.clear();
     ++changes_[replica.model];
   } else if (std::holds_alternative<Error>(outcome)) {
@@ -478,11 +482,17 @@ void Observer::on_effects(const Effects& effects) {
               replica.held.reset();
               replica.offloads.clear();
               replica.leaving = false;
+              replica.reading_across.reset();
               ++changes_[replica.model];
             }
           }
         },
         effect.message);
+  }
+  std::vector<std::pair<ClientId, StartRead>> checks;
+  checks.swap(sources_to_check_);
+  for (const auto& [client, read] : checks) {
+    if (auto problem = source_problem(client, read)) violation(std::move(*problem));
   }
 }
 
@@ -504,8 +514,46 @@ void Observer::on_start_read(ClientId client, const StartRead& read) {
     }
   } else {
     on_buffer_read(client, info, reader, read);
+    if (!read.reshard.empty()) {
+      reader.reading_across = ReplicaInfo::Across{read.version, read.transfer, read.epoch};
+    } else if (reader.reading_across &&
+               (reader.reading_across->transfer != read.transfer || reader.reading_across->epoch < read.epoch)) {
+      reader.reading_across.reset();
+    }
+  }
+  if ((!read.reshard.empty() || read.source.partial) && source_problem(client, read)) {
+    sources_to_check_.emplace_back(client, read);
   }
   check_topology(info, reader, read);
+}
+
+std::optional<std::string> Observer::source_problem(ClientId client, const StartRead& read) {
+  auto found = clients_.find(client);
+  if (found == clients_.end()) return std::nullopt;
+  const ClientInfo& info = found->second;
+  const ReplicaInfo& reader = replicas_[info.replica_key];
+  const std::string source_key =
+      reader.model + "/" + read.source.replica + "#" + std::to_string(read.source.incarnation);
+  auto source = replicas_.find(source_key);
+  if (source == replicas_.end()) return std::nullopt;
+  const ReplicaInfo& held = source->second;
+  const std::string who = "layouts: shard " + std::to_string(info.shard) + " of " + info.replica_key +
+                          " is told to read version " + std::to_string(read.version) + " from " + source_key;
+  if (!read.reshard.empty()) {
+    auto offload = held.offloads.find(read.version);
+    const bool complete = read.source.kind == CopyKind::kOffload
+                              ? offload != held.offloads.end() && offload->second.complete
+                              : held.held == read.version;
+    if (!complete) return who + " across layouts, which holds no complete copy of it";
+    if (read.reshard.size() != held.num_shards) {
+      return who + " across layouts, listing " + std::to_string(read.reshard.size()) + " of its " +
+             std::to_string(held.num_shards) + " shards";
+    }
+  } else if (read.source.partial && held.reading_across && held.reading_across->version == read.version &&
+             held.held != read.version) {
+    return who + " as a pipeline source, which itself reads it from a copy of another layout";
+  }
+  return std::nullopt;
 }
 
 void Observer::on_buffer_read(ClientId client, const ClientInfo& info, ReplicaInfo& reader,
@@ -566,6 +614,7 @@ void Observer::on_server_reset(bool answers_delivered) {
     replica.failed.reset();
     replica.pending_update_seqs.clear();
     replica.update_wrote = false;
+    replica.reading_across.reset();
     replica.bound.clear();  // the new server binds the shards anew
     if (!answers_delivered) replica.closed_at_seq.reset();
   }

@@ -12,6 +12,8 @@
 //                that its call diverged only if it made another call than the peer that did
 //   load         a source shard serves at most fanout_max transfers at once
 //   topology     a reader is sent to another datacenter only when no complete, healthy copy is in its own
+//   layouts      a reader of another layout is sent to a complete copy, with every shard of it
+//                (StartRead::reshard); a copy that reads another layout is no pipeline source
 //   monotonicity `latest` never decreases on one server
 #pragma once
 
@@ -80,6 +82,14 @@ class Observer {
     std::map<Version, OffloadInfo> offloads;
     std::set<std::uint64_t> pending_update_seqs;
     bool update_wrote = false;       // a StartRead arrived during the pending update: buffers changed
+    // The copy it is receiving is read from a copy of another layout (the latest StartRead of its
+    // registered buffers listed a reshard): until complete, it serves nobody.
+    struct Across {
+      Version version = 0;
+      TransferId transfer = 0;
+      std::uint32_t epoch = 0;
+    };
+    std::optional<Across> reading_across;
     std::set<ClientId> bound;        // shards between OpenOk and CloseOk/eviction
     // The first call a shard was told "replica closed" for: closing ends an incarnation, so no
     // later call of it is answered as if it lived on (a close joins the closing, CloseOk).
@@ -98,6 +108,11 @@ class Observer {
   void on_buffer_read(ClientId client, const ClientInfo& info, ReplicaInfo& reader,
                       const StartRead& read);
   void check_topology(const ClientInfo& info, const ReplicaInfo& reader, const StartRead& read);
+  // What is wrong with the source a read across layouts or a pipelined read was sent to, if
+  // anything: judged when the instruction is seen and, if wrong then, again once every effect of
+  // its step is (the answer that completes a copy may follow the instruction that reads it, and
+  // a copy may be withdrawn later in the step that chose it).
+  std::optional<std::string> source_problem(ClientId client, const StartRead& read);
   void on_opened(ClientId client, const ClientInfo& info, ReplicaInfo& replica);
   void check_consistency(const ClientInfo& info, const Reply& reply);
   // An error that ends the call for this shard alone, beside its peers' answers.
@@ -116,6 +131,7 @@ class Observer {
   std::map<std::string, ReplicaInfo> replicas_;
   std::map<Grant, ServeRead> grants_;
   std::map<std::pair<ClientId, TransferId>, StartRead> reads_;  // the latest per reader and transfer
+  std::vector<std::pair<ClientId, StartRead>> sources_to_check_;  // this step's (check_source)
   std::map<ClientId, Resume> announced_;                          // what resumed clients announced
   std::map<std::pair<std::string, std::uint64_t>, std::string> answers_;  // (replica, seq) -> summary
   // (replica, seq) -> the call of the shard that got that answer first; and the calls a shard was

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/agent.h"
+#include "sim/layouts.h"
 #include "sim/observer.h"
 #include "sim/trace.h"
 
@@ -32,41 +33,8 @@ constexpr TimeMs kReadTimeoutMs = 1500;  // a reader notices a dead source after
 // The hub's grant to the source and its instruction to the reader travel separately: a reader whose
 // source has no grant yet asks again for this long before it reports the source as refusing.
 constexpr TimeMs kGrantGraceMs = 2000;
-constexpr std::size_t kTensorBytes[] = {40, 24};  // the real buffer of a shard: two tensors
-constexpr std::size_t kBufferBytes = 64;
 constexpr std::uint64_t kEventsMax = 200'000'000;  // a run that needs more has a bug
 constexpr TimeMs kNeverMs = TimeMs{1} << 60;  // a preempted plan replica's "restart"
-
-// The byte at `offset` of shard `shard` of `version` of model `model`: a mix-up of any of them shows.
-std::uint8_t content(int model, Version version, std::uint32_t shard, std::size_t offset) {
-  std::uint64_t x = (static_cast<std::uint64_t>(model) << 56) ^ (version * 0x9E3779B97F4A7C15ULL) ^
-                    (static_cast<std::uint64_t>(shard) << 40) ^ offset;
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  return static_cast<std::uint8_t>(x);
-}
-
-std::uint64_t fnv(const std::uint8_t* bytes, std::size_t size) {
-  std::uint64_t hash = 0xcbf29ce484222325ULL;
-  for (std::size_t i = 0; i < size; ++i) {
-    hash ^= bytes[i];
-    hash *= 0x100000001b3ULL;
-  }
-  return hash;
-}
-
-Checksums checksums_of(const std::vector<std::uint8_t>& buffer) {
-  return {fnv(buffer.data(), kTensorBytes[0]), fnv(buffer.data() + kTensorBytes[0], kTensorBytes[1])};
-}
-
-LayoutRef layout_for(std::uint32_t shard) {
-  return ShardLayout::make({{"layer." + std::to_string(shard) + ".weight", DType::kBFloat16,
-                             kTensorBytes[0]},
-                            {"layer." + std::to_string(shard) + ".bias", DType::kFloat32,
-                             kTensorBytes[1]}})
-      .value();
-}
 
 // ---- The fleet -----------------------------------------------------------------------------------
 
@@ -76,6 +44,8 @@ struct Replica {
   std::string datacenter;
   bool spot = false;
   bool trainer = false;
+  std::uint32_t num_shards = 1;
+  std::optional<Placement> placement;  // the layouts workload: how it places the model's tensors
   Retention retention;
   std::uint64_t incarnation = 1;
   bool crashed = false;
@@ -142,6 +112,10 @@ struct Worker {
   std::int64_t skew_ppm = 0;
   TimeMs clock_offset_ms = 0;
   TimeMs local_last_ms = 0;
+  // What its buffers hold for each version (its layout: the layouts workload's placements, or the
+  // other workloads' two tensors), and their size as modelled for the data plane's timing.
+  std::shared_ptr<const ShardContent> content;
+  std::uint64_t modelled_bytes = 0;
   // The process's memory: registered buffers, offload copies, data-server grants.
   std::vector<std::uint8_t> buffer;
   std::optional<Version> buffer_version;  // what the first buffer_bytes (modelled) hold
@@ -191,8 +165,16 @@ struct Flow {
   bool granted = false;    // the source had a grant for this read (a missing one is then revoked)
   ReadFailure fail_reason = ReadFailure::kSourceUnreachable;
   double fail_at_progress = -1;  // an injected failure once this much has moved
-  // A bit flipped on the way (knob corrupt): the real byte at this offset, this bit.
+  // A bit flipped on the way (knob corrupt): the real byte at this offset, this bit (of all the
+  // bytes a read across layouts reads).
   std::optional<std::pair<std::size_t, int>> flip;
+  double total = 0;        // modelled bytes to move
+  // A read from a source of another layout (StartRead::reshard): its plan, the process serving
+  // each source shard (-1: none runs), those that had a grant, and the pieces landed so far.
+  std::shared_ptr<const ReshardRead> reshard;
+  std::vector<int> sources;
+  std::vector<bool> granted_shards;
+  std::size_t landed = 0;
 };
 
 // ---- Events --------------------------------------------------------------------------------------
@@ -414,6 +396,7 @@ class Simulation {
         replica.name = model + "-trainer" + std::to_string(t);
         replica.datacenter = "dc0";
         replica.trainer = true;
+        replica.placement = knobs_.trainer_placement;
         if (plan_ != nullptr) replica.final_target = plan_->versions;
         // Trainers keep what rollouts follow: latest-k when they lag by k, else latest or nothing.
         if (knobs_.off_by > 0) {
@@ -428,6 +411,7 @@ class Simulation {
         replica.model = static_cast<int>(m);
         replica.name = model + "-rollout" + std::to_string(r);
         replica.spot = r < knobs_.spot_rollouts;
+        if (r < knobs_.rollout_placements.size()) replica.placement = knobs_.rollout_placements[r];
         replica.datacenter =
             r >= knobs_.rollouts - knobs_.remote_rollouts
                 ? "dc" + std::to_string(1 + r % knobs_.remote_datacenters)
@@ -449,10 +433,18 @@ class Simulation {
       gpus_placed_ = (gpus_placed_ + gpus_per_node - 1) / gpus_per_node * gpus_per_node;
     }
     replica_index_.emplace(replica.name, index);
-    for (std::uint32_t shard = 0; shard < knobs_.shards; ++shard) {
+    replica.num_shards = replica.placement ? replica.placement->shards : knobs_.shards;
+    // Modelled sizes scale with the real buffers: knobs_.shard_bytes is a shard of the other
+    // workloads, and all of the model in bfloat16 in the layouts workload (a TP=8 shard an eighth
+    // of it), so that reading whole pieces across layouts stays within the liveness bound.
+    const std::uint64_t reference_bytes =
+        knobs_.trainer_placement ? model_bytes() : ShardContent::plain(0)->size();
+    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
       Worker worker;
       worker.replica = index;
       worker.shard = shard;
+      worker.content = replica.placement ? ShardContent::placed(*replica.placement, shard) : ShardContent::plain(shard);
+      worker.modelled_bytes = knobs_.shard_bytes * worker.content->size() / reference_bytes;
       worker.node = gpus_placed_++ / gpus_per_node;
       if (plan_ != nullptr) worker.nic_factor = plan_nic_factor(options_.seed, workers_.size(), plan_->nic_jitter);
       worker.straggler = rng_.chance(knobs_.straggler_fraction);
@@ -496,7 +488,7 @@ class Simulation {
     clients_[config.client] = w;
     worker.alive = true;
     worker.agent_wake_at = -1;
-    worker.buffer.assign(kBufferBytes, 0);
+    worker.buffer.assign(worker.content->size(), 0);
     worker.buffer_version.reset();
     worker.buffer_bytes = 0;
     worker.buffer_corrupt = worker.buffer_tampered = false;
@@ -757,7 +749,10 @@ class Simulation {
               << " message " << effect.message.index();
     if (const auto* read = std::get_if<StartRead>(&effect.message)) {
       std::cerr << " start-read t" << read->transfer << "/" << read->epoch << " v" << read->version
-                << " from " << read->source.replica << " (" << read->source.datacenter << ")";
+                << " from " << read->source.replica << " (" << read->source.datacenter << ")"
+                << (read->source.kind == CopyKind::kOffload ? " offload copy" : "")
+                << (read->source.partial ? " partial" : "")
+                << (read->reshard.empty() ? "" : " across layouts, " + std::to_string(read->reshard.size()) + " shards");
     }
     if (const auto* serve = std::get_if<ServeRead>(&effect.message)) {
       std::cerr << " serve t" << serve->transfer << "/" << serve->epoch << " v" << serve->version
@@ -799,6 +794,8 @@ class Simulation {
     if (!heartbeat_only && (plan_ == nullptr || ++hub_checks_skipped_ % plan_->check_every == 0)) {
       hub.check_invariants();
     }
+    // (Logged before the observer judges them: a replay shows the step that broke a rule.)
+    for (const Effect& effect : hub_effects_) log_effect(server, effect);
     // The observer follows the server that serves: the primary, then the backup after a failover.
     const bool active = server == (servers_alive_[0] ? 0 : 1);
     if (active) {
@@ -807,7 +804,6 @@ class Simulation {
       if (!observer_.violations().empty()) throw Violation(observer_.violations().front());
     }
     for (const Effect& effect : hub_effects_) {
-      log_effect(server, effect);
       trace_.mix(effect.client << 8 | effect.message.index());
       if (const auto* evicted = std::get_if<Evicted>(&effect.message)) {
         if (evicted->reason != Errc::kUnknownClient) ++result_.evictions;
@@ -838,25 +834,33 @@ class Simulation {
   void begin_read(int w, const StartRead& read) {
     const bool seed = read.offload_copy != 0;
     if (!seed) check_may_write(w, read.version);
-    auto source = clients_of_replica(read.source.replica, read.source.incarnation, read.shard);
+    Worker& reader = workers_[w];
     Flow flow;
     flow.reader = w;
-    flow.source = source.value_or(-1);
     flow.read = read;
     flow.started_ms = now_;
     flow.remote = read.source.datacenter != replica_of(w).datacenter;
+    flow.total = static_cast<double>(reader.modelled_bytes);
+    check_vouched(w, read.version, read.checksums, read.reshard.empty());
+    if (read.reshard.empty()) {
+      check_same_layout(w, read);
+      flow.source = clients_of_replica(read.source.replica, read.source.incarnation, read.shard).value_or(-1);
+    } else {
+      flow.source = -1;  // every source shard it needs: flow.sources
+      begin_reshard(w, flow);
+    }
     if (faults_on_ && rng_.chance(knobs_.read_failure)) {
-      flow.fail_at_progress = rng_.unit() * static_cast<double>(knobs_.shard_bytes);
+      flow.fail_at_progress = rng_.unit() * flow.total;
     }
     // (Drawn only where the knob is on, so that seeds without it run as they did before it.)
     if (faults_on_ && knobs_.corrupt > 0 && rng_.chance(knobs_.corrupt)) {
-      flow.flip = {static_cast<std::size_t>(rng_.below(kBufferBytes)), static_cast<int>(rng_.below(8))};
+      const std::uint64_t bytes = flow.reshard ? flow.reshard->bytes_before(flow.reshard->pieces()) : reader.buffer.size();
+      flow.flip = {static_cast<std::size_t>(rng_.below(bytes)), static_cast<int>(rng_.below(8))};
     }
-    Worker& reader = workers_[w];
     // Every byte of the destination is written anew from the source before the read completes.
     if (seed) {
       // Offload seeding: into a CPU buffer of its own (created now, freed by FreeOffload).
-      reader.offloads.try_emplace(read.version, kBufferBytes, std::uint8_t{0});
+      reader.offloads.try_emplace(read.version, reader.buffer.size(), std::uint8_t{0});
       reader.offloads_corrupt.erase(read.version);
     } else {
       reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
@@ -870,6 +874,35 @@ class Simulation {
     }
   }
 
+  // The checksums the hub gave a reader are those of the version's bytes in the reader's layout
+  // (null only for a read across layouts of one whose copies none completed yet).
+  void check_vouched(int w, Version version, const ChecksumsRef& checksums, bool needed) const {
+    const Worker& reader = workers_[w];
+    if (checksums == nullptr && !needed) return;
+    const ShardContent& content = *reader.content;
+    if (checksums == nullptr || *checksums != content.checksums(content.bytes(replicas_[reader.replica].model, version))) {
+      throw Violation("integrity: " + replicas_[reader.replica].name + "/" + std::to_string(reader.shard) +
+                      " is told to verify version " + std::to_string(version) + " against " +
+                      (checksums == nullptr ? "no checksums" : "checksums of other bytes"));
+    }
+  }
+
+  // A read of the reader's own layout reads shard i of the source into shard i: the source's
+  // shard must hold the same tensors the same way.
+  void check_same_layout(int w, const StartRead& read) const {
+    const Worker& reader = workers_[w];
+    auto found = replica_index_.find(read.source.replica);
+    if (found == replica_index_.end()) return;
+    const Replica& source = replicas_[found->second];
+    if (read.shard < source.num_shards &&
+        workers_[source.workers[read.shard]].content->layout()->digest() == reader.content->layout()->digest()) {
+      return;
+    }
+    throw Violation("layouts: " + replicas_[reader.replica].name + "/" + std::to_string(reader.shard) + " is sent to read shard " +
+                    std::to_string(read.shard) + " of " + source.name + " byte for byte (no reshard list), whose " +
+                    (read.shard < source.num_shards ? "tensors differ from its own" : "replica has fewer shards"));
+  }
+
   // The process that serves shard `shard` of this incarnation of the replica, if it still runs.
   std::optional<int> clients_of_replica(const std::string& name, std::uint64_t incarnation,
                                         std::uint32_t shard) const {
@@ -879,6 +912,175 @@ class Simulation {
     const Worker& worker = workers_[w];
     if (!worker.alive || worker.agent->incarnation() != incarnation) return std::nullopt;
     return w;
+  }
+
+  static std::string endpoint_of(const std::string& replica, std::uint32_t shard) {
+    return "sim://" + replica + "/" + std::to_string(shard);
+  }
+
+  // ---- reads across layouts (sim/layouts.h) ----
+
+  // The hub lists every shard of the source copy, in shard order, with where it serves, how it
+  // holds its tensors and the checksums of its bytes: each must be what that shard has.
+  void begin_reshard(int w, Flow& flow) {
+    const StartRead& read = flow.read;
+    const Worker& reader = workers_[w];
+    const std::string who = replica_of(w).name + "/" + std::to_string(reader.shard) + " reading v" +
+                            std::to_string(read.version) + " across layouts from " + read.source.replica;
+    if (read.offload_copy != 0) throw Violation("layouts: " + who + " into a seed copy (a seed reads its own layout)");
+    auto found = replica_index_.find(read.source.replica);
+    if (found == replica_index_.end()) throw Violation("layouts: " + who + ", which is no replica");
+    const Replica& source = replicas_[found->second];
+    if (read.reshard.size() != source.num_shards) {
+      throw Violation("layouts: " + who + ": the read lists " + std::to_string(read.reshard.size()) +
+                      " source shards, the copy has " + std::to_string(source.num_shards));
+    }
+    for (std::uint32_t shard = 0; shard < source.num_shards; ++shard) {
+      const SourceShard& listed = read.reshard[shard];
+      const ShardContent& holds = *workers_[source.workers[shard]].content;
+      const std::string entry = "the read's source shard " + std::to_string(shard);
+      if (listed.endpoint != endpoint_of(source.name, shard)) {
+        throw Violation("layouts: " + who + ": " + entry + " is at '" + listed.endpoint + "'");
+      }
+      if (listed.layout == nullptr || listed.layout->digest() != holds.layout()->digest()) {
+        throw Violation("layouts: " + who + ": " + entry + " is described otherwise than it holds its tensors");
+      }
+      if (listed.checksums == nullptr || *listed.checksums != holds.checksums(holds.bytes(source.model, read.version))) {
+        throw Violation("layouts: " + who + ": " + entry + " comes with checksums that are not version " +
+                        std::to_string(read.version) + "'s");
+      }
+      flow.sources.push_back(clients_of_replica(source.name, read.source.incarnation, shard).value_or(-1));
+    }
+    auto planned = ReshardRead::plan(read, reader.content->layout());
+    if (!planned.ok()) {
+      throw Violation("layouts: " + who + ", whose layout cannot fill the reader's: " + planned.error().detail);
+    }
+    flow.reshard = std::make_shared<const ReshardRead>(std::move(planned.value()));
+    flow.granted_shards.assign(source.num_shards, false);
+    // Whole pieces move: often more than the reader keeps.
+    flow.total = static_cast<double>(reader.modelled_bytes) *
+                 static_cast<double>(flow.reshard->bytes_before(flow.reshard->pieces())) /
+                 static_cast<double>(reader.content->size());
+  }
+
+  // The processes a flow reads from now: its source, or the source shards a read across layouts
+  // has still to read from.
+  std::vector<int> serving(const Flow& flow) const {
+    std::vector<int> processes;
+    if (!flow.reshard) {
+      if (flow.source >= 0) processes.push_back(flow.source);
+      return processes;
+    }
+    for (std::size_t piece = flow.landed; piece < flow.reshard->pieces(); ++piece) {
+      const int process = flow.sources[flow.reshard->shard_of(piece)];
+      if (process >= 0 && (processes.empty() || processes.back() != process)) processes.push_back(process);
+    }
+    return processes;
+  }
+
+  void advance_reshard(Flow& flow) {
+    const ReshardRead& plan = *flow.reshard;
+    const Worker& reader = workers_[flow.reader];
+    const StartRead& read = flow.read;
+    double rate = bandwidth(reader) / downloads_[flow.reader];
+    // Each source shard it has still to read from must run, and serve under a grant for this
+    // transfer and epoch (a missing one after a grant was seen was revoked).
+    for (std::size_t piece = flow.landed; piece < plan.pieces(); ++piece) {
+      const std::uint32_t shard = plan.shard_of(piece);
+      const int process = flow.sources[shard];
+      if (process < 0 || !workers_[process].alive) {
+        flow.fail_at = now_ + kReadTimeoutMs;  // the reader waits out a dead source
+        return;
+      }
+      const Worker& source = workers_[process];
+      auto grant = source.grants.find({read.transfer, read.epoch});
+      if (grant == source.grants.end() || grant->second.version != read.version ||
+          grant->second.kind != read.source.kind || grant->second.shard != shard) {
+        if (flow.granted_shards[shard] || now_ - flow.started_ms >= kGrantGraceMs) {
+          flow.fail_at = now_;
+          flow.fail_reason = ReadFailure::kSourceRefused;
+        }
+        return;
+      }
+      flow.granted_shards[shard] = true;
+      rate = std::min(rate, bandwidth(source) / uploads_[process]);
+    }
+    if (flow.fail_at_progress >= 0 && flow.progress >= flow.fail_at_progress) {
+      flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
+      return;
+    }
+    if (flow.remote && knobs_.remote_bytes_per_ms > 0) {
+      rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote_flows_);
+    }
+    flow.progress = std::min(flow.total, flow.progress + rate * kDataTickMs);
+    const auto all = static_cast<double>(plan.bytes_before(plan.pieces()));
+    while (flow.landed < plan.pieces() &&
+           (flow.progress >= flow.total ||
+            flow.progress >= flow.total * static_cast<double>(plan.bytes_before(flow.landed + 1)) / all)) {
+      if (!land_piece(flow)) return;  // that ended the read
+      ++flow.landed;
+    }
+    if (flow.landed < plan.pieces()) return;
+    // What it assembled, against what an earlier copy of its layout holds where the hub knows it.
+    auto assembled = std::make_shared<const Checksums>(reader.content->checksums(reader.buffer));
+    if (read.checksums != nullptr && *read.checksums != *assembled) {
+      finish_flow(flow, ReadFailure::kChecksumMismatch);
+      return;
+    }
+    workers_[flow.reader].buffer_bytes = reader.modelled_bytes;
+    finish_flow(flow, std::nullopt, std::move(assembled));
+  }
+
+  // Reads the next piece of a read across layouts whole from its source shard, verifies it and
+  // lands it; false if that ended the read (its bytes failed their checksum, or were refused).
+  bool land_piece(Flow& flow) {
+    const ReshardRead& plan = *flow.reshard;
+    const std::size_t piece = flow.landed;
+    const std::uint32_t shard = plan.shard_of(piece);
+    const Worker& source = workers_[flow.sources[shard]];
+    Worker& reader = workers_[flow.reader];
+    const StartRead& read = flow.read;
+    const std::string who = replica_of(flow.reader).name + "/" + std::to_string(reader.shard) + " reads v" +
+                            std::to_string(read.version) + " across layouts from shard " + std::to_string(shard) +
+                            " of " + read.source.replica;
+    const std::vector<std::uint8_t>* bytes = &source.buffer;
+    bool corrupt = source.buffer_corrupt;
+    if (read.source.kind == CopyKind::kOffload) {
+      auto offload = source.offloads.find(read.version);
+      if (offload == source.offloads.end()) throw Violation("integrity: " + who + ", an offload copy it freed");
+      bytes = &offload->second;
+      corrupt = source.offloads_corrupt.contains(read.version);
+    } else if (source.buffer_version != read.version || source.buffer_bytes < source.modelled_bytes) {
+      throw Violation("layouts: " + who + ", whose buffers hold " +
+                      (source.buffer_version == read.version ? "part of it" : "another version") +
+                      ": only a complete copy serves another layout");
+    }
+    // Only a fault may have put other bytes there (DESIGN.md §5.1).
+    const auto [begin, end] = plan.span(piece);
+    const int model = replica_of(flow.reader).model;
+    for (std::uint64_t offset = begin; !corrupt && offset < std::min<std::uint64_t>(end, bytes->size()); ++offset) {
+      if ((*bytes)[offset] != source.content->byte(model, read.version, offset)) {
+        throw Violation("integrity: " + who + ": a byte that is not the version's (the source's buffers "
+                        "changed under a grant to read them)");
+      }
+    }
+    check_may_write(flow.reader, read.version);
+    std::optional<std::pair<std::uint64_t, int>> flip;
+    if (flow.flip && flow.flip->first >= plan.bytes_before(piece) && flow.flip->first < plan.bytes_before(piece + 1)) {
+      flip = {flow.flip->first - plan.bytes_before(piece), flow.flip->second};
+    }
+    switch (plan.land(piece, *bytes, flip, reader.buffer)) {
+      case ReshardRead::Landed::kLanded:
+        return true;
+      case ReshardRead::Landed::kChecksumMismatch:
+        finish_flow(flow, ReadFailure::kChecksumMismatch);
+        return false;
+      case ReshardRead::Landed::kOutOfBounds:
+        finish_flow(flow, ReadFailure::kSourceRefused);
+        return false;
+    }
+    TH_ASSERT(false, "every outcome of a landing is handled");
+    return false;
   }
 
   double bandwidth(const Worker& worker) const {
@@ -900,11 +1102,12 @@ class Simulation {
     tick_keys_.clear();
     for (const auto& [key, flow] : flows_) {
       tick_keys_.push_back(key);
-      if (flow.source >= 0) ++uploads_[flow.source];
+      const std::vector<int> sources = serving(flow);
+      for (int source : sources) ++uploads_[source];
       ++downloads_[flow.reader];
       if (!flow.remote) continue;
       ++remote_flows_;
-      if (flow.source >= 0) ++remote_up_[workers_[flow.source].node];
+      for (int source : sources) ++remote_up_[workers_[source].node];
       ++remote_down_[workers_[flow.reader].node];
     }
     for (const auto& key : tick_keys_) {
@@ -915,7 +1118,7 @@ class Simulation {
     schedule(now_ + kDataTickMs, Event(EventKind::kDataTick));
   }
 
-  void finish_flow(const Flow& finished, std::optional<ReadFailure> failure) {
+  void finish_flow(const Flow& finished, std::optional<ReadFailure> failure, ChecksumsRef assembled = nullptr) {
     const Flow flow = finished;  // `finished` lives in flows_, which the erase below frees
     const int reader = flow.reader;
     const StartRead& read = flow.read;
@@ -924,6 +1127,7 @@ class Simulation {
       ++result_.reads_failed;
     } else {
       ++result_.reads;
+      if (flow.reshard) ++result_.reads_across;
     }
     workers_[reader].finished_reads[read.transfer] =
         Worker::FinishedRead{read.epoch, read.version, read.offload_copy != 0};
@@ -946,7 +1150,7 @@ class Simulation {
                                       read.source.kind == CopyKind::kOffload});
       }
     }
-    agent_step(reader, ReadFinished{read.transfer, read.epoch, failure, nullptr});
+    agent_step(reader, ReadFinished{read.transfer, read.epoch, failure, std::move(assembled)});
   }
 
   void advance_flow(Flow& flow) {
@@ -959,6 +1163,7 @@ class Simulation {
       if (now_ >= flow.fail_at) finish_flow(flow, flow.fail_reason);
       return;
     }
+    if (flow.reshard) return advance_reshard(flow);
     if (flow.source < 0 || !workers_[flow.source].alive) {
       flow.fail_at = now_ + kReadTimeoutMs;  // the reader waits out a dead source
       return;
@@ -977,7 +1182,7 @@ class Simulation {
       return;
     }
     flow.granted = true;
-    const double total = static_cast<double>(knobs_.shard_bytes);
+    const double total = flow.total;
     if (flow.fail_at_progress >= 0 && flow.progress >= flow.fail_at_progress) {
       flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
       return;
@@ -1015,7 +1220,8 @@ class Simulation {
       available = static_cast<double>(source.buffer_bytes);
     }
     flow.progress = std::min(flow.progress + rate * kDataTickMs, std::max(available, flow.progress));
-    const auto target = static_cast<std::size_t>(flow.progress / total * kBufferBytes);
+    const std::size_t size = reader.buffer.size();
+    const auto target = static_cast<std::size_t>(flow.progress / total * static_cast<double>(size));
     const int model = replicas_[reader.replica].model;
     const bool seed = read.offload_copy != 0;
     std::vector<std::uint8_t>* into = &reader.buffer;
@@ -1028,9 +1234,9 @@ class Simulation {
       into = &buffer->second;
     }
     bool corrupted = false;
-    for (std::size_t offset = flow.copied; offset < std::min(target, kBufferBytes); ++offset) {
+    for (std::size_t offset = flow.copied; offset < std::min(target, size); ++offset) {
       std::uint8_t byte = (*bytes)[offset];
-      if (byte != content(model, read.version, read.shard, offset)) {
+      if (byte != source.content->byte(model, read.version, offset)) {
         // Only a fault may have put it there; any other wrong byte is a buffer that changed under
         // a grant to read it (DESIGN.md §5.1).
         if (!source_corrupt) {
@@ -1049,19 +1255,19 @@ class Simulation {
     }
     if (corrupted && seed) reader.offloads_corrupt.insert(read.version);
     if (corrupted && !seed) reader.buffer_corrupt = true;
-    if (!seed && flow.copied < std::min(target, kBufferBytes)) check_may_write(flow.reader, read.version);
-    flow.copied = std::max(flow.copied, std::min(target, kBufferBytes));
+    if (!seed && flow.copied < std::min(target, size)) check_may_write(flow.reader, read.version);
+    flow.copied = std::max(flow.copied, std::min(target, size));
     if (!seed) reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
     if (flow.progress < total) return;
     // Every tensor is checked against the checksums the hub gave with the instruction.
-    const bool matches = checksums_of(*into) == *read.checksums;
+    const bool matches = reader.content->checksums(*into) == *read.checksums;
     finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
   }
 
   void offload_copied(int w, Version version) {
     if (!alive(w)) return;
     Worker& worker = workers_[w];
-    if (worker.buffer_version != version || worker.buffer_bytes < knobs_.shard_bytes) {
+    if (worker.buffer_version != version || worker.buffer_bytes < worker.modelled_bytes) {
       // The buffers moved on while they were copied: the copy holds other bytes. The agent hears
       // of it all the same, as from a real data plane, and must free it: never keep or report it.
       torn_offload_ = version;
@@ -1105,13 +1311,17 @@ class Simulation {
     } else if (worker.buffer_version != read.version) {
       return;  // read again since: the report repeats an earlier one
     }
-    const int model = replica_of(w).model;
-    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
-      if ((*bytes)[offset] != content(model, read.version, worker.shard, offset)) {
-        throw Violation("integrity: " + who + " reports done a read of version " +
-                        std::to_string(read.version) + (read.seed ? " (an offload seed)" : "") +
-                        " whose bytes fail the version's checksums");
-      }
+    // The version's bytes in the reader's own layout, whatever layout it read them from.
+    const std::vector<std::uint8_t> expected = worker.content->bytes(replica_of(w).model, read.version);
+    if (*bytes != expected) {
+      throw Violation("integrity: " + who + " reports done a read of version " +
+                      std::to_string(read.version) + (read.seed ? " (an offload seed)" : "") +
+                      " whose bytes fail the version's checksums");
+    }
+    // After a read across layouts it vouches for them: with their checksums, no other.
+    if (done->checksums != nullptr && *done->checksums != worker.content->checksums(expected)) {
+      throw Violation("integrity: " + who + " reports done a read of version " + std::to_string(read.version) +
+                      " across layouts with the checksums of other bytes");
     }
   }
 
@@ -1189,12 +1399,12 @@ class Simulation {
         open.replica = replica.name;
         open.incarnation = replica.incarnation;
         open.shard = worker.shard;
-        open.num_shards = knobs_.shards;
+        open.num_shards = replica.num_shards;
         open.datacenter = replica.datacenter;
         open.spot = replica.spot;
         open.role = replica.trainer ? "trainer" : "rollout";
         open.retention = replica.retention;
-        open.data_endpoint = "sim://" + replica.name + "/" + std::to_string(worker.shard);
+        open.data_endpoint = endpoint_of(replica.name, worker.shard);
         call(w, open, "open");
         return;
       }
@@ -1203,8 +1413,8 @@ class Simulation {
         // if a fault changed them since and they are not published).
         const bool tampered = worker.buffer_tampered && !worker.agent->held();
         if (worker.buffer_version != app.version || tampered) write_version(w, app.version);
-        call(w, PublishRequest{app.version, layout_for(worker.shard),
-                               std::make_shared<const Checksums>(checksums_of(worker.buffer))},
+        call(w, PublishRequest{app.version, worker.content->layout(),
+                               std::make_shared<const Checksums>(worker.content->checksums(worker.buffer))},
              "publish v" + std::to_string(app.version));
         return;
       }
@@ -1229,7 +1439,7 @@ class Simulation {
         rollout_call(w);
         return;
       case App::Next::kReplicate:
-        call(w, ReplicateRequest{app.replicate_selector, layout_for(worker.shard),
+        call(w, ReplicateRequest{app.replicate_selector, worker.content->layout(),
                                  app.replicate_timeout_ms},
              "replicate " + format_selector(app.replicate_selector));
         if (faults_on_) {
@@ -1248,7 +1458,7 @@ class Simulation {
     Worker& worker = workers_[w];
     App& app = worker.app;
     auto update = [&] {
-      call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+      call(w, UpdateRequest{Selector::latest(knobs_.off_by), worker.content->layout()}, "update");
     };
     if (!faults_on_) return update();
     const std::uint64_t choice = program_choice(worker.replica, replica_of(w).incarnation,
@@ -1310,12 +1520,9 @@ class Simulation {
                         "read them is active");
       }
     }
-    const int model = replica_of(w).model;
-    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
-      worker.buffer[offset] = content(model, version, worker.shard, offset);
-    }
+    worker.buffer = worker.content->bytes(replica_of(w).model, version);
     worker.buffer_version = version;
-    worker.buffer_bytes = knobs_.shard_bytes;
+    worker.buffer_bytes = worker.modelled_bytes;
     worker.buffer_corrupt = worker.buffer_tampered = false;
   }
 
@@ -1339,13 +1546,29 @@ class Simulation {
     Worker& worker = workers_[w];
     if (worker.buffer_tampered) return;
     const int model = replica_of(w).model;
-    for (std::size_t offset = 0; offset < kBufferBytes; ++offset) {
-      if (worker.buffer[offset] != content(model, version, worker.shard, offset)) {
-        throw Violation("integrity: " + replica_of(w).name + "/" + std::to_string(worker.shard) +
-                        " keeps bytes that are not version " + std::to_string(version) + " after " +
-                        after);
+    const std::vector<std::uint8_t> expected = worker.content->bytes(model, version);
+    if (worker.buffer == expected) return;
+    // Which tensor differs, and whose bytes it holds if another version's (a mix of versions).
+    const ShardContent& content = *worker.content;
+    std::string which;
+    for (std::size_t tensor = 0; which.empty() && tensor < content.layout()->tensors().size(); ++tensor) {
+      const auto begin = static_cast<std::ptrdiff_t>(content.offset(tensor));
+      const auto end = static_cast<std::ptrdiff_t>(content.offset(tensor + 1));
+      if (std::equal(worker.buffer.begin() + begin, worker.buffer.begin() + end, expected.begin() + begin)) continue;
+      which = " (tensor '" + content.layout()->tensors()[tensor].name + "' differs";
+      for (Version other = 1; other <= published_[model] + 1; ++other) {
+        const std::vector<std::uint8_t> then = content.bytes(model, other);
+        if (std::equal(worker.buffer.begin() + begin, worker.buffer.begin() + end, then.begin() + begin)) {
+          which += ": it holds version " + std::to_string(other) + "'s";
+          break;
+        }
       }
+      which += ")";
     }
+    throw Violation("integrity: " + replica_of(w).name + "/" + std::to_string(worker.shard) +
+                    " keeps bytes that are not version " + std::to_string(version) +
+                    (replica_of(w).placement ? " in its layout (" + describe(*replica_of(w).placement) + ")" : "") +
+                    which + " after " + after);
   }
 
   void call_done(int w, const CallDone& done) {
@@ -1506,7 +1729,7 @@ class Simulation {
            "wait for v" + std::to_string(held + 1 + knobs_.off_by));
       return;
     }
-    call(w, UpdateRequest{Selector::latest(knobs_.off_by), layout_for(worker.shard)}, "update");
+    call(w, UpdateRequest{Selector::latest(knobs_.off_by), worker.content->layout()}, "update");
   }
 
   void plan_rollout_done(int w, const Outcome& outcome) {
@@ -1648,7 +1871,7 @@ class Simulation {
       if (!worker.alive) continue;
       const std::optional<HeldCopy>& held = worker.agent->held();
       if (!held || worker.buffer_tampered || worker.buffer_version != held->version ||
-          worker.buffer_bytes < knobs_.shard_bytes) {
+          worker.buffer_bytes < worker.modelled_bytes) {
         continue;
       }
       published.push_back(static_cast<int>(w));
@@ -1658,7 +1881,7 @@ class Simulation {
     if (candidates.empty()) return;
     const int w = candidates[rng_.below(candidates.size())];
     Worker& worker = workers_[w];
-    worker.buffer[rng_.below(kBufferBytes)] ^= static_cast<std::uint8_t>(1U << rng_.below(8));
+    worker.buffer[rng_.below(worker.buffer.size())] ^= static_cast<std::uint8_t>(1U << rng_.below(8));
     worker.buffer_corrupt = worker.buffer_tampered = true;
     trace_.instant(w + 1, "buffers tampered with", "failure", now_);
     if (options_.verbose) {
@@ -1671,8 +1894,10 @@ class Simulation {
   void crash_someone() {
     std::vector<int> candidates;
     for (const auto& [key, flow] : flows_) {
-      for (int w : {flow.reader, flow.source}) {
-        if (w >= 0 && !replica_of(w).trainer) candidates.push_back(workers_[w].replica);
+      std::vector<int> involved = serving(flow);
+      involved.insert(involved.begin(), flow.reader);
+      for (int w : involved) {
+        if (!replica_of(w).trainer) candidates.push_back(workers_[w].replica);
       }
     }
     if (candidates.empty() || rng_.chance(0.3)) {
@@ -1700,11 +1925,12 @@ class Simulation {
   void crash_rack_of(int replica, TimeMs restart_after_ms) {
     std::set<int> serving;
     for (const auto& [key, flow] : flows_) {
-      if (flow.source < 0) continue;
-      const int r = workers_[flow.source].replica;
-      if (r != replica && !replicas_[r].trainer && !replicas_[r].crashed &&
-          replicas_[r].datacenter == replicas_[replica].datacenter) {
-        serving.insert(r);
+      for (int source : this->serving(flow)) {
+        const int r = workers_[source].replica;
+        if (r != replica && !replicas_[r].trainer && !replicas_[r].crashed &&
+            replicas_[r].datacenter == replicas_[replica].datacenter) {
+          serving.insert(r);
+        }
       }
     }
     if (options_.verbose && !serving.empty()) {
@@ -1857,6 +2083,7 @@ class Simulation {
                  << flow.read.source.replica << " t" << flow.read.transfer << "/" << flow.read.epoch
                  << " v" << flow.read.version << " " << static_cast<std::uint64_t>(flow.progress)
                  << "B" << (flow.granted ? " granted" : " ungranted");
+        if (flow.reshard) problems << " across layouts (" << flow.landed << "/" << flow.reshard->pieces() << " pieces)";
         if (flow.source >= 0) {
           const Worker& source = workers_[flow.source];
           problems << " (source " << (source.alive ? "alive" : "dead") << " buffer v"
@@ -1970,7 +2197,9 @@ std::string SimResult::summary() const {
   out << (ok ? "ok" : "VIOLATION") << ": " << events << " events, "
       << static_cast<double>(virtual_ms) / 1000.0
       << " s simulated, " << calls << " calls, " << versions << " publishes, " << reads
-      << " shard reads (" << reads_failed << " failed), " << crashes << " crashes, "
+      << " shard reads (" << reads_failed << " failed"
+      << (reads_across > 0 ? ", " + std::to_string(reads_across) + " across layouts" : std::string()) << "), "
+      << crashes << " crashes, "
       << divergence_restarts << " divergence restarts, " << evictions
       << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << seeds
       << " seeds, " << messages

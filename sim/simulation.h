@@ -101,6 +101,7 @@ struct SimResult {
   std::uint64_t versions = 0;       // published, all models
   std::uint64_t reads = 0;          // completed shard reads
   std::uint64_t reads_failed = 0;
+  std::uint64_t reads_across = 0;   // of the completed: from a copy of another layout (layouts workload)
   std::uint64_t crashes = 0;
   std::uint64_t divergence_restarts = 0;  // replicas their framework restarted after a divergence
   std::uint64_t evictions = 0;

@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <span>
+#include <thread>
 
 #include "client/convert.h"
 #include "core/assert.h"
@@ -98,6 +101,22 @@ struct Buffer {
   }
 };
 
+// At most this many pieces of one read are in flight, each on its own connection and with its own
+// scratch buffer: a piece's bytes cross the network while others are verified and landed, and
+// the source's shards serve side by side (measured: bench/run-reshard, bench/README.md).
+constexpr std::size_t kReshardPullsInFlightMax = 4;
+
+// What one pull brings: a source shard's packed prefix (and the packed pieces in it), or one big
+// piece (a region of its own).
+struct Unit {
+  std::uint32_t shard = 0;
+  std::uint32_t region = 0;
+  std::uint64_t bytes = 0;            // read from the region's start
+  std::vector<std::size_t> reads;     // indices into the plan's reads
+  // Where the bytes land straight from the network, or null: through a lane's scratch buffer.
+  std::byte* direct = nullptr;
+};
+
 // Carries out one plan into one reader shard's buffers.
 class Reshard {
  public:
@@ -108,19 +127,27 @@ class Reshard {
     pull_.streams = 1;      // one region per pull
     pull_.ipc = nullptr;    // into host memory
     pull_.on_progress = nullptr;
-    pull_.cancelled = [this] { return cancelled_.load(); };
+    // A piece that failed stops the others' pulls too.
+    pull_.cancelled = [this] { return cancelled_.load() || stopping_.load(); };
     for (const SourceShard& shard : read.reshard) geometry_.push_back(data_plane_geometry(*shard.layout));
   }
 
   // The outcome, with what was read on the way whatever it is (the handle's stats count it).
   ReshardOutcome run() {
     ReshardOutcome outcome = run_pieces();
-    outcome.bytes_read = bytes_read_;
-    outcome.pieces_read = pieces_read_;
+    outcome.bytes_read = bytes_read_.load();
+    outcome.pieces_read = pieces_read_.load();
     return outcome;
   }
 
  private:
+  // The buffers of one piece in flight.
+  struct Lane {
+    Buffer scratch;  // one piece, or one source shard's packed prefix
+    Buffer staging;  // host side of what one piece lands in GPU tensors
+    std::shared_ptr<void> staging_pinned;
+  };
+
   ReshardOutcome run_pieces();
   const TensorSpec& source_tensor(const PieceRead& piece) const {
     return read_.reshard[piece.shard].layout->tensors()[piece.tensor];
@@ -134,11 +161,19 @@ class Reshard {
   std::string source_name(std::uint32_t shard) const {
     return "source shard " + std::to_string(shard) + " (" + read_.reshard[shard].endpoint + ")";
   }
-  std::optional<ReshardOutcome> allocate();
-  // Reads [0, bytes) of `region` of source shard `shard` into the scratch buffer.
-  std::optional<ReshardOutcome> pull(std::uint32_t shard, std::uint32_t region, std::uint64_t bytes);
-  // Verifies the piece at `data` and lands what the reader needs of it.
-  std::optional<ReshardOutcome> verify_and_land(const PieceRead& piece, const std::byte* data);
+  void make_units();
+  // Where a piece lands as it arrives, if it is one run of its destination's elements, of the same
+  // dtype, in host memory (an outer-dimension split): no scratch buffer, no copy. Else null.
+  std::byte* direct_target(const PieceRead& piece) const;
+  std::optional<ReshardOutcome> allocate(std::size_t lanes);
+  // Pulls one unit into the lane's scratch buffer, verifies its pieces and lands them.
+  std::optional<ReshardOutcome> run_unit(const Unit& unit, Lane& lane);
+  // Reads [0, bytes) of `region` of source shard `shard` into `target`.
+  std::optional<ReshardOutcome> pull(std::uint32_t shard, std::uint32_t region, std::uint64_t bytes, std::byte* target);
+  // Checks the piece at `data` against its source shard's checksum.
+  std::optional<ReshardOutcome> verify(const PieceRead& piece, const std::byte* data);
+  // Lands what the reader needs of the verified piece at `data`.
+  void land(const PieceRead& piece, const std::byte* data, Lane& lane);
   // The packed tensors, landed in the packed buffer, into the registered ones (where the
   // application sees them), as a same-layout read scatters them.
   void scatter_packed();
@@ -150,12 +185,13 @@ class Reshard {
   const ReshardPlan& pieces_;
   net::PullOptions pull_;
   const std::atomic<bool>& cancelled_;
+  std::atomic<bool> stopping_{false};
   std::vector<DataPlaneGeometry> geometry_;  // per source shard
-  Buffer scratch_;  // one piece, or one source shard's packed prefix
-  Buffer staging_;  // host side of what one piece lands in GPU tensors
-  std::shared_ptr<void> staging_pinned_;
-  std::uint64_t bytes_read_ = 0;
-  std::uint64_t pieces_read_ = 0;
+  std::vector<Unit> units_;
+  std::vector<Lane> lanes_;
+  std::mutex gpu_mutex_;  // one lane at a time copies into the GPU
+  std::atomic<std::uint64_t> bytes_read_{0};
+  std::atomic<std::uint64_t> pieces_read_{0};
 };
 
 ReshardOutcome cancelled_outcome() {
@@ -164,46 +200,84 @@ ReshardOutcome cancelled_outcome() {
   return outcome;
 }
 
-std::optional<ReshardOutcome> Reshard::allocate() {
+// The plan lists the pieces by source shard, then tensor: a shard's packed pieces come with one
+// read of its packed prefix, then its big pieces one read each.
+void Reshard::make_units() {
+  const auto& reads = pieces_.reads;
+  for (std::size_t first = 0; first < reads.size();) {
+    const std::uint32_t shard = reads[first].shard;
+    Unit packed{shard, 0, 0, {}};
+    std::size_t end = first;
+    for (; end < reads.size() && reads[end].shard == shard; ++end) {
+      if (!packed_at_source(reads[end])) continue;
+      packed.bytes = std::max(packed.bytes, geometry_[shard].packed_offset[reads[end].tensor] + source_tensor(reads[end]).bytes);
+      packed.reads.push_back(end);
+    }
+    if (!packed.reads.empty()) units_.push_back(std::move(packed));
+    for (std::size_t at = first; at < end; ++at) {
+      if (packed_at_source(reads[at])) continue;
+      const DataPlaneGeometry::Place& place = geometry_[shard].place[reads[at].tensor];
+      TH_ASSERT(place.offset_bytes == 0, "a big tensor is a region of its own");
+      units_.push_back(Unit{shard, place.region, source_tensor(reads[at]).bytes, {at}, direct_target(reads[at])});
+    }
+    first = end;
+  }
+}
+
+std::byte* Reshard::direct_target(const PieceRead& piece) const {
+  if (piece.landings.size() != 1 || piece.landings.front().runs.size() != 1) return nullptr;
+  const std::uint32_t index = piece.landings.front().destination;
+  const ElementRun& run = piece.landings.front().runs.front();
+  const TensorSpec& source = source_tensor(piece);
+  const TensorSpec& destination = plan_.layout->tensors()[index];
+  if (destination.dtype != source.dtype || run.source_offset != 0 ||
+      run.count * dtype_bytes(source.dtype) != source.bytes || plan_.packed_offset[index] != Plan::kNotPacked ||
+      plan_.device_tensor(index)) {
+    return nullptr;
+  }
+  TH_ASSERT((run.destination_offset + run.count) * dtype_bytes(destination.dtype) <= destination.bytes,
+            "a run lies in its destination", destination.name);
+  return plan_.tensor_data[index] + run.destination_offset * dtype_bytes(destination.dtype);
+}
+
+std::optional<ReshardOutcome> Reshard::allocate(std::size_t lanes) {
   std::uint64_t scratch_bytes = 0;
   std::uint64_t staging_bytes = 0;
-  std::vector<std::uint64_t> packed_end(read_.reshard.size(), 0);
-  for (const PieceRead& piece : pieces_.reads) {
-    const TensorSpec& tensor = source_tensor(piece);
-    if (packed_at_source(piece)) {
-      const std::uint64_t end = geometry_[piece.shard].packed_offset[piece.tensor] + tensor.bytes;
-      packed_end[piece.shard] = std::max(packed_end[piece.shard], end);
-    } else {
-      scratch_bytes = std::max(scratch_bytes, tensor.bytes);
+  for (const Unit& unit : units_) {
+    if (unit.direct == nullptr) scratch_bytes = std::max(scratch_bytes, unit.bytes);
+    for (const std::size_t at : unit.reads) {
+      std::uint64_t landed_on_device = 0;
+      for (const Landing& landing : pieces_.reads[at].landings) {
+        if (!staged(landing.destination)) continue;
+        const std::uint32_t element_bytes = dtype_bytes(plan_.layout->tensors()[landing.destination].dtype);
+        for (const ElementRun& run : landing.runs) landed_on_device += run.count * element_bytes;
+      }
+      staging_bytes = std::max(staging_bytes, landed_on_device);
     }
-    std::uint64_t landed_on_device = 0;
-    for (const Landing& landing : piece.landings) {
-      if (!staged(landing.destination)) continue;
-      const std::uint32_t element_bytes = dtype_bytes(plan_.layout->tensors()[landing.destination].dtype);
-      for (const ElementRun& run : landing.runs) landed_on_device += run.count * element_bytes;
+  }
+  lanes_.resize(lanes);
+  for (Lane& lane : lanes_) {
+    if (!lane.scratch.allocate(scratch_bytes) || !lane.staging.allocate(staging_bytes)) {
+      return failed(ReadFailure::kSourceUnreachable, "no memory for the read's buffers (" + std::to_string(lanes) +
+                                                         " x " + std::to_string(scratch_bytes) + " + " +
+                                                         std::to_string(staging_bytes) + " bytes)");
     }
-    staging_bytes = std::max(staging_bytes, landed_on_device);
-  }
-  scratch_bytes = std::max(scratch_bytes, *std::max_element(packed_end.begin(), packed_end.end()));
-  if (!scratch_.allocate(scratch_bytes) || !staging_.allocate(staging_bytes)) {
-    return failed(ReadFailure::kSourceUnreachable, "no memory for the read's buffers (" + std::to_string(scratch_bytes) +
-                                                       " + " + std::to_string(staging_bytes) + " bytes)");
-  }
-  // Page-locked, a copy to the GPU runs at the link's speed (pageable memory goes through the
-  // driver's small bounce buffers).
-  if (staging_.size > 0) {
-    TH_ASSERT(plan_.gpu != nullptr, "tensors on a GPU come with the GPU's access");
-    staging_pinned_ = plan_.gpu->pin_host(staging_.bytes.get(), staging_.size);
+    // Page-locked, a copy to the GPU runs at the link's speed (pageable memory goes through the
+    // driver's small bounce buffers).
+    if (lane.staging.size > 0) {
+      TH_ASSERT(plan_.gpu != nullptr, "tensors on a GPU come with the GPU's access");
+      lane.staging_pinned = plan_.gpu->pin_host(lane.staging.bytes.get(), lane.staging.size);
+    }
   }
   return std::nullopt;
 }
 
-std::optional<ReshardOutcome> Reshard::pull(std::uint32_t shard, std::uint32_t region, std::uint64_t bytes) {
+std::optional<ReshardOutcome> Reshard::pull(std::uint32_t shard, std::uint32_t region, std::uint64_t bytes,
+                                            std::byte* target) {
   TH_ASSERT(bytes > 0, "a piece has elements");
-  TH_ASSERT(bytes <= scratch_.size, "the scratch buffer holds the read's largest need");
   // The regions before it are empty targets (not read); the region is read from its start.
   std::vector<net::LocalRegion> targets(static_cast<std::size_t>(region) + 1);
-  targets[region] = {scratch_.bytes.get(), bytes, false};
+  targets[region] = {target, bytes, false};
   net::PullOutcome pulled;
   try {
     pulled = net::pull(net::parse_endpoint(read_.reshard[shard].endpoint), {read_.transfer, read_.epoch}, read_.secret,
@@ -216,24 +290,31 @@ std::optional<ReshardOutcome> Reshard::pull(std::uint32_t shard, std::uint32_t r
     TH_ASSERT(pulled.bytes == bytes, "a pull that succeeded filled its target");
     return std::nullopt;
   }
-  if (*pulled.error == net::ReadError::kCancelled || cancelled_.load()) {
+  if (*pulled.error == net::ReadError::kCancelled || cancelled_.load() || stopping_.load()) {
     return cancelled_outcome();
   }
   return failed(*pulled.error == net::ReadError::kRefused ? ReadFailure::kSourceRefused : ReadFailure::kSourceUnreachable,
                 source_name(shard) + ": " + pulled.detail);
 }
 
-std::optional<ReshardOutcome> Reshard::verify_and_land(const PieceRead& piece, const std::byte* data) {
+std::optional<ReshardOutcome> Reshard::verify(const PieceRead& piece, const std::byte* data) {
   const TensorSpec& source = source_tensor(piece);
   if (checksum(data, source.bytes) != (*read_.reshard[piece.shard].checksums)[piece.tensor]) {
     return failed(ReadFailure::kChecksumMismatch, "tensor '" + source.name + "' " + describe_box(source.box) + " of " +
                                                       source_name(piece.shard) + " does not match its checksum");
   }
   ++pieces_read_;
+  return std::nullopt;
+}
+
+void Reshard::land(const PieceRead& piece, const std::byte* data, Lane& lane) {
+  const TensorSpec& source = source_tensor(piece);
   const std::uint32_t source_element_bytes = dtype_bytes(source.dtype);
   const std::uint64_t source_elements = source.bytes / source_element_bytes;
   std::uint64_t staged_bytes = 0;
   std::vector<Gpu::Copy> to_device;
+  // Lanes land different pieces: each writes its own elements of the destinations (the plan
+  // covers every destination element once), so they need no lock but the GPU's.
   for (const Landing& landing : piece.landings) {
     const std::uint32_t index = landing.destination;
     TH_ASSERT(index < plan_.tensor_data.size(), "destination i is tensor i");
@@ -255,8 +336,8 @@ std::optional<ReshardOutcome> Reshard::verify_and_land(const PieceRead& piece, c
       }
       // Converted on the CPU, then copied in one batch per piece (one wait for a column split's
       // thousands of rows); runs that continue each other on both sides go as one copy.
-      TH_ASSERT(staged_bytes + bytes <= staging_.size, "the staging buffer holds what one piece lands");
-      std::byte* host = staging_.bytes.get() + staged_bytes;
+      TH_ASSERT(staged_bytes + bytes <= lane.staging.size, "the staging buffer holds what one piece lands");
+      std::byte* host = lane.staging.bytes.get() + staged_bytes;
       convert_elements(source.dtype, from, destination.dtype, host, run.count);
       std::byte* device = base + run.destination_offset * element_bytes;
       if (!to_device.empty() && to_device.back().device + to_device.back().bytes == device &&
@@ -268,7 +349,29 @@ std::optional<ReshardOutcome> Reshard::verify_and_land(const PieceRead& piece, c
       staged_bytes += bytes;
     }
   }
-  if (!to_device.empty()) plan_.gpu->to_device(to_device);
+  if (!to_device.empty()) {
+    const std::lock_guard<std::mutex> lock(gpu_mutex_);
+    plan_.gpu->to_device(to_device);
+  }
+}
+
+std::optional<ReshardOutcome> Reshard::run_unit(const Unit& unit, Lane& lane) {
+  if (cancelled_.load()) return cancelled_outcome();
+  if (unit.direct != nullptr) {
+    // (Bytes that fail their checksum stay in the destination: the read fails, and the buffers
+    // hold no version until a read succeeds.)
+    if (auto stopped = pull(unit.shard, unit.region, unit.bytes, unit.direct)) return stopped;
+    return verify(pieces_.reads[unit.reads.front()], unit.direct);
+  }
+  TH_ASSERT(unit.bytes <= lane.scratch.size, "the scratch buffer holds the read's largest need");
+  if (auto stopped = pull(unit.shard, unit.region, unit.bytes, lane.scratch.bytes.get())) return stopped;
+  const bool packed = unit.region == 0 && packed_at_source(pieces_.reads[unit.reads.front()]);
+  for (const std::size_t at : unit.reads) {
+    const PieceRead& piece = pieces_.reads[at];
+    const std::byte* data = lane.scratch.bytes.get() + (packed ? geometry_[unit.shard].packed_offset[piece.tensor] : 0);
+    if (auto bad = verify(piece, data)) return bad;
+    land(piece, data, lane);
+  }
   return std::nullopt;
 }
 
@@ -306,38 +409,42 @@ ChecksumsRef Reshard::assembled_checksums() const {
 }
 
 ReshardOutcome Reshard::run_pieces() {
-  if (auto no_memory = allocate()) return *no_memory;
-  const auto& reads = pieces_.reads;
-  // The plan lists the pieces by source shard, then tensor: a shard's packed pieces come with one
-  // read of its packed prefix, then its big pieces one read each.
-  for (std::size_t first = 0; first < reads.size();) {
-    const std::uint32_t shard = reads[first].shard;
-    std::size_t end = first;
-    std::uint64_t packed_end = 0;
-    for (; end < reads.size() && reads[end].shard == shard; ++end) {
-      if (!packed_at_source(reads[end])) continue;
-      packed_end = std::max(packed_end, geometry_[shard].packed_offset[reads[end].tensor] + source_tensor(reads[end]).bytes);
-    }
-    if (packed_end > 0) {
-      if (cancelled_.load()) return cancelled_outcome();
-      if (auto stopped = pull(shard, 0, packed_end)) return *stopped;
-      for (std::size_t at = first; at < end; ++at) {
-        if (!packed_at_source(reads[at])) continue;
-        const std::byte* data = scratch_.bytes.get() + geometry_[shard].packed_offset[reads[at].tensor];
-        if (auto bad = verify_and_land(reads[at], data)) return *bad;
+  make_units();
+  const std::size_t lanes = std::clamp<std::size_t>(units_.size(), 1, kReshardPullsInFlightMax);
+  if (auto no_memory = allocate(lanes)) return *no_memory;
+  // Each lane takes the next unit until none is left or one failed. The first failure is the
+  // outcome (the others' pulls then end as cancelled); an exception (a bug, or the GPU's
+  // DeviceCopyError) is carried to this thread.
+  std::atomic<std::size_t> next{0};
+  std::mutex outcome_mutex;
+  std::optional<ReshardOutcome> stopped;
+  std::exception_ptr thrown;
+  auto work = [&](Lane& lane) {
+    try {
+      while (!stopping_.load()) {
+        const std::size_t unit = next.fetch_add(1);
+        if (unit >= units_.size()) return;
+        if (auto outcome = run_unit(units_[unit], lane)) {
+          const std::lock_guard<std::mutex> lock(outcome_mutex);
+          if (!stopped || (stopped->cancelled && !outcome->cancelled)) stopped = std::move(outcome);
+          stopping_ = true;
+          return;
+        }
       }
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(outcome_mutex);
+      if (!thrown) thrown = std::current_exception();
+      stopping_ = true;
     }
-    for (std::size_t at = first; at < end; ++at) {
-      if (packed_at_source(reads[at])) continue;
-      if (cancelled_.load()) return cancelled_outcome();
-      const DataPlaneGeometry::Place& place = geometry_[shard].place[reads[at].tensor];
-      TH_ASSERT(place.offset_bytes == 0, "a big tensor is a region of its own");
-      if (auto stopped = pull(shard, place.region, source_tensor(reads[at]).bytes)) return *stopped;
-      if (auto bad = verify_and_land(reads[at], scratch_.bytes.get())) return *bad;
-    }
-    first = end;
-  }
+  };
+  {
+    std::vector<std::jthread> helpers;
+    for (std::size_t lane = 1; lane < lanes; ++lane) helpers.emplace_back([&, lane] { work(lanes_[lane]); });
+    work(lanes_[0]);
+  }  // (the helpers join here)
+  if (thrown) std::rethrow_exception(thrown);
   if (cancelled_.load()) return cancelled_outcome();
+  if (stopped) return *stopped;
   scatter_packed();
   ReshardOutcome assembled;
   assembled.checksums = assembled_checksums();

@@ -15,10 +15,15 @@
 //   - the small tensors travel packed (client/plan.h): a source shard's needed packed pieces come
 //     with one read of its packed region, from its start to the end of the last one needed (the
 //     TCP data plane reads a region from offset 0);
-//   - memory: one scratch buffer, the largest of (a big piece, a source shard's packed prefix),
-//     plus, where tensors are on a GPU, one host buffer for what one piece lands there;
+//   - up to 4 pieces are in flight at once (kReshardPullsInFlightMax), each on its own
+//     connection: one piece's bytes cross the network while others are verified and landed;
+//   - a big piece that is one run of a destination tensor's elements in host memory, of the same
+//     dtype (outer-dimension splits), is read straight into that tensor and verified there;
+//   - memory: a scratch buffer per piece in flight, the largest of (any other big piece, a source
+//     shard's packed prefix), plus, where tensors are on a GPU, one host buffer each for what one
+//     piece lands there;
 //   - reads go over the TCP data plane (net::pull), which every source serves whatever its
-//     transport, on a connection per piece; the RDMA transport reads whole shards only.
+//     transport; the RDMA transport reads whole shards only.
 #pragma once
 
 #include <atomic>

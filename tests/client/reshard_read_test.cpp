@@ -133,6 +133,7 @@ class ReshardReadTest : public ::testing::Test {
   const Logical row_{"b.row", DType::kBFloat16, {40, 32}, 2};    // row-parallel
   const Logical norm_{"c.norm", DType::kFloat32, {16}, 3};       // replicated
   const Logical big_{"d.big", DType::kFloat32, {1024, 1024}, 4};  // 2 MiB pieces: regions of their own
+  const Logical tall_{"f.tall", DType::kFloat32, {1024, 1024}, 6};  // the same, split along rows
   SourceShardServer sources_[2];
 
   void SetUp() override { serve({true, true}); }
@@ -143,6 +144,7 @@ class ReshardReadTest : public ::testing::Test {
       source.add(row_, Box{{20 * s, 0}, {20, 32}});
       source.add(norm_, Box{{0}, {16}});
       source.add(big_, Box{{0, 512 * s}, {1024, 512}});
+      source.add(tall_, Box{{512 * s, 0}, {512, 1024}});
       source.serve(grant[s]);
     }
   }
@@ -224,6 +226,31 @@ TEST_F(ReshardReadTest, ACorruptedSourceByteIsAChecksumMismatchNamingTheTensor) 
   const ReshardOutcome outcome = read(reader, 0);
   ASSERT_EQ(outcome.failure, ReadFailure::kChecksumMismatch) << outcome.detail;
   EXPECT_NE(outcome.detail.find("'b.row'"), std::string::npos) << outcome.detail;
+  EXPECT_NE(outcome.detail.find("source shard 1"), std::string::npos) << outcome.detail;
+}
+
+// A piece that is one run of its destination (a split along rows, the same dtype) is read straight
+// into the registered tensor; one that converts goes through a scratch buffer. Both assemble.
+TEST_F(ReshardReadTest, RowSplitPiecesLandInPlaceOrConvertedAlike) {
+  ReaderShard same_dtype;
+  same_dtype.add(tall_, DType::kFloat32, whole_box(tall_.shape));
+  expect_holds(same_dtype, read(same_dtype, 0), {{&tall_, whole_box(tall_.shape)}});
+  ReaderShard converted;
+  converted.add(tall_, DType::kBFloat16, whole_box(tall_.shape));
+  expect_holds(converted, read(converted, 0), {{&tall_, whole_box(tall_.shape)}});
+  ReaderShard half;  // rows 256..767: half of each source piece, through the scratch buffer
+  const Box middle{{256, 0}, {512, 1024}};
+  half.add(tall_, DType::kFloat32, middle);
+  expect_holds(half, read(half, 0), {{&tall_, middle}});
+}
+
+TEST_F(ReshardReadTest, ACorruptedByteOfAPieceReadInPlaceIsAChecksumMismatchNamingIt) {
+  sources_[1].served_at[4][4096] ^= std::byte{0x01};  // f.tall's piece on source shard 1
+  ReaderShard reader;
+  reader.add(tall_, DType::kFloat32, whole_box(tall_.shape));
+  const ReshardOutcome outcome = read(reader, 0);
+  ASSERT_EQ(outcome.failure, ReadFailure::kChecksumMismatch) << outcome.detail;
+  EXPECT_NE(outcome.detail.find("'f.tall'"), std::string::npos) << outcome.detail;
   EXPECT_NE(outcome.detail.find("source shard 1"), std::string::npos) << outcome.detail;
 }
 

@@ -10,6 +10,8 @@
 //                 round trips against echo-server): operations/s and latency percentiles.
 //   echo-server   the reference for control-load: answers every call at once.
 //   fanout-node   one emulated host of bench/run-fanout (network namespaces, shaped links).
+//   reshard       rollouts reading from trainers of another layout against the same-layout read of
+//                 the same bytes (bench/run-reshard; tools/bench_reshard.h).
 #include <CLI/CLI.hpp>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -31,6 +33,7 @@
 #include "tools/bench_control.h"
 #include "tools/big_buffer.h"
 #include "tools/bench_fanout.h"
+#include "tools/bench_reshard.h"
 #include "tensorhub/client.h"
 
 namespace {
@@ -451,7 +454,22 @@ int main(int argc, char** argv) {
   fanout->add_option("--second-version-file", node.second_version_file,
                      "cross-datacenter mode: the trainer publishes version 2 once this file exists; rollouts update to it");
 
+  auto* reshard = app.add_subcommand(
+      "reshard", "Rollouts reading from a trainer of another layout (TP=8 -> TP=4/2/1, FSDP x8 -> TP=2) against "
+                 "the same-layout read of the same bytes");
+  th::bench::ReshardBenchOptions reshard_options;
+  reshard->add_option("--hidden", reshard_options.hidden, "hidden size H (a multiple of 8)")
+      ->capture_default_str()
+      ->check(CLI::Range(8, 65536));
+  reshard->add_option("--layers", reshard_options.layers, "layers of 12 H^2 bf16 weights and a norm")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  reshard->add_option("--rounds", reshard_options.rounds, "versions per scenario; medians are reported")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+
   CLI11_PARSE(app, argc, argv);
+  if (reshard->parsed()) return th::bench::run_reshard(reshard_options);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);
   if (reg->parsed()) return run_register(register_tensors, register_bytes, rounds);
   if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport, rdma_device);

@@ -273,4 +273,44 @@ void Receive::cancel() {
   state_->impl->cancel_call(state_->call_id);
 }
 
+namespace {
+
+// Hands every tensor of `receive` to `hook`, then returns the call's answer (see TensorHook).
+Result<UpdateInfo> hand_to(Receive& receive, const TensorHook& hook) {
+  for (;;) {
+    auto next = receive.next();
+    if (!next.ok()) return next.error();
+    if (!next.value()) break;
+    try {
+      hook(*next.value());
+    } catch (...) {
+      // The application stopped taking tensors: end the call rather than leave it running with
+      // half-loaded weights, and let the handle take calls again before the exception goes on.
+      receive.cancel();
+      (void)receive.wait();
+      throw;
+    }
+  }
+  return receive.wait();
+}
+
+}  // namespace
+
+Result<ReplicateInfo> Handle::replicate(std::string_view selector, TimeMs timeout_ms, const TensorHook& hook) {
+  if (!hook) return make_error(Errc::kInvalidArgument, "replicate: the tensor hook is empty");
+  auto started = replicate_async(selector, timeout_ms);
+  if (!started.ok()) return started.error();
+  auto answer = hand_to(*started.value(), hook);
+  if (!answer.ok()) return answer.error();
+  TH_ASSERT(answer.value().version.has_value(), "a replicate that succeeded holds a version");
+  return ReplicateInfo{*answer.value().version, answer.value().source_replica};
+}
+
+Result<UpdateInfo> Handle::update(std::string_view selector, const TensorHook& hook) {
+  if (!hook) return make_error(Errc::kInvalidArgument, "update: the tensor hook is empty");
+  auto started = update_async(selector);
+  if (!started.ok()) return started.error();
+  return hand_to(*started.value(), hook);
+}
+
 }  // namespace th

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import weakref
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 from . import errors
 from ._core import Handle as _CoreHandle
@@ -337,18 +337,46 @@ class Handle:
         """Withdraws the promise; returns when no reader reads these tensors any more."""
         self._core.unpublish()
 
-    def replicate(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None) -> ReplicateInfo:
+    def replicate(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None,
+                  on_tensor: Optional[Callable[[str, Any], None]] = None) -> ReplicateInfo:
         """Brings a version ("latest", "latest-2", or a number) into the registered tensors,
-        verified; blocks until it is there (at most ``timeout`` seconds; None: no limit)."""
+        verified; blocks until it is there (at most ``timeout`` seconds; None: no limit).
+
+        ``on_tensor(name, tensor)``, if given, is called on this thread with each registered tensor
+        as soon as its bytes are verified, while the rest are still on the wire: for what the
+        engine does itself as weights land (fp8 quantization with scales, post-processing). If it
+        raises, the call is cancelled for every shard and the exception propagates (the tensors
+        then hold no version). (A read from a source of another layout verifies its tensors once
+        all of them are assembled: they then come in one burst.)"""
         self._check_storage()
+        self._check_hook(on_tensor)
+        if on_tensor is not None:
+            return self._each(self.replicate_stream(selector, timeout), on_tensor)
         version, source = self._core.replicate(str(selector), _ms(timeout))
         return ReplicateInfo(version, source)
 
-    def update(self, selector: Union[str, int] = "latest") -> UpdateInfo:
-        """Moves to a newer version if there is one (blocks while it arrives), else returns at once."""
+    def update(self, selector: Union[str, int] = "latest",
+               on_tensor: Optional[Callable[[str, Any], None]] = None) -> UpdateInfo:
+        """Moves to a newer version if there is one (blocks while it arrives), else returns at once.
+        ``on_tensor``: as for replicate()."""
         self._check_storage()
+        self._check_hook(on_tensor)
+        if on_tensor is not None:
+            return self._each(self.update_stream(selector), on_tensor)
         status, version, source = self._core.update(str(selector))
         return UpdateInfo(status, version, source)
+
+    @staticmethod
+    def _check_hook(on_tensor: Any) -> None:
+        if on_tensor is not None and not callable(on_tensor):
+            raise InvalidArgument(f"on_tensor must be callable, not {type(on_tensor).__name__}")
+
+    @staticmethod
+    def _each(stream: Receive, on_tensor: Callable[[str, Any], None]):
+        with stream:  # leaving it early (on_tensor raised) cancels the call and waits for its answer
+            for name, tensor in stream:
+                on_tensor(name, tensor)
+            return stream.result()
 
     def replicate_stream(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None) -> Receive:
         """replicate() without blocking: iterate over the returned :class:`Receive` for

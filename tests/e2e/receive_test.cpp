@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -205,6 +206,53 @@ TEST_F(Receiving, ACancelMidwayLeavesTheHandleUsableForTheNextVersion) {
   EXPECT_EQ(updated.value().version, std::optional<Version>(2));
   // The trainer's unpublish waits for readers; none is left.
   EXPECT_TRUE(trainer->unpublish().ok());
+}
+
+// The per-tensor hook: each tensor reaches it verified, once, in next()'s order (next() hands them
+// out as they arrive: the test above); a hook that throws cancels the call and leaves the handle
+// usable.
+TEST_F(Receiving, AHookGetsEachVerifiedTensorOnceAndAThrowingHookCancelsTheCall) {
+  Published job(start_server(), kSlowBytesPerSecond);
+  ASSERT_TRUE(job.ready());
+  Shard& trained = job.trained;
+  Shard& engine = job.engine;
+  Handle* rollout = job.rollout.get();
+
+  std::vector<std::string> hooked;
+  auto replicated = rollout->replicate("latest", 0, [&](const ReceivedTensor& tensor) {
+    EXPECT_EQ(tensor.version, 1U);
+    EXPECT_EQ(tensor.data, engine.tensors.at(tensor.name).data());
+    EXPECT_TRUE(engine.holds(tensor.name, tensor.data, 1)) << tensor.name << " is bit-exact when hooked";
+    hooked.push_back(tensor.name);
+  });
+  ASSERT_TRUE(replicated.ok()) << replicated.error().detail;
+  EXPECT_EQ(replicated.value().version, 1U);
+  EXPECT_EQ(replicated.value().source_replica, "trainer");
+  EXPECT_EQ(hooked, (std::vector<std::string>{"layer0.bias", "norm.scale", "layer0.weight", "layer1.weight",
+                                              "layer2.weight", "layer3.weight"}));
+
+  // Version 2: the hook gives up at the second tensor. The call ends cancelled, the exception
+  // reaches the caller, and the handle takes the next call.
+  ASSERT_TRUE(job.trainer->unpublish().ok());
+  trained.write(2);
+  ASSERT_TRUE(job.trainer->publish(2).ok());
+  int calls = 0;
+  struct EngineFull : std::runtime_error {
+    EngineFull() : std::runtime_error("engine full") {}
+  };
+  EXPECT_THROW((void)rollout->update("latest", [&](const ReceivedTensor&) {
+    if (++calls == 2) throw EngineFull();
+  }),
+               EngineFull);
+  EXPECT_EQ(calls, 2);
+  auto again = rollout->update("latest", [&](const ReceivedTensor& tensor) {
+    EXPECT_TRUE(engine.holds(tensor.name, tensor.data, 2)) << tensor.name;
+  });
+  ASSERT_TRUE(again.ok()) << again.error().detail;
+  EXPECT_EQ(again.value().version, std::optional<Version>(2));
+  auto empty = rollout->update("latest", TensorHook{});
+  ASSERT_FALSE(empty.ok());
+  EXPECT_EQ(empty.error().code, Errc::kInvalidArgument);
 }
 
 // Once wait() answered kCancelled the buffers are the application's: nothing writes them any more

@@ -185,3 +185,28 @@ def test_a_reader_of_another_layout_asking_for_a_tensor_nobody_holds_is_told_whi
         rollout.replicate("latest", timeout=10)  # what it can read, it reads
         assert torch.equal(rollout.tensors["w"], full)
         on_every_shard(lambda r: (t0, t1)[r].unpublish(), 2)
+
+
+def test_a_hook_gets_each_tensor_of_a_read_across_layouts_once_assembled(server):
+    torch.manual_seed(11)
+    full = {"qkv.weight": torch.randn(96, 64), "o.weight": torch.randn(64, 64), "norm.weight": torch.randn(64)}
+    trainers = [handle(server, "trainer", num_shards=2, shard=rank) for rank in range(2)]
+    with trainers[0] as t0, trainers[1] as t1, handle(server, "rollout") as rollout:
+        for rank, hub in enumerate((t0, t1)):
+            placements = tensor_parallel_state(rank, 2, full)
+            hub.register_state_dict({name: placements[name].slice_of(full[name]).clone() for name in full},
+                                    placements=placements)
+        on_every_shard(lambda r: (t0, t1)[r].publish(1), 2)
+        # The TP=1 rollout keeps its weights in bfloat16: each lands converted, whole, then is hooked.
+        target = {name: torch.zeros(tuple(t.shape), dtype=torch.bfloat16) for name, t in full.items()}
+        rollout.register_state_dict(target, placements={name: layouts.whole(tuple(t.shape)) for name, t in full.items()})
+        hooked = []
+
+        def on_tensor(name, tensor):
+            assert tensor is target[name]
+            assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
+            hooked.append(name)
+
+        assert rollout.replicate("latest", timeout=30, on_tensor=on_tensor).version == 1
+        assert sorted(hooked) == sorted(full)
+        on_every_shard(lambda r: (t0, t1)[r].unpublish(), 2)

@@ -454,6 +454,40 @@ def test_a_stream_cancelled_midway_leaves_the_handle_usable(server):
             waiting.result()
 
 
+def test_a_hook_gets_each_tensor_verified_and_one_that_raises_cancels_the_call(server):
+    with published_and_slow_reader(server, 7) as (source, target, trainer, rollout):
+        scales = {}
+
+        def quantize(name, tensor):  # what an engine does on landing: fp8 scales per tensor
+            assert tensor is target[name] and torch.equal(tensor, source[name])
+            scales[name] = tensor.float().abs().max().item() / 448.0
+
+        info = rollout.replicate("latest", timeout=60, on_tensor=quantize)
+        assert info == tensorhub.ReplicateInfo(1, "trainer")
+        assert sorted(scales) == sorted(source)
+        assert scales["layer0.weight"] == source["layer0.weight"].float().abs().max().item() / 448.0
+
+        trainer.unpublish()
+        for tensor in source.values():
+            tensor.add_(1)
+        trainer.publish(2)
+
+        class EngineFull(Exception):
+            pass
+
+        def give_up(name, tensor):
+            raise EngineFull(name)
+
+        with pytest.raises(EngineFull):
+            rollout.update(on_tensor=give_up)
+        with pytest.raises(tensorhub.InvalidArgument, match="on_tensor must be callable"):
+            rollout.update(on_tensor="not a function")
+        # The handle takes calls again; the update brings version 2 whole.
+        assert rollout.update(on_tensor=lambda name, tensor: None).version == 2
+        assert equal(source, target)
+        trainer.unpublish()
+
+
 def test_close_cancels_a_stream_still_running(server):
     with handle(server, "closer", role="rollout") as closer:
         closer.register("w", torch.zeros(4096))

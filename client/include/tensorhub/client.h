@@ -229,6 +229,14 @@ class Receive {
   std::shared_ptr<State> state_;
 };
 
+// Called with each tensor of a replicate or update as soon as all its bytes are verified (as
+// Receive::next hands them out: the small tensors first, then the others in name order), on the
+// calling thread, one at a time: for what an engine does itself as weights land (fp8 quantization
+// with scales, fusing, post-processing) while the rest are still on the wire. A read from a source
+// of another layout verifies its tensors only once all of them are assembled: its tensors then
+// come in one burst, after the read.
+using TensorHook = std::function<void(const ReceivedTensor& tensor)>;
+
 class Handle {
  public:
   // Connects, authenticates and opens the shard. Blocks until the server answered (for a shard of
@@ -279,6 +287,12 @@ class Handle {
   // back at once; the call's own answer from Receive::wait.
   Result<std::unique_ptr<Receive>> replicate_async(std::string_view selector, TimeMs timeout_ms = 0);
   Result<std::unique_ptr<Receive>> update_async(std::string_view selector = "latest");
+  // replicate and update that hand each tensor to `hook` as soon as it is verified, and return
+  // once the hook has had every tensor and the call its answer. If the hook throws, the call is
+  // cancelled (for every shard), its answer waited for, and the exception propagates: the buffers
+  // then hold no version.
+  Result<ReplicateInfo> replicate(std::string_view selector, TimeMs timeout_ms, const TensorHook& hook);
+  Result<UpdateInfo> update(std::string_view selector, const TensorHook& hook);
   // The model's versions and replicas. Immediate.
   Result<ListSnapshot> list();
   // Blocks until the predicate holds; 0: no timeout.

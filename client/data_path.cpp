@@ -301,7 +301,10 @@ void Handle::Impl::run_reshard_read(ReadJob& job) {
   }
   job.stream->begin(nullptr);  // (units checked by an earlier attempt are not this one's)
   const auto started = std::chrono::steady_clock::now();
-  const ReshardOutcome outcome = read_resharded(job.read, job.plan, job.packed, pull_options, *job.cancelled);
+  // Bytes an earlier read of this version made ready may be read by our own readers and were
+  // handed to the application: only verified bytes may overwrite them.
+  const bool in_place = job.progress->ready_bytes() == 0;
+  const ReshardOutcome outcome = read_resharded(job.read, job.plan, job.packed, pull_options, *job.cancelled, in_place);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (outcome.cancelled || job.cancelled->load()) {
     std::lock_guard lock(stats_mutex_);

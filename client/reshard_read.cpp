@@ -8,6 +8,7 @@
 #include <mutex>
 #include <new>
 #include <span>
+#include <system_error>
 #include <thread>
 
 #include "client/convert.h"
@@ -105,6 +106,9 @@ struct Buffer {
 // scratch buffer: a piece's bytes cross the network while others are verified and landed, and
 // the source's shards serve side by side (measured: bench/run-reshard, bench/README.md).
 constexpr std::size_t kReshardPullsInFlightMax = 4;
+// The scratch and staging buffers of the pieces in flight together stay under this, unless one
+// piece alone needs more (then one is in flight).
+constexpr std::uint64_t kReshardScratchBytesMax = 1ull << 30;
 
 // What one pull brings: a source shard's packed prefix (and the packed pieces in it), or one big
 // piece (a region of its own).
@@ -121,8 +125,9 @@ struct Unit {
 class Reshard {
  public:
   Reshard(const StartRead& read, const Plan& plan, std::byte* packed, const ReshardPlan& pieces,
-          const net::PullOptions& pull, const std::atomic<bool>& cancelled)
-      : read_(read), plan_(plan), packed_(packed), pieces_(pieces), pull_(pull), cancelled_(cancelled) {
+          const net::PullOptions& pull, const std::atomic<bool>& cancelled, bool in_place)
+      : read_(read), plan_(plan), packed_(packed), pieces_(pieces), pull_(pull), cancelled_(cancelled),
+        in_place_(in_place) {
     pull_.partial = false;  // a complete source (a partial one answers short: the pull then waits)
     pull_.streams = 1;      // one region per pull
     pull_.ipc = nullptr;    // into host memory
@@ -185,6 +190,7 @@ class Reshard {
   const ReshardPlan& pieces_;
   net::PullOptions pull_;
   const std::atomic<bool>& cancelled_;
+  const bool in_place_;
   std::atomic<bool> stopping_{false};
   std::vector<DataPlaneGeometry> geometry_;  // per source shard
   std::vector<Unit> units_;
@@ -225,7 +231,7 @@ void Reshard::make_units() {
 }
 
 std::byte* Reshard::direct_target(const PieceRead& piece) const {
-  if (piece.landings.size() != 1 || piece.landings.front().runs.size() != 1) return nullptr;
+  if (!in_place_ || piece.landings.size() != 1 || piece.landings.front().runs.size() != 1) return nullptr;
   const std::uint32_t index = piece.landings.front().destination;
   const ElementRun& run = piece.landings.front().runs.front();
   const TensorSpec& source = source_tensor(piece);
@@ -240,7 +246,7 @@ std::byte* Reshard::direct_target(const PieceRead& piece) const {
   return plan_.tensor_data[index] + run.destination_offset * dtype_bytes(destination.dtype);
 }
 
-std::optional<ReshardOutcome> Reshard::allocate(std::size_t lanes) {
+std::optional<ReshardOutcome> Reshard::allocate(std::size_t lanes_max) {
   std::uint64_t scratch_bytes = 0;
   std::uint64_t staging_bytes = 0;
   for (const Unit& unit : units_) {
@@ -255,6 +261,11 @@ std::optional<ReshardOutcome> Reshard::allocate(std::size_t lanes) {
       staging_bytes = std::max(staging_bytes, landed_on_device);
     }
   }
+  const std::uint64_t lane_bytes = std::max<std::uint64_t>(1, scratch_bytes + staging_bytes);
+  const std::size_t lanes =
+      std::clamp<std::size_t>(static_cast<std::size_t>(kReshardScratchBytesMax / lane_bytes), 1, lanes_max);
+  // Each pull paces itself: the read's cap is shared among the pieces in flight.
+  if (pull_.rate_bytes_per_s > 0) pull_.rate_bytes_per_s = std::max<std::uint64_t>(1, pull_.rate_bytes_per_s / lanes);
   lanes_.resize(lanes);
   for (Lane& lane : lanes_) {
     if (!lane.scratch.allocate(scratch_bytes) || !lane.staging.allocate(staging_bytes)) {
@@ -410,8 +421,7 @@ ChecksumsRef Reshard::assembled_checksums() const {
 
 ReshardOutcome Reshard::run_pieces() {
   make_units();
-  const std::size_t lanes = std::clamp<std::size_t>(units_.size(), 1, kReshardPullsInFlightMax);
-  if (auto no_memory = allocate(lanes)) return *no_memory;
+  if (auto no_memory = allocate(std::clamp<std::size_t>(units_.size(), 1, kReshardPullsInFlightMax))) return *no_memory;
   // Each lane takes the next unit until none is left or one failed. The first failure is the
   // outcome (the others' pulls then end as cancelled); an exception (a bug, or the GPU's
   // DeviceCopyError) is carried to this thread.
@@ -439,7 +449,13 @@ ReshardOutcome Reshard::run_pieces() {
   };
   {
     std::vector<std::jthread> helpers;
-    for (std::size_t lane = 1; lane < lanes; ++lane) helpers.emplace_back([&, lane] { work(lanes_[lane]); });
+    for (std::size_t lane = 1; lane < lanes_.size(); ++lane) {
+      try {
+        helpers.emplace_back([&, lane] { work(lanes_[lane]); });
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: the lanes running take the rest
+      }
+    }
     work(lanes_[0]);
   }  // (the helpers join here)
   if (thrown) std::rethrow_exception(thrown);
@@ -469,7 +485,7 @@ ReshardOutcome Reshard::run_pieces() {
 }  // namespace
 
 ReshardOutcome read_resharded(const StartRead& read, const Plan& plan, std::byte* packed, const net::PullOptions& pull,
-                              const std::atomic<bool>& cancelled) {
+                              const std::atomic<bool>& cancelled, bool in_place) {
   TH_REQUIRE(!read.reshard.empty(), "a read from another layout names the source's shards");
   TH_REQUIRE(plan.layout != nullptr, "a read has a layout");
   TH_REQUIRE(packed != nullptr || plan.packed_bytes == 0, "the packed buffer of", plan.packed_bytes, "bytes");
@@ -482,7 +498,7 @@ ReshardOutcome read_resharded(const StartRead& read, const Plan& plan, std::byte
   Result<ReshardPlan> planned = plan_reshard(source, destinations, read.shard);
   if (!planned.ok()) return failed(ReadFailure::kSourceRefused, planned.error().detail);
   try {
-    return Reshard(read, plan, packed, planned.value(), pull, cancelled).run();
+    return Reshard(read, plan, packed, planned.value(), pull, cancelled, in_place).run();
   } catch (const net::DeviceCopyError& error) {
     // This host's GPU failed, not the source: the read fails and the hub tries again.
     return failed(ReadFailure::kSourceUnreachable, std::string("copying into GPU memory: ") + error.what());

@@ -16,7 +16,9 @@
 //     with one read of its packed region, from its start to the end of the last one needed (the
 //     TCP data plane reads a region from offset 0);
 //   - up to 4 pieces are in flight at once (kReshardPullsInFlightMax), each on its own
-//     connection: one piece's bytes cross the network while others are verified and landed;
+//     connection (the read's rate cap shared among them): one piece's bytes cross the network
+//     while others are verified and landed; fewer where their scratch buffers would pass 1 GiB
+//     (kReshardScratchBytesMax) or a thread cannot be started;
 //   - a big piece that is one run of a destination tensor's elements in host memory, of the same
 //     dtype (outer-dimension splits), is read straight into that tensor and verified there;
 //   - memory: a scratch buffer per piece in flight, the largest of (any other big piece, a source
@@ -77,7 +79,10 @@ struct ReshardOutcome {
 // timeouts, chunk size and rate of the reads (its streams, partial, ipc, progress and cancel
 // hooks are set here); `cancelled` is polled between pieces and during each read.
 // Runs on the reader thread (or a seed's): blocks for the whole read.
+// `in_place`: a piece may be received straight into its destination before it is verified; false
+// where the buffers already hold verified bytes of the version that others may be reading (an
+// earlier read's ready prefix), which only verified bytes may overwrite.
 ReshardOutcome read_resharded(const StartRead& read, const Plan& plan, std::byte* packed, const net::PullOptions& pull,
-                              const std::atomic<bool>& cancelled);
+                              const std::atomic<bool>& cancelled, bool in_place = true);
 
 }  // namespace th::client_impl

@@ -345,9 +345,10 @@ class Handle:
         ``on_tensor(name, tensor)``, if given, is called on this thread with each registered tensor
         as soon as its bytes are verified, while the rest are still on the wire: for what the
         engine does itself as weights land (fp8 quantization with scales, post-processing). If it
-        raises, the call is cancelled for every shard and the exception propagates (the tensors
-        then hold no version). (A read from a source of another layout verifies its tensors once
-        all of them are assembled: they then come in one burst.)"""
+        raises, the exception propagates after the call is cancelled for every shard (the tensors
+        then hold no version) or, if the call had its answer already, after that answer (the
+        version stays). (A read from a source of another layout verifies its tensors once all of
+        them are assembled: they then come in one burst, after the answer.)"""
         self._check_storage()
         self._check_hook(on_tensor)
         if on_tensor is not None:

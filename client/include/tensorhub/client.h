@@ -289,8 +289,10 @@ class Handle {
   Result<std::unique_ptr<Receive>> update_async(std::string_view selector = "latest");
   // replicate and update that hand each tensor to `hook` as soon as it is verified, and return
   // once the hook has had every tensor and the call its answer. If the hook throws, the call is
-  // cancelled (for every shard), its answer waited for, and the exception propagates: the buffers
-  // then hold no version.
+  // cancelled (for every shard) unless it already had its answer, that answer is waited for, and
+  // the exception propagates: a cancelled call leaves the buffers holding no version; one that was
+  // answered already (its last tensors, or a read across layouts, whose tensors come after the
+  // answer) leaves the version in them.
   Result<ReplicateInfo> replicate(std::string_view selector, TimeMs timeout_ms, const TensorHook& hook);
   Result<UpdateInfo> update(std::string_view selector, const TensorHook& hook);
   // The model's versions and replicas. Immediate.

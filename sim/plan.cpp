@@ -76,7 +76,7 @@ std::vector<FleetReplica> fleet_of(const PlanSpec& spec) {
       }
     }
     replica.first_gpu = gpu;
-    gpu += spec.shards;
+    gpu += replica.trainer ? spec.shards : spec.rollout_gpus();
     fleet.push_back(replica);
   }
   return fleet;
@@ -110,7 +110,8 @@ TimeMs liveness_ms(const PlanSpec& spec) {
     slowest = std::min(slowest, spec.cross_dc_gbps * kBytesPerMsPerGbps / spec.gpus_per_node);
     if (spec.tcp_flow_gbps > 0) slowest = std::min(slowest, spec.tcp_flow_gbps * kBytesPerMsPerGbps);
   }
-  const double read_ms = static_cast<double>(spec.shard_bytes) / slowest;
+  // (A rollout shard of another layout reads its share of the model, whole source pieces.)
+  const double read_ms = static_cast<double>(spec.shard_bytes) * spec.shards / std::min(spec.shards, spec.rollout_gpus()) / slowest;
   const double readers = std::ceil(static_cast<double>(spec.rollouts) / spec.trainers) + 1;
   return kPlanLivenessMs + static_cast<TimeMs>(std::ceil(spec.versions * (readers + 1) * read_ms));
 }
@@ -138,6 +139,15 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.delay_min_ms = std::max<TimeMs>(0, std::llround(spec.latency_ms));
   knobs.delay_mean_ms = 0;
   knobs.shard_bytes = spec.shard_bytes;
+  if (spec.rollout_shards > 0) {
+    // th-sim's layouts model: trainers and rollouts place its tensors their own ways (bfloat16,
+    // tensor parallel); knobs.shard_bytes is then the whole model.
+    knobs.workload = Workload::kLayouts;
+    knobs.trainer_placement = Placement{Placement::Kind::kTensorParallel, spec.shards, DType::kBFloat16};
+    knobs.rollout_placements.assign(spec.rollouts,
+                                    Placement{Placement::Kind::kTensorParallel, spec.rollout_shards, DType::kBFloat16});
+    knobs.shard_bytes = spec.shard_bytes * spec.shards;
+  }
   knobs.nic_bytes_per_ms =
       static_cast<std::uint64_t>(std::llround(spec.gpu_bytes_per_ms() * spec.efficiency));
   knobs.remote_bytes_per_ms = 0;  // no shared link: each machine's VPC NIC (below)
@@ -407,6 +417,15 @@ Status PlanSpec::validate() const {
   if (shards == 0 || shards > limits::kShardsMax) {
     return bad("shards per replica must be in 1.." + std::to_string(limits::kShardsMax) + " (the hub's limit)");
   }
+  if (rollout_shards > 0) {
+    // th-sim's layouts model splits its tensors 8 ways at most (sim/layouts.cpp).
+    auto divides_8 = [](std::uint32_t n) { return n == 1 || n == 2 || n == 4 || n == 8; };
+    if (!divides_8(shards) || !divides_8(rollout_shards)) {
+      return bad("with --rollout-shards, the trainers' and the rollouts' shards must each be 1, 2, 4 or 8 (th-sim's "
+                 "layouts model splits its tensors 8 ways at most)");
+    }
+    if (colocated) return bad("--rollout-shards and --colocated: a colocated trainer rolls out in its own layout");
+  }
   if (gpus_per_node == 0 || nics_per_node == 0) return bad("GPUs per node and NICs per node must be at least 1");
   if (!in(nic_gbps, 1e-3, 1e5)) return bad("the NIC rate must be in 0.001..100000 Gbit/s");
   if (shard_bytes == 0) return bad("the shard size must be at least one byte");
@@ -522,9 +541,25 @@ Result<PlanReport> plan(const PlanSpec& spec) {
             std::to_string(fanout_used(spec, false)) + " at once from one copy (th-server --no-pipeline --fanout-max " +
             std::to_string(fanout_used(spec, false)) + ")"));
   }
-  report.systems.push_back(nccl_plan(spec, fleet));
-  report.systems.push_back(ucx_plan(spec, fleet, result.plan.gpu_nodes, report.ucx_bytes_cross));
-  report.systems.push_back(ideal_plan(spec, fleet));
+  if (spec.rollout_shards > 0) {
+    // The same rollouts and bytes with nothing to reshard: trainers of the rollouts' layout.
+    PlanSpec same = spec;
+    same.shards = spec.rollout_shards;
+    same.shard_bytes = spec.shard_bytes * spec.shards / spec.rollout_shards;
+    same.rollout_shards = 0;
+    const SimResult reference = simulate(sim_options(same, spec.pipeline));
+    report.events += reference.events;
+    if (!reference.ok && report.violation.empty()) report.violation = "the same layout: " + reference.violation;
+    report.systems.push_back(tensorhub_plan(
+        same, reference, "TensorHub, one layout",
+        "the same rollouts reading the same bytes from trainers of their own layout (" +
+            std::to_string(same.trainers) + " x " + std::to_string(same.shards) +
+            " shards): nothing to reshard. The baselines are not run: they broadcast one layout"));
+  } else {
+    report.systems.push_back(nccl_plan(spec, fleet));
+    report.systems.push_back(ucx_plan(spec, fleet, result.plan.gpu_nodes, report.ucx_bytes_cross));
+    report.systems.push_back(ideal_plan(spec, fleet));
+  }
   report.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
 }
@@ -535,7 +570,9 @@ std::string PlanReport::text() const {
   out.precision(2);
   const double model_gb = static_cast<double>(spec.shard_bytes) * spec.shards / 1e9;
   out << "cluster: " << spec.gpus() << " GPUs (" << spec.trainers << " trainer and " << spec.rollouts
-      << " rollout replicas of " << spec.shards << " shards; " << spec.spot << " spot, " << spec.remote
+      << " rollout replicas of " << spec.shards << " shards"
+      << (spec.rollout_shards > 0 ? " (the rollouts: " + std::to_string(spec.rollout_shards) + ", reading across layouts)" : "")
+      << "; " << spec.spot << " spot, " << spec.remote
       << " in a second datacenter), " << spec.gpus_per_node << " GPUs and " << spec.nics_per_node << " x "
       << spec.nic_gbps << " Gbit/s NICs per machine (" << spec.gpu_bytes_per_ms() / 1e6
       << " GB/s per GPU), " << spec.cross_dc_gbps << " Gbit/s across datacenters per machine\n";
@@ -579,6 +616,7 @@ std::string PlanReport::json() const {
   out.precision(6);
   out << "{\"gpus\":" << spec.gpus() << ",\"trainers\":" << spec.trainers << ",\"rollouts\":" << spec.rollouts
       << ",\"spot\":" << spec.spot << ",\"remote\":" << spec.remote << ",\"shards\":" << spec.shards
+      << ",\"rollout_shards\":" << spec.rollout_shards
       << ",\"shard_bytes\":" << spec.shard_bytes << ",\"versions\":" << spec.versions
       << ",\"gpu_gbytes_per_s\":" << spec.gpu_bytes_per_ms() / 1e6 << ",\"colocated\":"
       << (spec.colocated ? "true" : "false") << ",\"bytes_local\":" << bytes_local

@@ -33,7 +33,12 @@ struct PlanSpec {
   double nic_jitter = 0;          // each GPU's NIC rate is drawn from [1 - j, 1] x its share
   // The model.
   std::uint64_t shard_bytes = 0;
-  std::uint32_t shards = 8;       // GPUs per replica
+  std::uint32_t shards = 8;       // GPUs per replica (the rollouts' too, unless rollout_shards)
+  // The rollouts' own layout: tensor parallel over this many GPUs, reading the trainers' copies
+  // across layouts (README "Reading across layouts"; th-sim's layouts workload model). 0: the
+  // trainers' layout, byte for byte. The baselines then are not run (they broadcast one layout);
+  // the reference is TensorHub with trainers of the rollouts' layout (the same bytes).
+  std::uint32_t rollout_shards = 0;
   // The workload.
   std::uint32_t trainers = 1;     // trainer replicas
   std::uint32_t rollouts = 1;     // rollout replicas, spot and remote included
@@ -63,7 +68,8 @@ struct PlanSpec {
   // Bad input named: zero shards, more spot or remote rollouts than rollouts, and the like.
   Status validate() const;
   double gpu_bytes_per_ms() const;  // one GPU's RDMA share, before efficiency and jitter
-  std::uint32_t gpus() const { return (trainers + rollouts) * shards; }
+  std::uint32_t gpus() const { return trainers * shards + rollouts * rollout_gpus(); }
+  std::uint32_t rollout_gpus() const { return rollout_shards > 0 ? rollout_shards : shards; }
 };
 
 // One system's stall for one version, over the GPUs that had to receive it or were stopped for it.

@@ -1,6 +1,7 @@
 #include "sim/simulation.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -1139,10 +1140,10 @@ class Simulation {
                     R"(,"failed":)" + (failure ? "true" : "false") + "}");
     trace_.mix(read.transfer << 16 | read.epoch << 1 | (failure ? 1 : 0));
     if (plan_ != nullptr && !failure) {
-      (flow.remote ? result_.plan.bytes_cross : result_.plan.bytes_local) += knobs_.shard_bytes;
-      if (!flow.remote && read.source.kind == CopyKind::kOffload) {
-        result_.plan.bytes_offload_local += knobs_.shard_bytes;
-      }
+      // What the read moved: a shard, or the whole pieces a read across layouts reads.
+      const auto moved = static_cast<std::uint64_t>(std::llround(flow.total));
+      (flow.remote ? result_.plan.bytes_cross : result_.plan.bytes_local) += moved;
+      if (!flow.remote && read.source.kind == CopyKind::kOffload) result_.plan.bytes_offload_local += moved;
       if (auto source = replica_index_.find(read.source.replica); source != replica_index_.end()) {
         result_.plan.reads.push_back({read.version, static_cast<std::uint32_t>(source->second),
                                       static_cast<std::uint32_t>(workers_[reader].replica), read.shard,

@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
   app.add_option("--shard-gb", shard_gb, "bytes per shard, in GB (10^9)");
   app.add_option("--shard-mib", shard_mib, "bytes per shard, in MiB (2^20)");
   app.add_option("--shards", spec.shards, "shards (GPUs) per replica (8)");
+  app.add_option("--rollout-shards", spec.rollout_shards,
+                 "rollouts of another layout: tensor parallel over N GPUs (1, 2, 4, 8), reading the trainers' "
+                 "copies across layouts; the reference is then TensorHub with trainers of the rollouts' layout, "
+                 "not the baselines (0: the trainers' layout)");
   app.add_option("--trainers", spec.trainers, "trainer replicas (1)");
   app.add_option("--rollouts", spec.rollouts, "rollout replicas, spot and remote included (1)");
   app.add_option("--spot", spec.spot, "of the rollouts: elastic spot replicas (0)");

@@ -72,6 +72,41 @@ TEST(Plan, PipelineKeepsEveryReaderNearTheLineRate) {
   EXPECT_EQ(report.bytes_cross, 0U);
 }
 
+TEST(Plan, RolloutsOfAnotherLayoutReadAcrossOnceThenPipelineFromTheFirst) {
+  // A TP=2 trainer (two 1 GB shards) and three TP=1 rollouts (the whole 2 GB model each). The
+  // first rollout reads both trainer shards' pieces whole, at its own NIC: 2 s. A copy still
+  // reading across layouts serves nobody, so the other two wait for it, then pipeline from it:
+  // 4 s. With trainers of the rollouts' layout there is nothing to reshard: 2 s for everyone.
+  PlanSpec spec = one_gpu_hosts(3);
+  spec.shards = 2;
+  spec.rollout_shards = 1;
+  EXPECT_EQ(spec.gpus(), 5U);
+  const PlanReport report = must_plan(spec);
+  const SystemPlan& across = system(report, "TensorHub");
+  const SystemPlan& same = system(report, "TensorHub, one layout");
+  ASSERT_EQ(across.versions.size(), 2U);
+  for (const VersionStall& v : across.versions) {
+    EXPECT_EQ(v.rollout_gpus, 3U);
+    EXPECT_GE(v.max_s, 4.0) << "version " << v.version;
+    EXPECT_LE(v.max_s, 4.2) << "version " << v.version;
+  }
+  for (const VersionStall& v : same.versions) EXPECT_LE(v.max_s, 2.2) << "version " << v.version;
+  // At least one read across layouts per version; which of the later two takes the trainer, free
+  // again, or the first rollout is the source choice's.
+  EXPECT_GE(report.reads_from_trainers, 2U);
+  EXPECT_EQ(report.reads_from_trainers + report.reads_from_rollouts, 6U);
+  EXPECT_EQ(report.bytes_local, 2 * 3 * 2 * report.spec.shard_bytes);  // whole pieces: exactly the model
+  for (const char* baseline : {"NCCL broadcast", "UCX point-to-point", "RDMA ideal"}) {
+    for (const SystemPlan& s : report.systems) EXPECT_EQ(s.name.rfind(baseline, 0), std::string::npos) << s.name;
+  }
+  // The layouts model splits its tensors 8 ways at most; colocated rollouts keep the trainers'.
+  spec.rollout_shards = 3;
+  EXPECT_FALSE(plan(spec).ok());
+  spec.rollout_shards = 1;
+  spec.colocated = true;
+  EXPECT_FALSE(plan(spec).ok());
+}
+
 TEST(Plan, BaselineModelsMatchTheirClosedForms) {
   PlanSpec spec = one_gpu_hosts(4);
   spec.run_no_pipeline = false;

@@ -14,7 +14,6 @@
 namespace th {
 
 using detail::Copy;
-using detail::Conversion;
 using detail::CopyState;
 using detail::LayoutId;
 using detail::Model;
@@ -87,35 +86,6 @@ std::optional<std::string> Hub::reads_across(const ModelLayout& reader, const Mo
   }
   return std::nullopt;
 }
-
-namespace {
-
-// Whether every value of `from` is a value of `to` (a widening or no conversion at all).
-bool exact(DType from, DType to) {
-  if (from == to) return true;
-  const bool half = from == DType::kBFloat16 || from == DType::kFloat16;
-  return (to == DType::kFloat32 && half) || (to == DType::kFloat64 && (half || from == DType::kFloat32));
-}
-
-// What reading `source` into `reader` does to the values (the reader reads it: reads_across).
-Conversion conversion(const ModelLayout& reader, const ModelLayout& source) {
-  std::map<std::string_view, DType> held;
-  for (const LayoutRef& shard : source.shards) {
-    for (const TensorSpec& tensor : shard->tensors()) held.emplace(tensor.name, tensor.dtype);
-  }
-  Conversion result = Conversion::kNone;
-  for (const LayoutRef& shard : reader.shards) {
-    for (const TensorSpec& tensor : shard->tensors()) {
-      const DType from = held.at(tensor.name);
-      if (from == tensor.dtype) continue;
-      if (!exact(from, tensor.dtype)) return Conversion::kRounds;
-      result = Conversion::kExact;
-    }
-  }
-  return result;
-}
-
-}  // namespace
 
 std::optional<Error> Hub::early_layout_mismatch(const Replica& replica, std::uint32_t shard,
                                                 const LayoutRef& layout) const {
@@ -218,8 +188,6 @@ void Hub::relate(Model& model, ModelLayout& layout) {
     if (other.get() == &layout) continue;
     layout.reads_from[other->id] = reads_across(layout, *other);
     other->reads_from[layout.id] = reads_across(*other, layout);
-    if (!layout.reads_from[other->id]) layout.conversion_from[other->id] = conversion(layout, *other);
-    if (!other->reads_from[layout.id]) other->conversion_from[layout.id] = conversion(*other, layout);
   }
 }
 
@@ -246,8 +214,7 @@ bool Hub::serves_once_complete(const Copy& candidate, const Copy& reader) const 
   if (held == wanted) return true;
   if (held == nullptr) return false;
   // Never into a seed's CPU copy: an offload holds its replica's layout, byte for byte.
-  if (reader.kind != CopyKind::kPrimary || wanted->reads_from.at(held->id).has_value()) return false;
-  return !candidate.record->rounded.contains(held->id) || wanted->conversion_from.at(held->id) == Conversion::kNone;
+  return reader.kind == CopyKind::kPrimary && !wanted->reads_from.at(held->id).has_value();
 }
 
 bool Hub::may_complete(const Copy& reader) const {
@@ -258,10 +225,7 @@ bool Hub::may_complete(const Copy& reader) const {
     if (roots == 0) continue;
     // A copy still publishing has no layout yet: it may turn out one the reader reads.
     if (layout == detail::kNoLayout || layout == wanted->id) return true;
-    if (reader.kind == CopyKind::kPrimary && !wanted->reads_from.at(layout).has_value() &&
-        (!record.rounded.contains(layout) || wanted->conversion_from.at(layout) == Conversion::kNone)) {
-      return true;
-    }
+    if (reader.kind == CopyKind::kPrimary && !wanted->reads_from.at(layout).has_value()) return true;
   }
   return false;
 }

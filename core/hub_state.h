@@ -155,12 +155,6 @@ struct VersionRecord {
   // Roots by their layout (kNoLayout: a copy still publishing, of a layout not yet known): while
   // none a reader can read from is left, the version is unavailable to it.
   std::map<LayoutId, std::uint32_t> roots_by_layout;
-  // Layouts whose bytes of this version were rounded on their way from a publisher's (fixed by a
-  // read across layouts that rounded a dtype, or that read such a layout): a copy of one serves
-  // other layouts only where no value converts. Rounding twice (float32 to bfloat16, then back to
-  // float32, or on to float16) is not what one rounding of the published bytes gives, so its
-  // readers would never match their layout's checksums.
-  std::set<LayoutId> rounded;
   std::deque<Transfer*> waiting;            // transfers waiting for a source, in arrival order
   bool dirty = false;                       // sources changed since `waiting` was last retried
 };
@@ -280,19 +274,13 @@ struct TxnRef {
 // reads a copy of another layout only once that copy is complete, each reader shard from every
 // shard of it (StartRead::reshard), and only if every tensor of both is a piece of the model's.
 // Taken by the first replica that committed it, refined by those after (ShardLayout::refine).
-// What reading one layout into another does to the values: nothing (the same dtype for every
-// tensor), exact widenings only (bfloat16 or float16 into float32, ...), or some rounding.
-enum class Conversion : std::uint8_t { kNone, kExact, kRounds };
-
 struct ModelLayout {
   LayoutId id = 0;
   std::vector<LayoutRef> shards;
   bool pieces_only = false;  // every tensor of every shard is a piece (TensorKind::kPiece)
-  // For each other layout: why replicas of this one cannot read copies of it (nullopt: they can),
-  // and, where they can, what that does to the values. Set for both directions when a layout is
-  // made; refining never changes a piece's description.
+  // For each other layout: why replicas of this one cannot read copies of it (nullopt: they can).
+  // Set for both directions when a layout is made; refining never changes a piece's description.
   std::map<LayoutId, std::optional<std::string>> reads_from;
-  std::map<LayoutId, Conversion> conversion_from;
 };
 
 struct Model {

@@ -437,11 +437,14 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   transfer.cross_dc = source.owner->dc != owner.dc;
   if (transfer.cross_dc && reader.readers == 0) {
     // Topology (§5.5): across datacenters only when no complete copy here could serve. (Receiving
-    // copies here may be unusable: behind a seeder, or in a chain that waits for its source.)
+    // copies here may be unusable: behind a seeder, or in a chain that waits for its source; a
+    // complete one may be of a layout the reader does not read.)
     const auto local = reader.record->by_dc.find(owner.dc);
     TH_ASSERT(local == reader.record->by_dc.end() ||
                   std::none_of(local->second.eligible.begin(), local->second.eligible.end(),
-                               [](const auto& entry) { return entry.second->state == CopyState::kComplete; }),
+                               [&](const auto& entry) {
+                                 return entry.second->state == CopyState::kComplete && serves(*entry.second, reader);
+                               }),
               "a remote source was chosen while a complete local one could serve");
   }
   transfer.source = &source;
@@ -602,14 +605,6 @@ void Hub::complete_transfer(Transfer& transfer) {
   TH_ASSERT(reader.ready.count() == replica.num_shards, "every shard has its bytes");
   TH_ASSERT(reader.incoming == &transfer);
   Model& model = *replica.model;
-  // A read across layouts that fixes its layout's bytes of the version: were they rounded?
-  if (transfer.reshard && !vouched(*reader.record, *replica.layout)) {
-    const detail::ModelLayout& from = *transfer.source->owner->layout;
-    if (reader.record->rounded.contains(from.id) ||
-        replica.layout->conversion_from.at(from.id) == detail::Conversion::kRounds) {
-      reader.record->rounded.insert(replica.layout->id);
-    }
-  }
   detach_source(transfer);
   dequeue_waiting(transfer);
   const std::string source_name = transfer.last_source;

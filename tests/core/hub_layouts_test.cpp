@@ -181,59 +181,5 @@ TEST(HubLayouts, WhatAReaderAssembledMustAgreeWithAnotherCopyOfItsLayout) {
   EXPECT_GT(again.epoch, read2.epoch);
 }
 
-// A float32 trainer's version read into bfloat16 is rounded: another float32 layout must read the
-// trainer's bytes, never the rounded copy (widening it back gives other values than the trainer's,
-// which would never match that layout's checksums). A bfloat16 layout with other boxes may.
-TEST(HubLayouts, ARoundedCopyServesOtherLayoutsOnlyWhereNothingConverts) {
-  Driver driver;
-  const auto t = driver.open_replica(replica("t", 2, "trainer"));
-  for (std::uint32_t shard = 0; shard < 2; ++shard) {
-    driver.call(t[shard], PublishRequest{1, tensor_parallel(shard, 2, DType::kFloat32), checksums_for(1, shard)});
-  }
-  ASSERT_TRUE(is<PublishOk>(driver.replies(t)));
-  const auto narrow = driver.open_replica(replica("narrow", 1));
-  driver.call(narrow[0], ReplicateRequest{Selector::latest(), tensor_parallel(0, 1, DType::kBFloat16), 0});
-  ASSERT_EQ(driver.inbox(narrow[0]).reads.size(), 1u);
-  const StartRead narrowing = driver.inbox(narrow[0]).reads.begin()->second;
-  driver.report(narrow[0], TransferDone{narrowing.transfer, narrowing.epoch, checksums_for(1, 0)});
-  ASSERT_TRUE(is<ReplicateOk>(driver.replies(narrow)));
-
-  // While the trainer holds it, a float32 reader of 4 shards reads the trainer, on every shard.
-  const auto wide = driver.open_replica(replica("wide", 4));
-  for (std::uint32_t shard = 0; shard < 4; ++shard) {
-    driver.call(wide[shard], ReplicateRequest{Selector::latest(), tensor_parallel(shard, 4, DType::kFloat32), 0});
-  }
-  for (std::uint32_t shard = 0; shard < 4; ++shard) {
-    ASSERT_EQ(driver.inbox(wide[shard]).reads.size(), 1u) << "shard " << shard;
-    const StartRead& read = driver.inbox(wide[shard]).reads.begin()->second;
-    EXPECT_EQ(read.source.replica, "t") << "shard " << shard;
-    driver.report(wide[shard], TransferDone{read.transfer, read.epoch, checksums_for(1, shard)});
-  }
-  ASSERT_TRUE(is<ReplicateOk>(driver.replies(wide)));
-
-  // Once the trainer and the float32 copies are gone, a float32 reader has nothing it may read:
-  // told so, not sent to the rounded copy. A bfloat16 reader of 2 shards reads that copy.
-  driver.call_all(t, UnpublishRequest{});
-  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  driver.call_all(wide, CloseRequest{});
-  (void)driver.replies(wide);
-  const auto late = driver.open_replica(replica("late", 2));
-  for (std::uint32_t shard = 0; shard < 2; ++shard) {
-    driver.call(late[shard], ReplicateRequest{Selector::latest(), tensor_parallel(shard, 2, DType::kFloat32), 0});
-  }
-  const auto refused = driver.replies(late);
-  ASSERT_TRUE(refused && is_error(*refused, Errc::kVersionUnavailable)) << (refused ? describe(*refused) : "no reply");
-  for (std::uint32_t shard = 0; shard < 2; ++shard) EXPECT_TRUE(driver.inbox(late[shard]).reads.empty());
-  const auto same_dtype = driver.open_replica(replica("same-dtype", 2));
-  for (std::uint32_t shard = 0; shard < 2; ++shard) {
-    driver.call(same_dtype[shard],
-                ReplicateRequest{Selector::latest(), tensor_parallel(shard, 2, DType::kBFloat16), 0});
-  }
-  for (std::uint32_t shard = 0; shard < 2; ++shard) {
-    ASSERT_EQ(driver.inbox(same_dtype[shard]).reads.size(), 1u) << "shard " << shard;
-    EXPECT_EQ(driver.inbox(same_dtype[shard]).reads.begin()->second.source.replica, "narrow");
-  }
-}
-
 }  // namespace
 }  // namespace th::test

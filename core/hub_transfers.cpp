@@ -320,9 +320,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   auto source_soon_here = [&] {
     const DcSources& here = record.by_dc.at(dc);
     if (here.servable == 0) return false;
-    // (With several layouts a complete copy here may be of one the reader cannot read: the
-    // copies below are then looked at one by one.)
-    if (here.complete > 0 && model.layouts.size() <= 1) return true;
+    if (here.complete > 0) return true;
     std::unordered_map<const Copy*, bool> grounded;
     auto reaches_root = [&](const Copy* start) {
       std::vector<const Copy*> path;
@@ -347,11 +345,9 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     // A copy of another layout the reader reads counts too: the reader waits until it is
     // complete and then reads it here. Seeding past it would make two seeders, and each would
     // take the other's place (keep_one_seeder) without end.
-    // So does a complete copy of its own layout, busy or not.
     auto serves_here = [&](const Copy* copy) {
-      return usable(copy) ||
-             (copy != &reader && (copy->owner->layout != reader.owner->layout || copy->state == CopyState::kComplete) &&
-              serves_once_complete(*copy, reader));
+      return usable(copy) || (copy != &reader && copy->owner->layout != reader.owner->layout &&
+                              serves_once_complete(*copy, reader));
     };
     for (const Copy* copy : record.copies) {
       if (copy->owner->dc == dc && copy->counted.servable && serves_here(copy) &&

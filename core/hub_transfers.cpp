@@ -432,15 +432,13 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   TH_ASSERT(source.record == reader.record);
   transfer.cross_dc = source.owner->dc != owner.dc;
   if (transfer.cross_dc && reader.readers == 0) {
-    // Topology (§5.5): across datacenters only when no complete copy here could serve. (Receiving
-    // copies here may be unusable: behind a seeder, or in a chain that waits for its source; a
-    // complete one may be of a layout the reader does not read.)
+    // Topology (§5.5): across datacenters only when no copy here is complete. (Receiving copies
+    // here may be unusable: behind a seeder, or in a chain that waits for its source. A reader
+    // waits while any copy here is complete, even one of a layout it does not read.)
     const auto local = reader.record->by_dc.find(owner.dc);
     TH_ASSERT(local == reader.record->by_dc.end() ||
                   std::none_of(local->second.eligible.begin(), local->second.eligible.end(),
-                               [&](const auto& entry) {
-                                 return entry.second->state == CopyState::kComplete && serves(*entry.second, reader);
-                               }),
+                               [](const auto& entry) { return entry.second->state == CopyState::kComplete; }),
               "a remote source was chosen while a complete local one could serve");
   }
   transfer.source = &source;

@@ -14,6 +14,7 @@
 #include "client/handle_impl.h"
 #include "client/cuda/ipc.h"
 #include "client/receive.h"
+#include "net/token.h"
 
 #ifdef TH_HAVE_RDMA
 #include "rdma/transport.h"
@@ -103,6 +104,9 @@ Status validate(const ClientOptions& options) {
     if (!options.data_listen.empty()) net::parse_endpoint(options.data_listen);
   } catch (const net::SocketError& error) {
     return make_error(Errc::kInvalidArgument, error.what());
+  }
+  if (Status token = net::check_token_size(options.token, "the cluster token (ClientOptions::token)"); !token.ok()) {
+    return token;
   }
   if (Status valid = validate(agent_config_of(options, 1)); !valid.ok()) return valid;
   if (options.data_streams == 0 || options.data_streams > net::kPullStreamsMax) {

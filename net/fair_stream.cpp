@@ -76,17 +76,59 @@ kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read(
   if (++messages_read_ > messages_max_) {
     return KJ_EXCEPTION(FAILED, "too many messages before authentication");
   }
-  return inner_.tryReadMessage(fd_space, options, scratch_space);
+  return read_when_answers_read(fd_space, options, scratch_space);
 }
+
+void FairMessageStream::limit_unread_answers(std::function<std::size_t()> queued_bytes, std::size_t bytes_max) {
+  TH_REQUIRE(queued_bytes && bytes_max > 0, "the unread answers need a queue to watch and room for one");
+  queued_bytes_ = std::move(queued_bytes);
+  answers_bytes_max_ = bytes_max;
+}
+
+kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read_when_answers_read(
+    kj::ArrayPtr<kj::AutoCloseFd> fd_space, capnp::ReaderOptions options, kj::ArrayPtr<capnp::word> scratch_space) {
+  if (!queued_bytes_ || queued_bytes_() <= answers_bytes_max_) {
+    return inner_.tryReadMessage(fd_space, options, scratch_space);
+  }
+  // The queue drains only by writes, and each write that ends looks at it (written()): no polling.
+  auto resumed = kj::newPromiseAndFulfiller<void>();
+  read_resumer_ = kj::mv(resumed.fulfiller);
+  reading_held_ = true;
+  return resumed.promise.then([this, fd_space, options, scratch_space] {
+    return read_when_answers_read(fd_space, options, scratch_space);
+  });
+}
+
+void FairMessageStream::written(std::size_t bytes) {
+  if (!waiting_for_peer_to_read()) return;
+  // The network takes a written message off its queue after this write's promise resolves, so the
+  // queue may still count it: room is judged without it. (Once the last write ends, a read resumes
+  // whatever the size of that message.)
+  if (queued_bytes_() <= answers_bytes_max_ + bytes) {
+    reading_held_ = false;
+    read_resumer_->fulfill();
+  }
+}
+
+namespace {
+std::size_t bytes_of(kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>> segments) {
+  std::size_t words = 0;
+  for (const auto& segment : segments) words += segment.size();
+  return words * sizeof(capnp::word);
+}
+}  // namespace
 
 kj::Promise<void> FairMessageStream::writeMessage(kj::ArrayPtr<const int> fds,
                                                   kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>> segments) {
-  return inner_.writeMessage(fds, segments);
+  const std::size_t bytes = bytes_of(segments);
+  return inner_.writeMessage(fds, segments).then([this, bytes] { written(bytes); });
 }
 
 kj::Promise<void> FairMessageStream::writeMessages(
     kj::ArrayPtr<kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>> messages) {
-  return inner_.writeMessages(messages);
+  std::size_t bytes = 0;
+  for (const auto& message : messages) bytes += bytes_of(message);
+  return inner_.writeMessages(messages).then([this, bytes] { written(bytes); });
 }
 
 kj::Maybe<int> FairMessageStream::getSendBufferSize() { return inner_.getSendBufferSize(); }

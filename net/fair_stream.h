@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 
 namespace th::net {
 
@@ -88,11 +89,26 @@ class FairMessageStream final : public capnp::MessageStream {
   // Caps the number of messages read in all (a peer that has not authenticated may send a few;
   // each message can leave an answer and a reply queued). Beyond it the stream fails.
   void set_messages_max(std::uint64_t messages_max) { messages_max_ = messages_max; }
+  // Caps the answers the peer has not read: while more than `bytes_max` bytes of messages wait to
+  // be written to it (`queued_bytes`: Cap'n Proto's outgoing queue, TwoPartyVatNetwork::
+  // getCurrentQueueSize), no message is read, so a peer that pipelines calls and never reads
+  // their answers holds at most about this much of the server's memory, not one answer per call.
+  void limit_unread_answers(std::function<std::size_t()> queued_bytes, std::size_t bytes_max);
+  // Whether reading waits for the peer to read its answers (the owner's evidence for why it is
+  // silent).
+  bool waiting_for_peer_to_read() const { return reading_held_; }
 
  private:
   kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> read(kj::ArrayPtr<kj::AutoCloseFd> fd_space,
                                                          capnp::ReaderOptions options,
                                                          kj::ArrayPtr<capnp::word> scratch_space);
+
+  // Reads only once fewer than answers_bytes_max_ bytes wait to be written.
+  kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> read_when_answers_read(kj::ArrayPtr<kj::AutoCloseFd> fd_space,
+                                                                           capnp::ReaderOptions options,
+                                                                           kj::ArrayPtr<capnp::word> scratch_space);
+  // A write of `bytes` ended: resumes a read that waits, if the queue has room now.
+  void written(std::size_t bytes);
 
   capnp::AsyncIoMessageStream inner_;
   TurnGate& gate_;
@@ -101,6 +117,10 @@ class FairMessageStream final : public capnp::MessageStream {
   std::uint64_t messages_read_ = 0;
   std::uint64_t message_words_max_ = UINT64_MAX;
   std::uint64_t messages_max_ = UINT64_MAX;
+  std::function<std::size_t()> queued_bytes_;  // empty: answers are not limited
+  std::size_t answers_bytes_max_ = SIZE_MAX;
+  kj::Own<kj::PromiseFulfiller<void>> read_resumer_;  // a read that waits for the peer to read
+  bool reading_held_ = false;                          // (read_resumer_ waits)
 };
 #pragma GCC diagnostic pop
 

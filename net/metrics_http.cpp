@@ -1,7 +1,9 @@
 #include "net/metrics_http.h"
 
 #include <algorithm>
+#include <cctype>
 #include <future>
+#include <utility>
 
 #include "core/assert.h"
 #include "net/event_loop.h"
@@ -10,11 +12,11 @@ namespace th::net {
 
 namespace {
 
-kj::HttpServerSettings scrape_settings() {
+kj::HttpServerSettings scrape_settings(const MetricsHttpLimits& limits) {
   kj::HttpServerSettings settings;
   // A scraper sends its request at once; a connection that does not is holding a slot.
-  settings.headerTimeout = 5 * kj::SECONDS;
-  settings.pipelineTimeout = 5 * kj::SECONDS;
+  settings.headerTimeout = limits.request_wait_ms * kj::MILLISECONDS;
+  settings.pipelineTimeout = limits.request_wait_ms * kj::MILLISECONDS;
   return settings;
 }
 
@@ -26,12 +28,29 @@ constexpr std::string_view kIndex = "TensorHub metrics: GET /metrics (Prometheus
 // only ever destroyed as themselves.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wnon-virtual-dtor"
+// One per connection (so that a request can have its own connection closed).
 class MetricsHttpServer::Service final : public kj::HttpService {
  public:
-  explicit Service(MetricsHttpServer& owner) : owner_(owner) {}
+  Service(MetricsHttpServer& owner, std::uint64_t connection) : owner_(owner), connection_(connection) {}
 
-  kj::Promise<void> request(kj::HttpMethod method, kj::StringPtr url, const kj::HttpHeaders&,
+  kj::Promise<void> request(kj::HttpMethod method, kj::StringPtr url, const kj::HttpHeaders& request_headers,
                             kj::AsyncInputStream&, Response& response) override {
+    // kj's server keeps every connection open for the next request; one that asks otherwise (curl
+    // and one-shot scrapers say `Connection: close`) is closed once its answer is written, rather
+    // than held until the pipeline timeout.
+    bool close = false;
+    KJ_IF_MAYBE(connection, request_headers.get(kj::HttpHeaderId::CONNECTION)) {
+      std::string value(connection->cStr());
+      std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+      close = value.find("close") != std::string::npos;
+    }
+    auto answered = answer(method, url, response);
+    if (!close) return answered;
+    return answered.then([this] { owner_.close_later(connection_); });
+  }
+
+ private:
+  kj::Promise<void> answer(kj::HttpMethod method, kj::StringPtr url, Response& response) {
     // (url is only valid until the first suspension: decide what to answer now.)
     const std::string_view path(url.cStr(), url.size());
     const std::string_view bare = path.substr(0, path.find('?'));
@@ -46,25 +65,26 @@ class MetricsHttpServer::Service final : public kj::HttpService {
       if (!admitted) return response.sendError(503, "Service Unavailable", headers);
       if (what == What::kNotAllowed) return response.sendError(405, "Method Not Allowed", headers);
       if (what == What::kNotFound) return response.sendError(404, "Not Found", headers);
-      std::string body;
-      if (what == What::kMetrics) {
-        ++owner_.scrapes_;
-        body = owner_.render_();
-        headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8");
-      } else {
-        body = kIndex;
-        headers.set(kj::HttpHeaderId::CONTENT_TYPE, "text/plain; charset=utf-8");
-      }
-      auto stream = response.send(200, "OK", headers, body.size());
-      if (head) return kj::READY_NOW;
-      auto text = kj::heapString(body.data(), body.size());
-      auto written = stream->write(text.begin(), text.size());
-      return written.attach(kj::mv(stream), kj::mv(text));
+      if (what == What::kIndex) return send(response, std::string(kIndex), "text/plain; charset=utf-8", head);
+      ++owner_.scrapes_;
+      return owner_.render_().then([this, &response, head](std::string body) {
+        return send(response, std::move(body), "text/plain; version=0.0.4; charset=utf-8", head);
+      });
     });
   }
 
- private:
+  kj::Promise<void> send(Response& response, std::string body, const char* content_type, bool head) {
+    kj::HttpHeaders headers(owner_.header_table_);
+    headers.set(kj::HttpHeaderId::CONTENT_TYPE, content_type);
+    auto stream = response.send(200, "OK", headers, body.size());
+    if (head) return kj::READY_NOW;
+    auto text = kj::heapString(body.data(), body.size());
+    auto written = stream->write(text.begin(), text.size());
+    return written.attach(kj::mv(stream), kj::mv(text));
+  }
+
   MetricsHttpServer& owner_;
+  std::uint64_t connection_;
 };
 
 // Malformed requests are answered 400 and counted: anyone can send them, so they are not logged
@@ -99,17 +119,21 @@ MetricsHttpServer::MetricsHttpServer(kj::Timer& timer, Render render, MetricsHtt
       limits_(limits),
       tokens_(limits.requests_per_s_max),
       refilled_(timer.now()),
-      service_(std::make_unique<Service>(*this)),
       errors_(std::make_unique<Errors>(*this)),
-      http_(timer, header_table_, *service_,
+      http_(timer, header_table_,
+            [this](kj::AsyncIoStream&) -> kj::Own<kj::HttpService> {
+              TH_ASSERT(accepting_ != 0, "kj asks for a connection's service as it starts serving it");
+              return kj::heap<Service>(*this, std::exchange(accepting_, 0));
+            },
             [this] {
-              auto settings = scrape_settings();
+              auto settings = scrape_settings(limits_);
               settings.errorHandler = *errors_;
               return settings;
             }()),
       tasks_(*this) {
   TH_REQUIRE(limits_.connections_max > 0, "a metrics endpoint takes at least one connection");
   TH_REQUIRE(limits_.requests_per_s_max >= 1, "a metrics endpoint answers at least a request a second");
+  TH_REQUIRE(limits_.request_wait_ms > 0, "a metrics endpoint waits for a request a while");
 }
 
 MetricsHttpServer::~MetricsHttpServer() = default;
@@ -164,6 +188,11 @@ kj::Promise<void> MetricsHttpServer::dispense_turns() {
   return timer_.afterDelay(wait_ns * kj::NANOSECONDS).then([this] { return dispense_turns(); });
 }
 
+void MetricsHttpServer::close_later(std::uint64_t id) {
+  // Not from inside the connection's own continuation: dropping its promise destroys it.
+  tasks_.add(kj::evalLater([this, id] { connections_.erase(id); }));
+}
+
 kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listener) {
   return listener.accept().then(
       [this, &listener](kj::Own<kj::AsyncIoStream> stream) {
@@ -172,8 +201,11 @@ kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listene
           ++connections_evicted_;
         }
         const std::uint64_t id = next_connection_++;
+        accepting_ = id;  // listenHttp asks the factory for the connection's service at once
         // When it ends, it leaves the map later (not from inside its own continuation).
-        connections_.emplace(id, http_.listenHttp(kj::mv(stream)).then(
+        auto served = http_.listenHttp(kj::mv(stream));
+        TH_ASSERT(accepting_ == 0, "the connection's service was made for it");
+        connections_.emplace(id, kj::mv(served).then(
                                      [this, id] { tasks_.add(kj::evalLater([this, id] { connections_.erase(id); })); },
                                      [this, id](kj::Exception&&) {
                                        tasks_.add(kj::evalLater([this, id] { connections_.erase(id); }));
@@ -205,6 +237,7 @@ Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::s
       IoLoop loop;
       auto listener = loop.io().getNetwork().parseAddress(address).wait(loop.wait_scope())->listen();
       MetricsHttpServer server(loop.timer(), std::move(render), limits);
+      raw->server_ = &server;
       auto stop = kj::newPromiseAndFulfiller<void>();
       raw->executor_ = &kj::getCurrentThreadExecutor();
       raw->stop_ = kj::mv(stop.fulfiller);

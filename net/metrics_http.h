@@ -10,16 +10,21 @@
 //     none), and at most `connections_max` wait: past that a request is answered 503 at once, so
 //     no burst can build a queue that outlives it;
 //   - connections: at most `connections_max`; a new one closes the oldest (a scraper that holds a
-//     connection idle cannot lock the others out); a request must arrive within 5 s;
+//     connection idle cannot lock the others out); a request must arrive within
+//     `request_wait_ms`; one that says `Connection: close` has its connection closed once answered;
 //   - only GET/HEAD of /metrics and / are answered (404, 405 otherwise); malformed requests get 400
 //     and are counted, not logged.
-// MetricsHttpThread runs one on a thread and loop of its own for a process that has none to offer
-// (libthclient); then the callback must be thread-safe.
+// MetricsHttpThread runs one on a thread and loop of its own: for a process that has none to offer
+// (libthclient; then the callback must be thread-safe), and for one whose loop must not pay for a
+// flood of connections (th-server: the callback hands the rendering to the owner's loop).
+// (A flood of 25-31 k connections a second cost th-server's one loop 75 % of a core when the
+// endpoint shared it.)
 #pragma once
 
 #include <kj/async-io.h>
 #include <kj/compat/http.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -35,11 +40,14 @@ namespace th::net {
 struct MetricsHttpLimits {
   std::size_t connections_max = 16;
   double requests_per_s_max = 20;
+  std::int64_t request_wait_ms = 5000;  // for a connection's (next) request, then it is closed
 };
 
 class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
  public:
-  using Render = std::function<std::string()>;
+  // The text to answer a scrape with, as a promise so that it may come from another thread's loop
+  // (kj::Executor::executeAsync) without blocking this one; a function returning the text will do.
+  using Render = std::function<kj::Promise<std::string>()>;
 
   MetricsHttpServer(kj::Timer& timer, Render render, MetricsHttpLimits limits = {});
   ~MetricsHttpServer();
@@ -49,11 +57,13 @@ class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
   // Accepts scrapers on `listener` until the promise is dropped (accept errors are retried).
   kj::Promise<void> serve(kj::ConnectionReceiver& listener);
 
-  std::uint64_t scrapes() const { return scrapes_; }
-  std::uint64_t connections_evicted() const { return connections_evicted_; }
-  std::uint64_t requests_delayed() const { return requests_delayed_; }
-  std::uint64_t bad_requests() const { return bad_requests_; }
-  std::uint64_t requests_shed() const { return requests_shed_; }  // answered 503: too many waiting
+  // Counted on this server's loop; read from any thread.
+  std::uint64_t scrapes() const { return scrapes_.load(std::memory_order_relaxed); }
+  std::uint64_t connections_evicted() const { return connections_evicted_.load(std::memory_order_relaxed); }
+  std::uint64_t requests_delayed() const { return requests_delayed_.load(std::memory_order_relaxed); }
+  std::uint64_t bad_requests() const { return bad_requests_.load(std::memory_order_relaxed); }
+  // Answered 503: too many waiting.
+  std::uint64_t requests_shed() const { return requests_shed_.load(std::memory_order_relaxed); }
 
  private:
   class Service;
@@ -63,24 +73,26 @@ class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
   kj::Promise<bool> request_turn();
   kj::Promise<void> dispense_turns();
   void refill();
+  // Closes connection `id` (once its answer is written: the connection asked for it).
+  void close_later(std::uint64_t id);
   void taskFailed(kj::Exception&& exception) override;
 
   kj::Timer& timer_;
   Render render_;
   MetricsHttpLimits limits_;
-  std::uint64_t scrapes_ = 0;
-  std::uint64_t connections_evicted_ = 0;
-  std::uint64_t requests_delayed_ = 0;
-  std::uint64_t bad_requests_ = 0;
-  std::uint64_t requests_shed_ = 0;
+  std::atomic<std::uint64_t> scrapes_ = 0;
+  std::atomic<std::uint64_t> connections_evicted_ = 0;
+  std::atomic<std::uint64_t> requests_delayed_ = 0;
+  std::atomic<std::uint64_t> bad_requests_ = 0;
+  std::atomic<std::uint64_t> requests_shed_ = 0;
   std::deque<kj::Own<kj::PromiseFulfiller<void>>> waiters_;  // requests waiting for a turn, in order
   bool dispensing_ = false;
   // The request budget: tokens, refilled at requests_per_s_max, at most one second's worth.
   double tokens_;
   kj::TimePoint refilled_;
   kj::HttpHeaderTable header_table_;
-  std::unique_ptr<Service> service_;
   std::unique_ptr<Errors> errors_;
+  std::uint64_t accepting_ = 0;  // the id of the connection whose service is being made (the factory's)
   kj::HttpServer http_;
   // Connections being served, oldest first (ids rise); dropping a promise closes its connection.
   std::map<std::uint64_t, kj::Promise<void>> connections_;
@@ -100,12 +112,15 @@ class MetricsHttpThread {
   MetricsHttpThread& operator=(const MetricsHttpThread&) = delete;
 
   const std::string& address() const { return address_; }  // with the port the kernel chose
+  // The endpoint's own figures (any thread; they live as long as this object).
+  const MetricsHttpServer& server() const { return *server_; }
 
  private:
   MetricsHttpThread() = default;
   std::thread thread_;
   std::string address_;
   const kj::Executor* executor_ = nullptr;
+  const MetricsHttpServer* server_ = nullptr;  // on the thread's stack, until the thread ends
   kj::Own<kj::PromiseFulfiller<void>> stop_;
 };
 

@@ -7,6 +7,15 @@
 
 namespace th::net {
 
+Status check_token_size(std::string_view token, const std::string& what) {
+  if (token.empty()) return make_error(Errc::kInvalidArgument, what + " is empty");
+  if (token.size() > kTokenBytesMax) {
+    return make_error(Errc::kInvalidArgument, what + " is " + std::to_string(token.size()) + " bytes; a token has at most " +
+                                                  std::to_string(kTokenBytesMax));
+  }
+  return Unit{};
+}
+
 Result<std::vector<std::string>> read_token_lines(const std::string& path) {
   // Only a regular file: opening a FIFO would block th-server's loop (SIGHUP re-reads the file).
   struct stat status {};
@@ -25,7 +34,11 @@ Result<std::vector<std::string>> read_token_lines(const std::string& path) {
     std::size_t first = 0;
     while (first < line.size() && blank(line[first])) ++first;
     line.erase(0, first);
-    if (!line.empty()) tokens.push_back(std::move(line));
+    if (line.empty()) continue;
+    if (Status size = check_token_size(line, "token " + std::to_string(tokens.size() + 1) + " of " + path); !size.ok()) {
+      return size.error();
+    }
+    tokens.push_back(std::move(line));
   }
   if (tokens.empty()) return make_error(Errc::kInvalidArgument, "the token file " + path + " is empty");
   return tokens;

@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 
 #include "net/tls.h"
+#include "net/token.h"
 #include "net/wire.h"
 
 // Cap'n Proto's generated Server classes have virtual methods and a non-virtual destructor; kj owns
@@ -25,11 +26,15 @@ namespace th::server {
 
 Status validate(const ServiceConfig& config) {
   if (auto hub = validate(config.hub); !hub.ok()) return hub;
-  if (config.token.empty()) return make_error(Errc::kInvalidArgument, "the cluster token is empty");
+  if (Status token = net::check_token_size(config.token, "the cluster token"); !token.ok()) return token;
+  for (const std::string& more : config.more_tokens) {
+    if (Status token = net::check_token_size(more, "a further cluster token"); !token.ok()) return token;
+  }
   if (config.tick_ms <= 0 || config.tick_ms > 1000) {
     return make_error(Errc::kInvalidArgument, "tick_ms must be in 1..1000");
   }
   if (config.delivers_in_flight_max == 0 || config.effects_backlog_max == 0 || config.connections_max == 0 ||
+      config.rpc_answers_bytes_max == 0 ||
       config.messages_per_turn == 0 || config.wakeups_per_poll == 0) {
     return make_error(Errc::kInvalidArgument, "flow-control limits must be positive");
   }
@@ -245,7 +250,10 @@ HubService::HubService(ServiceConfig config, kj::Timer& timer, LogLevel log_leve
   TH_REQUIRE(validate(config_).ok(), "invalid service config");
 }
 
-HubService::~HubService() = default;
+HubService::~HubService() {
+  // First the metrics thread: a scrape it asked this loop to render must not outlive the service.
+  metrics_http_.reset();
+}
 
 void HubService::stop_on_bug(const char* loop, const kj::Exception& exception) {
   // Without these loops no heartbeat expires and no deadline passes while clients stay connected:
@@ -514,6 +522,9 @@ void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> st
   connection.messages->set_message_words_max(config_.unauthenticated_message_words_max);
   connection.messages->set_messages_max(config_.unauthenticated_messages_max);
   connection.network = kj::heap<capnp::TwoPartyVatNetwork>(*connection.messages, capnp::rpc::twoparty::Side::SERVER);
+  capnp::TwoPartyVatNetwork& network = *connection.network;
+  connection.messages->limit_unread_answers([&network] { return network.getCurrentQueueSize(); },
+                                            config_.rpc_answers_bytes_max);
   connection.rpc = kj::heap(capnp::makeRpcServer(*connection.network, kj::heap<HubImpl>(*this, connection.id)));
   const std::uint64_t id = connection.id;
   tasks_.add(connection.network->onDisconnect().then([this, id] { on_disconnect(id); }));
@@ -579,7 +590,11 @@ void HubService::sweep_connections() {
     if (!connection->authenticated && now - connection->accepted_ms > config_.auth_deadline_ms) {
       expired.emplace_back(id, "no cluster token within " + std::to_string(config_.auth_deadline_ms) + " ms");
     } else if (connection->authenticated && now - connection->active_ms > idle_timeout_ms()) {
-      expired.emplace_back(id, "silent for " + std::to_string(now - connection->active_ms) + " ms");
+      const bool unread = connection->messages.get() != nullptr && connection->messages->waiting_for_peer_to_read();
+      expired.emplace_back(id, (unread ? "has not read its answers (over " + std::to_string(config_.rpc_answers_bytes_max) +
+                                             " bytes of them, --rpc-answers-bytes-max) for "
+                                       : std::string("silent for ")) +
+                                   std::to_string(now - connection->active_ms) + " ms");
     }
   }
   for (const auto& [id, why] : expired) close_connection(id, why);

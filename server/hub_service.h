@@ -55,6 +55,10 @@ struct ServiceConfig {
   std::int64_t tick_ms = 100;   // how often the Hub hears the clock
   std::uint32_t delivers_in_flight_max = 8;      // Sink.deliver calls per connection
   std::size_t effects_backlog_max = 1 << 16;     // undelivered effects per connection
+  // Bytes of answers (and calls) an RPC connection's peer has not read yet: past it, nothing more
+  // is read from the connection until the peer reads (net/fair_stream.h); a peer that never does
+  // is closed by the idle timeout. (Framed connections: effects_backlog_max.)
+  std::size_t rpc_answers_bytes_max = 1 << 20;
   std::size_t connections_max = 65536;  // th-server lowers it to fit RLIMIT_NOFILE
   // Before the token: how many such connections at once (the oldest is closed to admit a new one),
   // how long each may take, its largest message (a connect is ~100 bytes), and how many wrong
@@ -109,8 +113,12 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // Call before serve(); without it they go through kj's streams.
   void use_event_port(kj::UnixEventPort& port) { event_port_ = &port; }
   // ---- Operations (server/operations.cpp) ----
-  // Serves Prometheus metrics (GET /metrics) on `listener`, on this loop, until destroyed.
-  void serve_metrics(kj::ConnectionReceiver& listener);
+  // Serves Prometheus metrics (GET /metrics) on `address` (HOST:PORT; port 0: any) until destroyed:
+  // the connections on a thread of their own, each scrape rendered on this loop. kInvalidArgument
+  // if the address cannot be bound. Call from the thread that runs this service's loop.
+  Status serve_metrics(const std::string& address);
+  // Where metrics are served (with the port chosen), or "".
+  std::string metrics_address() const;
   std::string render_metrics() const;
   // The transfer timeline as Chrome Trace Event JSON (server/chrome_trace.h).
   std::string timeline_json() const;
@@ -211,8 +219,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogLevel log_level_;
   Hub hub_;
   ServiceMetrics metrics_;
-  std::unique_ptr<net::MetricsHttpServer> metrics_http_;
-  kj::Maybe<kj::Promise<void>> metrics_serving_;
+  std::unique_ptr<net::MetricsHttpThread> metrics_http_;
   bool draining_ = false;
   net::TurnGate turn_gate_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();

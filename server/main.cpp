@@ -165,6 +165,12 @@ int main(int argc, char** argv) {
                  "connection is closed (its client is lost and re-opens)")
       ->capture_default_str()
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 24));
+  app.add_option("--rpc-answers-bytes-max", config.rpc_answers_bytes_max,
+                 "Bytes of answers a Cap'n Proto RPC connection (th-ctl, older clients) may leave unread; "
+                 "past it the server reads nothing more from it until it reads (one that never does is "
+                 "closed by the idle timeout)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{4096}, std::size_t{1} << 30));
   app.add_option("--idle-timeout-ms", config.idle_timeout_ms,
                  "An authenticated connection with no message and no heartbeat this long is closed "
                  "(0: 10 x the heartbeat timeout, at least 60 s)")
@@ -270,23 +276,15 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
-    kj::Own<kj::ConnectionReceiver> metrics_listener;
     if (!metrics_listen.empty()) {
-      try {
-        metrics_listener = loop.io().getNetwork().parseAddress(metrics_listen).wait(loop.wait_scope())->listen();
-      } catch (const kj::Exception& exception) {
-        std::cerr << "th-server: --metrics-listen " << metrics_listen << ": " << exception.getDescription().cStr()
-                  << "\n";
+      if (auto served = service.serve_metrics(metrics_listen); !served.ok()) {
+        std::cerr << "th-server: --metrics-listen " << metrics_listen << ": " << served.error().detail << "\n";
         return 2;
       }
-      service.serve_metrics(*metrics_listener);
     }
     std::cout << "th-server listening on " << listen.substr(0, listen.rfind(':')) << ":" << listener->getPort()
               << std::endl;
-    if (metrics_listener.get() != nullptr) {
-      std::cout << "th-server metrics on " << metrics_listen.substr(0, metrics_listen.rfind(':')) << ":"
-                << metrics_listener->getPort() << std::endl;
-    }
+    if (!service.metrics_address().empty()) std::cout << "th-server metrics on " << service.metrics_address() << std::endl;
     // Serving never ends by itself (accept failures are retried); if it ever does, that is a failure.
     bool serving_failed = false;
     auto serving = service.serve(*listener).then(

@@ -14,13 +14,20 @@ void HubService::set_tokens(std::vector<std::string> tokens) {
   config_.more_tokens.assign(std::make_move_iterator(tokens.begin() + 1), std::make_move_iterator(tokens.end()));
 }
 
-void HubService::serve_metrics(kj::ConnectionReceiver& listener) {
+Status HubService::serve_metrics(const std::string& address) {
   TH_REQUIRE(metrics_http_ == nullptr, "serve_metrics is called once");
-  metrics_http_ = std::make_unique<net::MetricsHttpServer>(timer_, [this] { return render_metrics(); });
-  metrics_serving_ = metrics_http_->serve(listener).eagerlyEvaluate([this](kj::Exception&& exception) {
-    log(LogLevel::kError, std::string("metrics endpoint stopped: ") + exception.getDescription().cStr(), "metrics");
+  // The endpoint's thread asks this loop for the text and waits for it without blocking its own
+  // loop; ~HubService stops the thread first, which drops a request this loop has not run yet.
+  const kj::Executor& here = kj::getCurrentThreadExecutor();
+  auto started = net::MetricsHttpThread::start(address, [this, &here] {
+    return here.executeAsync([this] { return render_metrics(); });
   });
+  if (!started.ok()) return started.error();
+  metrics_http_ = std::move(started).value();
+  return Unit{};
 }
+
+std::string HubService::metrics_address() const { return metrics_http_ != nullptr ? metrics_http_->address() : ""; }
 
 std::string HubService::render_metrics() const {
   ShellFigures shell;
@@ -32,11 +39,12 @@ std::string HubService::render_metrics() const {
   shell.uptime_seconds = static_cast<double>(now_us()) / 1e6;
   shell.draining = draining_;
   if (metrics_http_ != nullptr) {
-    shell.scrapes = metrics_http_->scrapes();
-    shell.scrape_connections_evicted = metrics_http_->connections_evicted();
-    shell.scrape_requests_delayed = metrics_http_->requests_delayed();
-    shell.scrape_bad_requests = metrics_http_->bad_requests();
-    shell.scrape_requests_shed = metrics_http_->requests_shed();
+    const net::MetricsHttpServer& endpoint = metrics_http_->server();
+    shell.scrapes = endpoint.scrapes();
+    shell.scrape_connections_evicted = endpoint.connections_evicted();
+    shell.scrape_requests_delayed = endpoint.requests_delayed();
+    shell.scrape_bad_requests = endpoint.bad_requests();
+    shell.scrape_requests_shed = endpoint.requests_shed();
   }
   return metrics_.render(hub_, shell);
 }

@@ -96,5 +96,43 @@ TEST(FairMessageStream, ReadsABoundedNumberOfMessagesPerTurn) {
   EXPECT_GE(samples.size(), 4u) << "8 messages past the first turn at 2 per turn take 4 polls";
 }
 
+// A peer that pipelines calls and never reads their answers: once more than the limit of answers
+// waits to be written, the stream reads nothing more, and only a write that ends with room in the
+// queue lets it read again (the queue is the test's number here, as Cap'n Proto's would be).
+TEST(FairMessageStream, ReadsNothingWhileThePeersUnreadAnswersPassTheLimit) {
+  IoLoop loop;
+  TurnGate gate(loop.timer(), 1);
+  auto pipe = loop.io().newTwoWayPipe();
+  auto write_one = [&](capnp::MessageStream& to) {
+    capnp::MallocMessageBuilder message;
+    message.initRoot<wire::Selector>();
+    to.writeMessage(nullptr, message.getSegmentsForOutput()).wait(loop.wait_scope());
+  };
+  capnp::AsyncIoMessageStream peer(*pipe.ends[1]);
+  for (int i = 0; i < 4; ++i) write_one(peer);
+  FairMessageStream stream(*pipe.ends[0], gate, 100);
+  std::size_t queued_bytes = 0;
+  stream.limit_unread_answers([&queued_bytes] { return queued_bytes; }, 1000);
+  auto read_one = [&] { return stream.tryReadMessage(nullptr, capnp::ReaderOptions(), nullptr); };
+  EXPECT_NE(read_one().wait(loop.wait_scope()), nullptr);
+
+  queued_bytes = 5000;  // the peer stopped reading
+  bool read = false;
+  auto blocked = read_one().then([&read](auto message) { read = message != nullptr; }).eagerlyEvaluate(nullptr);
+  for (int poll = 0; poll < 5; ++poll) loop.wait_scope().poll();
+  EXPECT_FALSE(read) << "a message was read while 5000 bytes of answers wait (limit 1000)";
+  EXPECT_TRUE(stream.waiting_for_peer_to_read());
+  write_one(stream);  // an answer written; the queue is still full
+  for (int poll = 0; poll < 5; ++poll) loop.wait_scope().poll();
+  EXPECT_FALSE(read) << "a write that left the queue over the limit resumed reading";
+
+  queued_bytes = 900;  // the peer read
+  write_one(stream);
+  blocked.wait(loop.wait_scope());
+  EXPECT_TRUE(read);
+  EXPECT_FALSE(stream.waiting_for_peer_to_read());
+  EXPECT_NE(read_one().wait(loop.wait_scope()), nullptr) << "reading goes on while the queue has room";
+}
+
 }  // namespace
 }  // namespace th::net

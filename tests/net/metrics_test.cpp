@@ -176,6 +176,45 @@ TEST(MetricsHttp, RequestsOfConnectionsThatWentLeaveNoQueueBehind) {
   EXPECT_EQ(http(address, "GET /metrics HTTP/1.1\r\n").body, "th_up 1\n");
 }
 
+// A one-shot scraper (curl, a probe) says `Connection: close`: kj kept such a connection open
+// until the next request's deadline (5 s), holding one of the endpoint's 16 places. Now it is
+// closed once answered; the deadline here is a minute, so only that close can end it in time.
+TEST(MetricsHttp, AConnectionThatAsksToBeClosedIsClosedOnceAnswered) {
+  MetricsHttpLimits limits;
+  limits.request_wait_ms = 60'000;
+  auto started = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string("th_up 1\n"); }, limits);
+  ASSERT_TRUE(started.ok());
+  const std::string address = started.value()->address();
+  for (const std::string request : {"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n",
+                                    "GET /nothing HTTP/1.1\r\nHost: test\r\nConnection: Close\r\n\r\n"}) {
+    Fd socket = connect_tcp(parse_endpoint(address), 5000);
+    set_io_timeout(socket, 20'000);  // a guard against a hang, far below the minute
+    send_all(socket, request.data(), request.size());
+    std::string reply;
+    char byte = 0;
+    while (recv_all_or_eof(socket, &byte, 1)) reply += byte;  // to the end of the connection
+    EXPECT_EQ(reply.substr(0, reply.find("\r\n")), request.find("/metrics") != std::string::npos
+                                                        ? "HTTP/1.1 200 OK"
+                                                        : "HTTP/1.1 404 Not Found");
+    if (request.find("/metrics") != std::string::npos) {
+      EXPECT_EQ(reply.substr(reply.size() - 8), "th_up 1\n") << reply;
+    }
+  }
+  // Without it, the connection stays for the next scrape (as Prometheus uses it).
+  Fd kept = connect_tcp(parse_endpoint(address), 5000);
+  set_io_timeout(kept, 5000);
+  for (int scrape = 0; scrape < 2; ++scrape) {
+    const std::string request = "GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n";
+    send_all(kept, request.data(), request.size());
+    std::string head;
+    char byte = 0;
+    while (head.find("\r\n\r\n") == std::string::npos && recv_all_or_eof(kept, &byte, 1)) head += byte;
+    EXPECT_EQ(head.substr(0, head.find("\r\n")), "HTTP/1.1 200 OK") << "scrape " << scrape;
+    std::string body(8, '\0');
+    recv_all(kept, body.data(), body.size());
+  }
+}
+
 TEST(MetricsHttp, AnAddressThatCannotBeBoundIsAClearError) {
   auto first = MetricsHttpThread::start("127.0.0.1:0", [] { return std::string(); });
   ASSERT_TRUE(first.ok());

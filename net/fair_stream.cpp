@@ -1,5 +1,7 @@
 #include "net/fair_stream.h"
 
+#include <capnp/rpc.capnp.h>
+
 #include <algorithm>
 #include <iostream>
 
@@ -76,7 +78,21 @@ kj::Promise<kj::Maybe<capnp::MessageReaderAndFds>> FairMessageStream::read(
   if (++messages_read_ > messages_max_) {
     return KJ_EXCEPTION(FAILED, "too many messages before authentication");
   }
-  return read_when_answers_read(fd_space, options, scratch_space);
+  auto message = read_when_answers_read(fd_space, options, scratch_space);
+  if (questions_max_ == UINT64_MAX) return message;
+  return message.then([this](kj::Maybe<capnp::MessageReaderAndFds> read) -> kj::Maybe<capnp::MessageReaderAndFds> {
+    KJ_IF_MAYBE(got, read) {
+      const auto which = got->reader->getRoot<capnp::rpc::Message>().which();
+      if (which == capnp::rpc::Message::CALL || which == capnp::rpc::Message::BOOTSTRAP) {
+        if (++open_questions_ > questions_max_) {
+          kj::throwFatalException(KJ_EXCEPTION(FAILED, "too many calls left open (no Finish)", questions_max_));
+        }
+      } else if (which == capnp::rpc::Message::FINISH && open_questions_ > 0) {
+        --open_questions_;
+      }
+    }
+    return kj::mv(read);
+  });
 }
 
 void FairMessageStream::limit_unread_answers(std::function<std::size_t()> queued_bytes, std::size_t bytes_max) {

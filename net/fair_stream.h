@@ -94,6 +94,12 @@ class FairMessageStream final : public capnp::MessageStream {
   // getCurrentQueueSize), no message is read, so a peer that pipelines calls and never reads
   // their answers holds at most about this much of the server's memory, not one answer per call.
   void limit_unread_answers(std::function<std::size_t()> queued_bytes, std::size_t bytes_max);
+  // Caps the questions (Cap'n Proto calls and bootstraps) the peer asked and has not finished: an
+  // answer stays in the RPC system's table until the peer's Finish, read or not, so a peer that
+  // reads its answers but never finishes would otherwise grow it without end. Past the cap the
+  // stream fails (the connection closes); a client keeping that many calls open is broken.
+  void limit_open_questions(std::uint64_t questions_max) { questions_max_ = questions_max; }
+  bool too_many_open_questions() const { return open_questions_ > questions_max_; }
   // Whether reading waits for the peer to read its answers (the owner's evidence for why it is
   // silent).
   bool waiting_for_peer_to_read() const { return reading_held_; }
@@ -117,6 +123,8 @@ class FairMessageStream final : public capnp::MessageStream {
   std::uint64_t messages_read_ = 0;
   std::uint64_t message_words_max_ = UINT64_MAX;
   std::uint64_t messages_max_ = UINT64_MAX;
+  std::uint64_t questions_max_ = UINT64_MAX;  // UINT64_MAX: messages are not looked into
+  std::uint64_t open_questions_ = 0;
   std::function<std::size_t()> queued_bytes_;  // empty: answers are not limited
   std::size_t answers_bytes_max_ = SIZE_MAX;
   kj::Own<kj::PromiseFulfiller<void>> read_resumer_;  // a read that waits for the peer to read

@@ -67,7 +67,7 @@ class MetricsHttpServer::Service final : public kj::HttpService {
       if (what == What::kNotFound) return response.sendError(404, "Not Found", headers);
       if (what == What::kIndex) return send(response, std::string(kIndex), "text/plain; charset=utf-8", head);
       ++owner_.scrapes_;
-      return owner_.render_().then([this, &response, head](std::string body) {
+      return owner_.rendered().then([this, &response, head](std::string body) {
         return send(response, std::move(body), "text/plain; version=0.0.4; charset=utf-8", head);
       });
     });
@@ -189,8 +189,21 @@ kj::Promise<void> MetricsHttpServer::dispense_turns() {
 }
 
 void MetricsHttpServer::close_later(std::uint64_t id) {
-  // Not from inside the connection's own continuation: dropping its promise destroys it.
-  tasks_.add(kj::evalLater([this, id] { connections_.erase(id); }));
+  // Not from inside the connection's own continuation (dropping its promise destroys it), and last:
+  // kj writes an answer without a body (HEAD, errors) only as it flushes, after this turn.
+  tasks_.add(kj::evalLast([this, id] { connections_.erase(id); }));
+}
+
+kj::Promise<std::string> MetricsHttpServer::rendered() {
+  // The rendering runs to its end even if the scraper goes meanwhile: a render handed to another
+  // thread's loop is not cancelled from here (kj would wait for that loop to take the cancel).
+  auto text = kj::newPromiseAndFulfiller<std::string>();
+  tasks_.add(render_()
+                 .then([fulfiller = kj::mv(text.fulfiller)](std::string rendered) mutable {
+                   fulfiller->fulfill(std::move(rendered));
+                 })
+                 .catch_([](kj::Exception&&) {}));  // (the fulfiller, dropped, fails the request)
+  return kj::mv(text.promise);
 }
 
 kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listener) {
@@ -220,7 +233,8 @@ kj::Promise<void> MetricsHttpServer::accept_loop(kj::ConnectionReceiver& listene
 }
 
 void MetricsHttpServer::taskFailed(kj::Exception&&) {
-  // (Only the deferred map erasures and the turn dispenser run here; neither fails.)
+  // (Only the deferred map erasures, renders (their failures caught) and the turn dispenser run
+  // here; none fails.)
   dispensing_ = false;
 }
 
@@ -236,15 +250,18 @@ Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::s
     try {
       IoLoop loop;
       auto listener = loop.io().getNetwork().parseAddress(address).wait(loop.wait_scope())->listen();
-      MetricsHttpServer server(loop.timer(), std::move(render), limits);
-      raw->server_ = &server;
-      auto stop = kj::newPromiseAndFulfiller<void>();
-      raw->executor_ = &kj::getCurrentThreadExecutor();
-      raw->stop_ = kj::mv(stop.fulfiller);
-      auto serving = server.serve(*listener).eagerlyEvaluate(nullptr);
-      bound.set_value(address.substr(0, address.rfind(':')) + ":" + std::to_string(listener->getPort()));
-      started = true;
-      stop.promise.wait(loop.wait_scope());
+      {
+        MetricsHttpServer server(loop.timer(), std::move(render), limits);
+        raw->server_ = &server;
+        auto stop = kj::newPromiseAndFulfiller<void>();
+        raw->executor_ = &kj::getCurrentThreadExecutor();
+        raw->stop_ = kj::mv(stop.fulfiller);
+        auto serving = server.serve(*listener).eagerlyEvaluate(nullptr);
+        bound.set_value(address.substr(0, address.rfind(':')) + ":" + std::to_string(listener->getPort()));
+        started = true;
+        stop.promise.wait(loop.wait_scope());
+      }  // the server is gone, with what it asked of other threads' loops
+      KJ_IF_MAYBE(ended, raw->ended_) { (*ended)->fulfill(); }
     } catch (const kj::Exception& exception) {
       if (!started) bound.set_exception(std::make_exception_ptr(std::runtime_error(exception.getDescription().cStr())));
     } catch (...) {
@@ -260,9 +277,24 @@ Result<std::unique_ptr<MetricsHttpThread>> MetricsHttpThread::start(const std::s
   return self;
 }
 
+void MetricsHttpThread::stop(kj::WaitScope& wait_scope) {
+  if (executor_ == nullptr || !thread_.joinable()) return;
+  auto ended = kj::newPromiseAndCrossThreadFulfiller<void>();
+  executor_
+      ->executeAsync([this, fulfiller = kj::mv(ended.fulfiller)]() mutable {
+        ended_ = kj::mv(fulfiller);
+        stop_->fulfill();
+      })
+      .wait(wait_scope);
+  // This loop runs while the thread tears its server down: a render it asked of this loop is
+  // cancelled here, not waited for by a loop that no longer turns.
+  ended.promise.wait(wait_scope);
+  thread_.join();
+}
+
 MetricsHttpThread::~MetricsHttpThread() {
-  // (A start that failed joined the thread and never set the executor.)
-  if (executor_ != nullptr) executor_->executeSync([this] { stop_->fulfill(); });
+  // (A start that failed joined the thread and never set the executor; stop() joined it already.)
+  if (executor_ != nullptr && thread_.joinable()) executor_->executeSync([this] { stop_->fulfill(); });
   if (thread_.joinable()) thread_.join();
 }
 

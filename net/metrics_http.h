@@ -75,6 +75,8 @@ class MetricsHttpServer final : private kj::TaskSet::ErrorHandler {
   void refill();
   // Closes connection `id` (once its answer is written: the connection asked for it).
   void close_later(std::uint64_t id);
+  // The text for a scrape; the rendering is not cancelled if the scraper goes meanwhile.
+  kj::Promise<std::string> rendered();
   void taskFailed(kj::Exception&& exception) override;
 
   kj::Timer& timer_;
@@ -107,7 +109,11 @@ class MetricsHttpThread {
   // address does not parse or cannot be bound.
   static Result<std::unique_ptr<MetricsHttpThread>> start(const std::string& address, MetricsHttpServer::Render render,
                                                           MetricsHttpLimits limits = {});
-  ~MetricsHttpThread();  // stops serving and joins the thread
+  // Stops serving and joins the thread, running the caller's loop meanwhile: for an owner whose
+  // render hands work to that loop (the thread may have to cancel it). Then the destructor does
+  // nothing more.
+  void stop(kj::WaitScope& wait_scope);
+  ~MetricsHttpThread();  // stops serving and joins the thread (if stop() did not)
   MetricsHttpThread(const MetricsHttpThread&) = delete;
   MetricsHttpThread& operator=(const MetricsHttpThread&) = delete;
 
@@ -122,6 +128,7 @@ class MetricsHttpThread {
   const kj::Executor* executor_ = nullptr;
   const MetricsHttpServer* server_ = nullptr;  // on the thread's stack, until the thread ends
   kj::Own<kj::PromiseFulfiller<void>> stop_;
+  kj::Maybe<kj::Own<kj::CrossThreadPromiseFulfiller<void>>> ended_;  // (stop(): told once the server is gone)
 };
 
 }  // namespace th::net

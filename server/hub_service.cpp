@@ -525,6 +525,7 @@ void HubService::start_rpc(Connection& connection, kj::Own<kj::AsyncIoStream> st
   capnp::TwoPartyVatNetwork& network = *connection.network;
   connection.messages->limit_unread_answers([&network] { return network.getCurrentQueueSize(); },
                                             config_.rpc_answers_bytes_max);
+  connection.messages->limit_open_questions(ServiceConfig::kRpcOpenQuestionsMax);
   connection.rpc = kj::heap(capnp::makeRpcServer(*connection.network, kj::heap<HubImpl>(*this, connection.id)));
   const std::uint64_t id = connection.id;
   tasks_.add(connection.network->onDisconnect().then([this, id] { on_disconnect(id); }));
@@ -540,8 +541,14 @@ void HubService::on_disconnect(std::uint64_t connection_id) {
     --unauthenticated_count_;
   }
   const bool client_lost = connection->client != 0;
-  log(client_lost ? LogLevel::kInfo : LogLevel::kDebug,
-      connection->describe() + " closed" + (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""), "conn");
+  const bool questions = connection->messages.get() != nullptr && connection->messages->too_many_open_questions();
+  log(client_lost || questions ? LogLevel::kInfo : LogLevel::kDebug,
+      connection->describe() + " closed" +
+          (questions ? " (it left more than " + std::to_string(ServiceConfig::kRpcOpenQuestionsMax) +
+                           " calls open: no Cap'n Proto Finish)"
+                     : "") +
+          (client_lost ? "; client " + std::to_string(connection->client) + " lost" : ""),
+      "conn");
   if (client_lost) {
     const ClientId client = std::exchange(connection->client, 0);  // it speaks for nobody now
     client_connection_.erase(client);

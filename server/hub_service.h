@@ -59,6 +59,9 @@ struct ServiceConfig {
   // is read from the connection until the peer reads (net/fair_stream.h); a peer that never does
   // is closed by the idle timeout. (Framed connections: effects_backlog_max.)
   std::size_t rpc_answers_bytes_max = 1 << 20;
+  // Calls an RPC connection may leave open (no Cap'n Proto Finish): each keeps its answer in the RPC
+  // system's table. Past it the connection is closed. (th-ctl keeps a few.)
+  static constexpr std::uint64_t kRpcOpenQuestionsMax = 4096;
   std::size_t connections_max = 65536;  // th-server lowers it to fit RLIMIT_NOFILE
   // Before the token: how many such connections at once (the oldest is closed to admit a new one),
   // how long each may take, its largest message (a connect is ~100 bytes), and how many wrong
@@ -119,6 +122,9 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   Status serve_metrics(const std::string& address);
   // Where metrics are served (with the port chosen), or "".
   std::string metrics_address() const;
+  // Stops the metrics endpoint while this loop still runs (its thread may cancel a render it
+  // asked of this loop). Call before leaving the loop; ~HubService would otherwise do it blind.
+  void stop_metrics(kj::WaitScope& wait_scope);
   std::string render_metrics() const;
   // The transfer timeline as Chrome Trace Event JSON (server/chrome_trace.h).
   std::string timeline_json() const;

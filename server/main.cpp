@@ -334,7 +334,10 @@ int main(int argc, char** argv) {
                               .then([&stop_signal](siginfo_t info) { stop_signal = info.si_signo; });
     // (Once this returns, the accept loop is gone with the joined promise.)
     stop_requested.exclusiveJoin(kj::mv(serving)).wait(loop.wait_scope());
-    if (serving_failed) return 1;
+    if (serving_failed) {
+      service.stop_metrics(loop.wait_scope());
+      return 1;
+    }
     // Drain: stop accepting (the listener closes, so a reconnecting client is refused at once and
     // tries its next server), then tell every connection and let it take its last answers.
     log(th::server::LogLevel::kInfo, "signal " + std::to_string(stop_signal) + ": draining (at most " +
@@ -345,6 +348,7 @@ int main(int argc, char** argv) {
           log(th::server::LogLevel::kWarn, "second signal: stopping without waiting for the drain");
         }))
         .wait(loop.wait_scope());
+    service.stop_metrics(loop.wait_scope());  // while this loop runs (a scrape may be rendering)
     write_timeline();
     log(th::server::LogLevel::kInfo, "stopped");
   } catch (const kj::Exception& exception) {

@@ -27,6 +27,12 @@ Status HubService::serve_metrics(const std::string& address) {
   return Unit{};
 }
 
+void HubService::stop_metrics(kj::WaitScope& wait_scope) {
+  if (metrics_http_ == nullptr) return;
+  metrics_http_->stop(wait_scope);
+  metrics_http_.reset();
+}
+
 std::string HubService::metrics_address() const { return metrics_http_ != nullptr ? metrics_http_->address() : ""; }
 
 std::string HubService::render_metrics() const {

@@ -104,6 +104,56 @@ TEST_F(Security, ACallerThatNeverReadsItsAnswersHoldsABoundedShareOfTheServer) {
   ASSERT_TRUE(running(*servers_[0]));
 }
 
+// The same attack by a caller that does read its answers but never finishes its calls (Cap'n
+// Proto's Finish): each answer stays in the RPC system's table until then. Past 4,096 open calls
+// the connection is closed.
+TEST_F(Security, ACallerThatNeverFinishesItsCallsIsClosed) {
+  constexpr std::uint32_t kCalls = 20'000;
+  const std::string server = start_server({"--log-level", "info"});
+  const int pid = servers_[0]->pid();
+  const long before_kb = status_field(pid, "VmRSS");
+  net::Fd attacker = net::connect_tcp(net::parse_endpoint(server), 5000);
+  auto send = [&attacker](capnp::MallocMessageBuilder& message) {
+    const auto words = framed(message);
+    net::send_all(attacker, words.asBytes().begin(), words.asBytes().size());
+  };
+  {
+    capnp::MallocMessageBuilder message;
+    message.initRoot<capnp::rpc::Message>().initBootstrap().setQuestionId(0);
+    send(message);
+  }
+  bool closed = false;
+  std::uint32_t question = 1;
+  for (; question <= kCalls && !closed; ++question) {
+    capnp::MallocMessageBuilder message;
+    auto call = message.initRoot<capnp::rpc::Message>().initCall();
+    call.setQuestionId(question);
+    call.initTarget().initPromisedAnswer().setQuestionId(0);
+    call.setInterfaceId(capnp::typeId<wire::Hub>());
+    call.setMethodId(1);  // inspect @1
+    call.initParams().getContent().initAs<wire::Hub::InspectParams>().setToken(kToken);
+    try {
+      send(message);
+    } catch (const net::SocketError&) {
+      closed = true;
+      break;
+    }
+    // Read every answer there is (so the unread-answers cap never holds the connection).
+    char drained[65536];
+    ssize_t got = 0;
+    while ((got = ::recv(attacker.get(), drained, sizeof drained, MSG_DONTWAIT)) > 0) {
+    }
+    if (got == 0) closed = true;
+  }
+  if (!closed) closed = closed_by_peer_without_reading(attacker, kHangGuardMs);
+  EXPECT_TRUE(closed) << "a connection that left " << question - 1 << " calls open is kept";
+  EXPECT_LT(question, kCalls) << "every call was taken";
+  const long after_kb = status_field(pid, "VmRSS");
+  EXPECT_LT(after_kb - before_kb, 64 * 1024) << "VmRSS " << before_kb << " kB -> " << after_kb << " kB";
+  EXPECT_NE(server_log(*servers_[0]).find("calls open: no Cap'n Proto Finish"), std::string::npos);
+  EXPECT_NE(ctl(server).find("th-server "), std::string::npos);
+}
+
 // Finding 6: a 1 MiB token made open() retry for 10 s and end `unavailable` (the server resets a
 // first message over the limit for connections that have not authenticated) instead of saying what
 // is wrong. Now the client refuses it at once, and th-server refuses such a token file.

@@ -1,4 +1,10 @@
+// GCC 12 takes the std::string inside kj's ExceptionOr<std::string> (a union member) for one that
+// may be used uninitialized once inlined: a known false positive of -Wmaybe-uninitialized. (Before
+// the includes: the warning is reported at the library's lines.)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include "net/metrics_http.h"
+
 
 #include <algorithm>
 #include <cctype>

@@ -87,6 +87,11 @@ TEST_F(Security, ACallerThatNeverReadsItsAnswersHoldsABoundedShareOfTheServer) {
     call.setMethodId(1);  // inspect @1
     call.initParams().getContent().initAs<wire::Hub::InspectParams>().setToken(kToken);
     append(message);
+    // Each call finished at once (so that no answer is kept for a later Finish: that is the next
+    // test's attack); its Return is still owed.
+    capnp::MallocMessageBuilder finish;
+    finish.initRoot<capnp::rpc::Message>().initFinish().setQuestionId(question);
+    append(finish);
   }
   net::Fd attacker = net::connect_tcp(net::parse_endpoint(server), 5000);
   const std::size_t sent = send_until_stalled(attacker, bytes, 3000);
@@ -147,7 +152,6 @@ TEST_F(Security, ACallerThatNeverFinishesItsCallsIsClosed) {
   }
   if (!closed) closed = closed_by_peer_without_reading(attacker, kHangGuardMs);
   EXPECT_TRUE(closed) << "a connection that left " << question - 1 << " calls open is kept";
-  EXPECT_LT(question, kCalls) << "every call was taken";
   const long after_kb = status_field(pid, "VmRSS");
   EXPECT_LT(after_kb - before_kb, 64 * 1024) << "VmRSS " << before_kb << " kB -> " << after_kb << " kB";
   EXPECT_NE(server_log(*servers_[0]).find("calls open: no Cap'n Proto Finish"), std::string::npos);

@@ -28,6 +28,31 @@ namespace {
 // One Cap'n Proto RPC message, framed as on the wire.
 kj::Array<capnp::word> framed(capnp::MallocMessageBuilder& message) { return capnp::messageToFlatArray(message); }
 
+// The RPC messages of the attacks, framed: the bootstrap (question 0), Hub.inspect with the token
+// on its promised answer, and the Finish of a question.
+kj::Array<capnp::word> bootstrap_message() {
+  capnp::MallocMessageBuilder message;
+  message.initRoot<capnp::rpc::Message>().initBootstrap().setQuestionId(0);
+  return framed(message);
+}
+
+kj::Array<capnp::word> inspect_call(std::uint32_t question) {
+  capnp::MallocMessageBuilder message;
+  auto call = message.initRoot<capnp::rpc::Message>().initCall();
+  call.setQuestionId(question);
+  call.initTarget().initPromisedAnswer().setQuestionId(0);
+  call.setInterfaceId(capnp::typeId<wire::Hub>());
+  call.setMethodId(1);  // inspect @1
+  call.initParams().getContent().initAs<wire::Hub::InspectParams>().setToken(kToken);
+  return framed(message);
+}
+
+kj::Array<capnp::word> finish_message(std::uint32_t question) {
+  capnp::MallocMessageBuilder message;
+  message.initRoot<capnp::rpc::Message>().initFinish().setQuestionId(question);
+  return framed(message);
+}
+
 // Sends `bytes` without blocking for longer than `stall_ms` at a time; returns how many the kernel
 // took before the peer stopped reading (all of them if it never did).
 std::size_t send_until_stalled(const net::Fd& socket, const std::vector<kj::byte>& bytes, int stall_ms) {
@@ -68,30 +93,16 @@ TEST_F(Security, ACallerThatNeverReadsItsAnswersHoldsABoundedShareOfTheServer) {
 
   // Bootstrap (question 0), then calls on its promised answer: Hub.inspect with the token.
   std::vector<kj::byte> bytes;
-  auto append = [&bytes](capnp::MallocMessageBuilder& message) {
-    const auto words = framed(message);
+  auto append = [&bytes](const kj::Array<capnp::word>& words) {
     const auto view = words.asBytes();
     bytes.insert(bytes.end(), view.begin(), view.end());
   };
-  {
-    capnp::MallocMessageBuilder message;
-    message.initRoot<capnp::rpc::Message>().initBootstrap().setQuestionId(0);
-    append(message);
-  }
+  append(bootstrap_message());
   for (std::uint32_t question = 1; question <= kCalls; ++question) {
-    capnp::MallocMessageBuilder message;
-    auto call = message.initRoot<capnp::rpc::Message>().initCall();
-    call.setQuestionId(question);
-    call.initTarget().initPromisedAnswer().setQuestionId(0);
-    call.setInterfaceId(capnp::typeId<wire::Hub>());
-    call.setMethodId(1);  // inspect @1
-    call.initParams().getContent().initAs<wire::Hub::InspectParams>().setToken(kToken);
-    append(message);
+    append(inspect_call(question));
     // Each call finished at once (so that no answer is kept for a later Finish: that is the next
     // test's attack); its Return is still owed.
-    capnp::MallocMessageBuilder finish;
-    finish.initRoot<capnp::rpc::Message>().initFinish().setQuestionId(question);
-    append(finish);
+    append(finish_message(question));
   }
   net::Fd attacker = net::connect_tcp(net::parse_endpoint(server), 5000);
   const std::size_t sent = send_until_stalled(attacker, bytes, 3000);
@@ -118,27 +129,15 @@ TEST_F(Security, ACallerThatNeverFinishesItsCallsIsClosed) {
   const int pid = servers_[0]->pid();
   const long before_kb = status_field(pid, "VmRSS");
   net::Fd attacker = net::connect_tcp(net::parse_endpoint(server), 5000);
-  auto send = [&attacker](capnp::MallocMessageBuilder& message) {
-    const auto words = framed(message);
+  auto send = [&attacker](const kj::Array<capnp::word>& words) {
     net::send_all(attacker, words.asBytes().begin(), words.asBytes().size());
   };
-  {
-    capnp::MallocMessageBuilder message;
-    message.initRoot<capnp::rpc::Message>().initBootstrap().setQuestionId(0);
-    send(message);
-  }
+  send(bootstrap_message());
   bool closed = false;
   std::uint32_t question = 1;
   for (; question <= kCalls && !closed; ++question) {
-    capnp::MallocMessageBuilder message;
-    auto call = message.initRoot<capnp::rpc::Message>().initCall();
-    call.setQuestionId(question);
-    call.initTarget().initPromisedAnswer().setQuestionId(0);
-    call.setInterfaceId(capnp::typeId<wire::Hub>());
-    call.setMethodId(1);  // inspect @1
-    call.initParams().getContent().initAs<wire::Hub::InspectParams>().setToken(kToken);
     try {
-      send(message);
+      send(inspect_call(question));
     } catch (const net::SocketError&) {
       closed = true;
       break;

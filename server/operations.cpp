@@ -17,7 +17,8 @@ void HubService::set_tokens(std::vector<std::string> tokens) {
 Status HubService::serve_metrics(const std::string& address) {
   TH_REQUIRE(metrics_http_ == nullptr, "serve_metrics is called once");
   // The endpoint's thread asks this loop for the text and waits for it without blocking its own
-  // loop; ~HubService stops the thread first, which drops a request this loop has not run yet.
+  // loop. stop_metrics() ends the thread while this loop still runs (a render it asked of this
+  // loop is cancelled then); ~HubService does it blind only if the owner did not.
   const kj::Executor& here = kj::getCurrentThreadExecutor();
   auto started = net::MetricsHttpThread::start(address, [this, &here] {
     return here.executeAsync([this] { return render_metrics(); });

@@ -73,6 +73,7 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"cross-datacenter reads", seen.cross_dc_reads > 0},
                 {"failed reads", seen.reads_failed > 0},
                 {"checksum failures", seen.checksum_failures > 0},
+                {"reads across layouts", seen.reshard_reads > 0},
                 {"offloads", seen.offloads > 0},
                 {"evictions", seen.evictions > 0},
                 {"failovers", seen.failovers > 0},
@@ -195,7 +196,7 @@ TEST(HubModel, ChainsAcrossDatacentersConverge) {
 TEST(AgentModel, LossyNetworkOneAnswerRightBytes) {
   Coverage coverage;
   EXPECT_TRUE(rc::check("agents over a lossy network", [&] {
-    run_cluster(coverage, *gen_fleet(/*faults=*/true, /*closes=*/true), /*lossy=*/true);
+    run_cluster(coverage, *gen_fleet(/*faults=*/true, /*closes=*/true, /*layouts=*/false), /*lossy=*/true);
   }));
   coverage.check("AgentModel.LossyNetworkOneAnswerRightBytes", kRequired, kShareMin);
 }
@@ -205,7 +206,7 @@ TEST(AgentModel, LossyNetworkOneAnswerRightBytes) {
 TEST(AgentModel, ReliableNetworkEvictsOnlyTheDead) {
   Coverage coverage;
   EXPECT_TRUE(rc::check("agents over a reliable network", [&] {
-    run_cluster(coverage, *gen_fleet(/*faults=*/true, /*closes=*/true), /*lossy=*/false);
+    run_cluster(coverage, *gen_fleet(/*faults=*/true, /*closes=*/true, /*layouts=*/false), /*lossy=*/false);
   }));
   coverage.check("AgentModel.ReliableNetworkEvictsOnlyTheDead", kRequired, kShareMin);
 }

@@ -6,6 +6,8 @@
 #include <iostream>
 #include <sstream>
 
+#include "tests/core/testkit/tensors.h"
+
 namespace th::test {
 
 // TH_TRACE=1 prints every input and effect: the way to read a failing property case.
@@ -106,6 +108,24 @@ ChecksumsRef checksums_for(Version version, std::uint32_t shard) {
       Checksums{version * 1000003 + shard * 17 + 1, version * 1000003 + shard * 17 + 2});
 }
 
+LayoutRef sliced_layout_for(std::uint32_t shard, std::uint32_t num_shards, LayoutFault fault) {
+  constexpr std::uint64_t kRows = 12;
+  constexpr std::uint64_t kColumns = 128;
+  static_assert(kRows % 3 == 0 && kRows % 4 == 0, "every shard count up to kSlicedShardsMax divides the rows");
+  TH_ASSERT(num_shards >= 1 && num_shards <= kSlicedShardsMax && shard < num_shards);
+  const std::uint64_t rows = kRows / num_shards;
+  TensorSpec weight = piece("weight", {kRows, kColumns}, Box{{shard * rows, 0}, {rows, kColumns}});
+  if (fault == LayoutFault::kTransposed) weight = piece("weight", {kColumns, kRows}, Box{{0, shard * rows}, {kColumns, rows}});
+  TensorSpec bias = piece("bias", {16}, Box{{0}, {16}}, DType::kFloat32);
+  if (fault == LayoutFault::kBadBox) bias = piece("bias", {16}, Box{{0}, {8}}, DType::kFloat32);
+  return ShardLayout::make({std::move(bias), std::move(weight)}).value();
+}
+
+ChecksumsRef sliced_checksums_for(Version version, std::uint32_t shard, std::uint32_t num_shards) {
+  const std::uint64_t base = version * 1000003 + shard * 17 + num_shards * 7919;
+  return std::make_shared<const Checksums>(Checksums{base + 3, base + 4});
+}
+
 std::string describe(const Outcome& outcome) {
   std::ostringstream out;
   std::visit(
@@ -185,15 +205,21 @@ void Driver::route(const Effects& effects) {
           } else if constexpr (std::is_same_v<T, StartRead>) {
             // The metadata a reader verifies against must be the version's published checksums
             // (each source shard's, for a read of another layout).
-            auto check = [&](const ChecksumsRef& checksums, std::uint32_t shard) {
-              if (checksums == nullptr || *checksums != *checksums_for(message.version, shard)) {
+            // (A model's replicas have the testkit's tensors or sliced ones, which vary with the
+            // shard count: the reader's, or its source's for a read of another layout.)
+            auto check = [&](const ChecksumsRef& checksums, std::uint32_t shard, std::uint32_t num_shards) {
+              if (checksums == nullptr || (*checksums != *checksums_for(message.version, shard) &&
+                                           *checksums != *sliced_checksums_for(message.version, shard, num_shards))) {
                 throw AssertionFailure("a reader was given checksums of another version");
               }
             };
-            for (std::uint32_t shard = 0; shard < message.reshard.size(); ++shard) {
-              check(message.reshard[shard].checksums, shard);
+            const auto source_shards = static_cast<std::uint32_t>(message.reshard.size());
+            for (std::uint32_t shard = 0; shard < source_shards; ++shard) {
+              check(message.reshard[shard].checksums, shard, source_shards);
             }
-            if (message.reshard.empty() || message.checksums != nullptr) check(message.checksums, message.shard);
+            if (message.reshard.empty() || message.checksums != nullptr) {
+              check(message.checksums, message.shard, box.num_shards);
+            }
             box.reads[message.transfer] = message;
           } else if constexpr (std::is_same_v<T, ServeRead>) {
             box.grants[{message.transfer, message.epoch}] = message;
@@ -215,6 +241,7 @@ void Driver::route(const Effects& effects) {
 
 void Driver::open(ClientId client, const OpenRequest& request, std::uint64_t seq) {
   model_names_.insert(request.model);
+  inboxes_[client].num_shards = request.num_shards;
   observer_.on_open(client, seq, /*session=*/0, request);
   seqs_[client] = seq + 1;
   step(Request{client, seq, request});
@@ -311,11 +338,17 @@ void Driver::publish(const std::vector<ClientId>& shards, Version version) {
   ASSERT_TRUE(is<PublishOk>(outcome)) << (outcome ? describe(*outcome) : "no reply");
 }
 
-void Driver::finish_reads(const std::vector<ClientId>& shards) {
+void Driver::finish_reads(const std::vector<ClientId>& shards, bool sliced) {
   for (ClientId client : shards) {
     auto reads = inbox(client).reads;
     inbox(client).reads.clear();
-    for (const auto& [transfer, read] : reads) report(client, TransferDone{transfer, read.epoch});
+    for (const auto& [transfer, read] : reads) {
+      // A read across layouts reports the checksums of what it assembled.
+      const bool across = sliced && !read.reshard.empty();
+      report(client, TransferDone{transfer, read.epoch,
+                                  across ? sliced_checksums_for(read.version, read.shard, inbox(client).num_shards)
+                                         : nullptr});
+    }
   }
 }
 

@@ -29,6 +29,15 @@ using sim::Observer;
 LayoutRef layout_for(std::uint32_t shard, std::uint64_t bytes = 4096, LayoutFault fault = LayoutFault::kNone);
 ChecksumsRef checksums_for(Version version, std::uint32_t shard);
 
+// The tensors of a model sliced like a tensor-parallel one (README "Layouts"): every tensor is a
+// piece of the model's, "weight" (bfloat16 [12, 128]) split by rows among the replica's shards and
+// "bias" (float32 [16]) held whole by each, so that replicas of any shard count from 1 to
+// kSlicedShardsMax read each other's copies, across layouts. The checksums depend on the shard
+// count too: the same version assembled in another layout has other bytes per shard.
+inline constexpr std::uint32_t kSlicedShardsMax = 4;
+LayoutRef sliced_layout_for(std::uint32_t shard, std::uint32_t num_shards, LayoutFault fault = LayoutFault::kNone);
+ChecksumsRef sliced_checksums_for(Version version, std::uint32_t shard, std::uint32_t num_shards);
+
 struct Inbox {
   std::deque<Reply> replies;
   std::map<TransferId, StartRead> reads;  // the latest instruction per transfer
@@ -38,6 +47,7 @@ struct Inbox {
   std::vector<Version> releases;
   std::vector<Evicted> evictions;
   std::uint64_t session = 0;  // of the last effect routed here
+  std::uint32_t num_shards = 0;  // of the replica, as its open said
 };
 
 struct ReplicaSpec {
@@ -74,6 +84,11 @@ class Driver {
   void advance(TimeMs ms, const std::set<ClientId>& silent = {});
 
   Inbox& inbox(ClientId client) { return inboxes_[client]; }
+  const Inbox& inbox_of(ClientId client) const {
+    static const Inbox kEmpty;
+    const auto found = inboxes_.find(client);
+    return found == inboxes_.end() ? kEmpty : found->second;
+  }
   bool has_reply(ClientId client) { return !inboxes_[client].replies.empty(); }
   std::optional<Reply> take_reply(ClientId client);
   std::uint64_t next_seq(ClientId client) { return seqs_[client]; }
@@ -83,8 +98,9 @@ class Driver {
   OpenRequest open_request(const ReplicaSpec& spec, std::uint32_t shard) const;
   std::vector<ClientId> open_replica(const ReplicaSpec& spec);
   void publish(const std::vector<ClientId>& shards, Version version);
-  // Reports every outstanding read of these clients as done (the data plane "finished").
-  void finish_reads(const std::vector<ClientId>& shards);
+  // Reports every outstanding read of these clients as done (the data plane "finished"); with
+  // `sliced`, a read across layouts reports the checksums of the sliced tensors it assembled.
+  void finish_reads(const std::vector<ClientId>& shards, bool sliced = false);
   // Answers every outstanding offload instruction of these clients.
   void finish_offloads(const std::vector<ClientId>& shards);
   // Sends `body` from every shard, in order.

@@ -27,15 +27,23 @@ std::ostream& operator<<(std::ostream& out, const FleetSpec& spec) {
   out << "settings{pipeline=" << spec.settings.pipeline << " fanout=" << spec.settings.fanout_max
       << " smart_skipping=" << spec.settings.smart_skipping << "} faults=" << spec.faults
       << " closes=" << spec.closes;
-  for (const auto& model : spec.models) out << " model " << model.name << "/" << model.num_shards;
+  for (const auto& model : spec.models) {
+    out << " model " << model.name << "/" << model.num_shards << (model.sliced ? " sliced" : "");
+  }
   for (const auto& replica : spec.replicas) {
     out << " replica " << replica.name << "{" << spec.models[replica.model].name << " "
         << replica.datacenter << (replica.spot ? " spot" : "") << (replica.trainer ? " trainer" : "");
+    if (replica.num_shards != 0) out << " shards-" << replica.num_shards;
     if (replica.retention.keep_latest) out << " keep-latest-" << *replica.retention.keep_latest;
     for (Version pinned : replica.retention.pinned) out << " pin-" << pinned;
     out << "}";
   }
   return out;
+}
+
+std::uint32_t shards_of(const FleetSpec& spec, std::uint32_t replica) {
+  const FleetSpec::ReplicaSpec& replica_spec = spec.replicas[replica];
+  return replica_spec.num_shards != 0 ? replica_spec.num_shards : spec.models[replica_spec.model].num_shards;
 }
 
 FleetSpec fleet_base(bool faults, bool closes) {
@@ -55,8 +63,8 @@ FleetSpec only_spot_rollouts(FleetSpec spec) {
   return spec;
 }
 
-rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
-  return rc::gen::exec([faults, closes] {
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts) {
+  return rc::gen::exec([faults, closes, layouts] {
     FleetSpec spec = fleet_base(faults, closes);
     spec.settings.pipeline = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
     spec.settings.fanout_max = spec.settings.pipeline
@@ -65,7 +73,11 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
     spec.settings.smart_skipping = *rc::gen::arbitrary<bool>();
     const int models = *rc::gen::inRange(1, 3);
     for (int m = 0; m < models; ++m) {
-      spec.models.push_back({"m" + std::to_string(m), *rc::gen::inRange<std::uint32_t>(1, 4)});
+      // Now and then a model sliced like a tensor-parallel one, whose rollouts may have another
+      // shard count than its trainer and read its copies across layouts (README "Layouts").
+      const auto shards = *rc::gen::inRange<std::uint32_t>(1, 4);
+      const bool sliced = layouts && *rc::gen::weightedElement<bool>({{2, false}, {1, true}});
+      spec.models.push_back({"m" + std::to_string(m), shards, sliced});
     }
     const int replicas = *rc::gen::inRange(2, 7);
     for (int i = 0; i < replicas; ++i) {
@@ -82,6 +94,9 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes) {
       }
       if (*rc::gen::weightedElement<bool>({{4, false}, {1, true}})) {
         replica.retention.pinned.push_back(*rc::gen::inRange<Version>(1, 4));
+      }
+      if (spec.models[replica.model].sliced && !replica.trainer) {
+        replica.num_shards = *rc::gen::inRange<std::uint32_t>(1, 4);
       }
       spec.replicas.push_back(std::move(replica));
     }
@@ -126,7 +141,7 @@ rc::Gen<Action> gen_action(const FleetSpec& spec) {
         {3, Action::Kind::kCancel},
     });
     action.a = *rc::gen::inRange<std::uint32_t>(0, replicas);
-    const std::uint32_t shards = spec.models[spec.replicas[action.a].model].num_shards;
+    const std::uint32_t shards = shards_of(spec, action.a);
     switch (action.kind) {
       case Action::Kind::kPlan:
         // Ops: 0 publish, 1 unpublish, 2 replicate, 3 update, 4 list, 5 wait, 6 close.
@@ -306,7 +321,7 @@ Fleet::Fleet(const FleetSpec& spec) : spec_(spec), driver_(spec.settings), refer
 void Fleet::init() {
   runs_.resize(spec_.replicas.size());
   for (std::size_t i = 0; i < runs_.size(); ++i) {
-    runs_[i].shards.resize(spec_.models[spec_.replicas[i].model].num_shards);
+    runs_[i].shards.resize(shards_of(spec_, static_cast<std::uint32_t>(i)));
   }
 }
 
@@ -342,7 +357,11 @@ void Fleet::apply(const Action& action) {
       if (action.kind == Action::Kind::kFinishRead) {
         ++coverage_.reads_done;
         runs_[replica].shards[shard].bytes = read.version;
-        driver_.report(client, TransferDone{read.transfer, read.epoch});
+        // A read across layouts reports the checksums of what it assembled.
+        const bool across = !read.reshard.empty();
+        coverage_.reshard_reads += across;
+        driver_.report(client, TransferDone{read.transfer, read.epoch,
+                                            across ? checksums_of(replica, read.version, shard) : nullptr});
       } else {
         ++coverage_.reads_failed;
         const ReadFailure reason = read_failure_of(action.b);
@@ -359,7 +378,7 @@ void Fleet::apply(const Action& action) {
       pending.erase(std::find(pending.begin(), pending.end(), version));
       const auto [replica, shard] = owners_.at(client);
       runs_[replica].shards[shard].offloads[version] =
-          HeldCopy{version, layout_for(shard), checksums_for(version, shard)};
+          HeldCopy{version, layout_of(replica, shard), checksums_of(replica, version, shard)};
       ++coverage_.offloads;
       driver_.report(client, OffloadDone{version, driver_.inbox(client).offload_copies.at(version)});
       break;
@@ -481,7 +500,7 @@ void Fleet::step(std::uint32_t replica, std::uint32_t shard_index, bool diverge)
     return;
   }
   shard.wrote_buffers = false;
-  shard.pending_seq = driver_.call(shard.client, body_for(run.program[shard.next_op], shard_index));
+  shard.pending_seq = driver_.call(shard.client, body_for(run.program[shard.next_op], shard_index, sliced_shards(replica)));
 }
 
 void Fleet::pump() {
@@ -562,7 +581,7 @@ void Fleet::on_reply(std::uint32_t replica, std::uint32_t index, const Reply& re
   const std::string& model = spec_.models[spec_.replicas[replica].model].name;
   const bool spot = spec_.replicas[replica].spot;
   auto hold = [&](Version version) {
-    shard.held = HeldCopy{version, layout_for(index), checksums_for(version, index)};
+    shard.held = HeldCopy{version, layout_of(replica, index), checksums_of(replica, version, index)};
     if (!spot) completed_[model].insert(version);
   };
   std::visit(
@@ -642,9 +661,33 @@ bool Fleet::can_finish(const StartRead& read) const {
     if (spec_.replicas[i].name != read.source.replica) continue;
     if (runs_[i].crashed || runs_[i].incarnation != read.source.incarnation) return false;
     if (read.source.kind == CopyKind::kOffload) return true;
-    return read.shard < runs_[i].shards.size() && runs_[i].shards[read.shard].bytes == read.version;
+    if (read.reshard.empty()) {
+      return read.shard < runs_[i].shards.size() && runs_[i].shards[read.shard].bytes == read.version;
+    }
+    // Another layout: the reader takes pieces from every shard of the source, each of which must
+    // hold the version whole and serve this transfer (a source shard without the grant refuses).
+    const std::vector<ShardRun>& source = runs_[i].shards;
+    if (read.reshard.size() != source.size()) return false;
+    return std::all_of(source.begin(), source.end(), [&](const ShardRun& shard) {
+      return shard.client != 0 && shard.bytes == read.version &&
+             driver_.inbox_of(shard.client).grants.contains({read.transfer, read.epoch});
+    });
   }
   return false;
+}
+
+std::uint32_t Fleet::sliced_shards(std::uint32_t replica) const {
+  return spec_.models[spec_.replicas[replica].model].sliced ? shards_of(spec_, replica) : 0;
+}
+
+LayoutRef Fleet::layout_of(std::uint32_t replica, std::uint32_t shard) const {
+  const std::uint32_t sliced = sliced_shards(replica);
+  return sliced == 0 ? layout_for(shard) : sliced_layout_for(shard, sliced);
+}
+
+ChecksumsRef Fleet::checksums_of(std::uint32_t replica, Version version, std::uint32_t shard) const {
+  const std::uint32_t sliced = sliced_shards(replica);
+  return sliced == 0 ? checksums_for(version, shard) : sliced_checksums_for(version, shard, sliced);
 }
 
 void Fleet::failover() {
@@ -744,13 +787,14 @@ void Fleet::check_retained_versions_readable() {
       probe.num_shards = spec_.models[m].num_shards;
       probe.datacenter = "dc0";
       const auto shards = driver_.open_replica(probe);
+      const bool sliced = spec_.models[m].sliced;
       for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
-        driver_.call(shards[shard],
-                     ReplicateRequest{Selector::absolute(version), layout_for(shard), 0});
+        const LayoutRef layout = sliced ? sliced_layout_for(shard, probe.num_shards) : layout_for(shard);
+        driver_.call(shards[shard], ReplicateRequest{Selector::absolute(version), layout, 0});
       }
       std::optional<Outcome> outcome;
       for (int round = 0; round < kHealRoundsMax && !outcome; ++round) {
-        driver_.finish_reads(shards);
+        driver_.finish_reads(shards, sliced);
         apply(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});
         apply(Action{Action::Kind::kOffload, 0, 0, 0, 0, false});
         if (driver_.has_reply(shards[0])) outcome = driver_.replies(shards);

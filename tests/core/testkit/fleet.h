@@ -26,6 +26,9 @@ struct FleetSpec {
   struct ModelSpec {
     std::string name;
     std::uint32_t num_shards = 1;
+    // The model's tensors are sliced (testkit/driver.h sliced_layout_for): replicas of other shard
+    // counts read its copies across layouts. Otherwise the testkit's own tensors (layout_for).
+    bool sliced = false;
   };
   struct ReplicaSpec {
     std::uint32_t model = 0;
@@ -34,6 +37,7 @@ struct FleetSpec {
     bool spot = false;
     bool trainer = false;
     Retention retention;
+    std::uint32_t num_shards = 0;  // 0: the model's; another (of a sliced model): another layout
   };
   HubSettings settings;
   std::vector<ModelSpec> models;
@@ -42,8 +46,13 @@ struct FleetSpec {
   bool closes = true;   // close and divergent calls (a replica leaving on purpose)
 };
 std::ostream& operator<<(std::ostream& out, const FleetSpec& spec);
+// The shard count of replica `replica`: its own, else its model's.
+std::uint32_t shards_of(const FleetSpec& spec, std::uint32_t replica);
 
-rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes);
+// With `layouts`, now and then a model is sliced and its rollouts draw their own shard count (reads
+// across layouts); without, every replica has its model's shard count and the testkit's tensors
+// (the agents of testkit/cluster.h do not model reads across layouts).
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts = true);
 
 // What every generated fleet shares: short heartbeat and barrier timeouts (a few ticks evict a
 // crashed replica), faults and closes as asked. gen_fleet draws the rest.
@@ -132,6 +141,7 @@ class Fleet {
     std::size_t unavailable = 0;
     std::size_t cancels = 0;  // CancelCall sent for a call in flight
     std::size_t checksum_failures = 0;  // reads whose bytes failed their checksums
+    std::size_t reshard_reads = 0;      // reads of a copy of another layout, done
   };
   const Coverage& coverage() const { return coverage_; }
 
@@ -175,6 +185,10 @@ class Fleet {
   bool can_finish(const StartRead& read) const;
   void failover();
   OpenRequest open_request(std::uint32_t replica, std::uint32_t shard) const;
+  // The tensors of the replica's shards and their checksums of a version (testkit/driver.h).
+  std::uint32_t sliced_shards(std::uint32_t replica) const;  // 0: not sliced
+  LayoutRef layout_of(std::uint32_t replica, std::uint32_t shard) const;
+  ChecksumsRef checksums_of(std::uint32_t replica, Version version, std::uint32_t shard) const;
 
   FleetSpec spec_;
   Driver driver_;

@@ -55,11 +55,15 @@ PlannedOp plan_op(std::uint32_t op, std::uint32_t p1, std::uint32_t p2, Version 
   return planned;
 }
 
-RequestBody body_for(const PlannedOp& op, std::uint32_t shard) {
-  const LayoutRef layout = layout_for(shard, 4096, shard == op.fault_shard ? op.layout_fault : LayoutFault::kNone);
+RequestBody body_for(const PlannedOp& op, std::uint32_t shard, std::uint32_t sliced_shards) {
+  const LayoutFault fault = shard == op.fault_shard ? op.layout_fault : LayoutFault::kNone;
+  const LayoutRef layout =
+      sliced_shards == 0 ? layout_for(shard, 4096, fault) : sliced_layout_for(shard, sliced_shards, fault);
   switch (op.kind) {
     case OpKind::kPublish:
-      return PublishRequest{op.version, layout, checksums_for(op.version, shard)};
+      return PublishRequest{op.version, layout,
+                            sliced_shards == 0 ? checksums_for(op.version, shard)
+                                               : sliced_checksums_for(op.version, shard, sliced_shards)};
     case OpKind::kUnpublish:
       return UnpublishRequest{};
     case OpKind::kReplicate:

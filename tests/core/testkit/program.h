@@ -32,7 +32,8 @@ struct PlannedOp {
 // (a publish's always), or for a reader a transposed weight if f - 1 is odd.
 PlannedOp plan_op(std::uint32_t op, std::uint32_t p1, std::uint32_t p2, Version latest);
 
-// The request shard `shard` sends for it (deterministic tensors: testkit/driver.h).
-RequestBody body_for(const PlannedOp& op, std::uint32_t shard);
+// The request shard `shard` sends for it (deterministic tensors: testkit/driver.h): the testkit's
+// own tensors, or with `sliced_shards` the sliced ones of a replica of that many shards.
+RequestBody body_for(const PlannedOp& op, std::uint32_t shard, std::uint32_t sliced_shards = 0);
 
 }  // namespace th::test

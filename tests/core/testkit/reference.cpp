@@ -311,13 +311,16 @@ void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs 
 
 namespace {
 
-// Whether a request's layout (if it has one) is the one the testkit gives `shard`.
-bool testkit_layout(const RequestBody& body, std::uint32_t shard) {
+// Whether a request's layout (if it has one) is one the testkit gives `shard` of a replica of
+// `num_shards` shards: its own tensors, or its sliced ones.
+bool testkit_layout(const RequestBody& body, std::uint32_t shard, std::uint32_t num_shards) {
   LayoutRef layout;
   if (const auto* publish = std::get_if<PublishRequest>(&body)) layout = publish->layout;
   if (const auto* replicate = std::get_if<ReplicateRequest>(&body)) layout = replicate->layout;
   if (const auto* update = std::get_if<UpdateRequest>(&body)) layout = update->layout;
-  return layout == nullptr || layout->tensors() == layout_for(shard)->tensors();
+  if (layout == nullptr || layout->tensors() == layout_for(shard)->tensors()) return true;
+  return num_shards >= 1 && num_shards <= kSlicedShardsMax && shard < num_shards &&
+         layout->tensors() == sliced_layout_for(shard, num_shards)->tensors();
 }
 
 }  // namespace
@@ -348,7 +351,7 @@ void Reference::on_call(const Request& request, TimeMs now_ms) {
   }
   call.arrived.set(client.shard);
   call.ops[client.shard] = op_key(request.body);
-  if (testkit_layout(request.body, client.shard)) {
+  if (testkit_layout(request.body, client.shard, replica->num_shards)) {
     call.layout_good.set(client.shard);
   } else {
     call.layout_bad = true;
@@ -498,8 +501,9 @@ void Reference::on_report(const Report& report) {
       // forgets who read what when it detaches one); done in an earlier epoch, it counts once
       // the transfer reads from a new source.
       if (done->epoch == transfer.epoch && (!transfer.started.test(shard) || !transfer.attached)) continue;
-      // Read well from the current source: its bytes of this shard are good after all.
-      if (done->epoch == transfer.epoch && !transfer.done.test(shard)) {
+      // Read well from the current source: its bytes of this shard are good after all. (A read
+      // across layouts took pieces of every shard and vouches for none in particular.)
+      if (done->epoch == transfer.epoch && !transfer.done.test(shard) && !transfer.reshard) {
         if (auto source = replicas_.find(transfer.source); source != replicas_.end()) {
           if (transfer.kind == CopyKind::kOffload) {
             source->second.offload_mismatched[transfer.version].reset(shard);
@@ -525,16 +529,29 @@ void Reference::on_report(const Report& report) {
       if (source == replicas_.end()) continue;
       const bool mismatch = failed->reason == ReadFailure::kChecksumMismatch;
       Replica& from = source->second;
+      auto strike_copy = [&](ShardSet& mismatched, bool& corrupt) {
+        if (!transfer.reshard) {
+          strike(mismatched, corrupt, shard);
+          return;
+        }
+        // Read across layouts, the bytes of some shard of the source failed; which one, the
+        // reader does not say: every shard is suspect, and a second such failure before a good
+        // read of each condemns the copy (README "Layouts").
+        if (mismatched.any()) corrupt = true;
+        for (std::uint32_t source_shard = 0; source_shard < from.num_shards; ++source_shard) {
+          mismatched.set(source_shard);
+        }
+      };
       if (transfer.kind == CopyKind::kOffload) {
         from.failed_offloads.insert(transfer.version);
         if (mismatch) {
           bool corrupt = from.corrupt_offloads.contains(transfer.version);
-          strike(from.offload_mismatched[transfer.version], corrupt, shard);
+          strike_copy(from.offload_mismatched[transfer.version], corrupt);
           if (corrupt) from.corrupt_offloads.insert(transfer.version);
         }
       } else if (from.version == transfer.version) {
         from.failed = true;
-        if (mismatch) strike(from.mismatched, from.corrupt, shard);
+        if (mismatch) strike_copy(from.mismatched, from.corrupt);
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&report.body)) {
@@ -599,6 +616,10 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
               if (transfer.id == message.transfer && transfer.epoch == message.epoch &&
                   transfer.source == client->second.key) {
                 transfer.stopped.set(client->second.shard);
+                // Read across layouts, every source shard serves every reader shard until the last
+                // is done: one told to stop means the source is gone (its shards are not the
+                // reader's, so `stopped` cannot tell it by shard).
+                if (transfer.reshard) transfer.attached = false;
               }
             }
           } else if constexpr (std::is_same_v<T, Offload>) {
@@ -796,6 +817,7 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
   transfer.kind = read.source.kind;
   transfer.version = read.version;
   transfer.attached = true;
+  transfer.reshard = !read.reshard.empty();
   call->second.read_started = true;
   call->second.last_source = read.source.replica;
   if (call->second.allowed.size() == 1 && !call->second.allowed.contains(read.version) &&
@@ -838,6 +860,7 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
       }
     }
   }
+  judge_layouts(*reader, transfer, read);
   // The old copy of a moving update is gone once the new one is read into the buffers; a copy
   // that reads from a new source reads afresh.
   if (reader->holding != Holding::kReceiving) fresh_copy(*reader);
@@ -848,6 +871,45 @@ void Reference::on_start_read(ClientId client_id, const StartRead& read) {
   reader->holding = Holding::kReceiving;
   reader->version = read.version;
   reader->drain_unsure = false;
+}
+
+// Reads across layouts (README "Layouts"): a replica reads a copy of another shard count, and only
+// then, by pieces of every one of its shards; only from a complete copy, whose every shard holds
+// what its checksums vouch for (a copy still receiving has pieces missing, and one receiving
+// across layouts assembles its bytes out of order); and a copy receiving across layouts serves
+// no reader of its own layout until it is complete (its bytes are not there in order, and nobody
+// has vouched for them yet).
+void Reference::judge_layouts(const Replica& reader, const Transfer& transfer, const StartRead& read) const {
+  if (model_unsure(reader.model) || read.source.kind != CopyKind::kPrimary) return;
+  const auto source = replicas_.find(transfer.source);
+  if (source == replicas_.end()) return;
+  const Replica& from = source->second;
+  const std::string what = reader.name + " is told to read version " + std::to_string(read.version) + " from " +
+                           read.source.replica;
+  if (transfer.reshard != (from.num_shards != reader.num_shards)) {
+    fail(what + (transfer.reshard ? " across layouts, though both have " + std::to_string(from.num_shards) + " shards"
+                                  : " as a copy of its own layout, though it has " + std::to_string(from.num_shards) +
+                                        " shards and the reader " + std::to_string(reader.num_shards)));
+  }
+  if (transfer.reshard && read.reshard.size() != from.num_shards) {
+    fail(what + " across layouts, naming " + std::to_string(read.reshard.size()) + " of its " +
+         std::to_string(from.num_shards) + " shards");
+  }
+  const bool still_coming = from.version == read.version && !from.drain_unsure &&
+                            (from.holding == Holding::kReceiving || from.holding == Holding::kPublishing);
+  if (transfer.reshard && (read.source.partial || still_coming)) {
+    fail(what + " across layouts while that copy is still " +
+         (from.holding == Holding::kPublishing ? "publishing" : "receiving"));
+  }
+  if (!transfer.reshard && read.source.partial) {
+    for (const auto& [key, upstream] : transfers_) {
+      if (upstream.reader == transfer.source && upstream.attached && upstream.reshard &&
+          upstream.version == read.version && (upstream.started & ~upstream.done).any()) {
+        fail(what + " as a pipeline source, which itself reads it across layouts from " + upstream.source +
+             " (its bytes are out of order and vouched for by nobody yet)");
+      }
+    }
+  }
 }
 
 void Reference::evict(const std::string& evicted) {

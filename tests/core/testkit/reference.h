@@ -21,6 +21,10 @@
 //                it: never "closed" to a shard whose peers got the answer
 //   checksums    a copy whose shard failed a reader's checksums twice without a good read between
 //                holds other bytes: no reader is sent to it, and it keeps no version readable
+//   layouts      a replica reads a copy of another shard count only across layouts, by pieces of
+//                every shard of it, and only from a complete copy; a copy receiving across layouts
+//                is nobody's pipeline source; a copy that failed two reads across layouts (without
+//                a good read of each shard between) is condemned as under "checksums"
 //   offloads     every offload copy the hub releases is one it made (or was told of), once; at
 //                the end, every one left is needed (its version retained, no other safe copy)
 //   liveness     with faults healed and every read done, nothing the hub owes is left unanswered
@@ -164,6 +168,7 @@ class Reference : public StepWatcher {
     CopyKind kind = CopyKind::kPrimary;
     Version version = 0;
     bool attached = true;           // has a source now
+    bool reshard = false;           // reads a copy of another layout (StartRead::reshard)
     ShardSet started;               // reader shards told to read in this epoch
     ShardSet done;
     ShardSet stopped;               // source shards told to stop serving this epoch
@@ -185,6 +190,7 @@ class Reference : public StepWatcher {
   void apply_answer(Replica& replica, std::uint64_t seq, Call& call, const Outcome& outcome);
   bool refresh(Replica& replica, Call& call);
   void on_start_read(ClientId client, const StartRead& read);
+  void judge_layouts(const Replica& reader, const Transfer& transfer, const StartRead& read) const;
   // An error that ends call `seq` for shard `shard` without being the replica's answer: fails
   // unless the shard's own situation explains it.
   void judge_exit(const Replica& replica, const Call& call, std::uint32_t shard, const Client& client,

@@ -109,9 +109,9 @@ FleetSpec parse_fleet_spec(std::string_view text_view) {
   spec.settings.pipeline = match[1] == "1";
   spec.settings.fanout_max = number(match[2].str(), "fanout");
   spec.settings.smart_skipping = match[3] == "1";
-  static const std::regex kModel(R"(model (\S+)/(\d+))");
+  static const std::regex kModel(R"(model (\S+)/(\d+)( sliced)?)");
   for (auto it = std::sregex_iterator(text.begin(), text.end(), kModel); it != std::sregex_iterator(); ++it) {
-    spec.models.push_back({(*it)[1].str(), number((*it)[2].str(), "shards")});
+    spec.models.push_back({(*it)[1].str(), number((*it)[2].str(), "shards"), (*it)[3].matched});
   }
   static const std::regex kReplica(R"(replica (\S+)\{([^}]*)\})");
   for (auto it = std::sregex_iterator(text.begin(), text.end(), kReplica); it != std::sregex_iterator(); ++it) {
@@ -135,6 +135,12 @@ FleetSpec parse_fleet_spec(std::string_view text_view) {
         replica.retention.keep_latest = number(flag.substr(12), "keep-latest");
       } else if (flag.starts_with("pin-")) {
         replica.retention.pinned.push_back(number(flag.substr(4), "pin"));
+      } else if (flag.starts_with("shards-")) {
+        replica.num_shards = static_cast<std::uint32_t>(number(flag.substr(7), "shards"));
+        if (replica.num_shards == 0 || replica.num_shards > kSlicedShardsMax) {
+          bad("replica '" + replica.name + "': shards-N takes 1 to " + std::to_string(kSlicedShardsMax));
+        }
+        if (!spec.models[replica.model].sliced) bad("replica '" + replica.name + "': shards-N of a model not sliced");
       } else {
         bad("replica '" + replica.name + "': unknown flag '" + std::string(flag) + "'");
       }

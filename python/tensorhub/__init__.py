@@ -56,7 +56,9 @@ class ReplicateInfo:
 @dataclasses.dataclass(frozen=True)
 class UpdateInfo:
     """What update() did: ``status`` is "updated", "no-newer-version" or "not-yet" (nothing
-    published yet); ``version`` is what the shard holds now (None: nothing)."""
+    published yet, or smart skipping: the version still crosses datacenters to a peer in this
+    one, and a rollout goes on with what it holds; ask again later); ``version`` is what the
+    shard holds now (None: nothing)."""
     status: str
     version: Optional[int]
     source: str

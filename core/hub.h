@@ -19,7 +19,8 @@
 //   unpublish  when no transfer reads the replica's copy any more, after an offload if retention needs
 //   replicate  when the version exists and every shard has received it; a lost version fails with
 //              kVersionUnavailable; an optional timeout fails with kTimeout. `latest-k` is the k-th
-//              newest version that exists (was ever complete), whatever the numbers skipped. With
+//              newest version that exists (was ever complete), whatever the numbers skipped, or if
+//              no copy of it is left the newest older one a copy is left of (the answer names it). With
 //              smart skipping, readers do not pipeline behind a copy still seeding across
 //              datacenters: they wait for it, then read at local speed
 //   update     at once with kNoNewerVersion / kNotYet, else like unpublish followed by replicate;
@@ -62,6 +63,8 @@ struct HubStats {
   std::uint64_t seeds_started = 0;  // offload seeding: CPU copies read across datacenters
   std::uint64_t evictions = 0;
   std::uint64_t calls_cancelled = 0;  // calls a shard cancelled (CancelCall)
+  std::uint64_t models_forgotten = 0;  // models that ended (no replica for model_grace_ms)
+  std::uint64_t readers_revoked = 0;   // reads of a draining copy cut at its drain grace
 };
 
 // Who a client is (th-server's transfer timeline and metrics).
@@ -109,6 +112,9 @@ class Hub {
   bool retained(std::string_view model, Version version) const;
   const HubStats& stats() const { return stats_; }
   HubActivity activity() const;
+  // The tensor descriptions kept (HubSettings::description_bytes_max): of all models, of one.
+  std::uint64_t description_bytes() const { return description_bytes_; }
+  std::uint64_t description_bytes(std::string_view model) const;
   std::size_t client_count() const { return clients_.size(); }
   bool has_client(ClientId client) const { return clients_.find(client) != nullptr; }
   std::optional<ClientIdentity> identify(ClientId client) const;
@@ -279,6 +285,27 @@ class Hub {
   std::optional<Version> last_retained_copy(const Replica& replica) const;
   // The k-th newest version that was ever complete here (0: latest); none if fewer exist.
   std::optional<Version> newest_existing(const Model& model, std::uint64_t k) const;
+  // Drain deadlines (settings_.drain_grace_ms): armed as a copy starts draining, disarmed as it
+  // stops; at the deadline every reader of the copy is sent elsewhere (revoke_readers).
+  void arm_drain_deadline(Copy& copy);
+  void disarm_drain_deadline(Copy& copy);
+  void revoke_readers(Copy& copy);
+  // Models with no replica for settings_.model_grace_ms end: forgotten (Tick).
+  void forget_idle_models();
+  // Whether `model` may keep `added` more bytes of tensor descriptions (kLimitExceeded naming the
+  // limit if not); charge_descriptions counts them for the layout, the model and the server.
+  Status admit_descriptions(const Model& model, std::uint64_t added) const;
+  void charge_descriptions(Model& model, detail::ModelLayout& layout, std::uint64_t added);
+  // Refines `layout`'s shards with `shards` (ShardLayout::refine) if the more specific
+  // descriptions fit the limits; `refined` says whether any changed.
+  Status refine_layout(Model& model, detail::ModelLayout& layout, const std::vector<LayoutRef>& shards,
+                       bool& refined);
+  // Why an open of a new model is refused at kModelsMax (how many are idle, when the first ends).
+  std::string models_limit_detail() const;
+  // The newest version at or below `start` that was complete here and has a copy left.
+  std::optional<Version> newest_readable_from(const Model& model, Version start) const;
+  // Whether a publish of `version` keeps the model's order (versions increase within its life).
+  bool in_order(const Model& model, Version version) const;
   void complete_barrier(Replica& replica);
   void caught_up(Replica& replica, const Txn& txn);
   void fail_barrier(Replica& replica, const Error& error);
@@ -313,6 +340,7 @@ class Hub {
   HubSettings settings_;
   HubStats stats_;
   std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
+  std::uint64_t description_bytes_ = 0;  // Σ models_' description_bytes
   // Lookup only (never iterated to decide anything): which replica and shard a client is.
   ClientTable<detail::Binding> clients_;
   std::map<std::string, detail::DcId, std::less<>> datacenters_;

@@ -280,15 +280,23 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
                                           "; unpublish it first"));
       return;
     }
-    // The model remembers versions down to kForgottenVersionsWindow below latest; an older one is
-    // stale. (A slow data-parallel trainer may still publish a version just below latest.)
-    if (model.latest && version + limits::kForgottenVersionsWindow < *model.latest &&
-        !model.versions.contains(version)) {
+    if (version > limits::kVersionMax) {
+      finish(replica, txn, make_error(Errc::kInvalidArgument,
+                                      "version " + std::to_string(version) +
+                                          " is above the largest a model takes (2^63-1)"));
+      return;
+    }
+    // Versions increase within a model's life (DESIGN.md §5.7): below latest, only a version the
+    // model knows (a data-parallel peer's, published or being published, within
+    // kForgottenVersionsWindow). A publish the previous server took before a failover is not
+    // judged again: a backup learns versions in any order.
+    if (!txn.seeded && !in_order(model, version)) {
       finish(replica, txn, make_error(Errc::kStaleVersion,
-                                      "version " + std::to_string(version) + " is more than " +
-                                          std::to_string(limits::kForgottenVersionsWindow) +
-                                          " versions older than latest " +
-                                          std::to_string(*model.latest)));
+                                      "version " + std::to_string(version) + " is below latest " +
+                                          std::to_string(*model.latest) + " of model '" + model.name +
+                                          "' and not one it knows: versions increase within a model's "
+                                          "life (a run restarting from an earlier step publishes above " +
+                                          std::to_string(*model.latest) + ", or under a new model name)"));
       return;
     }
     if (replica.primary == nullptr) {
@@ -372,6 +380,10 @@ void Hub::on_unpublish(Replica& replica, Txn& txn) {
 
 // ---- replicate and update --------------------------------------------------------------------------
 
+bool Hub::in_order(const Model& model, Version version) const {
+  return !model.latest || version >= *model.latest || model.versions.contains(version);
+}
+
 Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const {
   Resolution resolution;
   if (!model.latest) return resolution;  // nothing published yet: wait
@@ -389,7 +401,18 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
                                         " versions exist here (latest is " + std::to_string(latest) + ")");
       return resolution;
     }
-    target = *existing;
+    // If no copy of it is left (its trainer unpublished it, its holders went), the newest older
+    // version that has one: a selector never names a version nobody can read while an older one
+    // can be read. The answer names the version it resolved to.
+    const std::optional<Version> readable = newest_readable_from(model, *existing);
+    if (!readable) {
+      resolution.kind = Resolution::Kind::kError;
+      resolution.error = make_error(Errc::kVersionUnavailable,
+                                    "no copy of " + format_selector(selector) + " (version " +
+                                        std::to_string(*existing) + ") or of any older version is left");
+      return resolution;
+    }
+    target = *readable;
   } else if (selector.value > latest) {
     return resolution;  // not published yet: wait
   }

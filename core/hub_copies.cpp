@@ -4,6 +4,7 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -77,6 +78,7 @@ void Hub::remove_copy(Copy& copy) {
   Replica& owner = *copy.owner;
   Model& model = *owner.model;
   VersionRecord& record = *copy.record;
+  disarm_drain_deadline(copy);
   // Stop being a reader.
   if (Transfer* incoming = copy.incoming) {
     detach_source(*incoming);
@@ -179,6 +181,7 @@ void Hub::reindex(Copy& copy) {
 }
 
 void Hub::set_state(Copy& copy, CopyState state) {
+  if (copy.state == CopyState::kDraining && state != CopyState::kDraining) disarm_drain_deadline(copy);
   copy.state = state;
   reindex(copy);
   // Waits on what replicas hold may hold now (or fail), whichever way the copy went: a copy that
@@ -239,7 +242,37 @@ void Hub::start_drain(Copy& copy, DrainPurpose purpose) {
   TH_ASSERT(copy.state == CopyState::kComplete, "only complete copies drain");
   copy.drain_purpose = purpose;
   set_state(copy, CopyState::kDraining);
+  arm_drain_deadline(copy);
   if (copy.readers == 0) drained_.emplace_back(copy.owner->model, copy.id);
+}
+
+void Hub::arm_drain_deadline(Copy& copy) {
+  TH_ASSERT(copy.state == CopyState::kDraining && copy.drain_deadline_ms == 0);
+  copy.drain_deadline_ms = now_ms_ + settings_.drain_grace_ms;
+  copy.owner->model->drain_deadlines.emplace(copy.drain_deadline_ms, copy.id);
+}
+
+void Hub::disarm_drain_deadline(Copy& copy) {
+  if (copy.drain_deadline_ms == 0) return;
+  const std::size_t erased = copy.owner->model->drain_deadlines.erase({copy.drain_deadline_ms, copy.id});
+  TH_ASSERT(erased == 1, "a pending drain deadline is indexed");
+  copy.drain_deadline_ms = 0;
+}
+
+void Hub::revoke_readers(Copy& copy) {
+  TH_ASSERT(copy.state == CopyState::kDraining && copy.drain_deadline_ms == 0);
+  if (copy.readers == 0) return;  // (waiting for its offload copy, say)
+  std::vector<Transfer*> readers;  // in transfer order: deterministic
+  for (const auto& [id, transfer] : copy.owner->model->transfers) {
+    if (transfer->source == &copy) readers.push_back(transfer.get());
+  }
+  TH_ASSERT(readers.size() == copy.readers);
+  for (Transfer* transfer : readers) {
+    // Nobody's failure: the copy is not marked failed and the reader's give-up count stays.
+    reassign(*transfer, /*failed=*/false);
+    ++stats_.readers_revoked;
+  }
+  TH_ASSERT(copy.readers == 0, "a copy past its drain grace keeps no reader");
 }
 
 bool Hub::needs_offload(const Copy& copy) const {
@@ -544,6 +577,13 @@ std::optional<Version> Hub::newest_existing(const Model& model, std::uint64_t k)
     if (!it->second.ever_complete) continue;
     if (seen == k) return it->first;
     ++seen;
+  }
+  return std::nullopt;
+}
+
+std::optional<Version> Hub::newest_readable_from(const Model& model, Version start) const {
+  for (auto it = std::make_reverse_iterator(model.versions.upper_bound(start)); it != model.versions.rend(); ++it) {
+    if (it->second.ever_complete && it->second.roots > 0) return it->first;
   }
   return std::nullopt;
 }

@@ -130,12 +130,7 @@ Result<ModelLayout*> Hub::layout_for(Model& model, const std::vector<LayoutRef>&
     }
     // The same layout: it grows as specific as the most specific replica accepted (see refine()).
     bool refined = false;
-    for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
-      if (shards[shard] == nullptr) continue;
-      LayoutRef more = ShardLayout::refine(known->shards[shard], shards[shard]);
-      refined = refined || more != known->shards[shard];
-      known->shards[shard] = std::move(more);
-    }
+    if (Status fits = refine_layout(model, *known, shards, refined); !fits) return fits.error();
     if (refined) relate(model, *known);  // bytes became pieces: other layouts may read it now
     return known.get();
   }
@@ -160,13 +155,74 @@ Result<ModelLayout*> Hub::layout_for(Model& model, const std::vector<LayoutRef>&
                                                 std::to_string(limits::kLayoutsPerModelMax) +
                                                 " layouts (kinds of replicas with their own shards and pieces)");
   }
+  std::uint64_t described = 0;
+  for (const LayoutRef& shard : shards) described += shard->description_bytes();
+  if (Status fits = admit_descriptions(model, described); !fits) return fits.error();
   auto made = std::make_unique<ModelLayout>();
   made->id = static_cast<LayoutId>(model.layouts.size());
   made->shards = shards;
   ModelLayout& layout = *made;
   model.layouts.push_back(std::move(made));
+  charge_descriptions(model, layout, described);
   relate(model, layout);
   return &layout;
+}
+
+// ---- What descriptions cost (HubSettings::description_bytes_max) ---------------------------------
+
+Status Hub::admit_descriptions(const Model& model, std::uint64_t added) const {
+  if (added > settings_.model_description_bytes_max - model.description_bytes) {
+    return make_error(Errc::kLimitExceeded,
+                      "model '" + model.name + "' would keep " + std::to_string(model.description_bytes + added) +
+                          " bytes of tensor descriptions, over its limit of " +
+                          std::to_string(settings_.model_description_bytes_max) +
+                          " (--model-description-bytes-max; fewer or shorter tensor names, or fewer layouts)");
+  }
+  if (added > settings_.description_bytes_max - description_bytes_) {
+    return make_error(Errc::kLimitExceeded,
+                      "the server's models would keep " + std::to_string(description_bytes_ + added) +
+                          " bytes of tensor descriptions, over its limit of " +
+                          std::to_string(settings_.description_bytes_max) +
+                          " (--description-bytes-max; a model's are freed when it ends)");
+  }
+  return Unit{};
+}
+
+void Hub::charge_descriptions(Model& model, ModelLayout& layout, std::uint64_t added) {
+  layout.description_bytes += added;
+  model.description_bytes += added;
+  description_bytes_ += added;
+  TH_ASSERT(model.description_bytes <= settings_.model_description_bytes_max &&
+                description_bytes_ <= settings_.description_bytes_max,
+            "descriptions are admitted before they are kept");
+}
+
+Status Hub::refine_layout(Model& model, ModelLayout& layout, const std::vector<LayoutRef>& shards, bool& refined) {
+  TH_ASSERT(shards.size() == layout.shards.size());
+  // The refined descriptions first, then their cost, then (if they fit) the change.
+  std::vector<LayoutRef> more(layout.shards.size());
+  std::uint64_t added = 0;
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    more[shard] = shards[shard] == nullptr ? layout.shards[shard] : ShardLayout::refine(layout.shards[shard], shards[shard]);
+    const std::uint64_t before = layout.shards[shard]->description_bytes();
+    const std::uint64_t after = more[shard]->description_bytes();
+    // Refining only adds a shape or a box to a tensor (bytes, then shape, then piece).
+    TH_ASSERT(after >= before, "a refined description is no smaller");
+    added += after - before;
+  }
+  if (Status fits = admit_descriptions(model, added); !fits) return fits;
+  refined = false;
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    refined = refined || more[shard] != layout.shards[shard];
+    layout.shards[shard] = std::move(more[shard]);
+  }
+  charge_descriptions(model, layout, added);
+  return Unit{};
+}
+
+std::uint64_t Hub::description_bytes(std::string_view model) const {
+  const auto found = models_.find(model);
+  return found == models_.end() ? 0 : found->second->description_bytes;
 }
 
 ModelLayout* Hub::known_layout(const Model& model, const std::vector<LayoutRef>& shards, std::uint32_t num_shards) {

@@ -4,6 +4,7 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -63,23 +64,25 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     return;
   }
 
+  // (Checked before a model is made: a refused open leaves nothing behind.)
+  if (!datacenters_.contains(open.datacenter) && datacenters_.size() >= limits::kDatacentersMax) {
+    reject(Errc::kLimitExceeded, "more than 256 datacenters");
+    return;
+  }
   auto model_found = models_.find(open.model);
   if (model_found == models_.end()) {
     if (models_.size() >= limits::kModelsMax) {
-      reject(Errc::kLimitExceeded, "this server already hosts 64 models");
+      reject(Errc::kLimitExceeded, models_limit_detail());
       return;
     }
     auto model = std::make_unique<Model>();
     model->name = open.model;
+    model->idle_since_ms = now_ms_;  // until its first replica is in
     model_found = models_.emplace(open.model, std::move(model)).first;
   }
   // Replicas of one model may have any number of shards: their layouts say whether they read one
   // another (hub_layouts.cpp), once their shards have described their tensors.
   Model& model = *model_found->second;
-  if (!datacenters_.contains(open.datacenter) && datacenters_.size() >= limits::kDatacentersMax) {
-    reject(Errc::kLimitExceeded, "more than 256 datacenters");
-    return;
-  }
 
   if (asked.incarnation_auto) {
     // Join the replica where this shard's slot is free (the shard's peers of a restart opened
@@ -162,6 +165,7 @@ void Hub::on_open(ClientId client, std::uint64_t seq, std::uint64_t open_session
     }
     replica = created.get();
     model.replicas.emplace(open.replica, std::move(created));
+    model.idle_since_ms.reset();
   }
 
   ShardSlot& slot = replica->shards[open.shard];
@@ -252,6 +256,22 @@ void Hub::remove_replica(Replica& replica) {
   TH_ASSERT(replica.bound_shards == 0);
   mark_dirty(model);
   model.replicas.erase(replica.name);  // destroys `replica`
+  if (model.replicas.empty()) model.idle_since_ms = now_ms_;
+}
+
+std::string Hub::models_limit_detail() const {
+  std::size_t idle = 0;
+  TimeMs first_end_ms = std::numeric_limits<TimeMs>::max();
+  for (const auto& [name, model] : models_) {
+    if (!model->idle_since_ms) continue;
+    ++idle;
+    first_end_ms = std::min(first_end_ms, *model->idle_since_ms + settings_.model_grace_ms);
+  }
+  std::string detail = "this server already hosts " + std::to_string(limits::kModelsMax) + " models";
+  if (idle == 0) return detail + ", each with replicas";
+  return detail + ", " + std::to_string(idle) + " of them with no replica; the first ends in " +
+         std::to_string(std::max<TimeMs>(first_end_ms - now_ms_, 0)) + " ms (model grace " +
+         std::to_string(settings_.model_grace_ms) + " ms)";
 }
 
 void Hub::fail_barrier(Replica& replica, const Error& error) {

@@ -30,7 +30,31 @@ constexpr std::size_t kSettleRoundsMax = 10'000'000;
 
 // ==== Clock ========================================================================================
 
+void Hub::forget_idle_models() {
+  std::vector<std::string> ended;  // (in name order: deterministic)
+  for (const auto& [name, model] : models_) {
+    if (model->idle_since_ms && now_ms_ - *model->idle_since_ms >= settings_.model_grace_ms) ended.push_back(name);
+  }
+  for (const std::string& name : ended) {
+    auto found = models_.find(name);
+    const Model& model = *found->second;
+    // With no replica there is no copy, no transfer, no retention rule and no call: each call was
+    // answered as its replica went (evicted, closed, its barrier failed).
+    TH_ASSERT(model.replicas.empty() && model.copies.empty() && model.transfers.empty() &&
+                  model.offload_copies.empty(),
+              "a model with no replica holds nothing");
+    TH_ASSERT(model.unresolved.empty() && model.waits.empty() && model.deadlines.empty() &&
+                  model.keep_latest.empty() && model.pinned.empty(),
+              "a model with no replica has no call and no retention rule");
+    ++stats_.models_forgotten;
+    TH_ASSERT(description_bytes_ >= model.description_bytes);
+    description_bytes_ -= model.description_bytes;  // (its layouts go with it)
+    models_.erase(found);
+  }
+}
+
 void Hub::on_tick() {
+  forget_idle_models();
   struct Expired {
     Model* model;
     std::string replica;
@@ -102,6 +126,15 @@ void Hub::on_tick() {
       abort_txn(*ref.replica, found->second,
                 make_error(Errc::kTimeout, std::string(op_name(found->second.op.kind)) +
                                                " did not complete before its timeout"));
+    }
+  }
+  // Drain deadlines: the readers still reading a draining copy one drain grace after it began are
+  // sent elsewhere, so that a slow reader cannot hold its source's unpublish, update or close.
+  for (auto& [model_name, model] : models_) {
+    while (!model->drain_deadlines.empty() && model->drain_deadlines.begin()->first <= now_ms_) {
+      Copy& copy = *model->copies.at(model->drain_deadlines.begin()->second);
+      disarm_drain_deadline(copy);
+      revoke_readers(copy);
     }
   }
 }

@@ -119,6 +119,8 @@ struct Copy {
   bool corrupt = false;
   CopyHealth health() const { return {failed, mismatched, corrupt}; }
   DrainPurpose drain_purpose = DrainPurpose::kUnpublish;
+  // While draining: when its readers are revoked (0: not pending; Model::drain_deadlines).
+  TimeMs drain_deadline_ms = 0;
   CopyId awaiting_offload = 0;     // a draining primary waits for this offload copy to complete
   // An offload copy made by offload seeding (read from another datacenter, not copied from the
   // owner's buffers): kept while its owner may still consume it (see Hub::reconcile_offloads).
@@ -278,6 +280,7 @@ struct ModelLayout {
   LayoutId id = 0;
   std::vector<LayoutRef> shards;
   bool pieces_only = false;  // every tensor of every shard is a piece (TensorKind::kPiece)
+  std::uint64_t description_bytes = 0;  // of its shards' layouts (ShardLayout::description_bytes)
   // For each other layout: why replicas of this one cannot read copies of it (nullopt: they can).
   // Set for both directions when a layout is made; refining never changes a piece's description.
   std::map<LayoutId, std::optional<std::string>> reads_from;
@@ -286,6 +289,7 @@ struct ModelLayout {
 struct Model {
   std::string name;
   std::vector<std::unique_ptr<ModelLayout>> layouts;  // by LayoutId; at most kLayoutsPerModelMax
+  std::uint64_t description_bytes = 0;  // of its layouts: at most settings.model_description_bytes_max
   std::optional<Version> latest;
   std::map<Version, VersionRecord> versions;
   std::map<std::string, std::unique_ptr<Replica>> replicas;
@@ -302,6 +306,12 @@ struct Model {
   std::set<Version> versions_with_waiters;
   std::vector<Version> forgettable;  // records whose last copy went before the version completed
   bool dirty = false;  // latest, replicas or retention changed: re-evaluate blocked calls
+  // Since when the model has had no replica (none: it has some). At settings.model_grace_ms past
+  // it, the model ends (Hub::forget_idle_models).
+  std::optional<TimeMs> idle_since_ms;
+  // Draining copies whose readers are revoked at the deadline (settings.drain_grace_ms after the
+  // drain began), in deadline order; exactly the copies with drain_deadline_ms != 0.
+  std::set<std::pair<TimeMs, CopyId>> drain_deadlines;
 };
 
 struct Binding {

@@ -139,8 +139,10 @@ bool Hub::settle_layout(Replica& replica, Txn& txn) {
     }
   }
   if (replica.layout != nullptr) {
-    for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
-      replica.layout->shards[shard] = ShardLayout::refine(replica.layout->shards[shard], layouts[shard]);
+    bool refined = false;
+    if (Status fits = refine_layout(model, *replica.layout, layouts, refined); !fits) {
+      abort_txn(replica, txn, fits.error());
+      return false;
     }
     return true;
   }

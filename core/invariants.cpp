@@ -61,6 +61,7 @@ void Hub::check_invariants() const {
   TH_ASSERT(orphans_.empty() && drained_.empty() && diverged_.empty(),
             "deferred work is settled after every step");
   std::size_t bound_total = 0;
+  std::uint64_t all_description_bytes = 0;
 
   for (const auto& [model_name, model_ptr] : models_) {
     const Model& model = *model_ptr;
@@ -73,6 +74,37 @@ void Hub::check_invariants() const {
       for (const LayoutRef& shard : layout.shards) TH_ASSERT(shard != nullptr, "a layout describes every shard");
     }
     TH_ASSERT(!model.dirty, "dirty models are settled after every step");
+    std::uint64_t model_description_bytes = 0;
+    for (const auto& layout : model.layouts) {
+      std::uint64_t layout_bytes = 0;
+      for (const LayoutRef& shard : layout->shards) layout_bytes += shard->description_bytes();
+      TH_ASSERT(layout->description_bytes == layout_bytes, "a layout counts its shards' descriptions");
+      model_description_bytes += layout_bytes;
+    }
+    TH_ASSERT(model.description_bytes == model_description_bytes &&
+                  model.description_bytes <= settings_.model_description_bytes_max,
+              "a model counts its layouts' descriptions, within its limit");
+    all_description_bytes += model.description_bytes;
+    // The idle clock runs exactly while the model has no replica; it ends model_grace_ms later.
+    TH_ASSERT(model.replicas.empty() == model.idle_since_ms.has_value(), "an idle model has no replica");
+    TH_ASSERT(!model.idle_since_ms || *model.idle_since_ms <= now_ms_);
+    std::size_t drain_deadlines = 0;
+    for (const auto& [id, copy] : model.copies) {
+      if (copy->drain_deadline_ms == 0) {
+        // Past its drain grace a draining copy has no reader (and assign() adds none).
+        TH_ASSERT(copy->state != CopyState::kDraining || copy->readers == 0,
+                  "a copy past its drain grace keeps no reader");
+        continue;
+      }
+      ++drain_deadlines;
+      TH_ASSERT(copy->state == CopyState::kDraining && model.drain_deadlines.contains({copy->drain_deadline_ms, id}) &&
+                    copy->drain_deadline_ms <= now_ms_ + settings_.drain_grace_ms,
+                "a drain deadline belongs to a draining copy, indexed, within one grace");
+    }
+    TH_ASSERT(drain_deadlines == model.drain_deadlines.size(), "every indexed drain deadline is a copy's");
+    // latest's own record is never forgotten, and no version is past the largest a model takes.
+    TH_ASSERT(!model.latest || (model.versions.contains(*model.latest) && *model.latest <= limits::kVersionMax),
+              "latest names a version the model remembers");
 
     // ---- replicas ----
     std::vector<std::uint64_t> keep_latest;
@@ -332,6 +364,8 @@ void Hub::check_invariants() const {
     TH_ASSERT(!any_complete || model.latest.has_value());
   }
   TH_ASSERT(bound_total == clients_.size(), "every client is bound to one shard");
+  TH_ASSERT(description_bytes_ == all_description_bytes && description_bytes_ <= settings_.description_bytes_max,
+            "the server counts its models' descriptions, within its limit");
 }
 
 }  // namespace th

@@ -22,6 +22,12 @@ inline constexpr std::size_t kPiecesPerReplicaMax = std::size_t{1} << 20;
 // Layouts of one model's replicas (a trainer's and each kind of rollout's): kept for the life of
 // the model, each a description of every shard's tensors.
 inline constexpr std::size_t kLayoutsPerModelMax = 16;
+// What the hub counts for one tensor's description (ShardLayout::description_bytes): its name,
+// its shape and box at 8 bytes a number, and this much besides (about a TensorSpec and the
+// allocator's slack). A constant, not sizeof, so that every build and the checkers count alike.
+inline constexpr std::uint64_t kTensorDescriptionOverheadBytes = 96;
+// The most an operator may let the descriptions of tensors take (HubSettings::description_bytes_max).
+inline constexpr std::uint64_t kDescriptionBytesCeiling = std::uint64_t{64} << 30;
 inline constexpr std::size_t kNameBytesMax = 256;  // model, replica, datacenter, role, tensor names
 inline constexpr std::size_t kEndpointBytesMax = 512;
 inline constexpr std::size_t kDatacentersMax = 256;
@@ -32,9 +38,15 @@ inline constexpr std::size_t kPinnedPerOpenMax = 16;
 // A replica holds at most one offload copy per retained version.
 inline constexpr std::size_t kOffloadsPerReplicaMax = kKeepLatestMax + 1 + kPinnedPerOpenMax;
 
+// The largest version a model takes. Versions are the hub's order within a model's life (a lower
+// one than latest is refused unless the model knows it), so one publish near 2^64 would leave a
+// life no room above it; and no sum with the windows here can wrap below this.
+inline constexpr std::uint64_t kVersionMax = (std::uint64_t{1} << 63) - 1;
+
 // Versions whose last copy is gone are remembered (to answer "unavailable" instead of "not found")
 // for this many versions below `latest`.
 inline constexpr std::uint64_t kForgottenVersionsWindow = 1024;
+static_assert(kVersionMax + kForgottenVersionsWindow > kVersionMax, "version sums cannot wrap");
 
 // Replica transactions: how far the fastest shard of a replica may run ahead of the slowest one.
 // Calls that wait for the whole group (publish, replicate, update, unpublish, close) stop a fast

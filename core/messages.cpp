@@ -74,6 +74,10 @@ OpKey op_key(const RequestBody& body) {
 namespace {
 
 Status check_held_copy(const HeldCopy& held) {
+  if (held.version > limits::kVersionMax) {
+    return make_error(Errc::kInvalidArgument, "an announced copy of version " + std::to_string(held.version) +
+                                                  ", above the largest a model takes (2^63-1)");
+  }
   if (!held.layout || !held.checksums) {
     return make_error(Errc::kInvalidArgument, "an announced copy needs a layout and checksums");
   }
@@ -102,6 +106,12 @@ Status validate(const OpenRequest& open) {
   if ((open.retention.keep_latest && *open.retention.keep_latest > limits::kKeepLatestMax) ||
       open.retention.pinned.size() > limits::kPinnedPerOpenMax) {
     return make_error(Errc::kLimitExceeded, "retention keeps at most latest-64 and 16 pinned versions");
+  }
+  for (const Version pinned : open.retention.pinned) {
+    if (pinned > limits::kVersionMax) {
+      return make_error(Errc::kInvalidArgument, "pinned version " + std::to_string(pinned) +
+                                                    " is above the largest a model takes (2^63-1)");
+    }
   }
   if (open.resume) {
     if (open.resume->offloads.size() > limits::kOffloadsPerReplicaMax) {

@@ -218,6 +218,8 @@ ShardLayout::ShardLayout(std::vector<TensorSpec> tensors) : tensors_(std::move(t
     for (std::uint64_t at : tensor.box.offset) fnv_mix(digest_, at);
     for (std::uint64_t length : tensor.box.extent) fnv_mix(digest_, length);
     total_bytes_ += tensor.bytes;
+    description_bytes_ += limits::kTensorDescriptionOverheadBytes + tensor.name.size() +
+                          8 * (tensor.shape.size() + tensor.box.offset.size() + tensor.box.extent.size());
   }
 }
 
@@ -399,6 +401,18 @@ Status validate(const HubSettings& settings) {
   }
   if (settings.fanout_max == 0) {
     return make_error(Errc::kInvalidArgument, "fan-out limit must be at least 1");
+  }
+  if (settings.drain_grace_ms <= 0 || settings.drain_grace_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "drain grace must be in (0, 1 day] ms");
+  }
+  if (settings.model_grace_ms < 0 || settings.model_grace_ms > limits::kDeadlineMsMax) {
+    return make_error(Errc::kInvalidArgument, "model grace must be in [0, 1 day] ms");
+  }
+  if (settings.model_description_bytes_max == 0 ||
+      settings.model_description_bytes_max > settings.description_bytes_max ||
+      settings.description_bytes_max > limits::kDescriptionBytesCeiling) {
+    return make_error(Errc::kInvalidArgument,
+                      "description limits must satisfy 1 <= per model <= per server <= 64 GiB");
   }
   if (settings.id_base > kIdBaseMax) {
     return make_error(Errc::kInvalidArgument, "id base must leave room to count up (at most 2^62)");

@@ -87,6 +87,8 @@ class ShardLayout {
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
   std::uint64_t digest() const { return digest_; }
   std::uint64_t total_bytes() const { return total_bytes_; }
+  // What the hub counts for keeping this description (limits::kTensorDescriptionOverheadBytes).
+  std::uint64_t description_bytes() const { return description_bytes_; }
 
   // Why `other` (a reader's, or another publisher's) is not compatible with this layout (the
   // model's), or nothing when it is. Tensors of kind kBytes on either side compare by dtype and
@@ -106,6 +108,7 @@ class ShardLayout {
   std::vector<TensorSpec> tensors_;
   std::uint64_t digest_ = 0;
   std::uint64_t total_bytes_ = 0;
+  std::uint64_t description_bytes_ = 0;
 };
 using LayoutRef = std::shared_ptr<const ShardLayout>;
 
@@ -119,6 +122,13 @@ struct HubSettings {
   TimeMs heartbeat_timeout_ms = 10'000;
   // How long a re-opened replica (after a server failover) waits for all of its shards.
   TimeMs barrier_timeout_ms = 30'000;
+  // How long a draining copy (unpublish, an update's old copy, close, an offload's release) waits
+  // for its readers. Past it each reader's grant is revoked (StopServing: TCP cuts the connection,
+  // RDMA invalidates the window) and the reader reads elsewhere, later, or is told the version is
+  // unavailable: a slow or throttled reader holds a trainer this long at most. 30 s: three
+  // heartbeat timeouts (a dead reader is evicted first), and a healthy reader of a big shard over
+  // TCP finishes (17 GB at 10 Gbit/s: 14 s).
+  TimeMs drain_grace_ms = 30'000;
   // Pipeline replication: a replica still receiving a version already serves it to others.
   bool pipeline = true;
   // Transfers one source copy serves at a time. Under pipeline replication the paper uses 1.
@@ -137,6 +147,16 @@ struct HubSettings {
   // Keys the secrets of data-plane grants (GrantSecret). th-server draws it from the OS at start;
   // the simulator and the tests leave it zero (a key is needed, not its secrecy, to check them).
   std::array<std::uint64_t, 2> grant_secret_key{};
+  // A model ends once it has had no replica this long: its versions, latest and layouts are
+  // forgotten, and its name may be opened afresh (with another shard count or layout; a run that
+  // restarts from step 0). No call can be waiting then: each was answered as its replica went.
+  TimeMs model_grace_ms = 60'000;
+  // The tensor descriptions the hub keeps (layouts: names, shapes, boxes; see
+  // ShardLayout::description_bytes), per model and for all models together. A publish, replicate
+  // or resume that would pass either is refused (kLimitExceeded); a model's are freed when it ends.
+  // 512 MiB is a 16-shard replica of 65,536 tensors a shard with 256-byte names, about.
+  std::uint64_t model_description_bytes_max = std::uint64_t{512} << 20;
+  std::uint64_t description_bytes_max = std::uint64_t{2} << 30;
 };
 
 inline constexpr std::uint64_t kIdBaseMax = 1ULL << 62;

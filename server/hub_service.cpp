@@ -11,6 +11,9 @@
 #include <random>
 
 #include <arpa/inet.h>
+#ifdef __GLIBC__
+#include <malloc.h>  // malloc_trim
+#endif
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -776,9 +779,30 @@ void HubService::on_probe(Connection& connection) {
 void HubService::feed(const Input& input) {
   Effects effects;
   const std::int64_t step_start_us = now_us();
+  const HubStats before = hub_.stats();
   hub_.step(input, step_start_us / 1000, effects);
   metrics_.observe(hub_, input, effects, step_start_us, now_us());
+  log_lifecycle(before, hub_.stats());
   route(effects);
+}
+
+void HubService::log_lifecycle(const HubStats& before, const HubStats& after) {
+  if (after.readers_revoked > before.readers_revoked) {
+    log(LogLevel::kInfo, std::to_string(after.readers_revoked - before.readers_revoked) +
+                             " read(s) of a draining copy revoked at the drain grace (" +
+                             std::to_string(hub_.settings().drain_grace_ms) + " ms): read elsewhere", "hub");
+  }
+  if (after.models_forgotten > before.models_forgotten) {
+    log(LogLevel::kInfo, std::to_string(after.models_forgotten - before.models_forgotten) +
+                             " model(s) ended after " + std::to_string(hub_.settings().model_grace_ms) +
+                             " ms with no replica; " + std::to_string(hub_.description_bytes()) +
+                             " bytes of tensor descriptions kept", "hub");
+#ifdef __GLIBC__
+    // The model's descriptions were many small allocations: give the freed pages back, or the
+    // server's resident size would not show that they went.
+    malloc_trim(0);
+#endif
+  }
 }
 
 void HubService::route(const Effects& effects) {

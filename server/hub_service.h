@@ -213,6 +213,8 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   // The client's session as its messages show it (for on_probe).
   void note_session(Connection& connection, std::uint64_t session);
   void feed(const Input& input);
+  // Logs what a step ended that operators look for: reads revoked at the drain grace, models ended.
+  void log_lifecycle(const HubStats& before, const HubStats& after);
   void route(const Effects& effects);
   void flush(Connection& connection);
   TimeMs now_ms() const;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "core/limits.h"
 #include "net/event_loop.h"
 #include "net/tls.h"
 #include "net/token.h"
@@ -102,6 +103,26 @@ int main(int argc, char** argv) {
   app.add_option("--barrier-timeout-ms", config.hub.barrier_timeout_ms,
                  "After a failover, how long a re-opened replica waits for all its shards")
       ->capture_default_str();
+  app.add_option("--drain-grace-ms", config.hub.drain_grace_ms,
+                 "How long unpublish, update and close wait for a reader of the copy they drain; past it "
+                 "the reader's grant is revoked and it reads elsewhere (a slow reader holds a trainer this "
+                 "long at most)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{86'400'000}));
+  app.add_option("--model-grace-ms", config.hub.model_grace_ms,
+                 "A model with no replica this long ends: its versions are forgotten and its name may be "
+                 "opened afresh, with any shard count or layout (a run restarting from step 0)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{86'400'000}));
+  app.add_option("--model-description-bytes-max", config.hub.model_description_bytes_max,
+                 "Bytes of tensor descriptions (names, shapes, boxes of every layout) one model may keep; a "
+                 "publish, replicate or resume past it is refused (limit-exceeded)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{1}, th::limits::kDescriptionBytesCeiling));
+  app.add_option("--description-bytes-max", config.hub.description_bytes_max,
+                 "Bytes of tensor descriptions all models together may keep (a model's are freed when it ends)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::uint64_t{1}, th::limits::kDescriptionBytesCeiling));
   app.add_option("--fanout-max", config.hub.fanout_max, "Transfers one source copy serves at a time")
       ->capture_default_str();
   app.add_flag("--no-pipeline", no_pipeline, "Readers pull only from complete copies (no pipeline replication)");

@@ -166,6 +166,15 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.sample({}, static_cast<double>(stats.evictions));
   out.family("th_server_offloads_started_total", Type::kCounter, "Offloads of a last copy to CPU memory started");
   out.sample({}, static_cast<double>(stats.offloads_started));
+  out.family("th_server_readers_revoked_total", Type::kCounter,
+             "Reads of a draining copy revoked at its drain grace (--drain-grace-ms) and sent elsewhere");
+  out.sample({}, static_cast<double>(stats.readers_revoked));
+  out.family("th_server_models_ended_total", Type::kCounter,
+             "Models forgotten after having no replica for the model grace (--model-grace-ms)");
+  out.sample({}, static_cast<double>(stats.models_forgotten));
+  out.family("th_server_description_bytes", Type::kGauge,
+             "Bytes of tensor descriptions the hub keeps for all models (--description-bytes-max)");
+  out.sample({}, static_cast<double>(hub.description_bytes()));
 
   const HubActivity activity = hub.activity();
   out.family("th_server_transfers", Type::kGauge,
@@ -213,6 +222,9 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   for (const auto& [name, counts] : versions) out.sample({{"model", name}}, static_cast<double>(counts.first));
   out.family("th_server_versions_retained", Type::kGauge, "Versions a retention rule keeps, by model");
   for (const auto& [name, counts] : versions) out.sample({{"model", name}}, static_cast<double>(counts.second));
+  out.family("th_server_model_description_bytes", Type::kGauge,
+             "Bytes of tensor descriptions the hub keeps, by model (--model-description-bytes-max)");
+  for (const std::string& name : names) out.sample({{"model", name}}, static_cast<double>(hub.description_bytes(name)));
   return out.take();
 }
 

@@ -5,6 +5,8 @@
 #include <charconv>
 #include <sstream>
 
+#include "core/limits.h"
+
 namespace th::sim {
 
 namespace {
@@ -179,6 +181,11 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   // layouts, in the fleet its workload drew; then every replica's placement.
   if (workload == nullptr && rng.below(8) == 0) knobs.workload = Workload::kLayouts;
   if (knobs.workload == Workload::kLayouts) draw_placements(rng, knobs);
+  // Drawn last (see above): readers that crawl, and drains with a deadline short enough to meet them.
+  // (Rarely in the drawn block: CI's sim_throttle_* blocks set it; elsewhere it would change what
+  // the existing seeds explore.)
+  if (rng.chance(0.15)) knobs.throttle_fraction = static_cast<double>(rng.range(1, 3)) / 10;
+  if (rng.chance(0.5)) knobs.drain_grace_ms = rng.range(1, 10) * 1000;
   return knobs;
 }
 
@@ -197,7 +204,8 @@ std::string fault_keys() {
          "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
          "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls), "
          "corrupt (share of reads with a bit flipped in flight), tamper (per s: a source's published buffers "
-         "change under its readers); and the hub option offload-seeding (0/1)";
+         "change under its readers), throttle (share of rollout hosts whose downloads crawl at 2 KB/s); and the "
+         "hub options offload-seeding (0/1) and drain-grace (ms)";
 }
 
 Status apply_overrides(Knobs& knobs, std::string_view overrides) {
@@ -208,7 +216,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
     rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
     if (item == "none") {
       knobs.drop = knobs.duplicate = knobs.stale = knobs.clog_per_s = knobs.partition_per_s = 0;
-      knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = 0;
+      knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = knobs.throttle_fraction = 0;
       knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
       knobs.clock_skew_ppm = 0;
       knobs.cancel = 0;
@@ -251,6 +259,10 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.read_failure = number;
     } else if (key == "straggler" && number <= 1) {
       knobs.straggler_fraction = number;
+    } else if (key == "throttle" && number <= 1) {
+      knobs.throttle_fraction = number;
+    } else if (key == "drain-grace" && number >= 1 && number <= static_cast<double>(limits::kDeadlineMsMax)) {
+      knobs.drain_grace_ms = static_cast<TimeMs>(number);
     } else if (key == "offload-seeding") {
       knobs.offload_seeding = number != 0;
     } else if (key == "cancel" && number <= 1) {
@@ -303,7 +315,8 @@ std::string describe(const Knobs& knobs) {
       << " server-crash=" << knobs.server_crash << " read-failure=" << knobs.read_failure
       << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " corrupt=" << knobs.corrupt
       << " tamper=" << knobs.tamper_per_s << "/s skew=" << knobs.clock_skew_ppm
-      << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB";
+      << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB throttle=" << knobs.throttle_fraction
+      << " drain-grace=" << knobs.drain_grace_ms << "ms";
   if (knobs.trainer_placement) {
     out << " layouts=" << describe(*knobs.trainer_placement) << ":";
     for (std::size_t r = 0; r < knobs.rollout_placements.size(); ++r) {

@@ -102,6 +102,10 @@ struct Knobs {
   double corrupt = 0;
   double tamper_per_s = 0;
   double straggler_fraction = 0;     // hosts with a tenth of the bandwidth and slow steps
+  // Rollout hosts whose downloads crawl at 2 KB/s while faults are on (a throttled or overloaded
+  // reader): a source's unpublish, update or close waits for them one drain grace at most.
+  double throttle_fraction = 0;
+  TimeMs drain_grace_ms = 30'000;    // the hub's (HubSettings::drain_grace_ms)
   std::int64_t clock_skew_ppm = 0;   // each worker's clock runs up to this much fast or slow
   // The application: the share of a rollout's replicate, update and wait calls that one of its
   // shards cancels (UserCancel) a while after making it.

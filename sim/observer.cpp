@@ -81,6 +81,12 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
     drop_grants_of(client);  // a new session: the client revoked every grant of the old one
   }
   const std::string key = replica_key(request);
+  if (request.resume) {
+    // A backup learns versions from resumes, in any order: each one announced is known.
+    std::set<Version>& named = named_versions_[request.model];
+    if (request.resume->primary) named.insert(request.resume->primary->version);
+    for (const HeldCopy& offload : request.resume->offloads) named.insert(offload.version);
+  }
   clients_[client] = ClientInfo{key, request.shard, seq, session, request.retention, false, 0, {}};
   // An open of a newer incarnation replaces the older ones (the hub evicts them, whichever of
   // their shards it tells): nothing they held is held any more.
@@ -123,6 +129,15 @@ void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& bo
   // A shard late to a call its replica already got the answer to changes nothing.
   if (answers_.contains({found->second.replica_key, seq})) return;
   ReplicaInfo& replica = replicas_[found->second.replica_key];
+  if (const auto* publish = std::get_if<PublishRequest>(&body)) {
+    std::set<Version>& named = named_versions_[replica.model];
+    const std::optional<Version> latest = hub_latest_[replica.model];
+    if (latest && publish->version < *latest && !named.contains(publish->version) &&
+        !completed_[replica.model].contains(publish->version)) {
+      out_of_order_[{found->second.replica_key, seq}] = {publish->version, *latest};
+    }
+    named.insert(publish->version);
+  }
   const bool unpublish = std::holds_alternative<UnpublishRequest>(body);
   const bool update = std::holds_alternative<UpdateRequest>(body);
   if (!unpublish && !update && !std::holds_alternative<CloseRequest>(body)) return;
@@ -322,6 +337,14 @@ void Observer::on_reply(ClientId client, const Reply& reply) {
     return;
   }
   const bool first = !answers_.contains({info.replica_key, reply.seq});
+  if (auto judged = out_of_order_.find({info.replica_key, reply.seq}); judged != out_of_order_.end()) {
+    if (std::holds_alternative<PublishOk>(reply.outcome)) {
+      violation("order: " + info.replica_key + " published version " + std::to_string(judged->second.first) +
+                " below latest " + std::to_string(judged->second.second) +
+                ", which no replica had published (versions increase within a model's life)");
+    }
+    out_of_order_.erase(judged);
+  }
   check_consistency(info, reply);
   if (reply.seq < info.called_seq) return;  // an earlier call answered again: nothing happens
   const Outcome& outcome = reply.outcome;
@@ -587,11 +610,35 @@ void Observer::check_topology(const ClientInfo& info, const ReplicaInfo& reader,
   }
 }
 
-void Observer::on_latest(const std::string& model, std::optional<Version> latest) {
+void Observer::on_latest(const std::string& model, std::optional<Version> latest, TimeMs now_ms) {
+  const bool bound = std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& entry) {
+    return entry.second.model == model && !entry.second.bound.empty();
+  });
+  if (bound) {
+    unbound_since_.erase(model);
+  } else {
+    unbound_since_.try_emplace(model, now_ms);
+  }
   std::optional<Version>& previous = hub_latest_[model];
-  if (previous && (!latest || *latest < *previous)) {
-    violation("monotonicity: latest of model " + model + " moved from " + std::to_string(*previous) +
-              " to " + (latest ? std::to_string(*latest) : "nothing"));
+  if (previous && !latest) {
+    // The model ended (its versions forgotten): only once it had no replica for the grace, which
+    // the hub counts from later than any shard's last binding seen here.
+    const auto since = unbound_since_.find(model);
+    if (since == unbound_since_.end() || now_ms - since->second < model_grace_ms_) {
+      violation("monotonicity: latest of model " + model + " moved from " + std::to_string(*previous) +
+                " to nothing while " +
+                (since == unbound_since_.end() ? std::string("shards of it were bound")
+                                               : "no shard of it was bound for " +
+                                                     std::to_string(now_ms - since->second) + " ms of a " +
+                                                     std::to_string(model_grace_ms_) + " ms grace"));
+    }
+    // A new life: what it knew is gone with it (a publish judged in the old one included).
+    completed_.erase(model);
+    named_versions_.erase(model);
+    std::erase_if(out_of_order_, [&](const auto& entry) { return entry.first.first.rfind(model + "/", 0) == 0; });
+  } else if (previous && *latest < *previous) {
+    violation("monotonicity: latest of model " + model + " moved from " + std::to_string(*previous) + " to " +
+              std::to_string(*latest));
   }
   previous = latest;
 }
@@ -607,6 +654,7 @@ void Observer::on_server_reset(bool answers_delivered) {
   hub_latest_.clear();
   completed_.clear();
   announced_.clear();
+  out_of_order_.clear();  // the new server learns versions in any order: a retried publish is new there
   for (auto& [key, replica] : replicas_) {
     replica.held.reset();
     replica.offloads.clear();

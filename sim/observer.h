@@ -14,7 +14,10 @@
 //   topology     a reader is sent to another datacenter only when no complete, healthy copy is in its own
 //   layouts      a reader of another layout is sent to a complete copy, with every shard of it
 //                (StartRead::reshard); a copy that reads another layout is no pipeline source
-//   monotonicity `latest` never decreases on one server
+//   monotonicity `latest` never decreases on one server; it goes back to nothing only when the
+//                model ends, once no shard of it was bound for the model grace
+//   order        no publish is accepted of a version below latest that no replica had published,
+//                been answered or announced (versions increase within a model's life)
 #pragma once
 
 #include <cstdint>
@@ -30,13 +33,14 @@ namespace th::sim {
 
 class Observer {
  public:
-  explicit Observer(std::uint32_t fanout_max) : fanout_max_(fanout_max) {}
+  explicit Observer(std::uint32_t fanout_max, TimeMs model_grace_ms = HubSettings{}.model_grace_ms)
+      : fanout_max_(fanout_max), model_grace_ms_(model_grace_ms) {}
 
   void on_open(ClientId client, std::uint64_t seq, std::uint64_t session, const OpenRequest& request);
   void on_call(ClientId client, std::uint64_t seq, const RequestBody& body);
   void on_report(ClientId client, const ReportBody& body);
   void on_effects(const Effects& effects);
-  void on_latest(const std::string& model, std::optional<Version> latest);
+  void on_latest(const std::string& model, std::optional<Version> latest, TimeMs now_ms);
   // A new, empty server replaced the old one (failover): server-scoped expectations start over.
   // Where the network loses messages, an answer of the old server may never have reached its client,
   // which then asks the new server: answers are compared across the failover only when every
@@ -127,6 +131,8 @@ class Observer {
   void leave(ClientId client);
 
   std::uint32_t fanout_max_;
+  TimeMs model_grace_ms_;
+  std::map<std::string, TimeMs> unbound_since_;  // per model: since when no shard of it is bound
   std::map<ClientId, ClientInfo> clients_;
   std::map<std::string, ReplicaInfo> replicas_;
   std::map<Grant, ServeRead> grants_;
@@ -145,6 +151,12 @@ class Observer {
   // may or may not have counted, so such a call is not judged.
   std::map<std::string, std::uint64_t> changes_;
   std::map<std::string, std::optional<Version>> hub_latest_;
+  // Per model: versions some replica called publish with, was answered, or announced at a resume
+  // (what the hub may know; generous, so that order is judged only where it surely applies).
+  std::map<std::string, std::set<Version>> named_versions_;
+  // (replica, seq) of publishes that named an unknown version below latest as they were called:
+  // the hub must not accept them.
+  std::map<std::pair<std::string, std::uint64_t>, std::pair<Version, Version>> out_of_order_;
   std::vector<std::string> violations_;
 };
 

@@ -34,6 +34,7 @@ constexpr TimeMs kReadTimeoutMs = 1500;  // a reader notices a dead source after
 // The hub's grant to the source and its instruction to the reader travel separately: a reader whose
 // source has no grant yet asks again for this long before it reports the source as refusing.
 constexpr TimeMs kGrantGraceMs = 2000;
+constexpr double kThrottledBytesPerMs = 2.0;  // a throttled reader's downloads: 2 KB/s
 constexpr std::uint64_t kEventsMax = 200'000'000;  // a run that needs more has a bug
 constexpr TimeMs kNeverMs = TimeMs{1} << 60;  // a preempted plan replica's "restart"
 
@@ -145,6 +146,7 @@ struct Worker {
   std::map<TransferId, FinishedRead> finished_reads;
   // The host and its network.
   bool straggler = false;
+  bool throttled = false;  // its downloads crawl at kThrottledBytesPerMs while faults are on
   double nic_factor = 1;      // plan: this GPU's share of its NIC rate (nic_jitter)
   std::uint32_t node = 0;     // the machine it runs on (its NIC across datacenters is shared)
   TimeMs clogged_until = 0;
@@ -233,7 +235,7 @@ class Simulation {
         knobs_(options.knobs),
         rng_(options.seed ^ 0x5DEECE66DULL),
         trace_(!options.trace_path.empty()),
-        observer_(knobs_.fanout),
+        observer_(knobs_.fanout, HubSettings{}.model_grace_ms),
         plan_(options_.plan ? &*options_.plan : nullptr) {
     HubSettings settings;
     settings.heartbeat_timeout_ms = knobs_.heartbeat_timeout_ms;
@@ -242,6 +244,7 @@ class Simulation {
     settings.fanout_max = knobs_.fanout;
     settings.smart_skipping = knobs_.smart_skipping;
     settings.offload_seeding = knobs_.offload_seeding;
+    settings.drain_grace_ms = knobs_.drain_grace_ms;
     for (auto& server : servers_) {
       server = std::make_unique<Hub>(settings);
     }
@@ -449,6 +452,8 @@ class Simulation {
       worker.node = gpus_placed_++ / gpus_per_node;
       if (plan_ != nullptr) worker.nic_factor = plan_nic_factor(options_.seed, workers_.size(), plan_->nic_jitter);
       worker.straggler = rng_.chance(knobs_.straggler_fraction);
+      // (Drawn only where the knob is on: seeds without throttling draw what they drew before.)
+      worker.throttled = knobs_.throttle_fraction > 0 && !replica.trainer && rng_.chance(knobs_.throttle_fraction);
       worker.skew_ppm = knobs_.clock_skew_ppm == 0 ? 0 : rng_.range(-knobs_.clock_skew_ppm, knobs_.clock_skew_ppm);
       worker.clock_offset_ms = rng_.range(0, 100'000);
       replica.workers.push_back(static_cast<int>(workers_.size()));
@@ -801,7 +806,7 @@ class Simulation {
     const bool active = server == (servers_alive_[0] ? 0 : 1);
     if (active) {
       observer_.on_effects(hub_effects_);
-      for (const std::string& model : models_) observer_.on_latest(model, hub.latest(model));
+      for (const std::string& model : models_) observer_.on_latest(model, hub.latest(model), now_);
       if (!observer_.violations().empty()) throw Violation(observer_.violations().front());
     }
     for (const Effect& effect : hub_effects_) {
@@ -983,7 +988,7 @@ class Simulation {
     const ReshardRead& plan = *flow.reshard;
     const Worker& reader = workers_[flow.reader];
     const StartRead& read = flow.read;
-    double rate = bandwidth(reader) / downloads_[flow.reader];
+    double rate = download_bandwidth(reader) / downloads_[flow.reader];
     // Each source shard it has still to read from must run, and serve under a grant for this
     // transfer and epoch (a missing one after a grant was seen was revoked).
     for (std::size_t piece = flow.landed; piece < plan.pieces(); ++piece) {
@@ -1089,6 +1094,13 @@ class Simulation {
     return static_cast<double>(nic) * worker.nic_factor;
   }
 
+  // What a host can download: a throttled one crawls while faults are on (lifted as they heal, so
+  // that the liveness phase converges).
+  double download_bandwidth(const Worker& worker) const {
+    const double nic = bandwidth(worker);
+    return faults_on_ && worker.throttled ? std::min(nic, kThrottledBytesPerMs) : nic;
+  }
+
   void data_tick() {
     if (flows_.empty()) {
       data_tick_scheduled_ = false;
@@ -1189,7 +1201,7 @@ class Simulation {
       return;
     }
     double rate = std::min(bandwidth(source) / uploads_[flow.source],
-                           bandwidth(reader) / downloads_[flow.reader]);
+                           download_bandwidth(reader) / downloads_[flow.reader]);
     if (flow.remote && knobs_.remote_bytes_per_ms > 0) {
       rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote_flows_);
     }
@@ -1684,10 +1696,32 @@ class Simulation {
       result_.plan.stalls.push_back({app.version, static_cast<std::uint32_t>(worker.replica),
                                      worker.shard, now_ - app.call_started_ms});
     }
+    check_drain_bound(w);
     ++app.version;
     write_version(w, app.version);
     app.next = App::Next::kPublish;
     wake_app(w, plan_ != nullptr ? plan_->train_ms : jitter(w, 300, 2000));
+  }
+
+  // A slow or throttled reader holds a trainer's unpublish one drain grace at most (README, "What
+  // the hub does": unpublish): past it the hub sends the reader elsewhere. Judged where the control plane
+  // itself is sound (no message lost, late, partitioned or clogged, no server failover), which
+  // swarm testing leaves in many seeds: otherwise the call's own messages may take longer.
+  void check_drain_bound(int w) {
+    const bool sound = knobs_.drop == 0 && knobs_.duplicate == 0 && knobs_.stale == 0 && knobs_.clog_per_s == 0 &&
+                       knobs_.partition_per_s == 0 && knobs_.crash_per_s == 0 && !knobs_.server_crash;
+    if (!sound || plan_ != nullptr) return;
+    // Messages both ways, the offload of a last retained copy a drain waits for (a straggler's
+    // too), and the tick that fires the deadline. (The drain starts with the first shard's call,
+    // and each shard is answered once it is done: a shard calling later waits less.)
+    const TimeMs slack_ms = 3000 + 4 * (knobs_.delay_min_ms + knobs_.delay_mean_ms);
+    const Worker& worker = workers_[w];
+    const TimeMs waited_ms = now_ - worker.app.call_started_ms;
+    if (waited_ms > knobs_.drain_grace_ms + slack_ms) {
+      throw Violation("liveness: " + replicas_[worker.replica].name + "/" + std::to_string(worker.shard) +
+                      "'s unpublish waited " + std::to_string(waited_ms) +
+                      " ms for its readers (drain grace " + std::to_string(knobs_.drain_grace_ms) + " ms)");
+    }
   }
 
   // ---- a capacity plan's loop (PlanLoop) ----

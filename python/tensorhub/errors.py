@@ -35,7 +35,8 @@ LimitExceeded = _error("LimitExceeded", "limit-exceeded", "A named limit of the 
 VersionNotFound = _error("VersionNotFound", "version-not-found", "The version was never published here.")
 VersionUnavailable = _error("VersionUnavailable", "version-unavailable",
                             "The version was published, but no copy that could serve it is left.")
-StaleVersion = _error("StaleVersion", "stale-version", "Publishing a version older than those the model knows.")
+StaleVersion = _error("StaleVersion", "stale-version",
+                      "Publishing a version below latest that the model does not know in this life.")
 NotPublished = _error("NotPublished", "not-published", "unpublish() without a published version.")
 AlreadyHolding = _error("AlreadyHolding", "already-holding",
                         "publish/replicate/register while the shard already holds a version.")

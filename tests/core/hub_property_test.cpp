@@ -83,7 +83,9 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"not yet (smart skipping)", judged.not_yet > 0},
                 {"waits answered", judged.waits_answered > 0},
                 {"timeouts", judged.timeouts > 0},
-                {"calls cancelled", judged.cancels > 0}});
+                {"calls cancelled", judged.cancels > 0},
+                {"reads revoked at a drain grace", judged.revokes > 0},
+                {"models ended", judged.lives_ended > 0}});
 }
 
 void tally(Coverage& coverage, const Cluster& cluster) {

@@ -212,24 +212,294 @@ TEST(HubPublish, TypedErrors) {
   driver.call(u[0], PublishRequest{6, layout_for(0, 8192), checksums_for(6, 0)});
   driver.call(u[1], PublishRequest{6, layout_for(1), checksums_for(6, 1)});
   EXPECT_EQ(expect_error(driver.replies(u), Errc::kLayoutMismatch), "");
-  // A version just below latest is fine (a slower data-parallel trainer)…
+  // Versions increase within a model's life: below latest, a version the model knows is fine (a
+  // slower data-parallel trainer publishing its peer's)…
   driver.call_all(t, UnpublishRequest{});
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  driver.publish(t, 3);
+  driver.publish(t, 7);
   driver.call_all(t, UnpublishRequest{});
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  // …one older than anything the model remembers is stale.
+  driver.publish(u, 5);
+  driver.call_all(u, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(u)));
+  // …one it never saw is stale (publish(5); unpublish(); publish(3) had made latest name a version
+  // nobody could read), with the way out in the error…
+  driver.call(t[0], PublishRequest{3, layout_for(0), checksums_for(3, 0)});
+  driver.call(t[1], PublishRequest{3, layout_for(1), checksums_for(3, 1)});
+  const auto refused = driver.replies(t);
+  ASSERT_EQ(expect_error(refused, Errc::kStaleVersion), "");
+  const std::string& stale = std::get<Error>(*refused).detail;
+  EXPECT_NE(stale.find("below latest 7"), std::string::npos) << stale;
+  EXPECT_NE(stale.find("publishes above 7"), std::string::npos) << stale;
+  // …and so is one it knew but forgot (further below latest than it remembers).
   const Version far = 5 + limits::kForgottenVersionsWindow + 10;
   driver.publish(t, far);
   driver.call_all(t, UnpublishRequest{});
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
-  driver.call(t[0], PublishRequest{4, layout_for(0), checksums_for(4, 0)});
-  driver.call(t[1], PublishRequest{4, layout_for(1), checksums_for(4, 1)});
+  driver.call(t[0], PublishRequest{5, layout_for(0), checksums_for(5, 0)});
+  driver.call(t[1], PublishRequest{5, layout_for(1), checksums_for(5, 1)});
   EXPECT_EQ(expect_error(driver.replies(t), Errc::kStaleVersion), "");
   // Unpublishing what is not published.
   driver.call_all(t, UnpublishRequest{});
   EXPECT_EQ(expect_error(driver.replies(t), Errc::kNotPublished), "");
   EXPECT_EQ(driver.hub().latest("m"), far);
+}
+
+// Issue 32, finding 5: one publish(2^64-1) made every later publish of the model stale for ever
+// (and the window's sums wrapped). The top of the range cannot be published.
+TEST(HubPublish, NoVersionNearTwoToTheSixtyFourCanWedgeAModel) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  driver.call(t[0], PublishRequest{UINT64_MAX, layout_for(0), checksums_for(1, 0)});
+  driver.call(t[1], PublishRequest{UINT64_MAX, layout_for(1), checksums_for(1, 1)});
+  const auto refused = driver.replies(t);
+  ASSERT_EQ(expect_error(refused, Errc::kInvalidArgument), "");
+  EXPECT_NE(std::get<Error>(*refused).detail.find("2^63-1"), std::string::npos) << describe(*refused);
+  driver.publish(t, limits::kVersionMax);  // the largest is taken
+  EXPECT_EQ(driver.hub().latest("m"), limits::kVersionMax);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  // Below it, judged without wrapping: the known version is taken again, an unknown one is stale.
+  driver.publish(t, limits::kVersionMax);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.call(t[0], PublishRequest{limits::kVersionMax - 1, layout_for(0), checksums_for(2, 0)});
+  driver.call(t[1], PublishRequest{limits::kVersionMax - 1, layout_for(1), checksums_for(2, 1)});
+  EXPECT_EQ(expect_error(driver.replies(t), Errc::kStaleVersion), "");
+  // A pinned version past it is refused at open.
+  OpenRequest pinning = driver.open_request(rollout("r"), 0);
+  pinning.retention.pinned = {UINT64_MAX};
+  const ClientId client = driver.new_client();
+  driver.open(client, pinning);
+  const auto reply = driver.take_reply(client);
+  EXPECT_TRUE(reply && is_error(reply->outcome, Errc::kInvalidArgument)) << (reply ? describe(reply->outcome) : "no reply");
+}
+
+// Issue 32, finding 5: latest named a version with no copy left while an older one could be read
+// ("no copy of version 5 is left" with 3 live and complete). latest-k now walks down to the newest
+// version some copy has, and the answer names it; latest itself does not move back.
+TEST(HubReplicate, LatestNamesTheNewestVersionACopyIsLeftOf) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t"));
+  const auto r = driver.open_replica(rollout("r"));
+  driver.publish(t, 3);
+  start_replicate(driver, r, Selector::latest());
+  driver.finish_reads(r);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.publish(t, 5);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));  // nobody holds 5 now; r holds 3
+  EXPECT_EQ(driver.hub().latest("m"), 5u);
+  const auto late = driver.open_replica(rollout("late"));
+  start_replicate(driver, late, Selector::latest());
+  driver.finish_reads(late);
+  const auto outcome = driver.replies(late);
+  ASSERT_TRUE(is<ReplicateOk>(outcome)) << (outcome ? describe(*outcome) : "no reply");
+  EXPECT_EQ(std::get<ReplicateOk>(*outcome).version, 3u);
+  EXPECT_EQ(driver.hub().latest("m"), 5u);
+  // With no copy of anything left, the error names latest's version and says nothing older is left.
+  const auto empty = driver.open_replica(rollout("empty"));
+  driver.call_all(r, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(r)));
+  driver.call_all(late, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(late)));
+  start_replicate(driver, empty, Selector::latest());
+  const auto gone = driver.replies(empty);
+  ASSERT_EQ(expect_error(gone, Errc::kVersionUnavailable), "");
+  EXPECT_NE(std::get<Error>(*gone).detail.find("version 5) or of any older version"), std::string::npos)
+      << describe(*gone);
+}
+
+// ---- model lives (issue 32, finding 1) ---------------------------------------------------------
+
+// 64 short-lived replicas, each on its own model, left 64 empty models behind, and every later open
+// of a new model was refused for ever; a model's shard count was fixed by its first open for ever.
+// A model with no replica ends after its grace: its name is free, for any shape.
+TEST(HubModelLife, AModelWithNoReplicaEndsAfterItsGraceAndItsNameIsFree) {
+  HubSettings settings;
+  settings.model_grace_ms = 5000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 7);
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.call_all(t, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
+  driver.advance(4000);
+  EXPECT_EQ(driver.hub().latest("m"), 7u) << "ended before its grace";
+  driver.advance(1100);
+  EXPECT_TRUE(driver.hub().model_names().empty());
+  EXPECT_EQ(driver.hub().stats().models_forgotten, 1u);
+  // A run restarting from step 0, with another shard count: a new life.
+  const auto again = driver.open_replica(trainer("t2", 4));
+  driver.publish(again, 1);
+  EXPECT_EQ(driver.hub().latest("m"), 1u);
+}
+
+TEST(HubModelLife, AModelWithAReplicaOrOneBackWithinTheGraceLivesOn) {
+  HubSettings settings;
+  settings.model_grace_ms = 5000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 3);
+  const auto r = driver.open_replica(rollout("r"));
+  driver.call_all(r, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(r)));
+  driver.advance(20'000);  // t heartbeats: it is still there
+  EXPECT_EQ(driver.hub().latest("m"), 3u);
+  driver.call_all(t, CloseRequest{});  // the last copy goes with it
+  EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
+  driver.advance(3000);
+  const auto back = driver.open_replica(rollout("back"));  // within the grace: the same life
+  driver.advance(10'000);
+  EXPECT_EQ(driver.hub().latest("m"), 3u);
+  EXPECT_EQ(driver.hub().stats().models_forgotten, 0u);
+  (void)back;
+}
+
+TEST(HubModelLife, TheModelLimitSaysWhenTheFirstIdleModelEnds) {
+  HubSettings settings;
+  settings.model_grace_ms = 5000;
+  Driver driver(settings);
+  for (std::size_t i = 0; i < limits::kModelsMax; ++i) {
+    ReplicaSpec spec = trainer("t", 1);
+    spec.model = "m" + std::to_string(i);
+    const auto shards = driver.open_replica(spec);
+    driver.call_all(shards, CloseRequest{});
+    EXPECT_TRUE(is<CloseOk>(driver.replies(shards)));
+  }
+  ReplicaSpec next = trainer("t", 1);
+  next.model = "one-more";
+  const ClientId client = driver.new_client();
+  driver.open(client, driver.open_request(next, 0));
+  const auto refused = driver.take_reply(client);
+  ASSERT_TRUE(refused && is_error(refused->outcome, Errc::kLimitExceeded)) << (refused ? describe(refused->outcome) : "no reply");
+  const std::string& detail = std::get<Error>(refused->outcome).detail;
+  EXPECT_NE(detail.find("64 of them with no replica; the first ends in"), std::string::npos) << detail;
+  driver.advance(5100);
+  EXPECT_EQ(driver.hub().model_names().size(), 0u);
+  const auto opened = driver.open_replica(next);
+  EXPECT_EQ(opened.size(), 1u);
+}
+
+// ---- tensor descriptions, counted and bounded (issue 32, finding 2) ------------------------------
+
+// What the testkit's layout of shard `shard` costs (driver.h layout_for: "bias" [16] as a piece,
+// "layer.<s>.weight" of one dimension), counted as ShardLayout::description_bytes says.
+std::uint64_t testkit_description_bytes(std::uint32_t shard) {
+  const std::string weight = "layer." + std::to_string(shard) + ".weight";
+  return (limits::kTensorDescriptionOverheadBytes + 4 + 8 * 3) + (limits::kTensorDescriptionOverheadBytes + weight.size() + 8);
+}
+
+// One replica publishing 65,536 tensors a shard with 250-byte names took th-server from 8.8 MB to
+// 369 MB, and nothing was returned. A model's descriptions are counted and bounded.
+TEST(HubDescriptions, APublishPastTheModelsLimitIsRefusedNamingTheLimitAndKeepsNothing) {
+  HubSettings settings;
+  settings.model_description_bytes_max = testkit_description_bytes(0) + testkit_description_bytes(1) - 1;
+  Driver driver(settings);
+  EXPECT_EQ(layout_for(1)->description_bytes(), testkit_description_bytes(1)) << "the unit of account";
+  const auto t = driver.open_replica(trainer("t"));
+  for (std::uint32_t shard = 0; shard < t.size(); ++shard) {
+    driver.call(t[shard], PublishRequest{1, layout_for(shard), checksums_for(1, shard)});
+  }
+  const auto refused = driver.replies(t);
+  ASSERT_TRUE(refused && is_error(*refused, Errc::kLimitExceeded)) << (refused ? describe(*refused) : "no reply");
+  EXPECT_NE(std::get<Error>(*refused).detail.find("--model-description-bytes-max"), std::string::npos)
+      << std::get<Error>(*refused).detail;
+  EXPECT_EQ(driver.hub().description_bytes("m"), 0u);
+  EXPECT_EQ(driver.hub().description_bytes(), 0u);
+  EXPECT_FALSE(driver.hub().latest("m").has_value());
+}
+
+TEST(HubDescriptions, TheServersLimitCountsEveryModelAndAModelsAreFreedWhenItEnds) {
+  const std::uint64_t one_model = testkit_description_bytes(0) + testkit_description_bytes(1);
+  HubSettings settings;
+  settings.model_grace_ms = 1000;
+  settings.model_description_bytes_max = one_model;
+  settings.description_bytes_max = one_model + one_model / 2;
+  Driver driver(settings);
+  const auto first = driver.open_replica(trainer("t"));
+  driver.publish(first, 1);
+  EXPECT_EQ(driver.hub().description_bytes("m"), one_model);
+  EXPECT_EQ(driver.hub().description_bytes(), one_model);
+
+  ReplicaSpec other = trainer("t");
+  other.model = "other";
+  const auto second = driver.open_replica(other);
+  for (std::uint32_t shard = 0; shard < second.size(); ++shard) {
+    driver.call(second[shard], PublishRequest{1, layout_for(shard), checksums_for(1, shard)});
+  }
+  const auto refused = driver.replies(second);
+  ASSERT_TRUE(refused && is_error(*refused, Errc::kLimitExceeded)) << (refused ? describe(*refused) : "no reply");
+  // The server's limit refused it, not the model's.
+  EXPECT_NE(std::get<Error>(*refused).detail.find("the server's models would keep"), std::string::npos)
+      << std::get<Error>(*refused).detail;
+  EXPECT_EQ(std::get<Error>(*refused).detail.find("--model-description-bytes-max"), std::string::npos)
+      << std::get<Error>(*refused).detail;
+
+  // The first model ends: its descriptions go with it, and the other's fit.
+  driver.call_all(first, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(first)));
+  driver.call_all(first, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(first)));
+  driver.advance(1100);
+  EXPECT_EQ(driver.hub().description_bytes(), 0u);
+  driver.publish(second, 1);
+  EXPECT_EQ(driver.hub().description_bytes(), one_model);
+}
+
+// ---- drains with a deadline (issue 32, finding 4) ------------------------------------------------
+
+// A reader capped at 2 KB/s kept its trainer's unpublish waiting until the reader was killed. A
+// draining copy's readers are sent elsewhere at its drain grace, and the call returns.
+TEST(HubDrain, AReaderStillReadingAtTheDrainGraceIsSentElsewhereAndTheUnpublishReturns) {
+  HubSettings settings;
+  settings.drain_grace_ms = 2000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto held = driver.open_replica(rollout("held"));
+  start_replicate(driver, held, Selector::latest());
+  driver.finish_reads(held);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(held)));
+  const auto slow = driver.open_replica(rollout("slow"));
+  start_replicate(driver, slow, Selector::absolute(1));
+  // (Held by the slow reader whichever source it got: make it read the trainer.)
+  const auto first = read_of(driver, slow[0]);
+  ASSERT_TRUE(first);
+  driver.call_all(first->source.replica == "t" ? t : held, UnpublishRequest{});
+  const auto& draining = first->source.replica == "t" ? t : held;
+  driver.advance(1900);
+  EXPECT_FALSE(driver.has_reply(draining[0])) << "revoked before the drain grace";
+  driver.advance(200);
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(draining)));
+  EXPECT_EQ(driver.hub().stats().readers_revoked, 1u);  // one transfer (both shards' reads)
+  // The reader goes on from the other holder, and finishes.
+  const auto second = read_of(driver, slow[0]);
+  ASSERT_TRUE(second);
+  EXPECT_NE(second->source.replica, first->source.replica);
+  driver.finish_reads(slow);
+  const auto done = driver.replies(slow);
+  ASSERT_TRUE(is<ReplicateOk>(done)) << (done ? describe(*done) : "no reply");
+}
+
+TEST(HubDrain, AReaderThatFinishesWithinTheGraceIsNotRevoked) {
+  HubSettings settings;
+  settings.drain_grace_ms = 2000;
+  Driver driver(settings);
+  const auto t = driver.open_replica(trainer("t"));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r"));
+  start_replicate(driver, r, Selector::latest());
+  driver.call_all(t, UnpublishRequest{});
+  driver.advance(1500);
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  driver.advance(1000);
+  EXPECT_EQ(driver.hub().stats().readers_revoked, 0u);
 }
 
 TEST(HubPublish, ChecksumCountMustMatchTensors) {

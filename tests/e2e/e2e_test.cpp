@@ -81,6 +81,27 @@ TEST_F(EndToEnd, UnpublishWaitsForAnInFlightReader) {
   EXPECT_EQ(expect(rollout, "verify "), "verify ok 1");
 }
 
+// A reader capped at 2 KB/s (a throttled rollout) holds its trainer's unpublish one drain grace at
+// most: its grant is revoked (TCP: the connection cut; RDMA: the window invalidated), the trainer
+// overwrites its buffers, and the reader, with no other copy to read, is told so and never keeps
+// torn bytes. (In the RDMA guest too: ctest -L rdma runs this suite over RDMA.)
+TEST_F(EndToEnd, ASlowReaderHoldsUnpublishOnlyUntilTheDrainGrace) {
+  const std::string server = start_server({"--drain-grace-ms", "2000"});
+  const std::vector<std::string> model = {"--tensor-bytes", "4000000", "--tensors", "2"};
+  Process& trainer = worker({server}, "trainer", model, {"publish:1", "wait-line", "unpublish", "scribble", "publish:2"});
+  expect(trainer, "publish ok 1");
+  std::vector<std::string> slow = model;
+  slow.insert(slow.end(), {"--read-rate", "2000", "--report-source"});  // 4,000 s for 8 MB
+  Process& reader = worker({server}, "reader", slow, {"replicate:1", "verify"});
+  EXPECT_EQ(expect(reader, "source "), "source trainer");
+  trainer.send_line("go");
+  EXPECT_EQ(expect(trainer, "unpublish "), "unpublish ok");
+  expect(trainer, "scribble ok");
+  expect(trainer, "publish ok 2");
+  const std::string answer = expect(reader, "replicate ");
+  EXPECT_EQ(answer.rfind("replicate error version-unavailable", 0), 0u) << answer;
+}
+
 // A source killed mid-transfer: the reader finishes from the other holder.
 TEST_F(EndToEnd, ReaderFinishesFromAnotherSourceAfterKill9) {
   const std::string server = start_server();

@@ -113,6 +113,12 @@ class ProcessTest : public ::testing::Test {
     return *processes_.back();
   }
 
+  // Ends `process` (killed and reaped if still running) and forgets it: a long test's finished
+  // workers, whose pipes would otherwise stay open until the test ends.
+  void forget(Process& process) {
+    std::erase_if(processes_, [&](const std::unique_ptr<Process>& each) { return each.get() == &process; });
+  }
+
   // Expects `prefix…` from `process` (within the step timeout) and returns the line.
   std::string expect(Process& process, const std::string& prefix) {
     const std::string line = process.wait_for(prefix, kStepMs);

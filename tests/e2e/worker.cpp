@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
   std::uint64_t tensor_bytes = 1 << 20;
   std::uint32_t tensors = 3;
   std::uint32_t small_tensors = 2;
+  std::uint32_t tiny_tensors = 0;
+  std::size_t name_bytes = 0;
   bool report_source = false;
   std::uint64_t retain_latest = 0;
   bool retain = false;
@@ -84,6 +86,11 @@ int main(int argc, char** argv) {
   app.add_option("--tensor-bytes", tensor_bytes, "bytes of each big tensor")->capture_default_str();
   app.add_option("--tensors", tensors, "big tensors")->capture_default_str();
   app.add_option("--small-tensors", small_tensors, "tensors under 2 MB (packed)")->capture_default_str();
+  app.add_option("--tiny-tensors", tiny_tensors, "8-byte tensors besides (many descriptions, few bytes)")
+      ->capture_default_str();
+  app.add_option("--name-bytes", name_bytes, "pad every tensor name to this many bytes (at most 256)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::size_t{0}, std::size_t{256}));
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
   app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
@@ -111,9 +118,11 @@ int main(int argc, char** argv) {
   std::vector<std::vector<std::uint8_t>> buffers;
   for (std::uint32_t i = 0; i < tensors; ++i) buffers.emplace_back(tensor_bytes + i * 4099);
   for (std::uint32_t i = 0; i < small_tensors; ++i) buffers.emplace_back(1000 + i * 77);
+  for (std::uint32_t i = 0; i < tiny_tensors; ++i) buffers.emplace_back(8);
   for (std::size_t i = 0; i < buffers.size(); ++i) {
-    auto status = handle->register_tensor("t" + std::to_string(buffers.size() - i), buffers[i].data(),
-                                          buffers[i].size(), th::DType::kUInt8);
+    std::string name = "t" + std::to_string(buffers.size() - i);
+    if (name.size() < name_bytes) name.insert(0, name_bytes - name.size(), 'n');
+    auto status = handle->register_tensor(name, buffers[i].data(), buffers[i].size(), th::DType::kUInt8);
     if (!status.ok()) {
       say("register error " + std::string(th::errc_name(status.error().code)) + " " + status.error().detail);
       return 3;

@@ -266,5 +266,105 @@ TEST_F(Soak, AnHourOfChurnLeavesNothingBehind) {
   }
 }
 
+// Models that come and go for an hour (issue 32, finding 1): a server shared by experiments opens
+// a model per run, and each run ends. Every couple of seconds four trainers each publish version 1
+// of a model and four rollouts read and verify it, then all close; the model ends a grace later
+// (--model-grace-ms 1000) and its name comes back with the next run, from version 1 again. The
+// server's threads, descriptors and RSS must stay flat, and every run must get in (64 models at
+// once would be refused if ended models stayed).
+TEST_F(Soak, ModelChurnLeavesTheServerFlat) {
+  const int seconds = std::getenv("TH_SOAK_SECONDS") ? std::atoi(std::getenv("TH_SOAK_SECONDS")) : 3600;
+  ASSERT_GE(seconds, 60);
+  const std::string address = start_server({"--model-grace-ms", "1000", "--log-level", "info"});
+  Process& server = *servers_[0];
+  constexpr int kRunsAtOnce = 4;
+  constexpr int kModelNames = 16;  // each comes back every fourth round, a grace after it ended
+  int runs = 0;
+  int published = 0;
+  int verified = 0;
+  int refused = 0;
+  std::vector<Sample> samples;
+  const auto started = Clock::now();
+  auto elapsed_s = [&] { return static_cast<int>(std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - started).count()); };
+  int next_sample_s = 0;
+  for (int round = 0; elapsed_s() < seconds; ++round) {
+    std::vector<Process*> trainers;
+    std::vector<Process*> rollouts;
+    for (int i = 0; i < kRunsAtOnce; ++i) {
+      const std::string model = "churn-" + std::to_string((round * kRunsAtOnce + i) % kModelNames);
+      trainers.push_back(&worker({address}, "trainer", {"--model", model}, {"publish:1", "wait-line", "unpublish", "close"}));
+    }
+    for (int i = 0; i < kRunsAtOnce; ++i) {
+      const std::string line = trainers[i]->wait_for("publish ", kStepMs);
+      published += line == "publish ok 1";
+      refused += line.find("limit-exceeded") != std::string::npos;
+      EXPECT_EQ(line, "publish ok 1") << trainers[i]->describe();
+      const std::string model = "churn-" + std::to_string((round * kRunsAtOnce + i) % kModelNames);
+      rollouts.push_back(&worker({address}, "rollout", {"--model", model}, {"replicate:latest", "verify", "close"}));
+    }
+    for (Process* rollout : rollouts) {
+      verified += rollout->wait_for("verify ", kStepMs) == "verify ok 1";
+      EXPECT_EQ(expect(*rollout, "close "), "close ok");
+    }
+    for (Process* trainer : trainers) {
+      trainer->send_line("go");
+      EXPECT_EQ(expect(*trainer, "close "), "close ok");
+    }
+    for (Process* process : trainers) forget(*process);
+    for (Process* process : rollouts) forget(*process);
+    runs += kRunsAtOnce;
+    if (elapsed_s() >= next_sample_s) {
+      samples.push_back({elapsed_s(), "server", status_field(server.pid(), "Threads"), open_fds(server.pid()),
+                         status_field(server.pid(), "VmRSS")});
+      next_sample_s += kSampleEverySeconds;
+    }
+    if (::testing::Test::HasFailure()) break;  // one failed run says enough
+  }
+  std::ifstream log(server.log_path());
+  int ended_lines = 0;
+  for (std::string line; std::getline(log, line);) ended_lines += line.find("model(s) ended after") != std::string::npos;
+
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  const std::string report_path = std::getenv("TH_SOAK_REPORT")
+                                      ? std::string(std::getenv("TH_SOAK_REPORT")) + ".models"
+                                      : std::string(TH_SOURCE_DIR) + "/bench/results/soak-model-churn-" + date + ".md";
+  std::ostringstream report;
+  report << "# Soak: " << seconds << " s of model churn (tests/security/soak_test.cpp ModelChurnLeavesTheServerFlat)\n\n"
+         << "Machine: " << machine() << "\n\n- runs (a model opened, published, read, closed, ended): " << runs
+         << "; versions published: " << published << "; reads verified: " << verified << "; opens refused: " << refused
+         << "; server log lines of models ended: " << ended_lines
+         << "\n\n| t (s) | process | threads | fds | RSS (MiB) |\n|---|---|---|---|---|\n";
+  for (const Sample& s : samples) {
+    report << "| " << s.at_s << " | " << s.who << " | " << s.threads << " | " << s.fds << " | " << s.rss_kb / 1024 << " |\n";
+  }
+  std::ofstream(report_path) << report.str();
+  std::cout << report.str().substr(0, 600) << "\n";
+
+  EXPECT_EQ(published, runs);
+  EXPECT_EQ(verified, runs);
+  EXPECT_EQ(refused, 0);
+  EXPECT_GT(ended_lines, 0) << "no model ended: the churn proved nothing";
+  auto average = [&](int from_s, int to_s, long Sample::*field) {
+    long sum = 0, count = 0;
+    for (const Sample& s : samples) {
+      if (s.at_s >= from_s && s.at_s < to_s && s.*field >= 0) {
+        sum += s.*field;
+        ++count;
+      }
+    }
+    return count > 0 ? static_cast<double>(sum) / static_cast<double>(count) : 0.0;
+  };
+  const int quarter = seconds / 4;
+  for (const auto& [name, field, slack] : {std::tuple{"threads", &Sample::threads, kThreadsSlack},
+                                           std::tuple{"fds", &Sample::fds, kFdsSlack},
+                                           std::tuple{"RSS kB", &Sample::rss_kb, kRssSlackKb}}) {
+    const double early = average(quarter, 2 * quarter, field);
+    const double late = average(3 * quarter, seconds + 1, field);
+    EXPECT_LE(late, early * kGrowthFactorMax + static_cast<double>(slack)) << "th-server " << name << " grew from " << early << " to " << late;
+  }
+}
+
 }  // namespace
 }  // namespace th::e2e

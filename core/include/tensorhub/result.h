@@ -28,7 +28,7 @@ enum class Errc : std::uint8_t {
   // Versions.
   kVersionNotFound,     // never published here, or forgotten long ago
   kVersionUnavailable,  // was published, but no copy that could serve it is left
-  kStaleVersion,        // publishing a version older than the versions the model remembers
+  kStaleVersion,        // publishing a version below latest that the model does not know
   kNotPublished,        // unpublish without a published version
   kAlreadyHolding,      // publish/replicate while the replica already holds a version
   kLayoutMismatch,      // tensor names, dtypes or sizes differ from the model's layout

@@ -137,7 +137,7 @@ rc::Gen<std::shared_ptr<const rc::state::Command<FleetSpec, Cluster>>> gen_clust
 }
 
 Cluster::Cluster(const FleetSpec& spec, bool lossy)
-    : spec_(spec), lossy_(lossy), observer_(spec.settings.fanout_max), reference_(spec.settings) {
+    : spec_(spec), lossy_(lossy), observer_(spec.settings.fanout_max, spec.settings.model_grace_ms), reference_(spec.settings) {
   for (std::uint32_t server = 0; server < 2; ++server) {
     HubSettings settings = spec_.settings;
     settings.id_base = (id_base_ += kIdBaseStep);
@@ -520,7 +520,7 @@ void Cluster::hub_step(std::uint32_t server, const Input& input) {
   if (active) {
     reference_.after_step(input, effects, now_ms_);
     observer_.on_effects(effects);
-    for (const auto& model : spec_.models) observer_.on_latest(model.name, hub.latest(model.name));
+    for (const auto& model : spec_.models) observer_.on_latest(model.name, hub.latest(model.name), now_ms_);
     if (!observer_.violations().empty()) fail("observer: " + observer_.violations().front());
   }
   for (Effect& effect : effects) {

@@ -163,7 +163,7 @@ bool is_error(const Outcome& outcome, Errc code) {
 }
 
 Driver::Driver(HubSettings settings)
-    : settings_(settings), hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max) {}
+    : settings_(settings), hub_(std::make_unique<Hub>(settings)), observer_(settings.fanout_max, settings.model_grace_ms) {}
 
 void Driver::restart_server() {
   hub_ = std::make_unique<Hub>(settings_);
@@ -186,7 +186,7 @@ void Driver::step(const Input& input) {
   hub_->check_invariants();
   if (watcher_ != nullptr) watcher_->after_step(input, effects, now_ms_);
   observer_.on_effects(effects);
-  for (const std::string& name : model_names_) observer_.on_latest(name, hub_->latest(name));
+  for (const std::string& name : model_names_) observer_.on_latest(name, hub_->latest(name), now_ms_);
   route(effects);
   if (!observer_.violations().empty()) {
     throw AssertionFailure("observer: " + observer_.violations().front());

@@ -25,8 +25,11 @@ ReadFailure read_failure_of(std::uint32_t choice) {
 
 std::ostream& operator<<(std::ostream& out, const FleetSpec& spec) {
   out << "settings{pipeline=" << spec.settings.pipeline << " fanout=" << spec.settings.fanout_max
-      << " smart_skipping=" << spec.settings.smart_skipping << "} faults=" << spec.faults
-      << " closes=" << spec.closes;
+      << " smart_skipping=" << spec.settings.smart_skipping;
+  // (Printed only where not the default, so that older counterexamples read the same.)
+  if (spec.settings.drain_grace_ms != HubSettings{}.drain_grace_ms) out << " drain_grace=" << spec.settings.drain_grace_ms;
+  if (spec.settings.model_grace_ms != HubSettings{}.model_grace_ms) out << " model_grace=" << spec.settings.model_grace_ms;
+  out << "} faults=" << spec.faults << " closes=" << spec.closes;
   for (const auto& model : spec.models) {
     out << " model " << model.name << "/" << model.num_shards << (model.sliced ? " sliced" : "");
   }
@@ -71,6 +74,12 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts) {
                                    ? *rc::gen::weightedElement<std::uint32_t>({{3, 1}, {1, 2}})
                                    : *rc::gen::inRange<std::uint32_t>(1, 4);
     spec.settings.smart_skipping = *rc::gen::arbitrary<bool>();
+    // Drains with a deadline and models that end, within the few seconds a run lasts (the
+    // defaults, 30 s and 60 s, are rarely reached): ticks are 100 ms multiples and reads end only
+    // when the fleet says, so readers of a draining copy often outlast the grace.
+    spec.settings.drain_grace_ms =
+        *rc::gen::weightedElement<TimeMs>({{2, HubSettings{}.drain_grace_ms}, {1, 500}, {1, 1500}, {1, 3000}});
+    spec.settings.model_grace_ms = *rc::gen::weightedElement<TimeMs>({{2, HubSettings{}.model_grace_ms}, {1, 0}, {1, 2000}});
     const int models = *rc::gen::inRange(1, 3);
     for (int m = 0; m < models; ++m) {
       // Now and then a model sliced like a tensor-parallel one, whose rollouts may have another

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/assert.h"
+#include "core/limits.h"
 #include "tests/core/testkit/driver.h"  // describe(Outcome)
 
 namespace th::test {
@@ -106,6 +107,17 @@ bool Reference::has_bytes(const std::string& model, Version version, bool* unsur
   return bytes;
 }
 
+bool Reference::held_anywhere(const std::string& model, Version version) const {
+  for (const auto& [key, replica] : replicas_) {
+    if (replica.model != model) continue;
+    if ((replica.holding != Holding::kNone && replica.version == version) || replica.offloads.contains(version) ||
+        replica.offloading.contains(version)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void Reference::strike(ShardSet& mismatched, bool& corrupt, std::uint32_t shard) {
   if (mismatched.test(shard)) corrupt = true;
   mismatched.set(shard);
@@ -130,7 +142,23 @@ Reference::Resolution Reference::resolve(const std::string& model, const Selecto
     }
     auto it = existing.rbegin();
     std::advance(it, static_cast<std::ptrdiff_t>(selector.value));
-    target = *it;
+    // The k-th newest, or the newest older one whose bytes some copy has.
+    for (auto down = it; down != existing.rend(); ++down) {
+      bool unsure = false;
+      const bool bytes = has_bytes(model, *down, &unsure);
+      resolution.version = *down;
+      if (unsure) {
+        resolution.kind = Resolution::Kind::kUnsure;
+        return resolution;
+      }
+      if (bytes) {
+        resolution.kind = Resolution::Kind::kGo;
+        return resolution;
+      }
+    }
+    resolution.version = *it;
+    resolution.kind = Resolution::Kind::kUnavailable;
+    return resolution;
   } else if (target > *existing.rbegin()) {
     return resolution;  // wait
   }
@@ -259,6 +287,18 @@ std::optional<bool> Reference::predicate_holds(const std::string& model,
 // ==== Inputs =======================================================================================
 
 void Reference::before_step(const Input& input, TimeMs now_ms) {
+  if (std::holds_alternative<Tick>(input)) {
+    // A model with no replica for the grace ends at this tick (before anything else of it).
+    for (auto it = idle_since_.begin(); it != idle_since_.end();) {
+      if (now_ms - it->second < settings_.model_grace_ms) {
+        ++it;
+        continue;
+      }
+      existing_.erase(it->first);
+      ++seen_.lives_ended;
+      it = idle_since_.erase(it);
+    }
+  }
   if (const auto* request = std::get_if<Request>(&input)) {
     if (const auto* open = std::get_if<OpenRequest>(&request->body)) {
       on_open(*request, *open, now_ms);
@@ -361,7 +401,6 @@ void Reference::on_call(const Request& request, TimeMs now_ms) {
 // The first shard of a call arrived: what the hub decides now, it decides from what is now.
 void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs now_ms) {
   (void)shard;
-  (void)now_ms;
   const std::optional<Version> held =
       replica.holding == Holding::kComplete ? std::optional(replica.version) : std::nullopt;
   call.held_before = held;
@@ -373,8 +412,22 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
       [&](const auto& body) {
         using T = std::decay_t<decltype(body)>;
         if constexpr (std::is_same_v<T, PublishRequest>) {
+          // Order: below latest, only a version the model knows. It surely knows one that exists
+          // within the window it remembers; it may know one any replica holds or publishes.
+          const std::optional<Version> newest = latest(replica.model);
+          const bool below = newest && body.version < *newest;
+          const auto versions = existing_.find(replica.model);
+          const bool exists = versions != existing_.end() && versions->second.contains(body.version);
+          // (exists: version <= newest, the newest that exists.)
+          const bool surely_known = exists && newest.value_or(0) - body.version <= limits::kForgottenVersionsWindow;
+          const bool maybe_known = exists || held_anywhere(replica.model, body.version);
+          call.may_stale = !call.exact || (below && !surely_known);
           if (replica.holding != Holding::kNone) {
             call.decided = make_error(Errc::kAlreadyHolding, "");
+          } else if (body.version > limits::kVersionMax) {
+            call.decided = make_error(Errc::kInvalidArgument, "");
+          } else if (call.exact && below && !maybe_known) {
+            call.decided = make_error(Errc::kStaleVersion, "");
           } else {
             replica.holding = Holding::kPublishing;
             replica.version = body.version;
@@ -385,6 +438,7 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
             call.decided = make_error(Errc::kNotPublished, "");
           } else {
             replica.holding = Holding::kDraining;
+            replica.drain_since_ms = now_ms;
           }
         } else if constexpr (std::is_same_v<T, ReplicateRequest>) {
           if (body.timeout_ms < 0 || body.timeout_ms > limits::kDeadlineMsMax) {
@@ -462,7 +516,10 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
         } else if constexpr (std::is_same_v<T, CloseRequest>) {
           // Its copies drain (no longer complete); undone if refused (kLastRetainedCopy).
           replica.closing = true;
-          if (replica.holding == Holding::kComplete) replica.holding = Holding::kDraining;
+          if (replica.holding == Holding::kComplete) {
+            replica.holding = Holding::kDraining;
+            replica.drain_since_ms = now_ms;
+          }
         }
       },
       call.body);
@@ -585,6 +642,14 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
       evicted_now_.emplace(client->second.key, evicted->reason);
     }
   }
+  // The replicas a call of which is answered in this step (a reader whose call ends stops reading).
+  std::set<std::string> answered_now;
+  for (const Effect& effect : effects) {
+    const auto client = clients_.find(effect.client);
+    if (std::holds_alternative<Reply>(effect.message) && client != clients_.end() && client->second.bound) {
+      answered_now.insert(client->second.key);
+    }
+  }
   // Effects in the order the hub made them: an eviction takes a replica's copies before the
   // answers that follow from it (a reader told the version is unavailable).
   for (const Effect& effect : effects) {
@@ -615,6 +680,7 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
             for (auto& [key, transfer] : transfers_) {
               if (transfer.id == message.transfer && transfer.epoch == message.epoch &&
                   transfer.source == client->second.key) {
+                if (std::holds_alternative<Tick>(input)) judge_revoke(transfer, answered_now, now_ms);
                 transfer.stopped.set(client->second.shard);
                 // Read across layouts, every source shard serves every reader shard until the last
                 // is done: one told to stop means the source is gone (its shards are not the
@@ -912,6 +978,33 @@ void Reference::judge_layouts(const Replica& reader, const Transfer& transfer, c
   }
 }
 
+// A source told at a tick to stop serving a reader whose call goes on, neither of them evicted:
+// the only reason is its drain grace, which must have passed.
+void Reference::judge_revoke(const Transfer& transfer, const std::set<std::string>& answered_now,
+                             TimeMs now_ms) {
+  const auto source = replicas_.find(transfer.source);
+  if (source == replicas_.end() || transfer.kind != CopyKind::kPrimary) return;
+  const Replica& from = source->second;
+  if (from.holding != Holding::kDraining || from.version != transfer.version || !from.drain_since_ms ||
+      from.drain_unsure || model_unsure(from.model) || evicted_now_.contains(transfer.source) ||
+      evicted_now_.contains(transfer.reader) || answered_now.contains(transfer.reader)) {
+    return;
+  }
+  // A reader across datacenters may be moved off for another reason at the same tick (one seeder
+  // per datacenter: keep_one_seeder, when a revoke or an eviction frees a source there).
+  if (const auto reader = replicas_.find(transfer.reader);
+      reader == replicas_.end() || reader->second.datacenter != transfer.source_dc) {
+    return;
+  }
+  if (now_ms < *from.drain_since_ms + settings_.drain_grace_ms) {
+    fail(transfer.reader + "'s read of " + transfer.source + "'s draining copy of version " +
+         std::to_string(transfer.version) + " is revoked at " + std::to_string(now_ms) +
+         " ms, before its drain grace ended (" + std::to_string(settings_.drain_grace_ms) + " ms from " +
+         std::to_string(*from.drain_since_ms) + ")");
+  }
+  ++seen_.revokes;
+}
+
 void Reference::evict(const std::string& evicted) {
   const std::string key = evicted;  // a copy: callers pass a client's key, which is cleared below
   auto found = replicas_.find(key);
@@ -1135,6 +1228,9 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
       if (const auto* published = std::get_if<PublishOk>(&outcome)) {
         if (published->version != call.op.version) wrong("for another version");
         if (call.arrived != everyone) wrong("before every shard published");
+      }
+      if (error == Errc::kStaleVersion && !call.may_stale) {
+        wrong("although the version is not below latest or is one the model knows");
       }
       return;
     case OpKind::kUnpublish:
@@ -1401,6 +1497,40 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
              call.arrived == all_shards(replica.num_shards);
     });
   }
+  // Drains: one drain grace after a copy began to drain, nobody reads it any more (its readers were
+  // sent elsewhere at the tick the grace ended). An update's old copy is followed too loosely.
+  for (auto& [key, replica] : replicas_) {
+    if (replica.holding != Holding::kDraining) {
+      replica.drain_since_ms.reset();
+      continue;
+    }
+    if (!tick || !replica.drain_since_ms || replica.drain_unsure || model_unsure(replica.model) ||
+        now_ms < *replica.drain_since_ms + settings_.drain_grace_ms) {
+      continue;
+    }
+    for (const auto& [id, transfer] : transfers_) {
+      if (transfer.source == key && transfer.kind == CopyKind::kPrimary && transfer.version == replica.version &&
+          transfer.attached && (transfer.started & ~transfer.done & ~transfer.stopped).any()) {
+        fail(transfer.reader + " still reads " + key + "'s draining copy of version " +
+             std::to_string(replica.version) + " at " + std::to_string(now_ms) + " ms, past its drain grace (" +
+             std::to_string(settings_.drain_grace_ms) + " ms from " + std::to_string(*replica.drain_since_ms) + ")");
+      }
+    }
+  }
+  // Lives: a model's idle clock runs while no replica of it is present.
+  std::set<std::string> models;
+  for (const auto& [model, versions] : existing_) models.insert(model);
+  for (const auto& [key, replica] : replicas_) models.insert(replica.model);
+  for (const std::string& model : models) {
+    const bool any = std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& entry) {
+      return entry.second.model == model && present(entry.second);
+    });
+    if (any) {
+      idle_since_.erase(model);
+    } else {
+      idle_since_.try_emplace(model, now_ms);
+    }
+  }
   // A model whose replicas are all back after a failover is followed exactly again.
   for (auto it = unsure_models_.begin(); it != unsure_models_.end();) {
     const bool back = std::none_of(replicas_.begin(), replicas_.end(), [&](const auto& entry) {
@@ -1432,6 +1562,7 @@ void Reference::on_server_restart() {
   clients_.clear();
   replicas_.clear();
   existing_.clear();
+  idle_since_.clear();
   transfers_.clear();
   released_.clear();  // copy ids are the new server's
 }

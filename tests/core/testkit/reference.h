@@ -4,7 +4,13 @@
 // exist, what each replica holds, which transfers read from whom — and checks every answer
 // against what the specification says it must be:
 //
-//   versions     latest is the newest version that exists; latest-k is the k-th newest that exists
+//   versions     latest is the newest version that exists; latest-k is the k-th newest that exists,
+//                or, if no copy of it has its bytes, the newest older one that has
+//   drains       a copy still draining one drain grace after it began has no reader reading it
+//   lives        a model with no replica present for model_grace_ms ends at the next tick: its
+//                versions are forgotten, and an open afterwards is told no latest
+//   order        a publish below latest of a version the model does not know is refused (stale);
+//                one of a version it knows, or not below latest, is not; none above 2^63-1
 //   replicate    resolves its selector like that, answers with that version and with the replica
 //                the bytes came from, only once every shard's bytes arrived, and fails with a
 //                typed error (not found, unavailable) or after its timeout, never before
@@ -75,6 +81,8 @@ class Reference : public StepWatcher {
     std::size_t timeouts = 0;
     std::size_t cancels = 0;  // calls a shard cancelled while they waited
     std::size_t skipped_versions = 0;  // latest-k resolutions across a gap in version numbers
+    std::size_t lives_ended = 0;       // models forgotten after their grace
+    std::size_t revokes = 0;           // reads of a draining copy revoked at its drain grace
   };
   const Seen& seen() const { return seen_; }
 
@@ -99,6 +107,7 @@ class Reference : public StepWatcher {
     bool read_started = false;
     bool may_not_found = false;     // a resolution while it waited said "not found"
     bool may_unavailable = false;   // the version had no copy with its bytes while it waited
+    bool may_stale = true;          // publish: the hub may answer kStaleVersion (unless arrive() says)
     // A shard that had made it cancelled it (CancelCall) while it was unanswered: the hub owes
     // every shard kCancelled at once (it may still have answered otherwise in that same step).
     bool cancelled = false;
@@ -133,6 +142,7 @@ class Reference : public StepWatcher {
     ShardSet mismatched;
     bool corrupt = false;
     bool drain_unsure = false;      // an update's old copy drains or is gone: unknown which
+    std::optional<TimeMs> drain_since_ms;  // its primary copy drains since (unpublish, close)
     std::map<Version, std::uint64_t> offloads;  // complete offload copies (id)
     std::map<Version, std::uint64_t> offloading;
     std::map<Version, ShardSet> offload_reported;  // shards that reported the copy made
@@ -191,6 +201,7 @@ class Reference : public StepWatcher {
   bool refresh(Replica& replica, Call& call);
   void on_start_read(ClientId client, const StartRead& read);
   void judge_layouts(const Replica& reader, const Transfer& transfer, const StartRead& read) const;
+  void judge_revoke(const Transfer& transfer, const std::set<std::string>& answered_now, TimeMs now_ms);
   // An error that ends call `seq` for shard `shard` without being the replica's answer: fails
   // unless the shard's own situation explains it.
   void judge_exit(const Replica& replica, const Call& call, std::uint32_t shard, const Client& client,
@@ -216,6 +227,9 @@ class Reference : public StepWatcher {
   Resolution resolve(const std::string& model, const Selector& selector) const;
   std::optional<Version> latest(const std::string& model) const;
   bool has_bytes(const std::string& model, Version version, bool* unsure) const;
+  // Whether any replica of `model` holds, publishes, receives or offloads `version` (generous: a
+  // version the hub may still have a record of).
+  bool held_anywhere(const std::string& model, Version version) const;
   bool smart_skip(const Replica& reader, Version version, bool* unsure) const;
   bool retained(const std::string& model, Version version) const;
   bool offload_may_go(const std::string& model, Version version) const;
@@ -232,6 +246,7 @@ class Reference : public StepWatcher {
   std::map<std::string, std::set<Version>> existing_;       // per model
   std::map<std::pair<std::string, std::uint64_t>, Transfer> transfers_;  // (reader, call)
   std::set<std::string> unsure_models_;  // after a failover, until its replicas are back
+  std::map<std::string, TimeMs> idle_since_;  // per model: since when no replica of it is present
   // This step: the replicas the hub evicts (by key, with the reason), and the offload copies it
   // releases (replica key, copy id). Offload copies released on this server, by id: never twice.
   std::map<std::string, Errc> evicted_now_;

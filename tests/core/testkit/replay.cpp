@@ -103,12 +103,14 @@ FleetSpec parse_fleet_spec(std::string_view text_view) {
   const std::string text(text_view);
   std::smatch match;
   static const std::regex kHead(
-      R"(settings\{pipeline=([01]) fanout=(\d+) smart_skipping=([01])\}\s+faults=([01])\s+closes=([01]))");
+      R"(settings\{pipeline=([01]) fanout=(\d+) smart_skipping=([01])( drain_grace=(\d+))?( model_grace=(\d+))?\}\s+faults=([01])\s+closes=([01]))");
   if (!std::regex_search(text, match, kHead)) bad("no 'settings{...} faults=N closes=N' in '" + text + "'");
-  FleetSpec spec = fleet_base(match[4] == "1", match[5] == "1");
+  FleetSpec spec = fleet_base(match[8] == "1", match[9] == "1");
   spec.settings.pipeline = match[1] == "1";
   spec.settings.fanout_max = number(match[2].str(), "fanout");
   spec.settings.smart_skipping = match[3] == "1";
+  if (match[5].matched) spec.settings.drain_grace_ms = number(match[5].str(), "drain_grace");
+  if (match[7].matched) spec.settings.model_grace_ms = number(match[7].str(), "model_grace");
   static const std::regex kModel(R"(model (\S+)/(\d+)( sliced)?)");
   for (auto it = std::sregex_iterator(text.begin(), text.end(), kModel); it != std::sregex_iterator(); ++it) {
     spec.models.push_back({(*it)[1].str(), number((*it)[2].str(), "shards"), (*it)[3].matched});

@@ -186,6 +186,9 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   // the existing seeds explore.)
   if (rng.chance(0.15)) knobs.throttle_fraction = static_cast<double>(rng.range(1, 3)) / 10;
   if (rng.chance(0.5)) knobs.drain_grace_ms = rng.range(1, 10) * 1000;
+  // Drawn last (see above): models that end, and runs that restart from version 1 in their name.
+  if (rng.chance(0.5)) knobs.model_grace_ms = rng.range(1, 5) * 1000;
+  knobs.run_restart = rng.chance(0.25);
   return knobs;
 }
 
@@ -204,8 +207,9 @@ std::string fault_keys() {
          "storm (0/1), rack (0/1: a crash takes the datacenter's serving replicas along), server-crash (0/1), "
          "read-failure, straggler (fraction), skew (ppm), cancel (share of a rollout's waiting calls), "
          "corrupt (share of reads with a bit flipped in flight), tamper (per s: a source's published buffers "
-         "change under its readers), throttle (share of rollout hosts whose downloads crawl at 2 KB/s); and the "
-         "hub options offload-seeding (0/1) and drain-grace (ms)";
+         "change under its readers), throttle (share of rollout hosts whose downloads crawl at 2 KB/s), "
+         "run-restart (0/1: once, every replica of a model stops until the model ended, and its run starts "
+         "again from version 1); and the hub options offload-seeding (0/1), drain-grace (ms) and model-grace (ms)";
 }
 
 Status apply_overrides(Knobs& knobs, std::string_view overrides) {
@@ -217,7 +221,7 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
     if (item == "none") {
       knobs.drop = knobs.duplicate = knobs.stale = knobs.clog_per_s = knobs.partition_per_s = 0;
       knobs.crash_per_s = knobs.read_failure = knobs.straggler_fraction = knobs.throttle_fraction = 0;
-      knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = false;
+      knobs.preemption_storm = knobs.server_crash = knobs.rack_crashes = knobs.run_restart = false;
       knobs.clock_skew_ppm = 0;
       knobs.cancel = 0;
       knobs.corrupt = knobs.tamper_per_s = 0;
@@ -263,6 +267,10 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.throttle_fraction = number;
     } else if (key == "drain-grace" && number >= 1 && number <= static_cast<double>(limits::kDeadlineMsMax)) {
       knobs.drain_grace_ms = static_cast<TimeMs>(number);
+    } else if (key == "model-grace" && number <= static_cast<double>(limits::kDeadlineMsMax)) {
+      knobs.model_grace_ms = static_cast<TimeMs>(number);
+    } else if (key == "run-restart") {
+      knobs.run_restart = number != 0;
     } else if (key == "offload-seeding") {
       knobs.offload_seeding = number != 0;
     } else if (key == "cancel" && number <= 1) {
@@ -316,7 +324,8 @@ std::string describe(const Knobs& knobs) {
       << " straggler=" << knobs.straggler_fraction << " cancel=" << knobs.cancel << " corrupt=" << knobs.corrupt
       << " tamper=" << knobs.tamper_per_s << "/s skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB throttle=" << knobs.throttle_fraction
-      << " drain-grace=" << knobs.drain_grace_ms << "ms";
+      << " drain-grace=" << knobs.drain_grace_ms << "ms model-grace=" << knobs.model_grace_ms
+      << "ms run-restart=" << knobs.run_restart;
   if (knobs.trainer_placement) {
     out << " layouts=" << describe(*knobs.trainer_placement) << ":";
     for (std::size_t r = 0; r < knobs.rollout_placements.size(); ++r) {

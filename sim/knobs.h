@@ -106,6 +106,13 @@ struct Knobs {
   // reader): a source's unpublish, update or close waits for them one drain grace at most.
   double throttle_fraction = 0;
   TimeMs drain_grace_ms = 30'000;    // the hub's (HubSettings::drain_grace_ms)
+  // A model with no replica ends after this (the hub's HubSettings::model_grace_ms).
+  TimeMs model_grace_ms = 60'000;
+  // A run restarts from version 1 in its model's name (a trainer starting over from step 0): once,
+  // while faults are on, every replica of one model stops, and all come back once the hub must
+  // have ended the model; its trainers publish version 1 of a new run, whose bytes are not the
+  // old run's.
+  bool run_restart = false;
   std::int64_t clock_skew_ppm = 0;   // each worker's clock runs up to this much fast or slow
   // The application: the share of a rollout's replicate, update and wait calls that one of its
   // shards cancels (UserCancel) a while after making it.

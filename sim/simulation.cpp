@@ -37,6 +37,8 @@ constexpr TimeMs kGrantGraceMs = 2000;
 constexpr double kThrottledBytesPerMs = 2.0;  // a throttled reader's downloads: 2 KB/s
 constexpr std::uint64_t kEventsMax = 200'000'000;  // a run that needs more has a bug
 constexpr TimeMs kNeverMs = TimeMs{1} << 60;  // a preempted plan replica's "restart"
+constexpr TimeMs kRunRestartJitterMs = 2000;  // a restarting run is back this much after the model ended, at most
+constexpr int kRunContentStride = 1000;  // content_model: a run's bytes are another model number's
 
 // ---- The fleet -----------------------------------------------------------------------------------
 
@@ -55,6 +57,10 @@ struct Replica {
   std::vector<int> workers;
   Version next_version = 1;         // trainers: what a restarted trainer publishes next
   std::optional<Version> final_target;  // trainers, liveness phase: stop once this is published
+  // Trainers: its run started again from version 1 (knob run_restart) and has not published yet;
+  // the model ended before it came back, so the first publish of its only trainer may not be
+  // refused as stale.
+  bool fresh_run = false;
   std::vector<ClientId> dead_clients;   // while crashed: the clients its processes had
   std::uint32_t join_batch = 0;         // plan: a spot replica that joins later (0: from the start)
 };
@@ -235,7 +241,7 @@ class Simulation {
         knobs_(options.knobs),
         rng_(options.seed ^ 0x5DEECE66DULL),
         trace_(!options.trace_path.empty()),
-        observer_(knobs_.fanout, HubSettings{}.model_grace_ms),
+        observer_(knobs_.fanout, knobs_.model_grace_ms),
         plan_(options_.plan ? &*options_.plan : nullptr) {
     HubSettings settings;
     settings.heartbeat_timeout_ms = knobs_.heartbeat_timeout_ms;
@@ -245,6 +251,7 @@ class Simulation {
     settings.smart_skipping = knobs_.smart_skipping;
     settings.offload_seeding = knobs_.offload_seeding;
     settings.drain_grace_ms = knobs_.drain_grace_ms;
+    settings.model_grace_ms = knobs_.model_grace_ms;
     for (auto& server : servers_) {
       server = std::make_unique<Hub>(settings);
     }
@@ -276,6 +283,12 @@ class Simulation {
       if (knobs_.preemption_storm && plan_ == nullptr) {
         storm_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms / 2);
       }
+      // (Drawn only where the knob is on: other seeds draw what they drew before it existed.) The
+      // run's replicas must be back before the faults heal, which restarts every stopped replica.
+      const TimeMs run_stopped_max_ms = run_stopped_ms() + kRunRestartJitterMs;
+      if (knobs_.run_restart && plan_ == nullptr && knobs_.safety_ms - knobs_.safety_ms / 5 > run_stopped_max_ms) {
+        run_restart_at_ = knobs_.safety_ms / 5 + rng_.range(0, knobs_.safety_ms - knobs_.safety_ms / 5 - run_stopped_max_ms);
+      }
       while (!heap_.empty() && !finished_) {
         const HeapKey key = heap_.top();
         heap_.pop();
@@ -294,6 +307,7 @@ class Simulation {
       fail(std::string("assertion: ") + failure.what());
     }
     result_.virtual_ms = now_;
+    for (const auto& server : servers_) result_.models_ended += server->stats().models_forgotten;
     result_.trace_hash = trace_.hash();
     if (plan_ != nullptr) {
       result_.plan.replicas.reserve(replicas_.size());
@@ -886,7 +900,7 @@ class Simulation {
     const Worker& reader = workers_[w];
     if (checksums == nullptr && !needed) return;
     const ShardContent& content = *reader.content;
-    if (checksums == nullptr || *checksums != content.checksums(content.bytes(replicas_[reader.replica].model, version))) {
+    if (checksums == nullptr || *checksums != content.checksums(content.bytes(content_model(replicas_[reader.replica].model), version))) {
       throw Violation("integrity: " + replicas_[reader.replica].name + "/" + std::to_string(reader.shard) +
                       " is told to verify version " + std::to_string(version) + " against " +
                       (checksums == nullptr ? "no checksums" : "checksums of other bytes"));
@@ -951,7 +965,7 @@ class Simulation {
       if (listed.layout == nullptr || listed.layout->digest() != holds.layout()->digest()) {
         throw Violation("layouts: " + who + ": " + entry + " is described otherwise than it holds its tensors");
       }
-      if (listed.checksums == nullptr || *listed.checksums != holds.checksums(holds.bytes(source.model, read.version))) {
+      if (listed.checksums == nullptr || *listed.checksums != holds.checksums(holds.bytes(content_model(source.model), read.version))) {
         throw Violation("layouts: " + who + ": " + entry + " comes with checksums that are not version " +
                         std::to_string(read.version) + "'s");
       }
@@ -1063,7 +1077,7 @@ class Simulation {
     }
     // Only a fault may have put other bytes there (DESIGN.md §5.1).
     const auto [begin, end] = plan.span(piece);
-    const int model = replica_of(flow.reader).model;
+    const int model = content_model(replica_of(flow.reader).model);
     for (std::uint64_t offset = begin; !corrupt && offset < std::min<std::uint64_t>(end, bytes->size()); ++offset) {
       if ((*bytes)[offset] != source.content->byte(model, read.version, offset)) {
         throw Violation("integrity: " + who + ": a byte that is not the version's (the source's buffers "
@@ -1235,7 +1249,7 @@ class Simulation {
     flow.progress = std::min(flow.progress + rate * kDataTickMs, std::max(available, flow.progress));
     const std::size_t size = reader.buffer.size();
     const auto target = static_cast<std::size_t>(flow.progress / total * static_cast<double>(size));
-    const int model = replicas_[reader.replica].model;
+    const int model = content_model(replicas_[reader.replica].model);
     const bool seed = read.offload_copy != 0;
     std::vector<std::uint8_t>* into = &reader.buffer;
     if (seed) {
@@ -1325,7 +1339,7 @@ class Simulation {
       return;  // read again since: the report repeats an earlier one
     }
     // The version's bytes in the reader's own layout, whatever layout it read them from.
-    const std::vector<std::uint8_t> expected = worker.content->bytes(replica_of(w).model, read.version);
+    const std::vector<std::uint8_t> expected = worker.content->bytes(content_model(replica_of(w).model), read.version);
     if (*bytes != expected) {
       throw Violation("integrity: " + who + " reports done a read of version " +
                       std::to_string(read.version) + (read.seed ? " (an offload seed)" : "") +
@@ -1533,7 +1547,7 @@ class Simulation {
                         "read them is active");
       }
     }
-    worker.buffer = worker.content->bytes(replica_of(w).model, version);
+    worker.buffer = worker.content->bytes(content_model(replica_of(w).model), version);
     worker.buffer_version = version;
     worker.buffer_bytes = worker.modelled_bytes;
     worker.buffer_corrupt = worker.buffer_tampered = false;
@@ -1559,7 +1573,7 @@ class Simulation {
     Worker& worker = workers_[w];
     if (worker.buffer_tampered) return;
     const int model = replica_of(w).model;
-    const std::vector<std::uint8_t> expected = worker.content->bytes(model, version);
+    const std::vector<std::uint8_t> expected = worker.content->bytes(content_model(model), version);
     if (worker.buffer == expected) return;
     // Which tensor differs, and whose bytes it holds if another version's (a mix of versions).
     const ShardContent& content = *worker.content;
@@ -1570,7 +1584,7 @@ class Simulation {
       if (std::equal(worker.buffer.begin() + begin, worker.buffer.begin() + end, expected.begin() + begin)) continue;
       which = " (tensor '" + content.layout()->tensors()[tensor].name + "' differs";
       for (Version other = 1; other <= published_[model] + 1; ++other) {
-        const std::vector<std::uint8_t> then = content.bytes(model, other);
+        const std::vector<std::uint8_t> then = content.bytes(content_model(model), other);
         if (std::equal(worker.buffer.begin() + begin, worker.buffer.begin() + end, then.begin() + begin)) {
           which += ": it holds version " + std::to_string(other) + "'s";
           break;
@@ -1663,6 +1677,7 @@ class Simulation {
         ++result_.versions;
         if (plan_ != nullptr && app.version > published_[replica.model]) plan_published(app.version);
         replica.next_version = std::max(replica.next_version, app.version + 1);
+        replica.fresh_run = false;
         published_[replica.model] = std::max(published_[replica.model], app.version);
         if (app.final_target && app.version >= *app.final_target) {
           app.next = App::Next::kDone;  // liveness: hold the final version published
@@ -1679,6 +1694,13 @@ class Simulation {
         app.next = App::Next::kUnpublish;  // the hub lists another version of ours: drop it first
         wake_app(w, jitter(w, 200, 1000));
       } else {
+        if (error->code == Errc::kStaleVersion && replica.fresh_run) {
+          // The model ended before the run came back (run_stopped_ms): its versions are forgotten.
+          throw Violation("lifecycle: " + replica.name + "'s run restarted from version 1 once model " +
+                          models_[replica.model] + " had no replica for longer than the model grace (" +
+                          std::to_string(knobs_.model_grace_ms) + " ms), and its publish v" +
+                          std::to_string(app.version) + " was refused: " + error->detail);
+        }
         if (error->code == Errc::kStaleVersion) ++app.version;
         wake_app(w, jitter(w, 200, 1000));
       }
@@ -1878,6 +1900,10 @@ class Simulation {
       storm_at_ = -1;
       storm();
     }
+    if (run_restart_at_ >= 0 && now_ >= run_restart_at_) {
+      run_restart_at_ = -1;
+      restart_run();
+    }
     if (rng_.chance(knobs_.crash_per_s * dt)) crash_someone();
     if (knobs_.tamper_per_s > 0 && rng_.chance(knobs_.tamper_per_s * dt)) tamper_someone();
     if (!workers_.empty() && rng_.chance(knobs_.clog_per_s * dt)) {
@@ -1987,13 +2013,13 @@ class Simulation {
 
   // The replica's processes end (a crash, or their framework stopping them) and come back after
   // `restart_after_ms` as a new incarnation.
-  void crash(int index, TimeMs restart_after_ms, bool fault = true) {
+  void crash(int index, TimeMs restart_after_ms, bool fault = true, const char* why = nullptr) {
     Replica& replica = replicas_[index];
     replica.crashed = true;
     if (fault) ++result_.crashes;
     if (options_.verbose) {
-      std::cerr << now_ << " ms: " << replica.name
-                << (fault ? " crashed\n" : " diverged: its framework restarts it\n");
+      std::cerr << now_ << " ms: " << replica.name << " "
+                << (why != nullptr ? why : fault ? "crashed" : "diverged: its framework restarts it") << "\n";
     }
     const bool reset = rng_.chance(0.5);  // sometimes the server sees the connection drop at once
     for (int w : replica.workers) {
@@ -2019,11 +2045,59 @@ class Simulation {
       std::erase_if(flows_, [&](const auto& entry) { return entry.second.reader == w; });
     }
     schedule(now_ + restart_after_ms, Event(EventKind::kRestart, index, ++replica.restart_token));
-    // Failed clients are evicted within the heartbeat timeout (DESIGN.md §5.6), counted from the
-    // last message of theirs that can still arrive, plus a tick of the hub.
+    schedule(now_ + eviction_bound_ms(), Event(EventKind::kEvictionDue, index, replica.restart_token));
+  }
+
+  // Failed clients are evicted within the heartbeat timeout (DESIGN.md §5.6), counted from the
+  // last message of theirs that can still arrive, plus a tick of the hub.
+  TimeMs eviction_bound_ms() const {
     const TimeMs last_arrival_ms = knobs_.delay_min_ms + 2 * knobs_.delay_mean_ms + knobs_.clog_ms;
-    schedule(now_ + last_arrival_ms + knobs_.heartbeat_timeout_ms + 2 * kHubTickMs,
-             Event(EventKind::kEvictionDue, index, replica.restart_token));
+    return last_arrival_ms + knobs_.heartbeat_timeout_ms + 2 * kHubTickMs;
+  }
+
+  // How long a restarting run's replicas stay stopped (before kRunRestartJitterMs): until every
+  // hub must have ended the model: each process evicted (eviction_bound_ms), then no replica for
+  // the model grace, counted by the hub's ticks.
+  TimeMs run_stopped_ms() const { return eviction_bound_ms() + knobs_.model_grace_ms + 2 * kHubTickMs; }
+
+  // A run restarts from version 1 in its model's name (knob run_restart): a trainer starting over
+  // from step 0, as RL runs do from a checkpoint or from scratch. Every replica of one model stops
+  // (its framework ends the job); they come back as a new job once the hub must have ended the
+  // model (README, "A model's life"), and the trainers publish version 1 again. The new run's
+  // bytes are not the old run's (content_model), so a copy or checksum of the old run handed out
+  // in the new one fails the integrity checks.
+  void restart_run() {
+    const int model = static_cast<int>(rng_.below(knobs_.models));
+    const TimeMs stopped_ms = run_stopped_ms() + rng_.range(0, kRunRestartJitterMs);
+    ++result_.run_restarts;
+    trace_.instant(0, "run of model " + models_[model] + " restarts", "failure", now_, /*global=*/true);
+    if (options_.verbose) {
+      std::cerr << now_ << " ms: the run of model " << models_[model] << " restarts from version 1; its replicas are back in "
+                << stopped_ms << " ms\n";
+    }
+    // Those crashed already (a restart pending) stay down with the others: crash() schedules anew.
+    // A model's only trainer may not be refused version 1 (another trainer of the new run may
+    // have published above it first).
+    const auto trainers = std::count_if(replicas_.begin(), replicas_.end(), [&](const Replica& replica) {
+      return replica.model == model && replica.trainer;
+    });
+    for (std::size_t r = 0; r < replicas_.size(); ++r) {
+      if (replicas_[r].model != model) continue;
+      crash(static_cast<int>(r), stopped_ms, /*fault=*/false, "stops: its run restarts");
+      if (replicas_[r].trainer) {
+        replicas_[r].next_version = 1;
+        replicas_[r].fresh_run = trainers == 1;
+      }
+    }
+    ++runs_[model];
+    published_[model] = 0;
+  }
+
+  // The model number a shard's bytes are derived from: the model's, and its run's (knob
+  // run_restart), so that version v of one run is not version v of another.
+  int content_model(int model) const {
+    const auto run = runs_.find(model);
+    return model + (run == runs_.end() ? 0 : static_cast<int>(run->second) * kRunContentStride);
   }
 
   void check_evicted(int index) {
@@ -2191,6 +2265,8 @@ class Simulation {
   bool faults_on_ = true;
   TimeMs server_crash_at_ = -1;
   TimeMs storm_at_ = -1;
+  TimeMs run_restart_at_ = -1;
+  std::map<int, std::uint32_t> runs_;  // per model, how many times its run restarted (knob run_restart)
   std::unique_ptr<Hub> servers_[2];
   bool servers_alive_[2] = {true, true};
   std::vector<std::string> models_;
@@ -2235,7 +2311,9 @@ std::string SimResult::summary() const {
       << " shard reads (" << reads_failed << " failed"
       << (reads_across > 0 ? ", " + std::to_string(reads_across) + " across layouts" : std::string()) << "), "
       << crashes << " crashes, "
-      << divergence_restarts << " divergence restarts, " << evictions
+      << divergence_restarts << " divergence restarts, "
+      << (run_restarts > 0 ? std::to_string(run_restarts) + " run restarts, " : std::string())
+      << (models_ended > 0 ? std::to_string(models_ended) + " models ended, " : std::string()) << evictions
       << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << seeds
       << " seeds, " << messages
       << " messages (" << messages_lost << " lost, " << stale_messages << " again late), trace hash " << std::hex << trace_hash << std::dec;

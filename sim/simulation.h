@@ -104,6 +104,8 @@ struct SimResult {
   std::uint64_t reads_across = 0;   // of the completed: from a copy of another layout (layouts workload)
   std::uint64_t crashes = 0;
   std::uint64_t divergence_restarts = 0;  // replicas their framework restarted after a divergence
+  std::uint64_t run_restarts = 0;   // models whose run started again from version 1 (knob run_restart)
+  std::uint64_t models_ended = 0;   // models a hub forgot (no replica for the model grace)
   std::uint64_t evictions = 0;
   std::uint64_t failovers = 0;
   std::uint64_t offloads = 0;

@@ -37,7 +37,13 @@ SIM_BLOCK = [["--seeds", "1..2000"]] + [
     ["--seeds", "3001..3500", "--workload", workload, "--profile", profile]
     for profile in ("harsh-net", "harsh-crash", "harsh-bytes") for workload in WORKLOADS] + [
     ["--seeds", "5001..5500", "--workload", workload, "--profile", "harsh-crash", "--faults", "rack=1"]
-    for workload in ("cross-dc", "mixed")]
+    for workload in ("cross-dc", "mixed")] + [
+    ["--seeds", "6001..6300", "--workload", workload, "--faults", "throttle=0.3,drain-grace=2000"]
+    for workload in ("colocated", "standalone", "mixed")] + [
+    ["--seeds", "7001..7300", "--workload", workload, "--faults", "run-restart=1,model-grace=2000"]
+    for workload in ("colocated", "multi-model", "layouts")] + [
+    ["--seeds", "7001..7300", "--workload", "mixed", "--profile", "harsh-crash",
+     "--faults", "run-restart=1,model-grace=2000"]]
 
 # The fixed seed of CI's property test, and two others.
 DEFAULT_SEEDS = "20261130,2,3"

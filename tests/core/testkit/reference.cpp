@@ -295,6 +295,7 @@ void Reference::before_step(const Input& input, TimeMs now_ms) {
         continue;
       }
       existing_.erase(it->first);
+      heard_.erase(it->first);
       ++seen_.lives_ended;
       it = idle_since_.erase(it);
     }
@@ -338,6 +339,13 @@ void Reference::on_open(const Request& request, const OpenRequest& open, TimeMs 
   client.last_seen_ms = now_ms;
   client.resume = open.resume;
   client.waiting.reset();
+  if (open.resume) {
+    // The hub may keep a record of what any shard announces (a partial offload included): such a
+    // version is one the model may know, in the order rule.
+    std::set<Version>& heard = heard_[open.model];
+    if (open.resume->primary) heard.insert(open.resume->primary->version);
+    for (const HeldCopy& held : open.resume->offloads) heard.insert(held.version);
+  }
   Replica& replica = replica_for(client);
   // A resume never joins a replica that is live (some shard in, no barrier): the hub refuses it,
   // or, for a shard that made no call and holds nothing while its peers are not all in yet, lets
@@ -420,7 +428,9 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
           const bool exists = versions != existing_.end() && versions->second.contains(body.version);
           // (exists: version <= newest, the newest that exists.)
           const bool surely_known = exists && newest.value_or(0) - body.version <= limits::kForgottenVersionsWindow;
-          const bool maybe_known = exists || held_anywhere(replica.model, body.version);
+          const auto heard = heard_.find(replica.model);
+          const bool maybe_known = exists || held_anywhere(replica.model, body.version) ||
+                                   (heard != heard_.end() && heard->second.contains(body.version));
           call.may_stale = !call.exact || (below && !surely_known);
           if (replica.holding != Holding::kNone) {
             call.decided = make_error(Errc::kAlreadyHolding, "");
@@ -1562,6 +1572,7 @@ void Reference::on_server_restart() {
   clients_.clear();
   replicas_.clear();
   existing_.clear();
+  heard_.clear();
   idle_since_.clear();
   transfers_.clear();
   released_.clear();  // copy ids are the new server's

@@ -244,6 +244,7 @@ class Reference : public StepWatcher {
   std::map<ClientId, Client> clients_;
   std::map<std::string, Replica> replicas_;                 // by model/name#incarnation
   std::map<std::string, std::set<Version>> existing_;       // per model
+  std::map<std::string, std::set<Version>> heard_;  // per model: announced in a resume (this life)
   std::map<std::pair<std::string, std::uint64_t>, Transfer> transfers_;  // (reader, call)
   std::set<std::string> unsure_models_;  // after a failover, until its replicas are back
   std::map<std::string, TimeMs> idle_since_;  // per model: since when no replica of it is present

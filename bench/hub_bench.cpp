@@ -74,9 +74,16 @@ class ClosedLoop {
     ++inputs_;
     for (const Effect& effect : effects_) {
       if (const auto* reply = std::get_if<Reply>(&effect.message)) {
-        if (const auto* error = std::get_if<Error>(&reply->outcome)) {
-          if (errors_++ == 0) first_error_ = error->detail;
+        const auto* error = std::get_if<Error>(&reply->outcome);
+        if (error != nullptr && error->code == Errc::kStaleVersion && clients_[effect.client].phase == 0) {
+          // Versions increase within a model's life: a replica whose rounds fell behind the others'
+          // publishes its next round's version instead (as a lagging trainer would skip ahead).
+          ++stale_;
+          ++clients_[effect.client].round;
+          work_.push_back(Work{effect.client});
+          continue;
         }
+        if (error != nullptr && errors_++ == 0) first_error_ = error->detail;
         advance(effect.client);
       } else if (const auto* read = std::get_if<StartRead>(&effect.message)) {
         work_.push_back(Work{effect.client, true, read->transfer, read->epoch});
@@ -87,6 +94,7 @@ class ClosedLoop {
   std::uint64_t calls() const { return calls_; }
   std::uint64_t inputs() const { return inputs_; }
   std::uint64_t errors() const { return errors_; }
+  std::uint64_t stale() const { return stale_; }
   const std::string& first_error() const { return first_error_; }
   const HubStats& stats() const { return hub_.stats(); }
 
@@ -123,6 +131,7 @@ class ClosedLoop {
   std::uint64_t calls_ = 0;
   std::uint64_t inputs_ = 0;
   std::uint64_t errors_ = 0;
+  std::uint64_t stale_ = 0;  // publishes refused as below latest, published again a round later
   std::string first_error_;
 };
 
@@ -138,6 +147,7 @@ void BM_HubClosedLoop(benchmark::State& state) {
   state.counters["inputs"] = benchmark::Counter(static_cast<double>(loop.inputs()),
                                                 benchmark::Counter::kIsRate);
   state.counters["transfers"] = static_cast<double>(loop.stats().transfers_completed);
+  state.counters["stale"] = static_cast<double>(loop.stale());
   state.counters["clients"] = static_cast<double>(state.range(0) * state.range(1));
 }
 

@@ -136,6 +136,7 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.smart_skipping = spec.smart_skipping;
   knobs.offload_seeding = spec.offload_seeding;
   knobs.heartbeat_timeout_ms = 10'000;  // th-server's default
+  knobs.drain_grace_ms = std::llround(spec.drain_grace_s * 1000);
   knobs.delay_min_ms = std::max<TimeMs>(0, std::llround(spec.latency_ms));
   knobs.delay_mean_ms = 0;
   knobs.shard_bytes = spec.shard_bytes;
@@ -464,6 +465,9 @@ Status PlanSpec::validate() const {
   }
   if (join_batch == 0) return bad("a join batch must be at least 1 replica");
   if (fanout == 0) return bad("fan-out must be at least 1");
+  if (!in(drain_grace_s, 0.001, static_cast<double>(limits::kDeadlineMsMax) / 1000)) {
+    return bad("the drain grace must be in 0.001.." + std::to_string(limits::kDeadlineMsMax / 1000) + " s");
+  }
   return Unit{};
 }
 
@@ -511,7 +515,8 @@ Result<PlanReport> plan(const PlanSpec& spec) {
   th_says << "the real Hub and shard agents in virtual time (th-sim's simulator), pipeline "
           << (spec.pipeline ? "on" : "off") << ", fan-out " << fanout_used(spec, spec.pipeline) << ", smart skipping "
           << (spec.smart_skipping ? "on" : "off") << ", offload seeding "
-          << (spec.offload_seeding ? "on" : "off") << "; data plane at x" << spec.efficiency
+          << (spec.offload_seeding ? "on" : "off") << ", drain grace " << spec.drain_grace_s
+          << " s; data plane at x" << spec.efficiency
           << " of the NIC rate; stall = the rollout's update time until the version arrived, and a "
              "trainer's unpublish time (reads draining)";
   report.systems.push_back(tensorhub_plan(spec, result, spec.pipeline ? "TensorHub" : "TensorHub (no pipeline)",

@@ -57,6 +57,9 @@ struct PlanSpec {
   bool offload_seeding = false;
   double efficiency = 1.0;        // TensorHub's data plane (the paper measured 0.88 on RDMA)
   std::uint32_t fanout = 1;
+  // th-server's --drain-grace-ms: a read still running this long after its trainer's unpublish is
+  // cut (the trainer goes on), and the plan reports it.
+  double drain_grace_s = 30;
   // The baselines.
   double nccl_efficiency = 18.8 / 25;  // the paper's Figure 7(a): 18.8 GB/s of 25
   double ucx_efficiency = 18.1 / 25;   // ... 18.1 GB/s of 25

@@ -1794,10 +1794,18 @@ class Simulation {
     App& app = worker.app;
     app.next = App::Next::kUpdate;
     if (const auto* error = std::get_if<Error>(&outcome)) {
-      // A plan injects no faults: a failed call is a finding, not weather.
+      // A plan injects no faults: a failed call is a finding, not weather. The likeliest: reads
+      // that outlast the drain grace, cut when their trainer unpublished.
+      std::uint64_t revoked = 0;
+      for (const auto& server : servers_) revoked += server->stats().readers_revoked;
       throw Violation("plan: " + replica_of(w).name + "/" + std::to_string(worker.shard) + "'s " +
                       app.call_name + " failed: " + std::string(errc_name(error->code)) + " (" +
-                      error->detail + ")");
+                      error->detail + ")" +
+                      (revoked == 0 ? std::string()
+                                    : "; " + std::to_string(revoked) + " reads were cut at the drain grace (" +
+                                          std::to_string(knobs_.drain_grace_ms / 1000) +
+                                          " s after their trainer's unpublish): a read takes longer than that "
+                                          "(th-server --drain-grace-ms, th-plan --drain-grace-s)"));
     }
     if (app.call_kind == OpKind::kWait) {
       app.plan_version_out = true;

@@ -69,6 +69,9 @@ int main(int argc, char** argv) {
   app.add_option("--efficiency", spec.efficiency,
                  "TensorHub's data plane, a fraction of the NIC rate (1; the paper measured 0.88)");
   app.add_option("--fanout", spec.fanout, "reads one source copy serves at once (1, th-server's default)");
+  app.add_option("--drain-grace-s", spec.drain_grace_s,
+                 "th-server's --drain-grace-ms, in seconds (30, its default): a read still running this long after "
+                 "its trainer's unpublish is cut, and the plan reports the failed update");
   app.add_option("--nccl-efficiency", spec.nccl_efficiency, "NCCL's fraction of the NIC rate (0.752)");
   app.add_option("--ucx-efficiency", spec.ucx_efficiency, "UCX's fraction of the NIC rate (0.724)");
   app.add_option("--coordination-ms", spec.coordination_ms,

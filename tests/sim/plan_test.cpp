@@ -258,17 +258,33 @@ TEST(Plan, SpotBatchesDueAfterTheLastVersionAreNotWaitedFor) {
 }
 
 TEST(Plan, SlowReadsStretchTheCyclesWithoutFailing) {
-  // A read takes 400 s, twenty times the hold: the trainer's unpublish waits for it every cycle,
-  // and three cycles run past any fixed margin after the nominal 3 x 21 s.
+  // A read takes 400 s, twenty times the hold: the trainer's unpublish waits for it every cycle
+  // (a server whose drain grace is longer than a read), and three cycles run past any fixed margin
+  // after the nominal 3 x 21 s.
   PlanSpec spec = one_gpu_hosts(2);
   spec.shard_bytes = static_cast<std::uint64_t>(400 * kGB);
   spec.hold_s = 20;
+  spec.drain_grace_s = 1000;
   spec.versions = 3;
   spec.run_no_pipeline = false;
   const PlanReport report = must_plan(spec);
   const SystemPlan& th = system(report, "TensorHub");
   EXPECT_GE(th.max_s(), 400.0);
   EXPECT_GT(th.versions[0].total_gpu_s - th.versions[0].rollout_gpu_s, 300.0);  // the trainer waited
+}
+
+TEST(Plan, ReadsLongerThanTheDrainGraceAreCutAndTheReportSaysWhy) {
+  // th-server's default drain grace (30 s) against reads of 400 s: the trainer's unpublish cuts
+  // them; the plan does not hide that as a stall, it names the option that decides it.
+  PlanSpec spec = one_gpu_hosts(2);
+  spec.shard_bytes = static_cast<std::uint64_t>(400 * kGB);
+  spec.versions = 2;
+  spec.run_no_pipeline = false;
+  const Result<PlanReport> report = plan(spec);
+  ASSERT_TRUE(report.ok()) << report.error().detail;
+  EXPECT_NE(report.value().violation.find("cut at the drain grace (30 s"), std::string::npos)
+      << report.value().violation;
+  EXPECT_NE(report.value().violation.find("--drain-grace-ms"), std::string::npos) << report.value().violation;
 }
 
 TEST(Plan, BadInputIsNamed) {
@@ -301,6 +317,8 @@ TEST(Plan, BadInputIsNamed) {
   refused([](PlanSpec& s) { s.tcp_flow_gbps = 1e-6; }, "TCP flow");
   refused([](PlanSpec& s) { s.nic_gbps = 0.001; s.gpus_per_node = 64; }, "8 Mbit/s");
   refused([](PlanSpec& s) { s.trainers = 2048; s.rollouts = 2048; s.versions = 300; }, "GPUs x versions");
+  refused([](PlanSpec& s) { s.drain_grace_s = 0; }, "drain grace");
+  refused([](PlanSpec& s) { s.drain_grace_s = std::nan(""); }, "drain grace");
 }
 
 TEST(Plan, ReportsAreComplete) {

@@ -278,7 +278,10 @@ TEST_F(Soak, ModelChurnLeavesTheServerFlat) {
   const std::string address = start_server({"--model-grace-ms", "1000", "--log-level", "info"});
   Process& server = *servers_[0];
   constexpr int kRunsAtOnce = 4;
-  constexpr int kModelNames = 16;  // each comes back every fourth round, a grace after it ended
+  // A round takes kRoundMs at least, so each name comes back 8 rounds (2 s) later: a second after
+  // the model ended (--model-grace-ms 1000); at most ~20 models wait out their grace at once.
+  constexpr int kModelNames = 32;
+  constexpr auto kRoundMs = std::chrono::milliseconds(250);
   int runs = 0;
   int published = 0;
   int verified = 0;
@@ -288,6 +291,7 @@ TEST_F(Soak, ModelChurnLeavesTheServerFlat) {
   auto elapsed_s = [&] { return static_cast<int>(std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - started).count()); };
   int next_sample_s = 0;
   for (int round = 0; elapsed_s() < seconds; ++round) {
+    const auto round_started = Clock::now();
     std::vector<Process*> trainers;
     std::vector<Process*> rollouts;
     for (int i = 0; i < kRunsAtOnce; ++i) {
@@ -319,6 +323,7 @@ TEST_F(Soak, ModelChurnLeavesTheServerFlat) {
       next_sample_s += kSampleEverySeconds;
     }
     if (::testing::Test::HasFailure()) break;  // one failed run says enough
+    std::this_thread::sleep_until(round_started + kRoundMs);
   }
   std::ifstream log(server.log_path());
   int ended_lines = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 
 #include <fcntl.h>
 #include <sys/socket.h>
@@ -43,6 +44,18 @@ std::size_t FrameStream::declared_words(std::size_t whole_words) const {
   std::uint32_t segments_minus_one = 0;
   std::memcpy(&segments_minus_one, start, sizeof segments_minus_one);
   if (static_cast<std::uint64_t>(segments_minus_one) + 1 > kSegmentsMax) {
+    // A peer that is not TensorHub at all is the likelier mistake (an address of the metrics
+    // endpoint, a web server, a TLS port): say what it speaks, not what its bytes would mean.
+    const char* text = reinterpret_cast<const char*>(start);
+    auto starts_with = [&](std::string_view prefix) { return std::string_view(text, 4).substr(0, prefix.size()) == prefix; };
+    if (starts_with("HTTP") || starts_with("GET ") || starts_with("POST") || starts_with("HEAD") || starts_with("PUT ")) {
+      kj::throwFatalException(KJ_EXCEPTION(FAILED, "the peer speaks HTTP, not TensorHub's protocol (is this th-server's "
+                                                   "--metrics-listen address, or a web server? dial its --listen address)"));
+    }
+    if (text[0] == 0x16 && text[1] == 0x03) {
+      kj::throwFatalException(KJ_EXCEPTION(FAILED, "the peer speaks TLS and this end does not (give both ends the same "
+                                                   "--tls settings)"));
+    }
     kj::throwFatalException(
         KJ_EXCEPTION(FAILED, "a frame of too many segments", static_cast<std::uint64_t>(segments_minus_one) + 1));
   }

@@ -52,6 +52,11 @@ class ReplicateInfo:
     version: int
     source: str
 
+    @property
+    def source_replica(self) -> str:
+        """The same as ``source`` (libthclient's C++ name)."""
+        return self.source
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateInfo:
@@ -66,6 +71,28 @@ class UpdateInfo:
     @property
     def updated(self) -> bool:
         return self.status == "updated"
+
+    @property
+    def source_replica(self) -> str:
+        """The same as ``source`` (libthclient's C++ name)."""
+        return self.source
+
+
+# A version is a number in 0..2^63-1 (the hub takes none above).
+_VERSION_MAX = 2**63 - 1
+
+
+def _version(value: Any, what: str = "version") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be an int in 0..2^63-1, not {type(value).__name__} {value!r}")
+    if not 0 <= value <= _VERSION_MAX:
+        raise InvalidArgument(f"{what} {value} is not in 0..2^63-1")
+    return value
+
+
+def _selector(value: Union[str, int]) -> str:
+    # "latest", "latest-k" or a version number; the server parses the text and names what is wrong.
+    return str(_version(value)) if isinstance(value, int) else str(value)
 
 
 # ---- Tensors -------------------------------------------------------------------------------------
@@ -333,7 +360,7 @@ class Handle:
             handle = stream.cuda_stream
         else:
             raise InvalidArgument(f"stream must be a torch.cuda.Stream or an int, not {type(stream).__name__}")
-        return self._core.publish(version, handle)
+        return self._core.publish(_version(version), handle)
 
     def unpublish(self) -> None:
         """Withdraws the promise; returns when no reader reads these tensors any more."""
@@ -355,7 +382,7 @@ class Handle:
         self._check_hook(on_tensor)
         if on_tensor is not None:
             return self._each(self.replicate_stream(selector, timeout), on_tensor)
-        version, source = self._core.replicate(str(selector), _ms(timeout))
+        version, source = self._core.replicate(_selector(selector), _ms(timeout))
         return ReplicateInfo(version, source)
 
     def update(self, selector: Union[str, int] = "latest",
@@ -366,7 +393,7 @@ class Handle:
         self._check_hook(on_tensor)
         if on_tensor is not None:
             return self._each(self.update_stream(selector), on_tensor)
-        status, version, source = self._core.update(str(selector))
+        status, version, source = self._core.update(_selector(selector))
         return UpdateInfo(status, version, source)
 
     @staticmethod
@@ -391,13 +418,13 @@ class Handle:
                 info = stream.result()
         """
         self._check_storage()
-        return self._started(Receive(self._core.receive("replicate", str(selector), _ms(timeout)), self.tensors, True))
+        return self._started(Receive(self._core.receive("replicate", _selector(selector), _ms(timeout)), self.tensors, True))
 
     def update_stream(self, selector: Union[str, int] = "latest") -> Receive:
         """update() without blocking (see replicate_stream); with nothing newer, the iteration
         is empty and result().updated is False."""
         self._check_storage()
-        return self._started(Receive(self._core.receive("update", str(selector), 0), self.tensors, False))
+        return self._started(Receive(self._core.receive("update", _selector(selector), 0), self.tensors, False))
 
     def _started(self, stream: Receive) -> Receive:
         self._stream = weakref.ref(stream)
@@ -419,6 +446,7 @@ class Handle:
         replicas hold ``version``; or every open replica of ``role`` holds a version >= ``version``."""
         if replicas is not None and role is not None:
             raise InvalidArgument("wait for replicas or for a role, not both")
+        version = _version(version)
         if role is not None:
             self._core.wait("role-holds", version, 1, role, _ms(timeout))
         elif replicas is not None:

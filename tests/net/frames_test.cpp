@@ -135,6 +135,32 @@ TEST_P(FrameStreamTest, ATableOfTooManySegmentsIsRefused) {
       kj::Exception);
 }
 
+// A peer that is not TensorHub (an HTTP server such as th-server's metrics endpoint, a TLS port)
+// is named as what it speaks, not as a table of a billion segments.
+TEST_P(FrameStreamTest, APeerThatSpeaksHttpOrTlsIsNamedSo) {
+  for (const auto& [bytes, words] :
+       {std::pair<std::string, std::string>{"HTTP/1.1 400 Bad Request\r\n\r\n", "speaks HTTP"},
+        {"GET /metrics HTTP/1.1\r\n\r\n", "--metrics-listen"},
+        {std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11), "speaks TLS"}}) {
+    IoLoop loop;
+    Pair pair = connected(loop, GetParam());
+    std::string sent = bytes;
+    sent.resize((sent.size() + 7) / 8 * 8, '\n');  // (append_bytes takes whole words)
+    pair.writer->append_bytes(kj::arrayPtr(reinterpret_cast<const kj::byte*>(sent.data()), sent.size()));
+    pair.writer->flush();
+    std::string refused;
+    try {
+      for (int reads = 0; reads < 10; ++reads) {
+        if (!pair.reader->read_some().wait(loop.wait_scope())) break;
+        (void)pair.reader->next_frame();
+      }
+    } catch (const kj::Exception& exception) {
+      refused = exception.getDescription().cStr();
+    }
+    EXPECT_NE(refused.find(words), std::string::npos) << "'" << refused << "' for " << bytes;
+  }
+}
+
 // A peer that reads nothing: one write stays in flight, what is appended meanwhile waits (counted in
 // unwritten_bytes), and once the peer reads, everything arrives in order and on_written tells.
 TEST_P(FrameStreamTest, APeerThatDoesNotReadHoldsOneWriteAndTheRestWaits) {

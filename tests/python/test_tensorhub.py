@@ -58,7 +58,7 @@ def test_a_mixed_state_dict_arrives_bit_exact(server):
         rollout.register_state_dict(target)
         assert trainer.publish(1) == 1
         info = rollout.replicate("latest", timeout=30)
-        assert info == tensorhub.ReplicateInfo(1, "trainer")
+        assert info == tensorhub.ReplicateInfo(1, "trainer") and info.source_replica == "trainer"
         assert equal(source, target)
         assert rollout.stats()["checksum_failures"] == 0
         assert rollout.stats()["bytes_received"] > 2 << 20
@@ -115,7 +115,7 @@ def test_calls_and_their_typed_exceptions(server):
         weights += 1
         trainer.publish(2)
         info = rollout.update("latest")
-        assert info.updated and info.version == 2 and info.source == "trainer"
+        assert info.updated and info.version == 2 and info.source == "trainer" == info.source_replica
         assert torch.equal(mine, weights)
         assert rollout.update().status == "no-newer-version"
         with pytest.raises(tensorhub.AlreadyHolding):
@@ -330,6 +330,17 @@ def test_wrong_option_types_and_timeouts_are_clear(server):
         for bad in (float("inf"), float("nan"), -1, 0):
             with pytest.raises(tensorhub.InvalidArgument, match="timeout"):
                 hub.replicate("latest", timeout=bad)
+        # A version out of range is named as such, not a binding's TypeError (issue 33).
+        for bad, words in ((-1, "-1 is not in 0..2"), (2**63, "is not in 0..2"), (1.5, "must be an int"),
+                           (True, "must be an int")):
+            with pytest.raises(tensorhub.InvalidArgument, match=words):
+                hub.publish(bad)
+            with pytest.raises(tensorhub.InvalidArgument, match="version"):
+                hub.wait(version=bad, timeout=0.1)
+        with pytest.raises(tensorhub.InvalidArgument, match="-1 is not in"):
+            hub.replicate(-1, timeout=1)
+        with pytest.raises(tensorhub.InvalidArgument, match="-1 is not in"):
+            hub.update(-1)
 
 
 class DlpackOnly:

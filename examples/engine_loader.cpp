@@ -12,7 +12,7 @@
 // weights bit for bit against the trainer's.
 //
 //   engine_loader                              # an embedded th-server on loopback
-//   engine_loader --server HOST:PORT --token T # a running th-server
+//   engine_loader --server HOST:PORT --token-file F  # a running th-server (th-ctl's option; or --token T)
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "server/embedded_server.h"  // only to run standalone; an engine connects to its cluster's server
+#include "net/token.h"               // --token-file, read as th-ctl reads it
 #include "tensorhub/client.h"
 
 namespace {
@@ -97,7 +98,10 @@ int main(int argc, char** argv) {
   int tensor_mb = 16;
   double rate_mb_per_s = 400;
   app.add_option("--server", server, "a running th-server (HOST:PORT); default: an embedded one on loopback");
-  app.add_option("--token", token, "the cluster token of --server");
+  std::string token_file;
+  auto* token_option = app.add_option("--token", token, "the cluster token of --server");
+  app.add_option("--token-file", token_file, "a file holding the cluster token (its first line), as th-ctl and th-server take it")
+      ->excludes(token_option);
   app.add_option("--tensors", tensors, "tensors in the shard")->check(CLI::Range(1, 4096));
   app.add_option("--tensor-mb", tensor_mb, "MiB per tensor (bfloat16)")->check(CLI::Range(1, 1024));
   app.add_option("--rate-mb-per-s", rate_mb_per_s, "the rollout's receive rate cap (a network link); 0: none")
@@ -109,6 +113,14 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : 2;
   }
 
+  if (!token_file.empty()) {
+    auto read = th::net::read_token_file(token_file);
+    if (!read.ok()) {
+      std::fprintf(stderr, "engine_loader: --token-file: %s\n", read.error().detail.c_str());
+      return 2;
+    }
+    token = std::move(read).value();
+  }
   std::optional<th::server::EmbeddedServer> embedded;
   if (server.empty()) {
     th::server::ServiceConfig config;

@@ -65,18 +65,29 @@ std::string chrome_trace_json(const std::vector<TransferRecord>& records, std::i
   for (const TransferRecord& record : records) by_start.push_back(&record);
   std::stable_sort(by_start.begin(), by_start.end(),
                    [](const TransferRecord* a, const TransferRecord* b) { return a->start_us < b->start_us; });
+  // A process is a replica of a model: replicas of the same name in different models (every job's
+  // "rollout-0") are told apart by their model's name when the timeline holds several models.
+  std::set<std::string> models;
+  for (const TransferRecord* record : by_start) models.insert(record->model);
+  const bool several_models = models.size() > 1;
+  auto reader_of = [&](const TransferRecord& record) {
+    return several_models ? record.model + "/" + record.reader : record.reader;
+  };
+  auto source_of = [&](const TransferRecord& record) {
+    return several_models ? record.model + "/" + record.source : record.source;
+  };
   std::set<std::string> readers;
-  for (const TransferRecord* record : by_start) readers.insert(record->reader);
+  for (const TransferRecord* record : by_start) readers.insert(reader_of(*record));
   std::vector<std::string> order;
   std::set<std::string> seen;
   for (const TransferRecord* record : by_start) {
-    if (!readers.contains(record->source) && seen.insert(record->source).second) order.push_back(record->source);
+    if (!readers.contains(source_of(*record)) && seen.insert(source_of(*record)).second) order.push_back(source_of(*record));
   }
   for (const TransferRecord* record : by_start) {
-    if (seen.insert(record->reader).second) order.push_back(record->reader);
+    if (seen.insert(reader_of(*record)).second) order.push_back(reader_of(*record));
   }
   for (const TransferRecord* record : by_start) {
-    if (seen.insert(record->source).second) order.push_back(record->source);
+    if (seen.insert(source_of(*record)).second) order.push_back(source_of(*record));
   }
   std::map<std::string, int> pid_of;
   for (std::size_t i = 0; i < order.size(); ++i) pid_of[order[i]] = static_cast<int>(i) + 1;
@@ -91,10 +102,10 @@ std::string chrome_trace_json(const std::vector<TransferRecord>& records, std::i
     slice.record = record;
     // At least 1 us, so that the slice exists and its flow binds to it.
     slice.end_us = std::max(record->end_us < 0 ? now_us : record->end_us, record->start_us + 1);
-    slice.reader_pid = pid_of.at(record->reader);
+    slice.reader_pid = pid_of.at(reader_of(*record));
     slice.reader_tid = static_cast<std::int64_t>(record->shard) * kLanesPerShard;
-    slice.source_pid = pid_of.at(record->source);
-    auto& ends = lane_ends[{record->source, record->shard}];
+    slice.source_pid = pid_of.at(source_of(*record));
+    auto& ends = lane_ends[{source_of(*record), record->shard}];
     std::size_t lane = 0;
     while (lane < ends.size() && ends[lane] > record->start_us) ++lane;
     if (lane == ends.size()) {

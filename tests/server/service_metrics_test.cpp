@@ -219,5 +219,28 @@ TEST(ChromeTrace, EscapesNamesSoThatAnyReplicaNameGivesValidJson) {
   EXPECT_EQ(trace.find("t\n"), std::string::npos) << trace;
 }
 
+// Two jobs whose replicas have the same names ("trainer", "rollout-0": every job's defaults) are
+// two processes each in the timeline, not one row that mixes their transfers (issue 33).
+TEST(ChromeTrace, SameNamedReplicasOfTwoModelsAreTwoProcesses) {
+  std::vector<TransferRecord> records;
+  for (const std::string model : {"policy", "reward"}) {
+    TransferRecord record;
+    record.model = model;
+    record.reader = "rollout-0";
+    record.source = "trainer";
+    record.end = TransferRecord::End::kDone;
+    record.start_us = records.empty() ? 1 : 3;
+    record.end_us = record.start_us + 1;
+    records.push_back(record);
+  }
+  const std::string trace = chrome_trace_json(records, 10, 0);
+  for (const char* process : {"policy/trainer", "policy/rollout-0", "reward/trainer", "reward/rollout-0"}) {
+    EXPECT_NE(trace.find("\"args\":{\"name\":\"" + std::string(process) + "\"}"), std::string::npos) << process << trace;
+  }
+  // One model: plain replica names, as before.
+  const std::string one = chrome_trace_json({records[0]}, 10, 0);
+  EXPECT_NE(one.find("\"args\":{\"name\":\"rollout-0\"}"), std::string::npos) << one;
+}
+
 }  // namespace
 }  // namespace th::server

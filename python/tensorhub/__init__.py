@@ -22,6 +22,7 @@ until it is unregistered or the handle is closed.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import secrets
 import shutil
@@ -83,8 +84,14 @@ _VERSION_MAX = 2**63 - 1
 
 
 def _version(value: Any, what: str = "version") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integer type (a numpy or torch integer scalar too), but not a bool or a float.
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None:
         raise InvalidArgument(f"{what} must be an int in 0..2^63-1, not {type(value).__name__} {value!r}")
+    value = number
     if not 0 <= value <= _VERSION_MAX:
         raise InvalidArgument(f"{what} {value} is not in 0..2^63-1")
     return value
@@ -92,7 +99,7 @@ def _version(value: Any, what: str = "version") -> int:
 
 def _selector(value: Union[str, int]) -> str:
     # "latest", "latest-k" or a version number; the server parses the text and names what is wrong.
-    return str(_version(value)) if isinstance(value, int) else str(value)
+    return str(value) if isinstance(value, str) else str(_version(value))
 
 
 # ---- Tensors -------------------------------------------------------------------------------------

@@ -341,6 +341,8 @@ def test_wrong_option_types_and_timeouts_are_clear(server):
             hub.replicate(-1, timeout=1)
         with pytest.raises(tensorhub.InvalidArgument, match="-1 is not in"):
             hub.update(-1)
+    # Any integer type names a version (a step counter kept in numpy or torch).
+    assert tensorhub._version(np.int64(7)) == 7 and tensorhub._version(torch.tensor(7)) == 7
 
 
 class DlpackOnly:

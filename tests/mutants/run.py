@@ -89,7 +89,14 @@ def first_failure(output):
             else:
                 line = output[index:].split("\n")[0]
             return line.strip()[:160]
-    return ""
+    # No checker's message: a gtest failure, or a crash (a mutant that corrupts memory aborts the
+    # binary): quote the first failure line, else the last line it wrote, rather than nothing
+    # (an empty reason was reported as "SURVIVED").
+    lines = [line.strip() for line in output.split("\n") if line.strip()]
+    for line in lines:
+        if "Failure" in line or line.startswith("[  FAILED  ]"):
+            return line[:160]
+    return ("crashed or failed without a message; its last words: " + lines[-1][:120]) if lines else "failed, no output"
 
 
 def property_env(args, mutant, seed):

@@ -1,6 +1,7 @@
 // RdmaTransport: grants and revokes (source side), registrations by lease, stats. The source's
 // links are in served_link.cpp, the reader's pulls in reader.cpp.
 #include "rdma/protocol.h"
+#include "rdma/verbs_loader.h"
 
 namespace th::rdma {
 
@@ -10,6 +11,7 @@ RdmaTransport::State::State(RdmaOptions options_in)
   TH_REQUIRE(options.reads_in_flight_max > 0);
   TH_REQUIRE(options.signal_every > 0);
   TH_REQUIRE(options.progress_slots > 0);
+  if (std::optional<std::string> missing = verbs_unavailable()) throw VerbsError("no RDMA: " + *missing);
   std::vector<std::string> names = options.devices.empty() ? choose_devices(list_devices(), current_numa_node())
                                                            : options.devices;
   if (names.empty()) throw VerbsError("no RDMA device has an active port");

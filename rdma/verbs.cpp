@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "core/assert.h"
+#include "rdma/verbs_loader.h"
 
 namespace th::rdma {
 namespace {
@@ -95,6 +96,7 @@ int current_numa_node() {
 
 Device::Device(const std::string& name, int gid_index) {
   DeviceList list;
+  if (std::optional<std::string> missing = verbs_unavailable()) throw VerbsError("no RDMA: " + *missing);
   if (list.devices == nullptr || list.count == 0) throw VerbsError("no RDMA device (ibv_get_device_list found none)");
   for (int i = 0; i < list.count && context_ == nullptr; ++i) {
     const std::string candidate = ibv_get_device_name(list.devices[i]);

@@ -15,13 +15,31 @@ ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_
   TH_ASSERT(plan.layout != nullptr, "a read has a layout");
   const auto& tensors = plan.layout->tensors();
   tensor_unit.assign(tensors.size(), 0);
-  std::uint64_t end = 0;
-  has_packed = std::any_of(plan.packed_offset.begin(), plan.packed_offset.end(),
-                           [](std::uint64_t offset) { return offset != Plan::kNotPacked; });
-  if (has_packed) {
-    end = plan.packed_bytes;
-    unit_end.push_back(end);  // unit 0: every packed tensor
+  // The packed region holds its tensors back to back in layout order (client/handle.cpp): a unit
+  // ends where the next one's first tensor begins, the last one where the region ends.
+  std::uint64_t unit_bytes = 0;
+  std::uint64_t previous_offset = 0;
+  for (std::size_t index = 0; index < tensors.size(); ++index) {
+    const std::uint64_t offset = plan.packed_offset[index];
+    if (offset == Plan::kNotPacked) continue;
+    TH_ASSERT(offset >= previous_offset && offset <= plan.packed_bytes, "packed tensors lie in layout order");
+    previous_offset = offset;
+    if (packed_tensors.empty() || unit_bytes >= kPackedUnitBytes) {
+      if (!packed_tensors.empty()) unit_end.push_back(offset);
+      packed_unit_first.push_back(packed_tensors.size());
+      unit_bytes = 0;
+    }
+    tensor_unit[index] = packed_unit_first.size() - 1;
+    packed_tensors.push_back(index);
+    unit_bytes += tensors[index].bytes;
   }
+  packed_units = packed_unit_first.size();
+  std::uint64_t end = 0;
+  if (packed_units > 0) {
+    end = plan.packed_bytes;
+    unit_end.push_back(end);
+  }
+  TH_ASSERT(unit_end.size() == packed_units);
   for (std::size_t index : plan.big) {
     end += tensors[index].bytes;
     tensor_unit[index] = unit_end.size();
@@ -40,15 +58,8 @@ std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
     // (run_read says why).
     std::lock_guard lock(device_error_mutex);
     device_error = error.what();
-    return has_packed && unit == 0 ? std::optional<std::size_t>(first_packed()) : plan.big[unit - (has_packed ? 1 : 0)];
+    return unit < packed_units ? packed_tensors[packed_unit_first[unit]] : plan.big[unit - packed_units];
   }
-}
-
-std::size_t ReadAttempt::first_packed() const {
-  const auto found = std::find_if(plan.packed_offset.begin(), plan.packed_offset.end(),
-                                  [](std::uint64_t offset) { return offset != Plan::kNotPacked; });
-  TH_ASSERT(found != plan.packed_offset.end(), "a packed unit has a packed tensor");
-  return static_cast<std::size_t>(found - plan.packed_offset.begin());
 }
 
 std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
@@ -60,12 +71,13 @@ std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
     return (on_gpu ? plan.gpu->checksum(at, tensors[index].bytes) : checksum(at, tensors[index].bytes)) ==
            (*checksums)[index];
   };
-  if (has_packed && unit == 0) {
+  if (unit < packed_units) {
     // Small GPU tensors are verified where they landed, in the packed buffer, and then copied to
-    // their devices all at once (one wait for hundreds of copies).
+    // their devices all at once (one wait for the unit's copies).
     std::vector<Gpu::Copy> to_devices;
-    for (std::size_t index = 0; index < tensors.size(); ++index) {
-      if (plan.packed_offset[index] == Plan::kNotPacked) continue;
+    const std::size_t last = unit + 1 < packed_units ? packed_unit_first[unit + 1] : packed_tensors.size();
+    for (std::size_t at = packed_unit_first[unit]; at < last; ++at) {
+      const std::size_t index = packed_tensors[at];
       std::byte* landed = packed + plan.packed_offset[index];
       if (scatter && plan.device_tensor(index)) {
         if (!matches(index, landed)) return index;
@@ -78,7 +90,7 @@ std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
     if (!to_devices.empty()) plan.gpu->to_device(to_devices);
     return std::nullopt;
   }
-  const std::size_t index = plan.big[unit - (has_packed ? 1 : 0)];
+  const std::size_t index = plan.big[unit - packed_units];
   if (!matches(index, plan.tensor_data[index])) return index;
   return std::nullopt;
 }

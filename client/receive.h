@@ -3,8 +3,9 @@
 // reader thread (the bytes and their checksums).
 //
 // A read of the buffers (a ReadAttempt: one source, one epoch) checks its tensors unit by unit: the
-// packed small tensors are one unit (scattered from their region and checked together once it has
-// arrived), each big tensor is a unit of its own. A unit is checked once per attempt, by whichever
+// packed small tensors, in the order of the packed region, make units of about kPackedUnitBytes
+// (each scattered and checked once its part of the region has arrived, so that a model of small
+// tensors streams too), each big tensor is a unit of its own. A unit is checked once per attempt, by whichever
 // thread gets to it first: the application's next() as soon as the unit's bytes are in (so that
 // hashing overlaps the transfer), else the reader thread once the pull is done. The call is
 // answered only after every unit of the last attempt was checked, as before streaming.
@@ -25,6 +26,11 @@
 
 namespace th {
 namespace client_impl {
+
+// A unit of packed tensors closes once it holds this many bytes: small enough that a region of
+// hundreds of megabytes of small tensors streams, large enough that a unit's one wait for its
+// copies to a GPU is not paid per tensor.
+inline constexpr std::uint64_t kPackedUnitBytes = std::uint64_t{4} << 20;
 
 struct ReadAttempt {
   enum class Unit : std::uint8_t { kPending, kChecking, kGood, kBad };
@@ -48,8 +54,9 @@ struct ReadAttempt {
   const ChecksumsRef checksums;
   const Version version;
   const bool scatter;
-  // Unit 0 holds the packed tensors, if there are any (even of 0 bytes each).
-  bool has_packed = false;
+  // Units 0 .. packed_units - 1 hold the packed tensors, if there are any (even of 0 bytes each);
+  // the big tensors' units follow, in plan.big's order.
+  std::size_t packed_units = 0;
   std::vector<std::uint64_t> unit_end;     // where each unit's bytes end on the data plane
   std::vector<std::size_t> tensor_unit;    // per layout index
   // Guarded by the Receive::State's mutex.
@@ -59,7 +66,10 @@ struct ReadAttempt {
 
  private:
   std::optional<std::size_t> check_unit(std::size_t unit) const;
-  std::size_t first_packed() const;
+  // The packed tensors (layout indices) in the order of the packed region, and where each packed
+  // unit's begin in it.
+  std::vector<std::size_t> packed_tensors;
+  std::vector<std::size_t> packed_unit_first;
   mutable std::mutex device_error_mutex;
   mutable std::string device_error;
 };

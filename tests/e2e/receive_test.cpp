@@ -23,10 +23,15 @@ namespace {
 
 class Receiving : public ProcessTest {};
 
-// A shard of 6 tensors: 4 of 2 MiB (each its own region) and 2 small ones (packed together).
+// A shard of 6 tensors: 4 of 2 MiB (each its own region) and 2 small ones (packed together); or,
+// `small_only`, 16 tensors of 1 MiB, every one packed (a model of small layers).
 struct Shard {
   std::map<std::string, std::vector<std::byte>> tensors;
-  Shard() {
+  explicit Shard(bool small_only = false) {
+    if (small_only) {
+      for (int i = 0; i < 16; ++i) tensors["layer" + std::to_string(10 + i) + ".weight"].resize(1u << 20);
+      return;
+    }
     for (int i = 0; i < 4; ++i) tensors["layer" + std::to_string(i) + ".weight"].resize(2u << 20);
     tensors["layer0.bias"].resize(4096);
     tensors["norm.scale"].resize(1000);
@@ -86,7 +91,8 @@ struct Published {
   std::unique_ptr<Handle> trainer;
   std::unique_ptr<Handle> rollout;
 
-  Published(const std::string& server, std::uint64_t read_rate, bool publish = true) : published(!publish) {
+  Published(const std::string& server, std::uint64_t read_rate, bool publish = true, bool small_only = false)
+      : trained(small_only), engine(small_only), published(!publish) {
     if (publish) {
       trained.write(1);
       trainer = open_or_fail(options_for(server, "trainer", "trainer"));
@@ -153,6 +159,34 @@ TEST_F(Receiving, TensorsAreHandedOutVerifiedBeforeTheLastByteArrives) {
   std::printf("streaming: first tensor after %.2f s, last after %.2f s, %llu bytes at 4 MB/s\n", *first_s, last_s,
               static_cast<unsigned long long>(engine.total_bytes()));
   for (const auto& [name, bytes] : engine.tensors) EXPECT_TRUE(engine.holds(name, bytes.data(), 1)) << name;
+}
+
+// Issue 33, friction 5: a model whose tensors are all under the packing size streams too. Its
+// packed region arrives in units (of 4 MiB here: four), each handed out as soon as it is in.
+TEST_F(Receiving, AModelOfSmallTensorsStreamsUnitByUnit) {
+  Published job(start_server(), kSlowBytesPerSecond, /*publish=*/true, /*small_only=*/true);
+  ASSERT_TRUE(job.ready());
+  auto receive = job.rollout->replicate_async("latest");
+  ASSERT_TRUE(receive.ok()) << receive.error().detail;
+  std::optional<ReceiveProgress> at_first;
+  std::size_t handed_out = 0;
+  for (;;) {
+    auto tensor = receive.value()->next();
+    ASSERT_TRUE(tensor.ok()) << tensor.error().detail;
+    if (!tensor.value()) break;
+    if (!at_first) at_first = receive.value()->progress();
+    EXPECT_TRUE(job.engine.holds(tensor.value()->name, tensor.value()->data, 1)) << tensor.value()->name;
+    ++handed_out;
+  }
+  ASSERT_TRUE(receive.value()->wait().ok());
+  EXPECT_EQ(handed_out, 16U);
+  ASSERT_TRUE(at_first.has_value());
+  EXPECT_FALSE(at_first->done);
+  EXPECT_LT(at_first->bytes_ready, at_first->bytes_total / 2)
+      << "the first small tensor came out only once most of the region was in";
+  std::printf("small tensors streaming: first handed out with %llu of %llu bytes in\n",
+              static_cast<unsigned long long>(at_first->bytes_ready),
+              static_cast<unsigned long long>(at_first->bytes_total));
 }
 
 TEST_F(Receiving, ACancelMidwayLeavesTheHandleUsableForTheNextVersion) {
@@ -499,6 +533,43 @@ TEST(ReadAttempt, TheReaderChecksOnlyWhatTheApplicationDidNotAndStopsAtABadUnit)
   EXPECT_EQ(state->check_rest(*cancelled_read, cancelled), std::nullopt);
   EXPECT_EQ(cancelled_read->units[0], client_impl::ReadAttempt::Unit::kPending);
   EXPECT_EQ(shard.plan.tensor_data[0][0], std::byte{0x77}) << "not scattered";
+}
+
+// A model of small tensors only (issue 33, friction 5: 243 tensors under the packing size, the
+// first handed out with the last): its packed region is cut into units of about kPackedUnitBytes,
+// each checked, and its tensors handed out, as soon as that part of the region is in.
+TEST(ReadAttempt, PackedTensorsStreamInUnitsOfTheirRegion) {
+  std::map<std::string, client_impl::Registered, std::less<>> registry;
+  std::vector<std::vector<std::byte>> memory;
+  constexpr std::uint64_t kTensorBytes = 1536u << 10;  // 1.5 MiB: packed
+  constexpr int kTensors = 12;                          // 18 MiB of them
+  for (int i = 0; i < kTensors; ++i) {
+    const std::string name = "layer" + std::to_string(10 + i) + ".weight";
+    auto& buffer = memory.emplace_back(kTensorBytes);
+    for (std::size_t b = 0; b < kTensorBytes; ++b) buffer[b] = static_cast<std::byte>(b * 7 + i);
+    registry.emplace(name, client_impl::Registered{buffer.data(), TensorSpec{name, DType::kUInt8, kTensorBytes}, nullptr});
+  }
+  client_impl::Plan plan = client_impl::make_plan(registry);
+  ASSERT_TRUE(plan.big.empty()) << "every tensor is packed";
+  auto checksums = std::make_shared<Checksums>();
+  std::vector<std::byte> packed(plan.packed_bytes);
+  for (std::size_t i = 0; i < plan.tensor_data.size(); ++i) {
+    checksums->push_back(client_impl::checksum(plan.tensor_data[i], kTensorBytes));
+    std::memcpy(packed.data() + plan.packed_offset[i], plan.tensor_data[i], kTensorBytes);
+    std::memset(plan.tensor_data[i], 0, kTensorBytes);
+  }
+  auto read = std::make_shared<client_impl::ReadAttempt>(plan, packed.data(), checksums, 1, /*scatter=*/true);
+  // Three tensors (4.5 MiB) close a unit of at least 4 MiB: four units.
+  ASSERT_EQ(read->packed_units, 4U);
+  ASSERT_EQ(read->unit_end, (std::vector<std::uint64_t>{3 * kTensorBytes, 6 * kTensorBytes, 9 * kTensorBytes,
+                                                        12 * kTensorBytes}));
+  for (std::size_t i = 0; i < plan.tensor_data.size(); ++i) EXPECT_EQ(read->unit_of(i), i / 3) << i;
+  // A flipped byte in the third unit fails that unit alone, naming its tensor.
+  packed[7 * kTensorBytes + 5] ^= std::byte{1};
+  EXPECT_EQ(read->check(0), std::nullopt);
+  EXPECT_EQ(std::memcmp(plan.tensor_data[2], packed.data() + 2 * kTensorBytes, kTensorBytes), 0) << "scattered";
+  EXPECT_EQ(plan.tensor_data[3][0], std::byte{0}) << "the next unit is not scattered yet";
+  EXPECT_EQ(read->check(2), std::optional<std::size_t>(7));
 }
 
 TEST(ReadAttempt, TensorsOfZeroBytesMakeAPackedUnitOfZeroBytes) {

@@ -201,8 +201,9 @@ class Receive {
   Receive& operator=(const Receive&) = delete;
 
   // The next tensor of this shard whose bytes are all here and match their checksum: the small
-  // tensors (which travel packed together) first, then the others in name order, as they arrive;
-  // each is handed out once. Blocks until one is ready (timeout_ms 0: no limit). Returns nothing
+  // tensors (under 2 MiB, which travel packed together, in name order) first, each group of about
+  // 4 MiB of them as soon as it is in, then the others in name order, as they arrive; each is
+  // handed out once. Blocks until one is ready (timeout_ms 0: no limit). Returns nothing
   // once every tensor was handed out, or once the call ended without moving any (update's
   // kNoNewerVersion, kNotYet); the call's error if it failed before all were handed out;
   // kTimeout ("no tensor ... yet") if timeout_ms passed first, the call going on.

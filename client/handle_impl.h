@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "client/log_sink.h"
@@ -178,6 +179,9 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_reshard_read(ReadJob& job);
   void complete_call(std::uint64_t call_id, Outcome outcome);
   void fail_everything(Error error);
+  // Asks `server`, once, whether it speaks HTTP (it hung up on the hello); if it does before any
+  // server took us, open() fails naming it (a metrics port given as a server, say).
+  void probe_http(std::uint32_t server);
   void log(LogLevel level, std::string_view component, const std::string& line) const;
 
   ClientOptions options_;
@@ -210,6 +214,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // links_ so that it outlives their streams.
   std::unique_ptr<kj::TlsContext> tls_;
   bool ever_connected_ = false;  // a server answered a connect call (I/O thread)
+  std::set<std::uint32_t> http_probed_;  // servers probe_http asked (at most options_.servers)
   std::map<std::uint32_t, std::unique_ptr<Link>> links_;
   std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
   std::uint64_t next_generation_ = 1;

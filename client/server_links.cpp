@@ -6,6 +6,8 @@
 
 #include <arpa/inet.h>
 
+#include <string_view>
+
 namespace th {
 namespace {
 
@@ -194,6 +196,7 @@ kj::Promise<void> Handle::Impl::read_frames(std::uint32_t server, std::uint64_t 
       if (current == links_.end() || current->second->generation != generation) return kj::READY_NOW;
       Link& link = *current->second;
       if (!more) {
+        if (!link.connected && tls_ == nullptr && !ever_connected_) probe_http(server);
         lose(server, generation,
              link.connected ? "the server closed the connection"
                             : std::string("the server closed the connection before answering the hello") +
@@ -205,6 +208,44 @@ kj::Promise<void> Handle::Impl::read_frames(std::uint32_t server, std::uint64_t 
       on_frame(link, frame->getRoot<wire::ServerFrame>());
     }
   });
+}
+
+void Handle::Impl::probe_http(std::uint32_t server) {
+  // A peer that hangs up on the hello without a word is most often no th-server at all: its
+  // metrics endpoint, or another web server, speaks HTTP. Retrying it until open()'s deadline
+  // would only end in "no server answered"; one HTTP request tells.
+  if (!http_probed_.insert(server).second) return;
+  constexpr TimeMs kProbeTimeoutMs = 2'000;
+  const std::string address = options_.servers.at(server);
+  auto answers_http =
+      loop_->io()
+          .getNetwork()
+          .parseAddress(address)
+          .then([](kj::Own<kj::NetworkAddress> resolved) { return resolved->connect().attach(kj::mv(resolved)); })
+          .then([](kj::Own<kj::AsyncIoStream> stream) {
+            static constexpr char kRequest[] = "HEAD / HTTP/1.0\r\n\r\n";
+            constexpr std::size_t kStatusBytes = 5;  // "HTTP/"
+            auto reply = kj::heapArray<char>(kStatusBytes);
+            kj::AsyncIoStream& peer = *stream;
+            char* at = reply.begin();
+            return peer.write(kRequest, sizeof kRequest - 1)
+                .then([&peer, at] { return peer.tryRead(at, kStatusBytes, kStatusBytes); })
+                .then([at](std::size_t got) { return got == kStatusBytes && std::string_view(at, got) == "HTTP/"; })
+                .attach(kj::mv(stream), kj::mv(reply));
+          });
+  tasks_->add(loop_->timer()
+                  .timeoutAfter(kProbeTimeoutMs * kj::MILLISECONDS, kj::mv(answers_http))
+                  .then(
+                      [this, address](bool http) {
+                        if (!http || ever_connected_) return;
+                        fail_everything(make_error(
+                            Errc::kInvalidArgument,
+                            "server " + address + " answers HTTP: it is an HTTP endpoint (th-server's " +
+                                "--metrics-listen address, or a web server?), not th-server's --listen address"));
+                      },
+                      [](kj::Exception&&) {
+                        // The probe is a hint only: the retries go on as for any lost server.
+                      }));
 }
 
 void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {

@@ -297,8 +297,8 @@ interface Hub {
   inspect @1 (token :Text) -> (models :List(ListSnapshot), stats :ServerStats);
 
   # The transfer timeline (th-ctl timeline): the last transfers the server keeps, as Chrome Trace
-  # Event JSON (server/chrome_trace.h). Same token as connect.
-  timeline @2 (token :Text) -> (json :Text);
+  # Event JSON (server/chrome_trace.h); only `model`'s when it is set. Same token as connect.
+  timeline @2 (token :Text, model :Text) -> (json :Text);
 }
 
 # ---- Framed connections (net/frames.h) -----------------------------------------------------------

@@ -218,7 +218,7 @@ class HubService::HubImpl final : public wire::Hub::Server {
     if (!service_.check_token(*found->second, context.getParams().getToken())) {
       return KJ_EXCEPTION(FAILED, "permission denied: wrong cluster token");
     }
-    context.getResults().setJson(service_.timeline_json());
+    context.getResults().setJson(service_.timeline_json(context.getParams().getModel().cStr()));
     return kj::READY_NOW;
   }
 

@@ -127,7 +127,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   void stop_metrics(kj::WaitScope& wait_scope);
   std::string render_metrics() const;
   // The transfer timeline as Chrome Trace Event JSON (server/chrome_trace.h).
-  std::string timeline_json() const;
+  std::string timeline_json(std::string_view model = {}) const;  // every model's when empty
   std::uint64_t timeline_revision() const { return metrics_.ledger().revision(); }
   // Stops for good: every connection is told (framed: a notice) and closed once what is owed to it
   // is written, so that clients fail over to their next server now rather than at a timeout.

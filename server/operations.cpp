@@ -56,9 +56,14 @@ std::string HubService::render_metrics() const {
   return metrics_.render(hub_, shell);
 }
 
-std::string HubService::timeline_json() const {
+std::string HubService::timeline_json(std::string_view model) const {
   const TransferLedger& ledger = metrics_.ledger();
-  return chrome_trace_json(ledger.records(), now_us(), ledger.dropped());
+  if (model.empty()) return chrome_trace_json(ledger.records(), now_us(), ledger.dropped());
+  std::vector<TransferRecord> records;
+  for (const TransferRecord& record : ledger.records()) {
+    if (record.model == model) records.push_back(record);
+  }
+  return chrome_trace_json(records, now_us(), ledger.dropped());
 }
 
 kj::Promise<void> HubService::drain(std::int64_t timeout_ms) {

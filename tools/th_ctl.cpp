@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "net/tensorhub.capnp.h"
@@ -100,9 +101,10 @@ class ServerConnection {
     return listing;
   }
 
-  std::string timeline() {
+  std::string timeline(const std::string& model) {
     auto request = hub_.timelineRequest();
     request.setToken(token_);
+    request.setModel(model);
     auto response = io_.provider->getTimer().timeoutAfter(timeout_ms_ * kj::MILLISECONDS, request.send())
                         .wait(io_.waitScope);
     return response.getJson();
@@ -116,6 +118,37 @@ class ServerConnection {
   kj::Own<capnp::TwoPartyClient> rpc_;
   th::wire::Hub::Client hub_ = nullptr;
 };
+
+// What went wrong, for people. A peer that hangs up without a word (or answers bytes that are no
+// Cap'n Proto frame) is most often not a th-server's --listen address at all: th-server's metrics
+// endpoint and other web servers speak HTTP. Ask it, in HTTP, and say so if it answers.
+std::string describe_failure(kj::AsyncIoContext& io, const std::string& server, bool tls, const kj::Exception& exception) {
+  std::string text = exception.getDescription().cStr();
+  const bool unexpected_peer = exception.getType() == kj::Exception::Type::DISCONNECTED ||
+                               text.find("segments") != std::string::npos;
+  if (!unexpected_peer || tls) return text;
+  constexpr long kProbeTimeoutMs = 1'000;
+  try {
+    auto& timer = io.provider->getTimer();
+    auto stream = timer.timeoutAfter(kProbeTimeoutMs * kj::MILLISECONDS,
+                                     io.provider->getNetwork().parseAddress(server).then(
+                                         [](kj::Own<kj::NetworkAddress> address) { return address->connect(); }))
+                      .wait(io.waitScope);
+    static constexpr char kRequest[] = "HEAD / HTTP/1.0\r\n\r\n";
+    stream->write(kRequest, sizeof kRequest - 1).wait(io.waitScope);
+    char reply[5] = {};
+    const std::size_t got =
+        timer.timeoutAfter(kProbeTimeoutMs * kj::MILLISECONDS, stream->tryRead(reply, sizeof reply, sizeof reply))
+            .wait(io.waitScope);
+    if (got == sizeof reply && std::string_view(reply, sizeof reply) == "HTTP/") {
+      return text + " (" + server + " answers HTTP: it is an HTTP endpoint, such as th-server's --metrics-listen " +
+             "address, not th-server's --listen address)";
+    }
+  } catch (const kj::Exception&) {
+    // The probe is a hint only: the original failure stands.
+  }
+  return text;
+}
 
 // Names as a terminal shows them: control characters (which could move the cursor or retitle the
 // window) become '?'. (th-server refuses such names; this guards against any other server.)
@@ -243,6 +276,7 @@ int main(int argc, char** argv) {
   std::string timeline_out;
   auto* timeline = app.add_subcommand("timeline", "write the transfer timeline (Chrome Trace Event JSON)");
   timeline->add_option("-o,--output", timeline_out, "write it to this file (default: stdout)");
+  timeline->add_option("--model", model_filter, "only this model's transfers (default: every model's)");
 
   std::string wait_model;
   th::Version wait_version = 0;
@@ -330,7 +364,7 @@ int main(int argc, char** argv) {
         }
       } catch (const kj::Exception& exception) {
         connection.reset();
-        last_problem = server + ": " + exception.getDescription().cStr();
+        last_problem = server + ": " + describe_failure(io, server, tls != nullptr, exception);
       }
       if (std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_interval_ms) > deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(wait_interval_ms));
@@ -346,7 +380,7 @@ int main(int argc, char** argv) {
 
   if (*timeline) {
     try {
-      const std::string trace = connect(kCallTimeoutMs)->timeline();
+      const std::string trace = connect(kCallTimeoutMs)->timeline(model_filter);
       if (timeline_out.empty()) {
         std::cout << trace << std::flush;
         return kExitOk;
@@ -360,7 +394,7 @@ int main(int argc, char** argv) {
       if (!json) std::cerr << "th-ctl: timeline written to " << timeline_out << "\n";
       return kExitOk;
     } catch (const kj::Exception& exception) {
-      std::cerr << "th-ctl: " << server << ": " << exception.getDescription().cStr() << "\n";
+      std::cerr << "th-ctl: " << server << ": " << describe_failure(io, server, tls != nullptr, exception) << "\n";
       return kExitServer;
     }
   }
@@ -387,7 +421,7 @@ int main(int argc, char** argv) {
       }
       if (!watch) return shown.empty() && !model_filter.empty() ? kExitNotFound : kExitOk;
     } catch (const kj::Exception& exception) {
-      std::cerr << "th-ctl: " << server << ": " << exception.getDescription().cStr() << "\n";
+      std::cerr << "th-ctl: " << server << ": " << describe_failure(io, server, tls != nullptr, exception) << "\n";
       if (!watch) return kExitServer;
       connection.reset();  // --watch rides out a restarting server: try again at the next refresh
     }

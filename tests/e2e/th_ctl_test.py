@@ -39,12 +39,16 @@ def main():
     os.chmod(token, 0o600)
     children = []
     try:
-        server = subprocess.Popen([args.th_server, "--listen", "127.0.0.1:0", "--token-file", token],
+        server = subprocess.Popen([args.th_server, "--listen", "127.0.0.1:0", "--token-file", token,
+                                   "--metrics-listen", "127.0.0.1:0"],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         children.append(server)
         line = server.stdout.readline()
         check(line.startswith("th-server listening on "), f"th-server said {line!r}")
         address = line.split()[-1]
+        line = server.stdout.readline()
+        check(line.startswith("th-server metrics on "), f"th-server said {line!r}")
+        metrics_address = line.split()[-1]
 
         def ctl(*command, timeout=60):
             return subprocess.run([args.th_ctl, "--server", address, "--token-file", token, *command],
@@ -93,12 +97,24 @@ def main():
         unreachable = subprocess.run([args.th_ctl, "--server", "127.0.0.1:1", "--token-file", token, "list"],
                                      capture_output=True, text=True, timeout=60)
         check(unreachable.returncode == 1, f"an unreachable server: exit {unreachable.returncode}")
+        # The metrics port by mistake: th-ctl says it speaks HTTP, rather than "Peer disconnected.".
+        http = subprocess.run([args.th_ctl, "--server", metrics_address, "--token-file", token, "list"],
+                              capture_output=True, text=True, timeout=60)
+        check(http.returncode == 1 and "answers HTTP" in http.stderr and "--metrics-listen" in http.stderr,
+              f"th-ctl on the metrics port: exit {http.returncode}, {http.stderr!r}")
         wrong = subprocess.run([args.th_ctl, "--server", address, "--token-file", token, "wait-version"],
                                capture_output=True, text=True, timeout=60)
         check(wrong.returncode == 2, f"wait-version without --model: exit {wrong.returncode}")
         trace = ctl("timeline")
         check(trace.returncode == 0 and json.loads(trace.stdout)["otherData"]["transfers"] >= STEPS * ROLLOUTS * 2,
               f"th-ctl timeline: exit {trace.returncode}")
+        # One model's transfers: the demo's all, another name's none.
+        mine = ctl("--model", "demo", "timeline")
+        check(mine.returncode == 0 and json.loads(mine.stdout)["otherData"]["transfers"] >=
+              json.loads(trace.stdout)["otherData"]["transfers"], f"th-ctl --model demo timeline: {mine.stdout[:300]!r}")
+        other = ctl("timeline", "--model", "another")
+        check(other.returncode == 0 and json.loads(other.stdout)["otherData"]["transfers"] == 0,
+              f"th-ctl timeline --model another: {other.stdout[:300]!r}")
 
         out, err = demo.communicate(timeout=120)
         check(demo.returncode == 0 and "th-demo: ok" in out, f"th-demo failed: {out[-1500:]}{err[-1500:]}")

@@ -391,6 +391,15 @@ def test_a_process_serves_prometheus_metrics_of_its_handles(server):
     assert len(received_bytes) == 1 and int(received_bytes[0].split()[-1]) > 0
 
 
+def test_a_metrics_port_given_as_the_server_is_named_so(server):
+    # Issue 33, friction 3: a metrics endpoint (HTTP) hangs up on the hello; open() used to retry it
+    # until its deadline and say "no server answered". It asks in HTTP once, and fails naming it.
+    with handle(server, "trainer", role="trainer", metrics_listen="127.0.0.1:0"):
+        address = tensorhub.metrics_address()
+        with pytest.raises(tensorhub.InvalidArgument, match="answers HTTP.*--metrics-listen"):
+            tensorhub.Handle(servers=address, token=server.token, model="m", replica="lost", open_timeout_ms=60_000)
+
+
 
 def big_state_dict(seed: int):
     generator = torch.Generator().manual_seed(seed)

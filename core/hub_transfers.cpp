@@ -208,12 +208,26 @@ void Hub::try_assign(Transfer& transfer) {
       enqueue_waiting(transfer);
       TH_ASSERT(transfer.queued);
       return;
-    case Pick::kUnavailable:
-      fail_transfer(transfer, make_error(Errc::kVersionUnavailable,
-                                         "no copy of version " +
-                                             std::to_string(transfer.reader->record->version) +
-                                             " is left to read from"));
+    case Pick::kUnavailable: {
+      // Copies whose bytes failed readers' checksums twice are left out (Copy::corrupt): name
+      // them, since the likely cause is on their owner's side, not this reader's.
+      constexpr std::size_t kNamedMax = 3;  // a version may have thousands of copies
+      std::string corrupt;
+      std::size_t corrupt_count = 0;
+      for (const Copy* copy : transfer.reader->record->copies) {
+        if (!copy->corrupt || copy == transfer.reader) continue;
+        if (++corrupt_count <= kNamedMax) corrupt += (corrupt.empty() ? "" : ", ") + detail::describe(*copy->owner);
+      }
+      std::string message = "no copy of version " + std::to_string(transfer.reader->record->version) +
+                            " is left to read from";
+      if (corrupt_count > 0) {
+        if (corrupt_count > kNamedMax) corrupt += " and " + std::to_string(corrupt_count - kNamedMax) + " more";
+        message += ": the copies of " + corrupt +
+                   " failed readers' checksums at their source (tensors written while published?)";
+      }
+      fail_transfer(transfer, make_error(Errc::kVersionUnavailable, std::move(message)));
       return;
+    }
   }
 }
 

@@ -1490,7 +1490,12 @@ TEST(HubFailures, ACopyWhoseBytesFailChecksumsTwiceIsNoSourceAnyMore) {
   ASSERT_TRUE(second && second->epoch == first.epoch + 1) << "one failure: the only copy, as a last resort";
   EXPECT_EQ(second->source.replica, "t");
   driver.report(r[0], TransferFailed{second->transfer, second->epoch, ReadFailure::kChecksumMismatch});
-  EXPECT_EQ(expect_error(driver.replies(r), Errc::kVersionUnavailable), "");
+  const std::optional<Outcome> refused = driver.replies(r);
+  EXPECT_EQ(expect_error(refused, Errc::kVersionUnavailable), "");
+  // The error names the copy at fault and the likely cause (issue 33, friction 1), not the reader.
+  const std::string detail = std::get<Error>(*refused).detail;
+  EXPECT_NE(detail.find("replica 't'"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("failed readers' checksums at their source"), std::string::npos) << detail;
   // A later reader is not sent to it either: the version is unavailable while t holds those bytes.
   const auto r2 = driver.open_replica(rollout("r2", 1));
   start_replicate(driver, r2, Selector::latest());

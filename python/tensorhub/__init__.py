@@ -520,7 +520,9 @@ def _ms(timeout: Optional[float]) -> int:
 # ---- A server for tests and single-node jobs -----------------------------------------------------
 
 def _find_server(binary: Optional[str]) -> str:
-    candidates = [binary, os.environ.get("TH_SERVER_BINARY"), shutil.which("th-server"),
+    # The wheel's own th-server comes before one on PATH, which may be another version.
+    candidates = [binary, os.environ.get("TH_SERVER_BINARY"),
+                  os.path.join(os.path.dirname(__file__), "_bin", "th-server"), shutil.which("th-server"),
                   os.path.join(os.path.dirname(__file__), "..", "..", "tools", "th-server")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):

@@ -19,12 +19,21 @@ fi
 c++ -std=c++20 -I"$scratch/prefix/include" "$source_dir/consumer/consumer.cpp" \
     -L"$scratch/prefix/lib" -lthclient -o "$scratch/consumer-plain"
 LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/consumer-plain"
+# With pkg-config, and an rpath to the library's folder: it runs without LD_LIBRARY_PATH.
+export PKG_CONFIG_PATH="$scratch/prefix/lib/pkgconfig"
+echo "pkg-config --cflags --libs tensorhub:" $(pkg-config --cflags --libs tensorhub)
+libdir=$(pkg-config --variable=libdir tensorhub)
+c++ "$source_dir/consumer/consumer.cpp" $(pkg-config --cflags --libs tensorhub) -Wl,-rpath,"$libdir" \
+    -o "$scratch/consumer-pkg-config"
+env -u LD_LIBRARY_PATH "$scratch/consumer-pkg-config"
+# CMake's find_package: the build tree's rpath points at the library; no LD_LIBRARY_PATH either.
 cmake -S "$source_dir/consumer" -B "$scratch/build" -G Ninja -DCMAKE_PREFIX_PATH="$scratch/prefix" > /dev/null
 cmake --build "$scratch/build" > /dev/null
-LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/build/consumer"
+env -u LD_LIBRARY_PATH "$scratch/build/consumer"
 python_dir=$(ls -d "$scratch"/prefix/lib*/python3*/dist-packages 2> /dev/null | head -1)
 if [ -n "$python_dir" ]; then
   PYTHONPATH="$python_dir" /usr/bin/python3 -c \
     'import tensorhub, sys; assert tensorhub.__file__.startswith(sys.argv[1]), tensorhub.__file__; print("python: import tensorhub ok from", sys.argv[1])' \
     "$python_dir"
 fi
+echo "check_install: ok"

@@ -9,9 +9,9 @@ does; libibverbs and CUDA are not linked (libthclient opens them at run time whe
 Debian's static Cap'n Proto and KJ are built without -fPIC and cannot go into a shared object,
 hence copies rather than static links: the effect for the user is the same.
 
-Environment: TH_BUILD_DIR (a CMake build to take the binaries from), TH_PROJECT_DIR (the source
-tree, if not one folder up), TH_CMAKE_ARGS (extra arguments for the build of its own),
-TH_BUILD_JOBS (its parallelism; default 2).
+Environment: TH_BUILD_DIR (a CMake build to take the binaries from; relative to the source tree),
+TH_PROJECT_DIR (the source tree, if not one folder up), TH_CMAKE_ARGS (extra arguments for the
+build of its own), TH_BUILD_JOBS (its parallelism; default 2).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def cmake_build() -> str:
                            "(pip copied python/ alone? use pip >= 21.3, which builds in place)")
     build_dir = os.environ.get("TH_BUILD_DIR")
     if build_dir:
-        build_dir = os.path.abspath(build_dir)
+        # Relative to the source tree (the build backend runs in python/, not where it was called).
+        build_dir = os.path.abspath(os.path.join(PROJECT, build_dir))
         if not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
             raise RuntimeError(f"TH_BUILD_DIR={build_dir} is not a configured CMake build (no CMakeCache.txt)")
     else:

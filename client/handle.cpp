@@ -509,7 +509,8 @@ Outcome Handle::Impl::call(RequestBody body, std::optional<TimeMs> deadline_ms) 
     if (!call_done_.wait_for(lock, std::chrono::milliseconds(*deadline_ms), answered)) {
       calls_.erase(id);
       return make_error(Errc::kUnavailable, "no server answered within " + std::to_string(*deadline_ms) + " ms" +
-                                                (last_server_error_.empty() ? "" : " (last: " + last_server_error_ + ")"));
+                                                (last_server_error_.empty() ? "" : " (last: " + last_server_error_ + ")") +
+                                                (http_hint_.empty() ? "" : "; " + http_hint_));
     }
   } else {
     call_done_.wait(lock, answered);

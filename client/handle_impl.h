@@ -179,9 +179,12 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_reshard_read(ReadJob& job);
   void complete_call(std::uint64_t call_id, Outcome outcome);
   void fail_everything(Error error);
-  // Asks `server`, once, whether it speaks HTTP (it hung up on the hello); if it does before any
-  // server took us, open() fails naming it (a metrics port given as a server, say).
+  // Asks `server`, once, whether it speaks HTTP (it hung up on the hello, or kept quiet for
+  // kHelloQuietMs); note_http records one that does: open()'s error names it, and open() fails at
+  // once when every server does (a metrics port given as the server, say).
   void probe_http(std::uint32_t server);
+  void note_http(std::uint32_t server);
+  static constexpr TimeMs kHelloQuietMs = 1'000;
   void log(LogLevel level, std::string_view component, const std::string& line) const;
 
   ClientOptions options_;
@@ -215,6 +218,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   std::unique_ptr<kj::TlsContext> tls_;
   bool ever_connected_ = false;  // a server answered a connect call (I/O thread)
   std::set<std::uint32_t> http_probed_;  // servers probe_http asked (at most options_.servers)
+  std::set<std::uint32_t> http_servers_;  // servers found to speak HTTP
   std::map<std::uint32_t, std::unique_ptr<Link>> links_;
   std::map<std::uint32_t, std::pair<TimeMs, TimeMs>> reconnect_;  // server -> (not before, backoff)
   std::uint64_t next_generation_ = 1;
@@ -268,6 +272,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // The replicate or update in flight, if it was started by begin_receive (its answer goes there).
   std::shared_ptr<Receive::State> active_receive_;
   std::string last_server_error_;  // why the last server link was lost (for open()'s timeout)
+  std::string http_hint_;          // a server that speaks HTTP (note_http), for open()'s timeout
   std::uint64_t next_call_id_ = 1;
 
   // The reader thread.

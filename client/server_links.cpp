@@ -139,6 +139,15 @@ void Handle::Impl::connect(std::uint32_t server) {
               hello.setClientSecret(kj::arrayPtr(client_secret_.data(), client_secret_.size()));
             });
             flush(*link);
+            if (tls_ == nullptr && !ever_connected_) {
+              // th-server answers a hello at once; an HTTP endpoint waits for a request line
+              // (kj-http: 5 s) before it hangs up. Ask a peer that stays quiet, before open()'s
+              // deadline can pass on it.
+              tasks_->add(loop_->timer().afterDelay(kHelloQuietMs * kj::MILLISECONDS).then([this, server, find_link] {
+                Link* quiet = find_link();
+                if (quiet != nullptr && !quiet->connected && !ever_connected_) probe_http(server);
+              }));
+            }
             link->reading = read_frames(server, generation).eagerlyEvaluate([this, server, generation](kj::Exception&& exception) {
               const std::string why = exception.getDescription().cStr();
               lose(server, generation,
@@ -236,16 +245,35 @@ void Handle::Impl::probe_http(std::uint32_t server) {
   tasks_->add(loop_->timer()
                   .timeoutAfter(kProbeTimeoutMs * kj::MILLISECONDS, kj::mv(answers_http))
                   .then(
-                      [this, address](bool http) {
-                        if (!http || ever_connected_) return;
-                        fail_everything(make_error(
-                            Errc::kInvalidArgument,
-                            "server " + address + " answers HTTP: it is an HTTP endpoint (th-server's " +
-                                "--metrics-listen address, or a web server?), not th-server's --listen address"));
+                      [this, server](bool http) {
+                        if (http) note_http(server);
                       },
                       [](kj::Exception&&) {
                         // The probe is a hint only: the retries go on as for any lost server.
                       }));
+}
+
+void Handle::Impl::note_http(std::uint32_t server) {
+  if (!http_servers_.insert(server).second) return;
+  const std::string hint = "server " + options_.servers.at(server) +
+                           " answers HTTP: it is an HTTP endpoint (th-server's --metrics-listen address, or a web "
+                           "server?), not th-server's --listen address";
+  log(LogLevel::kWarning, "control", hint);
+  {
+    std::lock_guard lock(calls_mutex_);
+    http_hint_ = hint;
+  }
+  // Waiting for it to hang up (kj-http: 5 s) would only delay the next server.
+  if (auto found = links_.find(server); found != links_.end() && !found->second->connected) {
+    lose(server, found->second->generation, hint);
+  }
+  // Retrying cannot help once every server answers HTTP: open() fails now. While another might
+  // still answer, the others are tried until open()'s deadline, whose error carries the hint.
+  if (!ever_connected_ && http_servers_.size() == options_.servers.size()) {
+    fail_everything(make_error(Errc::kInvalidArgument, options_.servers.size() == 1
+                                                           ? hint
+                                                           : "every server answers HTTP; " + hint));
+  }
 }
 
 void Handle::Impl::on_frame(Link& link, wire::ServerFrame::Reader frame) {
@@ -330,6 +358,8 @@ void Handle::Impl::lose(std::uint32_t server, std::uint64_t generation, const st
   // Destroy the connection after the current callback unwinds; tell the agent.
   tasks_->add(kj::evalLater([link = std::move(link)] {}));
   post(ServerLost{server});
+  // Last: the link is gone, so note_http finds none to lose again.
+  if (!ever_connected_ && why.find(net::kPeerSpeaksHttp) != std::string::npos) note_http(server);
 }
 
 }  // namespace th

@@ -48,9 +48,12 @@ std::size_t FrameStream::declared_words(std::size_t whole_words) const {
     // endpoint, a web server, a TLS port): say what it speaks, not what its bytes would mean.
     const char* text = reinterpret_cast<const char*>(start);
     auto starts_with = [&](std::string_view prefix) { return std::string_view(text, 4).substr(0, prefix.size()) == prefix; };
-    if (starts_with("HTTP") || starts_with("GET ") || starts_with("POST") || starts_with("HEAD") || starts_with("PUT ")) {
-      kj::throwFatalException(KJ_EXCEPTION(FAILED, "the peer speaks HTTP, not TensorHub's protocol (is this th-server's "
-                                                   "--metrics-listen address, or a web server? dial its --listen address)"));
+    // (An HTTP/0.9-style answer is the page alone: "<!DOCTYPE html>", "<html>".)
+    if (starts_with("HTTP") || starts_with("GET ") || starts_with("POST") || starts_with("HEAD") || starts_with("PUT ") ||
+        starts_with("<!DO") || starts_with("<!do") || starts_with("<htm") || starts_with("<HTM")) {
+      kj::throwFatalException(KJ_EXCEPTION(FAILED, std::string(kPeerSpeaksHttp) + ", not TensorHub's protocol (is this "
+                                                   "th-server's --metrics-listen address, or a web server? dial its "
+                                                   "--listen address)"));
     }
     if (text[0] == 0x16 && text[1] == 0x03) {
       kj::throwFatalException(KJ_EXCEPTION(FAILED, "the peer speaks TLS and this end does not (give both ends the same "

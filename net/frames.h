@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace th::net {
@@ -38,6 +39,9 @@ namespace th::net {
 // first half is far above Cap'n Proto's segment count limit, so a Cap'n Proto RPC peer's first
 // message can never start this way: th-server tells the two apart by these bytes.
 inline constexpr std::array<kj::byte, 8> kFramedMagic = {'T', 'H', 'F', 'R', 'A', 'M', 'E', '1'};
+// How a FrameStream's error begins when the peer's bytes are HTTP (a metrics port, a web server):
+// libthclient recognises such a server by it.
+inline constexpr std::string_view kPeerSpeaksHttp = "the peer speaks HTTP";
 
 class FrameStream final : private kj::TaskSet::ErrorHandler {
  public:

@@ -4,8 +4,9 @@ The extension (tensorhub._core), libthclient and th-server/th-ctl come from a CM
 TH_BUILD_DIR names (already configured; its targets are brought up to date), or else a build of
 its own in <project>/build-wheel (Release, without tests and benchmarks). Every library they load
 besides glibc's and libstdc++'s (Cap'n Proto, KJ, xxHash, OpenSSL) is copied into
-tensorhub/_libs with patchelf setting each one's search path to its own folder, as auditwheel
-does; libibverbs and CUDA are not linked (libthclient opens them at run time where present).
+tensorhub/_libs under a name of its own, with patchelf setting each one's search path to its own
+folder, as auditwheel does; libibverbs is not linked (libthclient opens it at run time where
+present), nor is CUDA in a build without the toolkit.
 Debian's static Cap'n Proto and KJ are built without -fPIC and cannot go into a shared object,
 hence copies rather than static links: the effect for the user is the same.
 
@@ -17,6 +18,7 @@ build of its own), TH_BUILD_JOBS (its parallelism; default 2).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -84,10 +86,22 @@ def dependencies(elf: str) -> dict[str, str]:
     return found
 
 
-def set_search_path(elf: str, path: str) -> None:
+def patchelf(elf: str, *arguments: str) -> None:
     if shutil.which("patchelf") is None:
         raise RuntimeError("patchelf is needed to build the wheel (Debian: apt-get install patchelf)")
-    run(["patchelf", "--set-rpath", path, "--force-rpath", elf])
+    run(["patchelf", *arguments, elf])
+
+
+def set_search_path(elf: str, path: str) -> None:
+    patchelf(elf, "--set-rpath", path, "--force-rpath")
+
+
+def private_name(soname: str, path: str) -> str:
+    """libssl.so.3 -> libssl-<8 hex digits of its content>.so.3."""
+    with open(path, "rb") as library:
+        digest = hashlib.sha256(library.read()).hexdigest()[:8]
+    stem, separator, version = soname.partition(".so")
+    return f"{stem}-{digest}{separator}{version}"
 
 
 class BundleNative(Command):
@@ -126,14 +140,26 @@ class BundleNative(Command):
             for soname, path in dependencies(elf).items():
                 if not SYSTEM_LIBRARIES.match(soname):
                     bundled.setdefault(soname, path)
+        # Each copy gets a name of its own (libssl.so.3 -> libssl-1a2b3c4d.so.3, as auditwheel
+        # does): a process that also loads the system's or conda's libssl.so.3 (Python's ssl
+        # module) then gets two libraries side by side, each used by its own, instead of one
+        # soname shared by code built against different versions.
         copies = []
+        renamed = {}
         for soname, path in sorted(bundled.items()):
-            copies.append(os.path.join(libs, soname))
+            renamed[soname] = private_name(soname, path)
+            copies.append(os.path.join(libs, renamed[soname]))
             shutil.copyfile(path, copies[-1])
             os.chmod(copies[-1], 0o755)
         # Debug information stays in the build (a RelWithDebInfo build's binaries are mostly that).
         if shutil.which("strip"):
             run(["strip", "--strip-debug", extension, *binaries, *copies])
+        replacements = [argument for old, new in renamed.items() for argument in ("--replace-needed", old, new)]
+        for elf in [extension, *binaries, *copies]:
+            if replacements:
+                patchelf(elf, *replacements)
+        for soname, copy in zip(sorted(bundled), copies):
+            patchelf(copy, "--set-soname", renamed[soname])
         for copy in copies:
             set_search_path(copy, "$ORIGIN")
         set_search_path(extension, f"$ORIGIN/{BUNDLED}")

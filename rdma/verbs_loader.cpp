@@ -39,6 +39,11 @@ const VerbsLibrary& verbs_library() {
     if (opened.handle == nullptr) {
       const char* reason = ::dlerror();
       opened.error = reason != nullptr ? reason : "dlopen failed";
+    } else if (::dlsym(opened.handle, "ibv_get_device_list") == nullptr) {
+      // Another library by mistake (TH_IBVERBS_LIBRARY=libz.so.1): say so, rather than "no device".
+      ::dlclose(opened.handle);
+      opened.handle = nullptr;
+      opened.error = "it has no ibv_get_device_list: it is not libibverbs";
     }
     return opened;
   }();

@@ -124,7 +124,10 @@ class ServerConnection {
 // endpoint and other web servers speak HTTP. Ask it, in HTTP, and say so if it answers.
 std::string describe_failure(kj::AsyncIoContext& io, const std::string& server, bool tls, const kj::Exception& exception) {
   std::string text = exception.getDescription().cStr();
+  // (A web server that answers with a page alone leaves Cap'n Proto waiting for a frame it
+  // announced: the call times out, OVERLOADED.)
   const bool unexpected_peer = exception.getType() == kj::Exception::Type::DISCONNECTED ||
+                               exception.getType() == kj::Exception::Type::OVERLOADED ||
                                text.find("segments") != std::string::npos;
   if (!unexpected_peer || tls) return text;
   constexpr long kProbeTimeoutMs = 1'000;

@@ -44,6 +44,22 @@ dpkg -i "$deb" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; exit 1; 
 getent passwd tensorhub > /dev/null || { echo "deb_test: no user tensorhub" >&2; exit 1; }
 [ "$(stat -c '%a %U' /etc/tensorhub/token)" = "600 tensorhub" ] ||
   { echo "deb_test: /etc/tensorhub/token is $(stat -c '%a %U' /etc/tensorhub/token)" >&2; exit 1; }
+# Enabled at the first install, even with no systemd running (deb-systemd-helper's links).
+wants=/etc/systemd/system/multi-user.target.wants/th-server.service
+if command -v deb-systemd-helper > /dev/null; then
+  [ -L "$wants" ] || { echo "deb_test: th-server.service is not enabled ($wants)" >&2; exit 1; }
+fi
+# Installed again (an upgrade to the same version): the token stays; an empty one is replaced, and
+# one left readable by others is made 0600 again.
+token_before=$(cat /etc/tensorhub/token)
+chmod 0644 /etc/tensorhub/token
+dpkg -i "$deb" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; exit 1; }
+[ "$(cat /etc/tensorhub/token)" = "$token_before" ] || { echo "deb_test: a reinstall changed the token" >&2; exit 1; }
+[ "$(stat -c '%a' /etc/tensorhub/token)" = 600 ] || { echo "deb_test: a reinstall left the token readable" >&2; exit 1; }
+: > /etc/tensorhub/token
+dpkg -i "$deb" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; exit 1; }
+[ -s /etc/tensorhub/token ] || { echo "deb_test: an empty token was kept" >&2; exit 1; }
+echo "reinstalled: the token kept (and made 0600 again); an empty one replaced"
 unit=/usr/lib/systemd/system/th-server.service
 if command -v systemd-analyze > /dev/null && systemd-analyze verify "$unit" > "$scratch/verify.log" 2>&1; then
   echo "systemd-analyze verify: ok"
@@ -66,5 +82,6 @@ grep -q . /var/log/tensorhub/th-server.log || { echo "deb_test: nothing in /var/
 echo "th-server ran as tensorhub from the unit's command line; its log: $(wc -l < /var/log/tensorhub/th-server.log) lines"
 dpkg --purge tensorhub > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; exit 1; }
 installed=0
-[ ! -e /usr/bin/th-server ] && [ ! -e /etc/tensorhub ] || { echo "deb_test: purge left files behind" >&2; exit 1; }
+[ ! -e /usr/bin/th-server ] && [ ! -e /etc/tensorhub ] && [ ! -L "$wants" ] ||
+  { echo "deb_test: purge left files behind" >&2; exit 1; }
 echo "deb_test: ok"

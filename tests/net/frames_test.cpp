@@ -141,6 +141,7 @@ TEST_P(FrameStreamTest, APeerThatSpeaksHttpOrTlsIsNamedSo) {
   for (const auto& [bytes, words] :
        {std::pair<std::string, std::string>{"HTTP/1.1 400 Bad Request\r\n\r\n", "speaks HTTP"},
         {"GET /metrics HTTP/1.1\r\n\r\n", "--metrics-listen"},
+        {"<!DOCTYPE HTML>\n<html><body>Error response</body></html>\n", "speaks HTTP"},  // HTTP/0.9: the page alone
         {std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11), "speaks TLS"}}) {
     IoLoop loop;
     Pair pair = connected(loop, GetParam());

@@ -70,7 +70,17 @@ with tensorhub.Server() as server:
         rollout.register("w", received)
         info = rollout.replicate("latest")
         assert info.version == 1 and received == weights, (info, received[:4])
-print("bare venv: published and replicated 4000 bytes through array.array")
+# The wheel's copies of shared libraries have names of their own: Python's ssl module, loaded
+# after tensorhub, still uses the system's libssl, not the wheel's.
+import os, ssl
+package = os.path.realpath(os.path.dirname(tensorhub.__file__))
+mapped = {line.split()[-1] for line in open("/proc/self/maps") if "/" in line.split()[-1]}
+ours = sorted(os.path.basename(path) for path in mapped if path.startswith(package + os.sep))
+theirs = sorted(path for path in mapped if os.path.basename(path).startswith("libssl.so"))
+assert all("-" in name for name in ours if name.startswith("lib")), ours
+assert theirs and not any(path.startswith(package) for path in theirs), theirs
+print("bare venv: published and replicated 4000 bytes through array.array; ssl uses", theirs[0],
+      "beside the wheel's", [name for name in ours if name.startswith("libssl")])
 PY
 
 echo "== 3. the Python tests against the installed wheel (at ${SECONDS} s)"

@@ -9,7 +9,7 @@ install(PROGRAMS ${PROJECT_SOURCE_DIR}/tools/timeline-plot DESTINATION ${CMAKE_I
 # The example unit names /usr/local/bin (a `cmake --install` default); the package installs in /usr.
 file(READ ${PROJECT_SOURCE_DIR}/examples/systemd/th-server.service th_unit)
 string(REPLACE "/usr/local/bin/" "/usr/bin/" th_unit "${th_unit}")
-string(REPLACE "file:///usr/local/share/doc/tensorhub/README.md" "man:th-server(1) file:///usr/share/doc/tensorhub/README.md"
+string(REPLACE "file:///usr/local/share/doc/tensorhub/README.md" "file:///usr/share/doc/tensorhub/README.md"
        th_unit "${th_unit}")
 file(WRITE ${PROJECT_BINARY_DIR}/deb/th-server.service "${th_unit}")
 install(FILES ${PROJECT_BINARY_DIR}/deb/th-server.service DESTINATION lib/systemd/system COMPONENT deb EXCLUDE_FROM_ALL)
@@ -26,7 +26,9 @@ set(CPACK_STRIP_FILES ON)  # the build is RelWithDebInfo; the package carries no
 set(CPACK_DEBIAN_PACKAGE_SECTION net)
 # The libraries' packages (libcapnp, libkj, libxxhash, OpenSSL) from what the binaries link.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
-set(CPACK_DEBIAN_PACKAGE_DEPENDS "adduser, python3")  # postinst; timeline-plot and the Python package
+# adduser: postinst. python3 3.11: timeline-plot, and the Python package (built for Debian 12's
+# python3, in /usr/lib/python3.11/dist-packages).
+set(CPACK_DEBIAN_PACKAGE_DEPENDS "adduser, python3 (>= 3.11), python3 (<< 3.12)")
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "python3-matplotlib, rdma-core")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_EXTRA
     ${PROJECT_SOURCE_DIR}/tools/deb/postinst ${PROJECT_SOURCE_DIR}/tools/deb/prerm ${PROJECT_SOURCE_DIR}/tools/deb/postrm)

@@ -15,11 +15,8 @@ if [ "$(echo $headers)" != "$expected" ]; then
   echo "check_install: installed headers are not exactly: $expected" >&2
   exit 1
 fi
-# A consumer compiled with -I<prefix>/include alone (no CMake, no source tree) builds and links.
-c++ -std=c++20 -I"$scratch/prefix/include" "$source_dir/consumer/consumer.cpp" \
-    -L"$scratch/prefix/lib" -lthclient -o "$scratch/consumer-plain"
-LD_LIBRARY_PATH="$scratch/prefix/lib" "$scratch/consumer-plain"
-# With pkg-config, and an rpath to the library's folder: it runs without LD_LIBRARY_PATH.
+# A consumer compiled with pkg-config's flags alone (-I<prefix>/include -L<prefix>/lib -lthclient;
+# no CMake, no source tree) and an rpath to the library's folder: it runs without LD_LIBRARY_PATH.
 export PKG_CONFIG_PATH="$scratch/prefix/lib/pkgconfig"
 echo "pkg-config --cflags --libs tensorhub:" $(pkg-config --cflags --libs tensorhub)
 libdir=$(pkg-config --variable=libdir tensorhub)

@@ -370,6 +370,18 @@ void Handle::Impl::apply(const AgentEffect& effect) {
           start_offload(e.version);
         } else if constexpr (std::is_same_v<T, FreeOffload>) {
           offloads_.erase(e.version);  // grants still reading it keep it alive until revoked
+        } else if constexpr (std::is_same_v<T, CopyFoundCorrupt>) {
+          {
+            std::lock_guard lock(stats_mutex_);
+            ++stats_.copies_found_corrupt;
+          }
+          log(LogLevel::kError, "handle",
+              "readers found " + std::string(e.offload ? "the CPU offload copy" : "the registered tensors") +
+                  " of version " + std::to_string(e.version) + " of this shard failing the checksums " +
+                  (e.offload ? "they were copied with" : "taken when it was published or received") +
+                  ", twice: the server no longer reads from it. Were the tensors written while published "
+                  "(between publish() and the return of unpublish()), or rewritten in place by the engine "
+                  "after a receive? (Or the bytes broke on the way twice: a NIC or link fault.)");
         } else {
           static_assert(std::is_same_v<T, CallDone>);
           // Holding nothing (unpublished, closed, a receive that failed or was cancelled): nobody

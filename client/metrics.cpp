@@ -136,6 +136,9 @@ std::string ClientMetrics::render() const {
           &HandleStats::reads_failed);
   counter("th_client_checksum_failures_total", "Received bytes that did not match their checksum",
           &HandleStats::checksum_failures);
+  counter("th_client_copies_found_corrupt_total",
+          "Times readers found this shard's copy failing its checksums twice (written while published?)",
+          &HandleStats::copies_found_corrupt);
   counter("th_client_servers_lost_total", "Control connections lost (each a failover or a reconnect)",
           &HandleStats::servers_lost);
   counter("th_client_memory_registrations_total", "NIC memory registrations made", &HandleStats::memory_registrations);

@@ -190,6 +190,9 @@ void ShardAgent::on_hub(const FromHub& message) {
           on_offload(body);
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
           on_release_offload(body);
+        } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+          // Only news for the application: the hub already stopped reading from the copy.
+          if (phase_ == AgentPhase::kOpen) emit(CopyFoundCorrupt{body.version, body.offload_copy != 0});
         } else {
           static_assert(std::is_same_v<T, Evicted>);
           // While an open is in flight, "unknown client" only means the hub has not seen it yet.

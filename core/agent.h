@@ -133,13 +133,20 @@ struct MakeOffload {
 struct FreeOffload {
   Version version = 0;
 };
+// Readers found this shard's bytes of `version` (its registered buffers, or with `offload` its CPU
+// offload copy) failing the checksums they had when published or received, twice: the hub reads
+// from them no more. The shell tells the application (log, HandleStats).
+struct CopyFoundCorrupt {
+  Version version = 0;
+  bool offload = false;
+};
 struct CallDone {
   std::uint64_t call_id = 0;
   Outcome outcome;
 };
 
 using AgentEffect = std::variant<SendRequest, SendReport, BeginRead, CancelRead, GrantServe, RevokeServe,
-                                 MakeOffload, FreeOffload, CallDone>;
+                                 MakeOffload, FreeOffload, CopyFoundCorrupt, CallDone>;
 using AgentEffects = std::vector<AgentEffect>;
 
 enum class AgentPhase : std::uint8_t { kIdle, kOpening, kOpen, kEvicted, kClosed };

@@ -32,9 +32,13 @@
 //              not vacuous: it holds only once some open replica plays the role and every such
 //              replica holds the version or a newer one
 //   close      when the replica's copies have drained; a departure: no offload is made, since it
-//              would live in the memory of the process that leaves. Refused (kLastRetainedCopy)
-//              while the replica holds the last non-spot copy of a version another replica's
-//              rule retains: the application hands it on (or waits for that rule to go) first
+//              would live in the memory of the process that leaves. Never refused: a replica
+//              leaves as it may crash, without anyone's consent (paper §2: rollouts join and
+//              leave without the trainer's awareness). The last non-spot copy of a version
+//              another replica's rule retains leaves with it, as with a crash (DESIGN.md §5,
+//              invariant 2 holds while a holder exists): counted (retained_versions_left), and
+//              named in the kVersionUnavailable of the readers it fails. A trainer that must not
+//              lose its last version waits first (wait: kRoleHolds) for a rollout to hold it
 // Every call of a replica is a transaction: its shards get identical answers.
 #pragma once
 
@@ -45,6 +49,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "core/client_table.h"
 #include "core/hub_state.h"
@@ -65,6 +70,11 @@ struct HubStats {
   std::uint64_t calls_cancelled = 0;  // calls a shard cancelled (CancelCall)
   std::uint64_t models_forgotten = 0;  // models that ended (no replica for model_grace_ms)
   std::uint64_t readers_revoked = 0;   // reads of a draining copy cut at its drain grace
+  // Closes that took the last non-spot copy of a version another replica's rule retained (see
+  // close, above); readers still pulling from the closing copy as it drains may yet keep it.
+  std::uint64_t retained_versions_left = 0;
+  // Copies whose bytes failed readers' checksums twice; their owners are told (CopyCorrupt).
+  std::uint64_t copies_found_corrupt = 0;
 };
 
 // Who a client is (th-server's transfer timeline and metrics).
@@ -216,6 +226,8 @@ class Hub {
   // A reader of another layout found a piece of `copy` failing its checksum, or assembled bytes
   // that a copy of its own layout does not hold: it read from every shard and names none.
   void on_reshard_mismatch(Copy& copy);
+  // Tells the owner of a copy becoming corrupt (CopyCorrupt): the shard at fault, or every shard.
+  void tell_corrupt(const Copy& copy, std::optional<std::uint32_t> shard);
   void reindex(Copy& copy);
   detail::Contribution contribution(const Copy& copy) const;
   void apply(Copy& copy, const detail::Contribution& contribution, int sign);
@@ -280,9 +292,11 @@ class Hub {
   // Retained by the rules of every open shard except those of `replica`.
   bool retained_by_others(const Model& model, Version version, const Replica& replica) const;
   bool kept_latest(const Model& model, Version version, std::uint64_t keep) const;
-  // A version whose last non-spot copy would go if `replica` left, and that another replica's
-  // rule retains; none if the replica may leave.
-  std::optional<Version> last_retained_copy(const Replica& replica) const;
+  // The versions whose last non-spot copy goes if `replica` leaves, and that another replica's
+  // rule retains.
+  std::vector<Version> last_retained_copies(const Replica& replica) const;
+  // Why no copy of a version is left, when the hub knows more than that (for kVersionUnavailable).
+  static std::string why_none_left(const VersionRecord& record);
   // The k-th newest version that was ever complete here (0: latest); none if fewer exist.
   std::optional<Version> newest_existing(const Model& model, std::uint64_t k) const;
   // Drain deadlines (settings_.drain_grace_ms): armed as a copy starts draining, disarmed as it

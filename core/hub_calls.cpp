@@ -409,7 +409,8 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
       resolution.kind = Resolution::Kind::kError;
       resolution.error = make_error(Errc::kVersionUnavailable,
                                     "no copy of " + format_selector(selector) + " (version " +
-                                        std::to_string(*existing) + ") or of any older version is left");
+                                        std::to_string(*existing) + ") or of any older version is left" +
+                                        why_none_left(model.versions.at(*existing)));
       return resolution;
     }
     target = *readable;
@@ -427,7 +428,8 @@ Hub::Resolution Hub::resolve(const Model& model, const Selector& selector) const
   if (found->second.roots == 0) {
     resolution.kind = Resolution::Kind::kError;
     resolution.error = make_error(Errc::kVersionUnavailable,
-                                  "no copy of version " + std::to_string(target) + " is left");
+                                  "no copy of version " + std::to_string(target) + " is left" +
+                                      why_none_left(found->second));
     return resolution;
   }
   resolution.kind = Resolution::Kind::kGo;
@@ -556,7 +558,8 @@ bool Hub::evaluate_wait(const Model& model, const WaitPredicate& predicate, Erro
         if (found->second.complete_primaries >= predicate.replicas_min) return true;
         if (found->second.ever_complete && found->second.roots == 0) {
           *error = make_error(Errc::kVersionUnavailable,
-                              "no copy of version " + std::to_string(predicate.version) + " is left");
+                              "no copy of version " + std::to_string(predicate.version) + " is left" +
+                                  why_none_left(found->second));
         }
         return false;
       }
@@ -660,14 +663,11 @@ std::shared_ptr<const ListSnapshot> Hub::make_snapshot(const Model& model) const
 // ---- close -----------------------------------------------------------------------------------------
 
 void Hub::on_close(Replica& replica, Txn& txn) {
-  // Leaving with the last copy of a version others keep would lose it (§5.2): refused, so that
-  // the application can unpublish (which offloads) or wait until another replica holds it.
-  if (const std::optional<Version> last = last_retained_copy(replica)) {
-    finish(replica, txn, make_error(Errc::kLastRetainedCopy,
-                                    describe(replica) + " holds the last copy of version " +
-                                        std::to_string(*last) +
-                                        ", which another replica's retention rule keeps"));
-    return;
+  // A departure is never refused (see close in hub.h): a clean close must not be worse than a
+  // crash, which nobody can refuse. A retained version that leaves with it is counted and named.
+  for (Version version : last_retained_copies(replica)) {
+    replica.model->versions.at(version).left_with = describe(replica);
+    ++stats_.retained_versions_left;
   }
   replica.phase = ReplicaPhase::kClosing;
   txn.stage = TxnStage::kClosing;

@@ -205,11 +205,25 @@ void Hub::set_readers(Copy& copy, std::uint32_t readers) {
 void Hub::on_mismatch(Copy& copy, std::uint32_t shard) {
   TH_ASSERT(shard < copy.owner->num_shards);
   if (copy.mismatched.test(shard)) {
+    if (!copy.corrupt) tell_corrupt(copy, shard);
     copy.corrupt = true;
   } else {
     copy.mismatched.set(shard);
   }
   set_failed(copy);
+}
+
+// The owner hears that its copy is no source any more (issue 33, friction 1: a trainer writing
+// its tensors while published was never told), once, as the copy becomes corrupt.
+void Hub::tell_corrupt(const Copy& copy, std::optional<std::uint32_t> shard) {
+  TH_ASSERT(!copy.corrupt, "told once per copy");
+  const CopyCorrupt notice{copy.record->version, copy.kind == CopyKind::kOffload ? copy.id : 0};
+  if (shard) {
+    emit_to(copy.owner->shards.at(*shard), notice);
+  } else {
+    emit_to_replica(*copy.owner, notice);
+  }
+  ++stats_.copies_found_corrupt;
 }
 
 // The copy as a whole is suspect: a second failure of any of its shards, for a reader of any
@@ -218,6 +232,7 @@ void Hub::on_mismatch(Copy& copy, std::uint32_t shard) {
 // read across layouts clears nothing: it may not have touched the shard at fault.
 void Hub::on_reshard_mismatch(Copy& copy) {
   if (copy.mismatched.any()) {
+    if (!copy.corrupt) tell_corrupt(copy, std::nullopt);
     copy.corrupt = true;
   } else {
     for (std::uint32_t shard = 0; shard < copy.owner->num_shards; ++shard) copy.mismatched.set(shard);
@@ -231,6 +246,7 @@ void Hub::on_copy_complete(Copy& copy) {
   TH_ASSERT(copy.state == CopyState::kComplete);
   TH_ASSERT(copy.ready.count() == copy.owner->num_shards);
   record.ever_complete = true;
+  record.left_with.clear();  // a reader of the closed copy finished: the version has a holder again
   if (!model.latest || record.version > *model.latest) {
     TH_ASSERT(!model.latest || record.version > *model.latest, "latest only moves forward");
     model.latest = record.version;
@@ -546,8 +562,9 @@ bool Hub::kept_latest(const Model& model, Version version, std::uint64_t keep) c
   return !floor || version >= *floor;
 }
 
-std::optional<Version> Hub::last_retained_copy(const Replica& replica) const {
-  if (replica.spot) return std::nullopt;  // a spot replica's copies never count
+std::vector<Version> Hub::last_retained_copies(const Replica& replica) const {
+  std::vector<Version> versions;
+  if (replica.spot) return versions;  // a spot replica's copies never count
   std::vector<const Copy*> copies(replica.offloads.begin(), replica.offloads.end());
   if (replica.primary != nullptr) copies.push_back(replica.primary);
   for (const Copy* copy : copies) {
@@ -562,11 +579,18 @@ std::optional<Version> Hub::last_retained_copy(const Replica& replica) const {
     }
     const std::uint32_t safe = record.safe_primaries + record.safe_offloads;
     TH_ASSERT(own <= safe, "a replica's safe copies are counted in its version's");
-    if (safe - own == 0 && retained_by_others(*replica.model, record.version, replica)) {
-      return record.version;
+    if (safe - own == 0 && retained_by_others(*replica.model, record.version, replica) &&
+        std::find(versions.begin(), versions.end(), record.version) == versions.end()) {
+      versions.push_back(record.version);
     }
   }
-  return std::nullopt;
+  TH_ASSERT(versions.size() <= replica.offloads.size() + 1, "one entry per copy at most");
+  return versions;
+}
+
+std::string Hub::why_none_left(const VersionRecord& record) {
+  if (record.left_with.empty()) return {};
+  return " (its last copy left with " + record.left_with + ", which closed)";
 }
 
 std::optional<Version> Hub::newest_existing(const Model& model, std::uint64_t k) const {

@@ -159,6 +159,8 @@ struct VersionRecord {
   std::map<LayoutId, std::uint32_t> roots_by_layout;
   std::deque<Transfer*> waiting;            // transfers waiting for a source, in arrival order
   bool dirty = false;                       // sources changed since `waiting` was last retried
+  // The replica whose close took the last copy a rule retained (Hub::on_close); empty if none.
+  std::string left_with;
 };
 
 struct Transfer {

@@ -219,7 +219,7 @@ void Hub::try_assign(Transfer& transfer) {
         if (++corrupt_count <= kNamedMax) corrupt += (corrupt.empty() ? "" : ", ") + detail::describe(*copy->owner);
       }
       std::string message = "no copy of version " + std::to_string(transfer.reader->record->version) +
-                            " is left to read from";
+                            " is left to read from" + why_none_left(*transfer.reader->record);
       if (corrupt_count > 0) {
         if (corrupt_count > kNamedMax) corrupt += " and " + std::to_string(corrupt_count - kNamedMax) + " more";
         message += ": the copies of " + corrupt +

@@ -287,13 +287,23 @@ struct ReleaseOffload {
   Version version = 0;
   std::uint64_t copy = 0;
 };
+// To the shard of a copy whose bytes failed readers' checksums twice (to every shard when a read
+// across layouts cannot say which): the hub reads from it no more. Its tensors changed while they
+// were being served (a trainer writing while published, an engine that rewrites its weights in
+// place), or the bytes broke on their way twice. `offload_copy`: 0 for the registered buffers,
+// else the CPU offload copy it names (as Offload did).
+struct CopyCorrupt {
+  Version version = 0;
+  std::uint64_t offload_copy = 0;
+};
 // To a shard: your replica was removed; re-open (with a new incarnation) to continue.
 struct Evicted {
   Errc reason = Errc::kReplicaEvicted;
   std::string detail;
 };
 
-using Message = std::variant<Reply, StartRead, ServeRead, StopServing, Offload, ReleaseOffload, Evicted>;
+using Message =
+    std::variant<Reply, StartRead, ServeRead, StopServing, Offload, ReleaseOffload, CopyCorrupt, Evicted>;
 
 struct Effect {
   ClientId client = 0;

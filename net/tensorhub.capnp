@@ -231,8 +231,9 @@ struct Effect {
     offload @19 :UInt64;         # the version
     releaseOffload @20 :UInt64;  # the version
     evicted :group { reason @21 :UInt8; detail @22 :Text; }
+    copyCorrupt @32 :UInt64;     # the version: readers found this shard's copy failing its checksums
   }
-  offloadCopy @25 :UInt64;  # offload, releaseOffload: the copy they name
+  offloadCopy @25 :UInt64;  # offload, releaseOffload, copyCorrupt: the copy they name (copyCorrupt: 0 for the buffers)
 }
 
 # ---- Interfaces ---------------------------------------------------------------------------------

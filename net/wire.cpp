@@ -537,6 +537,9 @@ Effect get(wire::Effect::Reader in) {
     case wire::Effect::Message::RELEASE_OFFLOAD:
       effect.message = ReleaseOffload{message.getReleaseOffload(), in.getOffloadCopy()};
       break;
+    case wire::Effect::Message::COPY_CORRUPT:
+      effect.message = CopyCorrupt{message.getCopyCorrupt(), in.getOffloadCopy()};
+      break;
     case wire::Effect::Message::EVICTED: {
       auto evicted = message.getEvicted();
       effect.message = Evicted{enum_in_range(evicted.getReason(), kErrcLast, "eviction reason"),
@@ -701,6 +704,9 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
           message.setReleaseOffload(body.version);
           out.setOffloadCopy(body.copy);
+        } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+          message.setCopyCorrupt(body.version);
+          out.setOffloadCopy(body.offload_copy);
         } else {
           static_assert(std::is_same_v<T, Evicted>);
           auto evicted = message.initEvicted();

@@ -792,6 +792,18 @@ void HubService::log_lifecycle(const HubStats& before, const HubStats& after) {
                              " read(s) of a draining copy revoked at the drain grace (" +
                              std::to_string(hub_.settings().drain_grace_ms) + " ms): read elsewhere", "hub");
   }
+  if (after.copies_found_corrupt > before.copies_found_corrupt) {
+    log(LogLevel::kWarn, std::to_string(after.copies_found_corrupt - before.copies_found_corrupt) +
+                             " copy(ies) failed readers' checksums twice: no longer read from, their owners told "
+                             "(tensors written while published?)", "hub");
+  }
+  if (after.retained_versions_left > before.retained_versions_left) {
+    log(LogLevel::kWarn, "a closing replica took the last copy of " +
+                                std::to_string(after.retained_versions_left - before.retained_versions_left) +
+                                " version(s) another replica's retention rule keeps: unless a reader still "
+                                "pulling from it finishes, their readers get version-unavailable (to keep a "
+                                "version, wait until another replica holds it before closing)", "hub");
+  }
   if (after.models_forgotten > before.models_forgotten) {
     log(LogLevel::kInfo, std::to_string(after.models_forgotten - before.models_forgotten) +
                              " model(s) ended after " + std::to_string(hub_.settings().model_grace_ms) +

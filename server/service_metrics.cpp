@@ -169,6 +169,12 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.family("th_server_readers_revoked_total", Type::kCounter,
              "Reads of a draining copy revoked at its drain grace (--drain-grace-ms) and sent elsewhere");
   out.sample({}, static_cast<double>(stats.readers_revoked));
+  out.family("th_server_copies_found_corrupt_total", Type::kCounter,
+             "Copies whose bytes failed readers' checksums twice (their owners are told)");
+  out.sample({}, static_cast<double>(stats.copies_found_corrupt));
+  out.family("th_server_retained_versions_left_total", Type::kCounter,
+             "Closes that took the last copy of a version another replica's retention rule kept");
+  out.sample({}, static_cast<double>(stats.retained_versions_left));
   out.family("th_server_models_ended_total", Type::kCounter,
              "Models forgotten after having no replica for the model grace (--model-grace-ms)");
   out.sample({}, static_cast<double>(stats.models_forgotten));

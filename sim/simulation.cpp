@@ -528,6 +528,24 @@ class Simulation {
   bool alive(int w) const { return workers_[w].alive; }
   Replica& replica_of(int w) { return replicas_[workers_[w].replica]; }
 
+  // The hub told this shard that readers found its copy corrupt (issue 33, friction 1). Told
+  // wrongly, an application would hunt for a writer that is not there: only a replica that held
+  // bytes other than the version's (a fault put them there), or whose copy two reads broke on the
+  // way out of (bit flips the readers cannot tell from bad bytes at the source), may be told.
+  void check_corrupt_notice(int w, const CopyFoundCorrupt& notice) {
+    const std::pair<std::string, Version> key{replica_of(w).name, notice.version};
+    const auto flipped = flipped_reads_of_.find(key);
+    const std::uint64_t flips = flipped == flipped_reads_of_.end() ? 0 : flipped->second;
+    if (!held_bad_bytes_.contains(key) && flips < 2) {
+      throw Violation("integrity: " + key.first + "/" + std::to_string(workers_[w].shard) +
+                      " was told its " + (notice.offload ? "offload copy" : "copy") + " of version " +
+                      std::to_string(notice.version) +
+                      " failed readers' checksums, but it never held other bytes than the version's and " +
+                      std::to_string(flips) + " read(s) of it broke on the way");
+    }
+    ++result_.corrupt_notices;
+  }
+
   TimeMs local_now(const Worker& worker) const {
     return worker.clock_offset_ms + now_ + now_ * worker.skew_ppm / 1'000'000;
   }
@@ -599,6 +617,8 @@ class Simulation {
           } else if constexpr (std::is_same_v<T, FreeOffload>) {
             worker.offloads.erase(e.version);
             worker.offloads_corrupt.erase(e.version);
+          } else if constexpr (std::is_same_v<T, CopyFoundCorrupt>) {
+            check_corrupt_notice(w, e);
           } else {
             static_assert(std::is_same_v<T, CallDone>);
             call_done(w, e);
@@ -1088,6 +1108,7 @@ class Simulation {
     std::optional<std::pair<std::uint64_t, int>> flip;
     if (flow.flip && flow.flip->first >= plan.bytes_before(piece) && flow.flip->first < plan.bytes_before(piece + 1)) {
       flip = {flow.flip->first - plan.bytes_before(piece), flow.flip->second};
+      ++flipped_reads_of_[{read.source.replica, read.version}];
     }
     switch (plan.land(piece, *bytes, flip, reader.buffer)) {
       case ReshardRead::Landed::kLanded:
@@ -1277,11 +1298,13 @@ class Simulation {
       if (flow.flip && flow.flip->first == offset) {
         byte = static_cast<std::uint8_t>(byte ^ (1U << flow.flip->second));
         corrupted = true;
+        ++flipped_reads_of_[{read.source.replica, read.version}];
       }
       (*into)[offset] = byte;
     }
     if (corrupted && seed) reader.offloads_corrupt.insert(read.version);
     if (corrupted && !seed) reader.buffer_corrupt = true;
+    if (corrupted) held_bad_bytes_.emplace(replica_of(flow.reader).name, read.version);
     if (!seed && flow.copied < std::min(target, size)) check_may_write(flow.reader, read.version);
     flow.copied = std::max(flow.copied, std::min(target, size));
     if (!seed) reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
@@ -1952,6 +1975,7 @@ class Simulation {
     Worker& worker = workers_[w];
     worker.buffer[rng_.below(worker.buffer.size())] ^= static_cast<std::uint8_t>(1U << rng_.below(8));
     worker.buffer_corrupt = worker.buffer_tampered = true;
+    held_bad_bytes_.emplace(replica_of(w).name, *worker.buffer_version);
     trace_.instant(w + 1, "buffers tampered with", "failure", now_);
     if (options_.verbose) {
       std::cerr << now_ << " ms: " << replica_of(w).name << "/" << worker.shard << "'s buffers (v"
@@ -2283,6 +2307,11 @@ class Simulation {
   std::map<ClientId, int> clients_;
   ClientId next_client_ = 1;
   std::map<std::pair<int, TransferId>, Flow> flows_;
+  // For check_corrupt_notice, by (replica, version), kept for the whole run (a notice may arrive
+  // after the buffers were written anew): copies that held bytes a fault changed, and reads of a
+  // copy that a bit flip hit on the way.
+  std::set<std::pair<std::string, Version>> held_bad_bytes_;
+  std::map<std::pair<std::string, Version>, std::uint64_t> flipped_reads_of_;
   // While an agent hears that an offload copy was made of buffers that had moved on: its version.
   std::optional<Version> torn_offload_;
   bool data_tick_scheduled_ = false;
@@ -2321,7 +2350,9 @@ std::string SimResult::summary() const {
       << crashes << " crashes, "
       << divergence_restarts << " divergence restarts, "
       << (run_restarts > 0 ? std::to_string(run_restarts) + " run restarts, " : std::string())
-      << (models_ended > 0 ? std::to_string(models_ended) + " models ended, " : std::string()) << evictions
+      << (models_ended > 0 ? std::to_string(models_ended) + " models ended, " : std::string())
+      << (corrupt_notices > 0 ? std::to_string(corrupt_notices) + " corrupt-copy notices, " : std::string())
+      << evictions
       << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << seeds
       << " seeds, " << messages
       << " messages (" << messages_lost << " lost, " << stale_messages << " again late), trace hash " << std::hex << trace_hash << std::dec;

@@ -110,6 +110,7 @@ struct SimResult {
   std::uint64_t failovers = 0;
   std::uint64_t offloads = 0;
   std::uint64_t seeds = 0;          // offload seeding: CPU copies read across datacenters
+  std::uint64_t corrupt_notices = 0;  // shards told readers found their copy corrupt (CopyCorrupt)
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;
   std::uint64_t stale_messages = 0;  // instructions that arrived again, late (knob stale)

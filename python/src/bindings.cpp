@@ -282,6 +282,7 @@ class PyHandle {
     out["bytes_served"] = s.bytes_served;
     out["reads_failed"] = s.reads_failed;
     out["checksum_failures"] = s.checksum_failures;
+    out["copies_found_corrupt"] = s.copies_found_corrupt;
     out["last_read_seconds"] = s.last_read_seconds;
     out["last_pull_seconds"] = s.last_pull_seconds;
     out["last_read_bytes"] = s.last_read_bytes;

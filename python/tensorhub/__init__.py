@@ -466,7 +466,9 @@ class Handle:
         return self._core.list()
 
     def stats(self) -> Dict[str, Any]:
-        """Bytes moved, reads failed, checksum failures, the transport in use, ..."""
+        """Bytes moved, reads failed, checksum failures, ``copies_found_corrupt`` (times readers
+        found this shard's tensors changed under their checksums: written while published?), the
+        transport in use, ..."""
         return self._core.stats()
 
     @property
@@ -485,17 +487,20 @@ class Handle:
 
     def close(self) -> None:
         """Leaves: blocks until readers of this replica drained (a stream still running is
-        cancelled first). The handle is then done. A refused close (tensorhub.LastRetainedCopy)
-        leaves the handle open: close again later."""
+        cancelled first). The handle is then done, whatever the answer: the server never refuses a
+        close. One that holds the last copy of a version another replica's ``keep_latest`` or
+        ``pinned`` keeps takes it along (the server counts and logs it, and its readers get
+        VersionUnavailable naming this replica); to hand a version on first, wait until another
+        replica holds it (``wait(version=v, replicas=2)``)."""
         try:
             self._end_stream()
             self._core.close()
         except errors.Unavailable:
             pass  # closed or interrupted already: nothing to leave
-        except TensorHubError:
-            raise
-        self._core.drop()
-        self._tensors.clear()
+        finally:
+            # An error is raised after the handle let go: nothing is left to close again.
+            self._core.drop()
+            self._tensors.clear()
 
     def __enter__(self) -> "Handle":
         return self

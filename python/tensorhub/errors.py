@@ -56,7 +56,7 @@ PermissionDenied = _error("PermissionDenied", "permission-denied",
 Unavailable = _error("Unavailable", "unavailable",
                      "No server could be reached, or the handle was interrupted or closed.")
 LastRetainedCopy = _error("LastRetainedCopy", "last-retained-copy",
-                          "close() refused: this replica holds the last copy of a retained version.")
+                          "No longer raised: close() is never refused (kept so that handlers of it still load).")
 Cancelled = _error("Cancelled", "cancelled", "A shard of the replica cancelled the call (Receive.cancel()).")
 
 _BY_CODE = {cls.code: cls for cls in [

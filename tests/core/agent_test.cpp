@@ -902,5 +902,21 @@ TEST_F(AgentTest, ClockMayNotGoBackwards) {
   EXPECT_THROW(step(AgentTick{}), RequirementFailure);
 }
 
+// Readers found this shard's copy corrupt (issue 33, friction 1): the application is told, about
+// its buffers or about an offload copy; nothing else of the agent changes.
+TEST_F(AgentTest, ACopyFoundCorruptIsToldToTheApplication) {
+  open();
+  publish(1, 8);
+  const CopyFoundCorrupt buffers = only<CopyFoundCorrupt>(hub(CopyCorrupt{8, 0}));
+  EXPECT_EQ(buffers.version, 8u);
+  EXPECT_FALSE(buffers.offload);
+  const AgentEffects offload = hub(CopyCorrupt{8, 81});
+  EXPECT_TRUE(only<CopyFoundCorrupt>(offload).offload);
+  EXPECT_EQ(offload.size(), 1u) << "news only";
+  ASSERT_TRUE(agent_.held().has_value());
+  EXPECT_EQ(agent_.held()->version, 8u);
+}
+
+
 }  // namespace
 }  // namespace th

@@ -85,6 +85,7 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"timeouts", judged.timeouts > 0},
                 {"calls cancelled", judged.cancels > 0},
                 {"reads revoked at a drain grace", judged.revokes > 0},
+                {"copies found corrupt (owner told)", judged.corrupt_notices > 0},
                 {"models ended", judged.lives_ended > 0}});
 }
 
@@ -104,6 +105,7 @@ void tally(Coverage& coverage, const Cluster& cluster) {
                 {"reordered messages", seen.reordered > 0},
                 {"selectors resolved", judged.resolutions > 0},
                 {"waits answered", judged.waits_answered > 0},
+                {"copies found corrupt (owner told)", seen.corrupt_notices > 0 && judged.corrupt_notices > 0},
                 {"calls cancelled", seen.cancels > 0 && judged.cancels > 0}});
 }
 

@@ -53,6 +53,12 @@ std::string expect_error(const std::optional<Outcome>& outcome, Errc code) {
   return {};
 }
 
+// The detail of an error of `code`, or what came instead.
+std::string error_detail(const std::optional<Outcome>& outcome, Errc code) {
+  if (const std::string unexpected = expect_error(outcome, code); !unexpected.empty()) return unexpected;
+  return std::get<Error>(*outcome).detail;
+}
+
 // The listing of one replica of model m.
 const ListSnapshot::ReplicaInfo& replica_info(Driver& driver, const std::string& name) {
   static std::optional<ListSnapshot> snapshot;
@@ -652,14 +658,20 @@ TEST(HubReplicate, LatestMinusKCountsOnlyVersionsThatExist) {
   const auto outcome = driver.replies(r);
   ASSERT_TRUE(is<ReplicateOk>(outcome));
   EXPECT_EQ(std::get<ReplicateOk>(*outcome).version, 4u);
-  // r now holds the last copy of retained version 4 (u's offload copy went once r held it).
-  driver.call_all(r, CloseRequest{});
-  EXPECT_EQ(expect_error(driver.replies(r), Errc::kLastRetainedCopy), "");
   const auto r2 = driver.open_replica(rollout("r2"));
   start_replicate(driver, r2, Selector::latest(3));  // only three versions exist
   EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionNotFound), "");
   start_replicate(driver, r2, Selector::latest(2));
   EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionUnavailable), "") << "version 2 went";
+  // r holds the last copy of retained version 4 (u's offload copy went once r held it): it may
+  // leave all the same, taking version 4 with it; latest-1 then names no version with a copy.
+  driver.call_all(r, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(r)));
+  EXPECT_EQ(driver.hub().stats().retained_versions_left, 1u);
+  start_replicate(driver, r2, Selector::latest(1));
+  EXPECT_EQ(error_detail(driver.replies(r2), Errc::kVersionUnavailable),
+            "no copy of latest-1 (version 4) or of any older version is left (its last copy left with "
+            "replica 'r' (incarnation 1), which closed)");
 }
 
 TEST(HubReplicate, SkippedVersionIsNotFoundOnceLatestPassesIt) {
@@ -1489,7 +1501,14 @@ TEST(HubFailures, ACopyWhoseBytesFailChecksumsTwiceIsNoSourceAnyMore) {
   const auto second = read_of(driver, r[0]);
   ASSERT_TRUE(second && second->epoch == first.epoch + 1) << "one failure: the only copy, as a last resort";
   EXPECT_EQ(second->source.replica, "t");
+  EXPECT_TRUE(driver.inbox(t[0]).corrupt_notices.empty()) << "one failure may be the link's";
   driver.report(r[0], TransferFailed{second->transfer, second->epoch, ReadFailure::kChecksumMismatch});
+  // The publisher hears it (issue 33, friction 1: a trainer writing while published was never told).
+  ASSERT_EQ(driver.inbox(t[0]).corrupt_notices.size(), 1u);
+  EXPECT_EQ(driver.inbox(t[0]).corrupt_notices[0].version, 1u);
+  EXPECT_EQ(driver.inbox(t[0]).corrupt_notices[0].offload_copy, 0u) << "its registered buffers";
+  EXPECT_TRUE(driver.inbox(r[0]).corrupt_notices.empty()) << "not the reader";
+  EXPECT_EQ(driver.hub().stats().copies_found_corrupt, 1u);
   const std::optional<Outcome> refused = driver.replies(r);
   EXPECT_EQ(expect_error(refused, Errc::kVersionUnavailable), "");
   // The error names the copy at fault and the likely cause (issue 33, friction 1), not the reader.
@@ -1501,6 +1520,23 @@ TEST(HubFailures, ACopyWhoseBytesFailChecksumsTwiceIsNoSourceAnyMore) {
   start_replicate(driver, r2, Selector::latest());
   EXPECT_EQ(expect_error(driver.replies(r2), Errc::kVersionUnavailable), "");
   EXPECT_FALSE(read_of(driver, r2[0]));
+  EXPECT_EQ(driver.inbox(t[0]).corrupt_notices.size(), 1u) << "told once";
+}
+
+// Of a replica of two shards, only the shard whose bytes failed is told.
+TEST(HubFailures, OnlyTheShardWhoseBytesFailedIsToldItsCopyIsCorrupt) {
+  Driver driver;
+  const auto t = driver.open_replica(trainer("t", 2));
+  driver.publish(t, 1);
+  const auto r = driver.open_replica(rollout("r", 2));
+  start_replicate(driver, r, Selector::latest());
+  for (int strike = 0; strike < 2; ++strike) {
+    const auto read = *read_of(driver, r[1]);
+    driver.report(r[1], TransferFailed{read.transfer, read.epoch, ReadFailure::kChecksumMismatch});
+  }
+  EXPECT_TRUE(driver.inbox(t[0]).corrupt_notices.empty());
+  ASSERT_EQ(driver.inbox(t[1]).corrupt_notices.size(), 1u);
+  EXPECT_EQ(driver.inbox(t[1]).corrupt_notices[0].version, 1u);
 }
 
 // A good read between two checksum failures says the first was passing trouble (a link, the
@@ -1780,34 +1816,48 @@ TEST(HubUpdate, HoldingNothingIsNotVersionZero) {
   EXPECT_EQ(std::get<UpdateOk>(*outcome).version, std::optional<Version>(0));
 }
 
-// close of the last non-spot copy of a version another replica's rule retains is refused (the
-// copy would go with the process); with only its own rule, or with another copy, it may leave.
-TEST(HubClose, RefusedForTheLastCopyOfAVersionOthersRetain) {
+// A close is never refused, not even with the last non-spot copy of a version another replica's
+// rule retains (issue 33, friction 2: a rollout's close failed under a trainer's keep_latest=0).
+// The version leaves with it as with a crash; the count and the readers' error say so. A reader
+// that was already pulling from the closing copy keeps it: the copy drains first.
+TEST(HubClose, NeverRefusedAndSaysWhenItTakesARetainedVersion) {
   Driver driver;
-  const auto t = driver.open_replica(trainer("t"));
-  ReplicaSpec keeper = rollout("keeper");
-  keeper.retention.keep_latest = 0;
-  const auto k = driver.open_replica(keeper);
+  ReplicaSpec trainer_spec = trainer("t");
+  trainer_spec.retention.keep_latest = 0;
+  const auto t = driver.open_replica(trainer_spec);
+  const auto r = driver.open_replica(rollout("r"));
   driver.publish(t, 1);
-  driver.call_all(t, CloseRequest{});
-  EXPECT_EQ(expect_error(driver.replies(t), Errc::kLastRetainedCopy), "");
-  // Still open and holding: a reader gets the version from it, after which t may leave.
-  start_replicate(driver, k, Selector::latest());
-  driver.finish_reads(k);
-  EXPECT_TRUE(is<ReplicateOk>(driver.replies(k)));
+  start_replicate(driver, r, Selector::latest());
+  driver.finish_reads(r);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(r)));
+  // The trainer unpublishes to write version 2: r's copy is safe, so nothing offloads.
+  driver.call_all(t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+  EXPECT_TRUE(driver.hub().retained("m", 1));
+  // A second rollout starts pulling from r, then r closes: r drains to its reader first.
+  const auto late = driver.open_replica(rollout("late"));
+  start_replicate(driver, late, Selector::latest());
+  ASSERT_TRUE(read_of(driver, late[0]));
+  EXPECT_EQ(read_of(driver, late[0])->source.replica, "r");
+  driver.call_all(r, CloseRequest{});
+  EXPECT_FALSE(driver.has_reply(r[0])) << "drains to its reader first";
+  EXPECT_EQ(driver.hub().stats().retained_versions_left, 1u);
+  driver.finish_reads(late);
+  EXPECT_TRUE(is<ReplicateOk>(driver.replies(late)));
+  EXPECT_TRUE(is<CloseOk>(driver.replies(r)));
+  // `late` holds version 1 now; its close takes the last copy, with no reader to save it.
+  driver.call_all(late, CloseRequest{});
+  EXPECT_TRUE(is<CloseOk>(driver.replies(late)));
+  EXPECT_EQ(driver.hub().stats().retained_versions_left, 2u);
+  const auto again = driver.open_replica(rollout("again"));
+  start_replicate(driver, again, Selector::absolute(1));
+  EXPECT_EQ(error_detail(driver.replies(again), Errc::kVersionUnavailable),
+            "no copy of version 1 is left (its last copy left with replica 'late' (incarnation 1), which closed)");
+  // The trainer's own close with its own rule, and a spot replica's, count nothing.
+  driver.publish(t, 2);
   driver.call_all(t, CloseRequest{});
   EXPECT_TRUE(is<CloseOk>(driver.replies(t)));
-  // A replica whose own rule is the only one keeping the version may leave with it.
-  ReplicaSpec self = trainer("self");
-  self.retention.keep_latest = 0;
-  const auto s = driver.open_replica(self);
-  driver.call_all(k, CloseRequest{});
-  EXPECT_EQ(expect_error(driver.replies(k), Errc::kLastRetainedCopy), "") << "self keeps it";
-  driver.publish(s, 2);  // k's version 1 is no longer latest-0
-  driver.call_all(k, CloseRequest{});
-  EXPECT_TRUE(is<CloseOk>(driver.replies(k)));
-  driver.call_all(s, CloseRequest{});
-  EXPECT_TRUE(is<CloseOk>(driver.replies(s)));
+  EXPECT_EQ(driver.hub().stats().retained_versions_left, 2u);
 }
 
 TEST(HubList, DescribesVersionsAndReplicas) {

@@ -283,6 +283,11 @@ TEST(Wire, EveryServerMessageKind) {
       std::get<ReleaseOffload>(round_trip<wire::Effect>(Effect{1, ReleaseOffload{31, 78}, 2}).message);
   EXPECT_EQ(release.version, 31u);
   EXPECT_EQ(release.copy, 78u);
+  const auto corrupt =
+      std::get<CopyCorrupt>(round_trip<wire::Effect>(Effect{1, CopyCorrupt{32, 79}, 2}).message);
+  EXPECT_EQ(corrupt.version, 32u);
+  EXPECT_EQ(corrupt.offload_copy, 79u);
+  EXPECT_EQ(std::get<CopyCorrupt>(round_trip<wire::Effect>(Effect{1, CopyCorrupt{33, 0}, 2}).message).offload_copy, 0u);
   const auto evicted = std::get<Evicted>(
       round_trip<wire::Effect>(Effect{1, Evicted{Errc::kBarrierTimeout, "late"}, 2}).message);
   EXPECT_EQ(evicted.reason, Errc::kBarrierTimeout);

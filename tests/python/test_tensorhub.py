@@ -536,3 +536,46 @@ def test_publish_takes_a_cuda_stream_or_none_and_refuses_anything_else(server):
         assert hub.publish(1, stream=0) == 1  # CPU tensors only: there is nothing to wait for
         hub.unpublish()
         assert hub.publish(2) == 2
+
+
+def test_a_trainer_that_writes_while_published_is_told_and_readers_name_it(server, capfd):
+    # Issue 33, friction 1: the tensor changes under its checksum; the first reader's two failed
+    # checksums condemn the copy, the reader's error names it, and the trainer hears of it.
+    weights = {"w": torch.zeros(2 << 20)}  # 8 MiB: read from the buffer itself, not a packed copy
+    target = {"w": torch.empty(2 << 20)}
+    with handle(server, "trainer", model="written", role="trainer") as trainer, \
+            handle(server, "rollout", model="written", role="rollout") as rollout:
+        trainer.register_state_dict(weights)
+        rollout.register_state_dict(target)
+        trainer.publish(1)
+        weights["w"] += 1  # the misuse: written while published
+        with pytest.raises(tensorhub.VersionUnavailable, match="replica 'trainer'.*failed readers' checksums"):
+            rollout.replicate("latest", timeout=30)
+        deadline = time.monotonic() + 10
+        while trainer.stats()["copies_found_corrupt"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer.stats()["copies_found_corrupt"] == 1
+        assert rollout.stats()["copies_found_corrupt"] == 0
+        assert rollout.stats()["checksum_failures"] == 2
+        trainer.unpublish()
+    assert "readers found the registered tensors of version 1 of this shard failing" in capfd.readouterr().err
+
+
+def test_a_rollout_closes_under_keep_latest_0_and_the_version_it_took_is_named(server):
+    # Issue 33, friction 2: the trainer's rule keeps the newest version; it unpublished it to write
+    # the next while the rollout held the only copy. The rollout's close is not refused.
+    weights = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    with handle(server, "trainer", model="kept", role="trainer", keep_latest=0) as trainer:
+        trainer.register_state_dict(weights)
+        trainer.publish(1)
+        rollout = handle(server, "rollout", model="kept", role="rollout")
+        rollout.register_state_dict({"w": torch.empty(1 << 16)})
+        rollout.replicate("latest", timeout=30)
+        trainer.unpublish()          # rollout holds a safe copy: nothing offloads
+        rollout.close()              # was: LastRetainedCopy
+        with handle(server, "late", model="kept", role="rollout") as late:
+            late.register_state_dict({"w": torch.empty(1 << 16)})
+            with pytest.raises(tensorhub.VersionUnavailable, match="left with replica 'rollout'"):
+                late.replicate("latest", timeout=30)
+        trainer.publish(2)           # the next version serves as usual
+    assert "closing replica took the last copy of 1 version(s)" in server.log()

@@ -151,6 +151,10 @@ struct HandleStats {
   std::uint64_t bytes_served = 0;
   std::uint64_t reads_failed = 0;       // a source failed; the server picked another
   std::uint64_t checksum_failures = 0;  // received bytes that did not match their checksum
+  // Times the server said readers found this shard's copy failing its checksums twice and reads
+  // from it no more: its tensors changed while published (or its bytes broke on the way twice).
+  // Each is also logged as an error. A publisher sees it first: a trainer writing while published.
+  std::uint64_t copies_found_corrupt = 0;
   double last_read_seconds = 0;         // duration of the last completed read of a version
   double last_pull_seconds = 0;         // of which moving the bytes (the rest: checksums, unpacking)
   std::uint64_t last_read_bytes = 0;

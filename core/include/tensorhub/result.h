@@ -42,8 +42,9 @@ enum class Errc : std::uint8_t {
   // Raised by the shells, never by the core.
   kPermissionDenied,  // the server refused the cluster token
   kUnavailable,       // no server could be reached (libthclient's open deadline passed)
-  // close refused: this replica holds the last non-spot copy of a version another replica's
-  // retention rule keeps (unpublish offloads it; close once another replica holds it)
+  // No longer given: close was once refused while the replica held the last non-spot copy of a
+  // version another replica's rule keeps. A close is never refused now (hub.h); the value stays
+  // so that the codes after it keep their numbers on the wire.
   kLastRetainedCopy,
   // A shard of the replica cancelled the call (Receive::cancel); every shard gets this answer.
   kCancelled,

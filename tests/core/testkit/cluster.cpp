@@ -696,6 +696,8 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
           // The next copy of this version is another buffer: unnamed until the agent reports it
           // (one made for a late instruction may be freed unreported, when its release is late too).
           worker.offload_ids.erase(e.version);
+        } else if constexpr (std::is_same_v<T, CopyFoundCorrupt>) {
+          ++coverage_.corrupt_notices;  // whom the hub tells, the reference model judges (after_step)
         } else {
           static_assert(std::is_same_v<T, CallDone>);
           on_call_done(w, e);

@@ -97,6 +97,7 @@ class Cluster {
     std::size_t answers = 0;
     std::size_t cancels = 0;  // the application cancelled a call in flight
     std::size_t checksum_failures = 0;  // reads whose bytes failed their checksums
+    std::size_t corrupt_notices = 0;    // shards told readers found their copy corrupt
   };
   const Coverage& coverage() const { return coverage_; }
   const Reference& reference() const { return reference_; }

@@ -78,6 +78,8 @@ std::string describe_effect(const Effect& effect) {
           out << "offload v" << message.version;
         } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
           out << "release-offload v" << message.version;
+        } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+          out << "copy-corrupt v" << message.version << (message.offload_copy != 0 ? " (offload)" : "");
         } else {
           out << "evicted " << errc_name(message.reason) << ": " << message.detail;
         }
@@ -230,6 +232,8 @@ void Driver::route(const Effects& effects) {
             box.offload_copies[message.version] = message.copy;
           } else if constexpr (std::is_same_v<T, ReleaseOffload>) {
             box.releases.push_back(message.version);
+          } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+            box.corrupt_notices.push_back(message);
           } else {
             static_assert(std::is_same_v<T, Evicted>);
             box.evictions.push_back(message);

@@ -45,6 +45,7 @@ struct Inbox {
   std::vector<Version> offloads;          // offload instructions not yet answered
   std::map<Version, std::uint64_t> offload_copies;  // the copy id of the latest one per version
   std::vector<Version> releases;
+  std::vector<CopyCorrupt> corrupt_notices;  // readers found this shard's copy corrupt
   std::vector<Evicted> evictions;
   std::uint64_t session = 0;  // of the last effect routed here
   std::uint32_t num_shards = 0;  // of the replica, as its open said

@@ -100,7 +100,7 @@ bool Reference::has_bytes(const std::string& model, Version version, bool* unsur
     const bool offload = (replica.offloads.contains(version) || replica.offloading.contains(version)) &&
                          !replica.corrupt_offloads.contains(version);
     // A closing replica's offload copies leave with it: the hub may already have stopped counting
-    // them as a source (and a close refused as the last retained copy keeps them).
+    // them as a source.
     if (offload && replica.closing) *unsure = true;
     bytes = bytes || primary || offload;
   }
@@ -287,6 +287,7 @@ std::optional<bool> Reference::predicate_holds(const std::string& model,
 // ==== Inputs =======================================================================================
 
 void Reference::before_step(const Input& input, TimeMs now_ms) {
+  corrupt_now_.clear();
   if (std::holds_alternative<Tick>(input)) {
     // A model with no replica for the grace ends at this tick (before anything else of it).
     for (auto it = idle_since_.begin(); it != idle_since_.end();) {
@@ -524,7 +525,7 @@ void Reference::arrive(Replica& replica, Call& call, std::uint32_t shard, TimeMs
             call.decided = make_error(Errc::kInvalidArgument, "");
           }
         } else if constexpr (std::is_same_v<T, CloseRequest>) {
-          // Its copies drain (no longer complete); undone if refused (kLastRetainedCopy).
+          // Its copies drain (no longer complete). A close is never refused.
           replica.closing = true;
           if (replica.holding == Holding::kComplete) {
             replica.holding = Holding::kDraining;
@@ -609,16 +610,22 @@ void Reference::on_report(const Report& report) {
           mismatched.set(source_shard);
         }
       };
+      const std::optional<std::uint32_t> at_fault =
+          transfer.reshard ? std::nullopt : std::optional<std::uint32_t>(shard);
       if (transfer.kind == CopyKind::kOffload) {
         from.failed_offloads.insert(transfer.version);
         if (mismatch) {
           bool corrupt = from.corrupt_offloads.contains(transfer.version);
+          const bool was = corrupt;
           strike_copy(from.offload_mismatched[transfer.version], corrupt);
           if (corrupt) from.corrupt_offloads.insert(transfer.version);
+          if (corrupt && !was) corrupt_now_.push_back({transfer.source, transfer.version, true, at_fault});
         }
       } else if (from.version == transfer.version) {
         from.failed = true;
+        const bool was = from.corrupt;
         if (mismatch) strike_copy(from.mismatched, from.corrupt);
+        if (from.corrupt && !was) corrupt_now_.push_back({transfer.source, transfer.version, false, at_fault});
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&report.body)) {
@@ -727,7 +734,47 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
         },
         effect.message);
   }
+  judge_corrupt_notices(effects);
   end_of_step(input, effects, now_ms);
+}
+
+// Issue 33, friction 1: the owner of a copy readers found corrupt is told, in the step that
+// condemned it, and nobody else is: an application told wrongly hunts for a writer that is not
+// there, one never told writes on while every reader fails.
+void Reference::judge_corrupt_notices(const Effects& effects) {
+  std::set<std::pair<std::string, std::uint32_t>> told;  // (replica key, shard)
+  for (const Effect& effect : effects) {
+    const auto* notice = std::get_if<CopyCorrupt>(&effect.message);
+    if (notice == nullptr) continue;
+    const auto client = clients_.find(effect.client);
+    if (client == clients_.end() || !client->second.bound || effect.session != client->second.session) continue;
+    const std::string& key = client->second.key;
+    const std::uint32_t shard = client->second.shard;
+    const bool offload = notice->offload_copy != 0;
+    const bool found = std::any_of(corrupt_now_.begin(), corrupt_now_.end(), [&](const CorruptNews& news) {
+      return news.key == key && news.version == notice->version && news.offload == offload &&
+             (!news.shard || *news.shard == shard);
+    });
+    if (!found) {
+      fail("the hub told shard " + std::to_string(shard) + " of " + key + " that readers found its " +
+           (offload ? "offload copy" : "copy") + " of version " + std::to_string(notice->version) +
+           " corrupt, which no two failed checksums of this step's reports make it");
+    }
+    told.emplace(key, shard);
+    ++seen_.corrupt_notices;
+  }
+  for (const CorruptNews& news : corrupt_now_) {
+    const auto replica = replicas_.find(news.key);
+    if (replica == replicas_.end() || model_unsure(replica->second.model)) continue;
+    for (const auto& [id, client] : clients_) {
+      if (!client.bound || client.key != news.key || (news.shard && client.shard != *news.shard)) continue;
+      if (!told.contains({news.key, client.shard})) {
+        fail("readers found the " + std::string(news.offload ? "offload copy" : "copy") + " of version " +
+             std::to_string(news.version) + " of " + news.key + " corrupt (its checksums failed twice), and its shard " +
+             std::to_string(client.shard) + " was not told");
+      }
+    }
+  }
 }
 
 // Every ReleaseOffload names a copy the hub made (or was told of at a resume) and releases once;
@@ -1325,6 +1372,8 @@ void Reference::check_answer(Replica& replica, std::uint64_t seq, Call& call, co
       return;
     }
     case OpKind::kClose:
+      // A departure needs nobody's consent, not even that of a rule retaining what it holds.
+      if (!std::holds_alternative<CloseOk>(outcome)) wrong("but a close is never refused");
       return;
   }
 }
@@ -1431,13 +1480,6 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
               }
               break;
             case OpKind::kUnpublish:
-              break;
-            case OpKind::kClose:
-              if (answer.code == Errc::kLastRetainedCopy) {
-                // The copy is as it was, a reader's report on it included.
-                replica.closing = false;
-                if (call.held_before) replica.holding = Holding::kComplete;
-              }
               break;
             default:
               break;

@@ -83,6 +83,7 @@ class Reference : public StepWatcher {
     std::size_t skipped_versions = 0;  // latest-k resolutions across a gap in version numbers
     std::size_t lives_ended = 0;       // models forgotten after their grace
     std::size_t revokes = 0;           // reads of a draining copy revoked at its drain grace
+    std::size_t corrupt_notices = 0;   // owners told that readers found their copy corrupt
   };
   const Seen& seen() const { return seen_; }
 
@@ -252,6 +253,16 @@ class Reference : public StepWatcher {
   // releases (replica key, copy id). Offload copies released on this server, by id: never twice.
   std::map<std::string, Errc> evicted_now_;
   std::set<std::pair<std::string, std::uint64_t>> released_now_;
+  // This step's reports: the copies whose bytes became corrupt (failed readers' checksums twice),
+  // whose owners are told (CopyCorrupt): the shard at fault, or every shard (a read across layouts).
+  struct CorruptNews {
+    std::string key;
+    Version version = 0;
+    bool offload = false;
+    std::optional<std::uint32_t> shard;
+  };
+  std::vector<CorruptNews> corrupt_now_;
+  void judge_corrupt_notices(const Effects& effects);
   std::set<std::uint64_t> released_;
   Seen seen_;
 };

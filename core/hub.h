@@ -226,8 +226,8 @@ class Hub {
   // A reader of another layout found a piece of `copy` failing its checksum, or assembled bytes
   // that a copy of its own layout does not hold: it read from every shard and names none.
   void on_reshard_mismatch(Copy& copy);
-  // Tells the owner of a copy becoming corrupt (CopyCorrupt): the shard at fault, or every shard.
-  void tell_corrupt(const Copy& copy, std::optional<std::uint32_t> shard);
+  // Tells the shard at fault of a whole copy becoming corrupt (CopyCorrupt).
+  void tell_corrupt(const Copy& copy, std::uint32_t shard);
   void reindex(Copy& copy);
   detail::Contribution contribution(const Copy& copy) const;
   void apply(Copy& copy, const detail::Contribution& contribution, int sign);

@@ -666,7 +666,7 @@ void Hub::on_close(Replica& replica, Txn& txn) {
   // A departure is never refused (see close in hub.h): a clean close must not be worse than a
   // crash, which nobody can refuse. A retained version that leaves with it is counted and named.
   for (Version version : last_retained_copies(replica)) {
-    replica.model->versions.at(version).left_with = describe(replica);
+    replica.model->versions.at(version).left_with = describe(replica);  // see why_none_left
     ++stats_.retained_versions_left;
   }
   replica.phase = ReplicaPhase::kClosing;

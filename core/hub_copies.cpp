@@ -214,15 +214,14 @@ void Hub::on_mismatch(Copy& copy, std::uint32_t shard) {
 }
 
 // The owner hears that its copy is no source any more (issue 33, friction 1: a trainer writing
-// its tensors while published was never told), once, as the copy becomes corrupt.
-void Hub::tell_corrupt(const Copy& copy, std::optional<std::uint32_t> shard) {
+// its tensors while published was never told), once, as the copy becomes corrupt. Only a copy
+// with every byte: one still receiving passes on what its own source sent (that source is the one
+// at fault), and its next read starts it afresh.
+void Hub::tell_corrupt(const Copy& copy, std::uint32_t shard) {
   TH_ASSERT(!copy.corrupt, "told once per copy");
+  if (copy.state != CopyState::kComplete && copy.state != CopyState::kDraining) return;
   const CopyCorrupt notice{copy.record->version, copy.kind == CopyKind::kOffload ? copy.id : 0};
-  if (shard) {
-    emit_to(copy.owner->shards.at(*shard), notice);
-  } else {
-    emit_to_replica(*copy.owner, notice);
-  }
+  emit_to(copy.owner->shards.at(shard), notice);
   ++stats_.copies_found_corrupt;
 }
 
@@ -230,9 +229,11 @@ void Hub::tell_corrupt(const Copy& copy, std::optional<std::uint32_t> shard) {
 // layout, condemns it. Without this a corrupt source of another layout would be retried for ever
 // as the last resort (found by th-sim --seed 50337 --workload layouts --profile harsh-net). A good
 // read across layouts clears nothing: it may not have touched the shard at fault.
+// (Its owner is not told: a reader across layouts also fails a source whose every piece matched
+// its checksums when what it assembled disagrees with a copy of its own layout, where nobody is
+// known to be at fault.)
 void Hub::on_reshard_mismatch(Copy& copy) {
   if (copy.mismatched.any()) {
-    if (!copy.corrupt) tell_corrupt(copy, std::nullopt);
     copy.corrupt = true;
   } else {
     for (std::uint32_t shard = 0; shard < copy.owner->num_shards; ++shard) copy.mismatched.set(shard);
@@ -590,7 +591,8 @@ std::vector<Version> Hub::last_retained_copies(const Replica& replica) const {
 
 std::string Hub::why_none_left(const VersionRecord& record) {
   if (record.left_with.empty()) return {};
-  return " (its last copy left with " + record.left_with + ", which closed)";
+  // The last non-spot copy went with that close; spot copies that held it may have gone since.
+  return " (its last non-spot copy left with " + record.left_with + ", which closed)";
 }
 
 std::optional<Version> Hub::newest_existing(const Model& model, std::uint64_t k) const {

@@ -287,8 +287,8 @@ struct ReleaseOffload {
   Version version = 0;
   std::uint64_t copy = 0;
 };
-// To the shard of a copy whose bytes failed readers' checksums twice (to every shard when a read
-// across layouts cannot say which): the hub reads from it no more. Its tensors changed while they
+// To the shard of a whole copy (complete or draining) whose bytes of that shard failed readers'
+// checksums twice: the hub reads from it no more. Its tensors changed while they
 // were being served (a trainer writing while published, an engine that rewrites its weights in
 // place), or the bytes broke on their way twice. `offload_copy`: 0 for the registered buffers,
 // else the CPU offload copy it names (as Offload did).

@@ -670,7 +670,7 @@ TEST(HubReplicate, LatestMinusKCountsOnlyVersionsThatExist) {
   EXPECT_EQ(driver.hub().stats().retained_versions_left, 1u);
   start_replicate(driver, r2, Selector::latest(1));
   EXPECT_EQ(error_detail(driver.replies(r2), Errc::kVersionUnavailable),
-            "no copy of latest-1 (version 4) or of any older version is left (its last copy left with "
+            "no copy of latest-1 (version 4) or of any older version is left (its last non-spot copy left with "
             "replica 'r' (incarnation 1), which closed)");
 }
 
@@ -1852,7 +1852,7 @@ TEST(HubClose, NeverRefusedAndSaysWhenItTakesARetainedVersion) {
   const auto again = driver.open_replica(rollout("again"));
   start_replicate(driver, again, Selector::absolute(1));
   EXPECT_EQ(error_detail(driver.replies(again), Errc::kVersionUnavailable),
-            "no copy of version 1 is left (its last copy left with replica 'late' (incarnation 1), which closed)");
+            "no copy of version 1 is left (its last non-spot copy left with replica 'late' (incarnation 1), which closed)");
   // The trainer's own close with its own rule, and a spot replica's, count nothing.
   driver.publish(t, 2);
   driver.call_all(t, CloseRequest{});

@@ -610,8 +610,7 @@ void Reference::on_report(const Report& report) {
           mismatched.set(source_shard);
         }
       };
-      const std::optional<std::uint32_t> at_fault =
-          transfer.reshard ? std::nullopt : std::optional<std::uint32_t>(shard);
+      const bool at_fault = !transfer.reshard;  // a read across layouts cannot say whose bytes
       if (transfer.kind == CopyKind::kOffload) {
         from.failed_offloads.insert(transfer.version);
         if (mismatch) {
@@ -619,13 +618,22 @@ void Reference::on_report(const Report& report) {
           const bool was = corrupt;
           strike_copy(from.offload_mismatched[transfer.version], corrupt);
           if (corrupt) from.corrupt_offloads.insert(transfer.version);
-          if (corrupt && !was) corrupt_now_.push_back({transfer.source, transfer.version, true, at_fault});
+          if (corrupt && !was && at_fault && from.offloads.contains(transfer.version)) {
+            corrupt_now_.push_back({transfer.source, transfer.version, true, shard, true});
+          }
         }
       } else if (from.version == transfer.version) {
         from.failed = true;
         const bool was = from.corrupt;
         if (mismatch) strike_copy(from.mismatched, from.corrupt);
-        if (from.corrupt && !was) corrupt_now_.push_back({transfer.source, transfer.version, false, at_fault});
+        // Told only of a whole copy (a receiving one passes on its source's bytes), and not of
+        // a read across layouts (which cannot say whose bytes failed). The model cannot always
+        // tell a draining copy's end: told or not, both are right there.
+        const bool whole = from.holding == Holding::kComplete || from.holding == Holding::kDraining;
+        if (from.corrupt && !was && at_fault && whole) {
+          corrupt_now_.push_back({transfer.source, transfer.version, false, shard,
+                                  from.holding == Holding::kComplete && !from.drain_unsure});
+        }
       }
     }
   } else if (const auto* offloaded = std::get_if<OffloadDone>(&report.body)) {
@@ -753,7 +761,7 @@ void Reference::judge_corrupt_notices(const Effects& effects) {
     const bool offload = notice->offload_copy != 0;
     const bool found = std::any_of(corrupt_now_.begin(), corrupt_now_.end(), [&](const CorruptNews& news) {
       return news.key == key && news.version == notice->version && news.offload == offload &&
-             (!news.shard || *news.shard == shard);
+             news.shard == shard;
     });
     if (!found) {
       fail("the hub told shard " + std::to_string(shard) + " of " + key + " that readers found its " +
@@ -765,9 +773,9 @@ void Reference::judge_corrupt_notices(const Effects& effects) {
   }
   for (const CorruptNews& news : corrupt_now_) {
     const auto replica = replicas_.find(news.key);
-    if (replica == replicas_.end() || model_unsure(replica->second.model)) continue;
+    if (!news.required || replica == replicas_.end() || model_unsure(replica->second.model)) continue;
     for (const auto& [id, client] : clients_) {
-      if (!client.bound || client.key != news.key || (news.shard && client.shard != *news.shard)) continue;
+      if (!client.bound || client.key != news.key || client.shard != news.shard) continue;
       if (!told.contains({news.key, client.shard})) {
         fail("readers found the " + std::string(news.offload ? "offload copy" : "copy") + " of version " +
              std::to_string(news.version) + " of " + news.key + " corrupt (its checksums failed twice), and its shard " +

@@ -253,13 +253,15 @@ class Reference : public StepWatcher {
   // releases (replica key, copy id). Offload copies released on this server, by id: never twice.
   std::map<std::string, Errc> evicted_now_;
   std::set<std::pair<std::string, std::uint64_t>> released_now_;
-  // This step's reports: the copies whose bytes became corrupt (failed readers' checksums twice),
-  // whose owners are told (CopyCorrupt): the shard at fault, or every shard (a read across layouts).
+  // This step's reports: the whole copies whose bytes of a shard became corrupt (failed readers'
+  // checksums twice), whose owner's shard is told (CopyCorrupt); `required`: the model is sure it
+  // is whole (a draining copy may have gone within the step).
   struct CorruptNews {
     std::string key;
     Version version = 0;
     bool offload = false;
-    std::optional<std::uint32_t> shard;
+    std::uint32_t shard = 0;
+    bool required = false;
   };
   std::vector<CorruptNews> corrupt_now_;
   void judge_corrupt_notices(const Effects& effects);

@@ -38,7 +38,7 @@
 //              another replica's rule retains leaves with it, as with a crash (DESIGN.md §5,
 //              invariant 2 holds while a holder exists): counted (retained_versions_left), and
 //              named in the kVersionUnavailable of the readers it fails. A trainer that must not
-//              lose its last version waits first (wait: kRoleHolds) for a rollout to hold it
+//              lose its last version waits first for a non-spot replica to hold it
 // Every call of a replica is a transaction: its shards get identical answers.
 #pragma once
 

@@ -58,11 +58,9 @@ std::string HubService::render_metrics() const {
 
 std::string HubService::timeline_json(std::string_view model) const {
   const TransferLedger& ledger = metrics_.ledger();
-  if (model.empty()) return chrome_trace_json(ledger.records(), now_us(), ledger.dropped());
-  std::vector<TransferRecord> records;
-  for (const TransferRecord& record : ledger.records()) {
-    if (record.model == model) records.push_back(record);
-  }
+  std::vector<TransferRecord> records = ledger.records();  // a copy: filtered in place
+  if (!model.empty()) std::erase_if(records, [&](const TransferRecord& record) { return record.model != model; });
+  // (`dropped` counts every model's: the ring keeps no count per model.)
   return chrome_trace_json(records, now_us(), ledger.dropped());
 }
 

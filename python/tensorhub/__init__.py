@@ -487,20 +487,27 @@ class Handle:
 
     def close(self) -> None:
         """Leaves: blocks until readers of this replica drained (a stream still running is
-        cancelled first). The handle is then done, whatever the answer: the server never refuses a
+        cancelled first). The handle is then done, whatever the server answers: it never refuses a
         close. One that holds the last copy of a version another replica's ``keep_latest`` or
         ``pinned`` keeps takes it along (the server counts and logs it, and its readers get
         VersionUnavailable naming this replica); to hand a version on first, wait until another
-        replica holds it (``wait(version=v, replicas=2)``)."""
+        non-spot replica holds it. Only a close made while another thread's call is in progress
+        on this handle is refused (InvalidArgument), here, and leaves the handle as it was."""
         try:
             self._end_stream()
             self._core.close()
         except errors.Unavailable:
             pass  # closed or interrupted already: nothing to leave
-        finally:
-            # An error is raised after the handle let go: nothing is left to close again.
-            self._core.drop()
-            self._tensors.clear()
+        except errors.InvalidArgument:
+            raise  # refused here, before anything reached the server: the other call goes on
+        except BaseException:
+            self._drop()  # an error is raised after the handle let go: nothing to close again
+            raise
+        self._drop()
+
+    def _drop(self) -> None:
+        self._core.drop()
+        self._tensors.clear()
 
     def __enter__(self) -> "Handle":
         return self

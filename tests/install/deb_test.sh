@@ -61,8 +61,12 @@ dpkg -i "$deb" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; exit 1; 
 [ -s /etc/tensorhub/token ] || { echo "deb_test: an empty token was kept" >&2; exit 1; }
 echo "reinstalled: the token kept (and made 0600 again); an empty one replaced"
 unit=/usr/lib/systemd/system/th-server.service
-if command -v systemd-analyze > /dev/null && systemd-analyze verify "$unit" > "$scratch/verify.log" 2>&1; then
+# Where systemd runs (not in this container), it must accept the unit; elsewhere it cannot judge it.
+if [ -d /run/systemd/system ] && command -v systemd-analyze > /dev/null; then
+  systemd-analyze verify "$unit" || { echo "deb_test: systemd-analyze rejects $unit" >&2; exit 1; }
   echo "systemd-analyze verify: ok"
+else
+  echo "systemd-analyze verify: skipped (systemd is not running here)"
 fi
 # The unit's ExecStart (continuation lines joined), on loopback ports of the kernel's choosing.
 exec_start=$(sed -n '/^ExecStart=/,/[^\\]$/p' "$unit" | sed 's/^ExecStart=//; s/\\$//' | tr -s ' \n' ' ')

@@ -579,3 +579,15 @@ def test_a_rollout_closes_under_keep_latest_0_and_the_version_it_took_is_named(s
                 late.replicate("latest", timeout=30)
         trainer.publish(2)           # the next version serves as usual
     assert "closing replica took the last copy of 1 version(s)" in server.log()
+
+
+def test_close_while_another_thread_calls_is_refused_and_the_handle_goes_on(server):
+    with handle(server, "r", model="busy") as hub:
+        hub.register("w", torch.zeros(10))
+        waiting = threading.Thread(target=lambda: pytest.raises(tensorhub.Timeout, hub.wait, version=1, timeout=2))
+        waiting.start()
+        time.sleep(0.3)
+        with pytest.raises(tensorhub.InvalidArgument, match="another call is in progress"):
+            hub.close()
+        waiting.join()
+        hub.list()  # still open: the refused close let go of nothing

@@ -416,8 +416,20 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   // datacenters downstream of this reader holds it. Waiting would be for nothing (seed 722011:
   // the only complete copy sat in the datacenter of a downstream reader, which read across
   // datacenters from this reader's chain, and the root of that chain waited forever). A complete
-  // copy has no sources of its own, so this makes no second seeder in any datacenter.
+  // copy has no sources of its own: the reader becomes its datacenter's seeder.
   if (several_dcs && has_downstream) {
+    // Unless this datacenter has a seeder already, whose bytes do not come through this reader:
+    // then wait for it (it completes, and is read here). Taking a complete copy across as well
+    // would make a second seeder here; keep_one_seeder would send the first back to choose again,
+    // which (by this same rule) takes a copy across once more and sends this one back, without
+    // end (th-sim seed 66992, harsh-bytes, fan-out 2: two seeders of dc2 taking each other's
+    // place within one step, until settle() gave up).
+    for (const Copy* copy : record.copies) {
+      if (copy != &reader && copy->owner->dc == dc && copy->counted.seeding &&
+          serves_once_complete(*copy, reader) && !is_downstream(*copy, reader, model.copies.size())) {
+        return {Pick::kWait, nullptr};
+      }
+    }
     Copy* detour = nullptr;
     for (Copy* copy : record.copies) {
       if (copy->state != CopyState::kComplete || copy->corrupt || copy->owner->dc == dc ||

@@ -219,7 +219,11 @@ class Hub {
   Copy& create_copy(Replica& owner, VersionRecord& record, CopyKind kind, detail::CopyState state);
   void remove_copy(Copy& copy);
   void set_state(Copy& copy, detail::CopyState state);
-  void set_readers(Copy& copy, std::uint32_t readers);
+  // Whether `copy` may take one more reader of its own datacenter (`across` false) or of another
+  // (true): the fan-out limit counts each side apart (Copy::readers_across).
+  bool has_slot(const Copy& copy, bool across) const;
+  // `transfer` starts (+1) or stops (-1) reading from `source`.
+  void count_reader(Copy& source, const Transfer& transfer, int delta);
   void set_failed(Copy& copy);
   // A reader found shard `shard` of `copy` failing the version's checksums (see Copy::corrupt).
   void on_mismatch(Copy& copy, std::uint32_t shard);

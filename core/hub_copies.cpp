@@ -131,14 +131,15 @@ Contribution Hub::contribution(const Copy& copy) const {
   // A corrupt copy holds other bytes than the version's: whatever its state, it is no root.
   c.root = !copy.corrupt && (complete || copy.state == CopyState::kPublishing ||
                              copy.state == CopyState::kOffloading || copy.state == CopyState::kDraining);
-  const bool fits = copy.readers < settings_.fanout_max;
   // A seed (an offload copy being read) is not a pipeline source: its buffer is the data plane's
   // until verified whole.
   // Nor is a copy reading another layout: its shards assemble their bytes out of order, and
   // vouch for them only once done (TransferDone::checksums).
   const bool pipelines = active && settings_.pipeline && copy.kind == CopyKind::kPrimary &&
                          copy.incoming != nullptr && !copy.incoming->reshard;
-  c.eligible = fits && usable && (complete || pipelines);
+  const bool serves_now = usable && (complete || pipelines);
+  c.eligible = serves_now && has_slot(copy, false);
+  c.eligible_across = serves_now && has_slot(copy, true);
   c.layout = copy.owner->layout != nullptr ? copy.owner->layout->id : detail::kNoLayout;
   c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
   return c;
@@ -147,15 +148,18 @@ Contribution Hub::contribution(const Copy& copy) const {
 void Hub::apply(Copy& copy, const Contribution& c, int sign) {
   VersionRecord& record = *copy.record;
   DcSources& sources = record.by_dc[copy.owner->dc];
-  if (c.eligible) {
+  auto index = [&](bool indexed, std::set<std::pair<detail::SourceKey, Copy*>>& eligible) {
+    if (!indexed) return;
     if (sign > 0) {
-      const bool inserted = sources.eligible.emplace(c.key, &copy).second;
+      const bool inserted = eligible.emplace(c.key, &copy).second;
       TH_ASSERT(inserted);
     } else {
-      const std::size_t erased = sources.eligible.erase({c.key, &copy});
+      const std::size_t erased = eligible.erase({c.key, &copy});
       TH_ASSERT(erased == 1);
     }
-  }
+  };
+  index(c.eligible, sources.eligible);
+  index(c.eligible_across, sources.eligible_across);
   add_count(sources.servable, c.servable, sign);
   add_count(sources.complete, c.complete, sign);
   add_count(sources.seeding, c.seeding, sign);
@@ -196,9 +200,20 @@ void Hub::set_failed(Copy& copy) {
   waits_may_change(*copy.owner->model);
 }
 
-void Hub::set_readers(Copy& copy, std::uint32_t readers) {
-  copy.readers = readers;
-  reindex(copy);
+bool Hub::has_slot(const Copy& copy, bool across) const {
+  TH_ASSERT(copy.readers_across <= copy.readers);
+  const std::uint32_t taken = across ? copy.readers_across : copy.readers - copy.readers_across;
+  return taken < settings_.fanout_max;
+}
+
+void Hub::count_reader(Copy& source, const Transfer& transfer, int delta) {
+  TH_ASSERT(delta == 1 || delta == -1);
+  TH_ASSERT(delta > 0 || (source.readers > 0 && (!transfer.cross_dc || source.readers_across > 0)),
+            "a source counts the transfer that leaves it");
+  source.readers += delta;
+  if (transfer.cross_dc) source.readers_across += delta;
+  TH_ASSERT(source.readers_across <= source.readers);
+  reindex(source);
 }
 
 
@@ -585,7 +600,6 @@ std::vector<Version> Hub::last_retained_copies(const Replica& replica) const {
       versions.push_back(record.version);
     }
   }
-  TH_ASSERT(versions.size() <= replica.offloads.size() + 1, "one entry per copy at most");
   return versions;
 }
 

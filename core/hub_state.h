@@ -79,7 +79,8 @@ struct SourceKey {
 // What one copy adds to its version's counters and indexes. Computed from the copy alone (see
 // Hub::contribution) and remembered in the copy, so that removing the contribution again is exact.
 struct Contribution {
-  bool eligible = false;        // in by_dc[dc].eligible under `key`
+  bool eligible = false;        // in by_dc[dc].eligible under `key`: a slot for readers here
+  bool eligible_across = false; // in by_dc[dc].eligible_across under `key`: a slot for readers elsewhere
   SourceKey key;
   bool servable = false;        // kComplete or kActive, not failed
   bool complete = false;        // kComplete, not failed (primary or offload)
@@ -109,6 +110,10 @@ struct Copy {
   CopyState state = CopyState::kPublishing;
   ShardSet ready;                  // shards whose bytes are in place
   std::uint32_t readers = 0;       // transfers whose current source is this copy
+  // Of those, the ones reading from another datacenter. The fan-out limit counts them apart from
+  // the readers here (Hub::has_slot): a seeder's slow read across datacenters must not take the
+  // slot the readers of the copy's own datacenter need (issue 34).
+  std::uint32_t readers_across = 0;
   Transfer* incoming = nullptr;    // kGathering, kWaiting, kActive
   bool failed = false;             // a reader could not read it; never chosen again
   // Shards whose bytes failed a reader's checksums since their last good read. A second failure
@@ -133,7 +138,10 @@ struct Copy {
 };
 
 struct DcSources {
+  // Copies here that could take a reader now: one of this datacenter (`eligible`), one of another
+  // (`eligible_across`). They differ only in which side of the fan-out limit is full.
   std::set<std::pair<SourceKey, Copy*>> eligible;
+  std::set<std::pair<SourceKey, Copy*>> eligible_across;
   std::uint32_t servable = 0;
   std::uint32_t complete = 0;
   std::uint32_t seeding = 0;

@@ -388,7 +388,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   SourceKey best_key;
   for (const auto& [other_dc, sources] : record.by_dc) {
     if (other_dc == dc) continue;
-    for (const auto& [key, copy] : sources.eligible) {
+    for (const auto& [key, copy] : sources.eligible_across) {
       if (!usable(copy) || behind_seeder(copy)) continue;
       if (best == nullptr || key < best_key) {
         best = copy;
@@ -404,7 +404,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   Copy* suspect = nullptr;
   for (Copy* copy : record.copies) {
     if (!copy->failed || copy->corrupt || copy->state != CopyState::kComplete || !usable(copy) ||
-        copy->readers >= settings_.fanout_max) {
+        !has_slot(*copy, copy->owner->dc != dc)) {
       continue;
     }
     auto rank = [&](const Copy* c) { return std::tuple{c->owner->dc != dc, c->readers, c->id}; };
@@ -433,7 +433,7 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
     Copy* detour = nullptr;
     for (Copy* copy : record.copies) {
       if (copy->state != CopyState::kComplete || copy->corrupt || copy->owner->dc == dc ||
-          copy->readers >= settings_.fanout_max || !serves(*copy, reader)) {
+          !has_slot(*copy, true) || !serves(*copy, reader)) {
         continue;
       }
       auto rank = [](const Copy* c) { return std::tuple{c->failed, c->readers, c->id}; };
@@ -456,9 +456,9 @@ void Hub::assign(Transfer& transfer, Copy& source) {
                 (settings_.pipeline && source.state == CopyState::kActive),
             "source state", copy_state_name(source.state));
   TH_ASSERT(!source.failed || source.state == CopyState::kComplete, "a suspect is a last resort");
-  TH_ASSERT(source.readers < settings_.fanout_max, "fan-out limit");
   TH_ASSERT(source.record == reader.record);
   transfer.cross_dc = source.owner->dc != owner.dc;
+  TH_ASSERT(has_slot(source, transfer.cross_dc), "fan-out limit");
   if (transfer.cross_dc && reader.readers == 0) {
     // Topology (§5.5): across datacenters only when no copy here is complete. (Receiving copies
     // here may be unusable: behind a seeder, or in a chain that waits for its source. A reader
@@ -475,7 +475,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
             "another layout is read from complete copies only");
   ++transfer.epoch;
   transfer.last_source = source.owner->name;
-  set_readers(source, source.readers + 1);
+  count_reader(source, transfer, +1);
   set_state(reader, CopyState::kActive);
   ++stats_.transfers_started;
 
@@ -585,8 +585,7 @@ void Hub::detach_source(Transfer& transfer) {
   transfer.started.reset();
   transfer.reshard = false;
   transfer.source = nullptr;
-  TH_ASSERT(source->readers > 0, "a source counts the transfer that leaves it");
-  set_readers(*source, source->readers - 1);
+  count_reader(*source, transfer, -1);
   if (source->state == CopyState::kDraining && source->readers == 0) {
     drained_.emplace_back(&model, source->id);
   }

@@ -25,6 +25,7 @@ namespace {
 struct DcCounts {
   DcId dc = 0;
   std::uint32_t eligible = 0;
+  std::uint32_t eligible_across = 0;
   std::uint32_t servable = 0;
   std::uint32_t complete = 0;
   std::uint32_t seeding = 0;
@@ -201,9 +202,14 @@ void Hub::check_invariants() const {
     }
 
     // ---- copies ----
-    std::unordered_map<const Copy*, std::uint32_t> readers_of;  // counted from the transfers
+    // Counted from the transfers: all of a copy's readers, and those in another datacenter.
+    std::unordered_map<const Copy*, std::pair<std::uint32_t, std::uint32_t>> readers_of;
     for (const auto& [id, transfer] : model.transfers) {
-      if (transfer->source != nullptr) ++readers_of[transfer->source];
+      if (transfer->source == nullptr) continue;
+      const bool across = transfer->source->owner->dc != transfer->reader->owner->dc;
+      TH_ASSERT(transfer->cross_dc == across, "transfer", id, "says it reads across datacenters:", transfer->cross_dc);
+      ++readers_of[transfer->source].first;
+      readers_of[transfer->source].second += across;
     }
     for (const auto& [id, copy_ptr] : model.copies) {
       const Copy& copy = *copy_ptr;
@@ -235,10 +241,15 @@ void Hub::check_invariants() const {
         TH_ASSERT(copy.ready.count() == copy.owner->num_shards, "complete copies have every shard");
       }
       const auto counted_readers = readers_of.find(&copy);
-      const std::uint32_t readers = counted_readers == readers_of.end() ? 0 : counted_readers->second;
+      const auto [readers, across] =
+          counted_readers == readers_of.end() ? std::pair<std::uint32_t, std::uint32_t>{} : counted_readers->second;
       TH_ASSERT(readers == copy.readers, "reader count of copy", id, ":", copy.readers, "vs", readers);
-      // Load (§5.4): a source serves at most its fan-out limit at a time.
-      TH_ASSERT(copy.readers <= settings_.fanout_max, "fan-out limit exceeded");
+      TH_ASSERT(across == copy.readers_across, "readers across datacenters of copy", id, ":", copy.readers_across,
+                "vs", across);
+      // Load (§5.4): a source serves at most its fan-out limit at a time, counted apart for the
+      // readers of its datacenter and those of others (Copy::readers_across).
+      TH_ASSERT(readers - across <= settings_.fanout_max, "fan-out limit exceeded within a datacenter");
+      TH_ASSERT(across <= settings_.fanout_max, "fan-out limit exceeded across datacenters");
       TH_ASSERT(copy.counted == contribution(copy), "stale contribution of copy", id);
       if (copy.awaiting_offload != 0) {
         TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
@@ -313,13 +324,20 @@ void Hub::check_invariants() const {
         const Contribution& c = copy->counted;
         if (c.root) ++roots_by_layout[c.layout];
         DcCounts& sources = sums.at(copy->owner->dc);
+        // Each eligible copy is indexed; with the counts equal below, the indexes hold no others.
+        const auto indexed = record.by_dc.find(copy->owner->dc);
+        auto check_indexed = [&](std::set<std::pair<detail::SourceKey, Copy*>> detail::DcSources::*index,
+                                 const char* readers) {
+          TH_ASSERT(indexed != record.by_dc.end() && (indexed->second.*index).contains({c.key, const_cast<Copy*>(copy)}),
+                    "eligible copy", copy->id, "is indexed as a source for readers", readers);
+        };
         if (c.eligible) {
-          // Each eligible copy is indexed; with the counts equal below, the index holds no others.
           ++sources.eligible;
-          const auto indexed = record.by_dc.find(copy->owner->dc);
-          TH_ASSERT(indexed != record.by_dc.end() &&
-                        indexed->second.eligible.contains({c.key, const_cast<Copy*>(copy)}),
-                    "eligible copy", copy->id, "is indexed as a source");
+          check_indexed(&detail::DcSources::eligible, "here");
+        }
+        if (c.eligible_across) {
+          ++sources.eligible_across;
+          check_indexed(&detail::DcSources::eligible_across, "across datacenters");
         }
         sources.servable += c.servable;
         sources.complete += c.complete;
@@ -334,7 +352,8 @@ void Hub::check_invariants() const {
         const DcCounts* found = sums.find(dc);
         const DcCounts none{dc};
         const DcCounts& want = found == nullptr ? none : *found;
-        TH_ASSERT(sources.eligible.size() == want.eligible, "eligible sources of version", version);
+        TH_ASSERT(sources.eligible.size() == want.eligible && sources.eligible_across.size() == want.eligible_across,
+                  "eligible sources of version", version);
         TH_ASSERT(sources.servable == want.servable && sources.complete == want.complete &&
                       sources.seeding == want.seeding && sources.crossing == want.crossing,
                   "datacenter counters of version", version);

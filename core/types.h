@@ -131,7 +131,9 @@ struct HubSettings {
   TimeMs drain_grace_ms = 30'000;
   // Pipeline replication: a replica still receiving a version already serves it to others.
   bool pipeline = true;
-  // Transfers one source copy serves at a time. Under pipeline replication the paper uses 1.
+  // Transfers one source copy serves at a time to readers of its own datacenter; as many again to
+  // readers of other datacenters (issue 34: a seed's slow read across datacenters must not hold
+  // the slot local readers need). Under pipeline replication the paper uses 1.
   std::uint32_t fanout_max = 1;
   // `update` answers "not yet" while a datacenter's only copies hang off a cross-datacenter seeder.
   bool smart_skipping = true;

@@ -123,7 +123,9 @@ int main(int argc, char** argv) {
                  "Bytes of tensor descriptions all models together may keep (a model's are freed when it ends)")
       ->capture_default_str()
       ->check(CLI::Range(std::uint64_t{1}, th::limits::kDescriptionBytesCeiling));
-  app.add_option("--fanout-max", config.hub.fanout_max, "Transfers one source copy serves at a time")
+  app.add_option("--fanout-max", config.hub.fanout_max, "Transfers one source copy serves at a time to readers of its own datacenter, "
+                 "and as many again to readers of other datacenters (a seed's slow read across "
+                 "datacenters never takes the slot local readers need)")
       ->capture_default_str();
   app.add_flag("--no-pipeline", no_pipeline, "Readers pull only from complete copies (no pipeline replication)");
   app.add_flag("--no-smart-skipping", no_smart_skipping,

@@ -105,6 +105,7 @@ void Observer::on_open(ClientId client, std::uint64_t seq, std::uint64_t session
   replica.name = request.replica;
   replica.incarnation = request.incarnation;
   replica.datacenter = request.datacenter;
+  datacenter_of_[request.model + "/" + request.replica] = request.datacenter;
   replica.spot = request.spot;
   replica.num_shards = request.num_shards;
   if (request.resume) {
@@ -449,14 +450,28 @@ void Observer::on_effects(const Effects& effects) {
             if (std::holds_alternative<CloseOk>(message.outcome)) leave(client);
           } else if constexpr (std::is_same_v<T, ServeRead>) {
             grants_[Grant{client, message.transfer, message.epoch}] = message;
+            // Load: the fan-out limit counts the readers of the source's own datacenter and
+            // those of others apart (a seeder's slow read across must not take the local slot).
+            const auto source = clients_.find(client);
+            if (source == clients_.end()) return;
+            const ReplicaInfo& owner = replicas_[source->second.replica_key];
+            auto across = [&](const ServeRead& grant) {
+              const auto dc = datacenter_of_.find(owner.model + "/" + grant.reader_replica);
+              return dc != datacenter_of_.end() && dc->second != owner.datacenter;
+            };
+            const bool this_across = across(message);
             std::size_t serving = 0;
             for (auto it = first_grant_of(client); it != grants_.end() && it->first.source == client;
                  ++it) {
-              if (it->second.kind == message.kind && it->second.version == message.version) ++serving;
+              if (it->second.kind == message.kind && it->second.version == message.version &&
+                  across(it->second) == this_across) {
+                ++serving;
+              }
             }
             if (serving > fanout_max_) {
               violation("load: a source shard serves " + std::to_string(serving) +
-                        " transfers of version " + std::to_string(message.version) +
+                        " transfers of version " + std::to_string(message.version) + " to readers " +
+                        (this_across ? "of other datacenters" : "of its own datacenter") +
                         " with a fan-out limit of " + std::to_string(fanout_max_));
             }
           } else if constexpr (std::is_same_v<T, StopServing>) {
@@ -508,6 +523,11 @@ void Observer::on_effects(const Effects& effects) {
               replica.reading_across.reset();
               ++changes_[replica.model];
             }
+          } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+            // Judged by the simulation where the agent hands it to its worker (check_corrupt_notice),
+            // which knows which faults changed whose bytes; nothing here depends on it.
+          } else {
+            static_assert(!std::is_same_v<T, T>, "a new Message: say what the observer checks of it");
           }
         },
         effect.message);

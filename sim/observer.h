@@ -135,6 +135,8 @@ class Observer {
   std::map<std::string, TimeMs> unbound_since_;  // per model: since when no shard of it is bound
   std::map<ClientId, ClientInfo> clients_;
   std::map<std::string, ReplicaInfo> replicas_;
+  // model/replica -> the datacenter its latest open named (a grant names its reader by name).
+  std::map<std::string, std::string> datacenter_of_;
   std::map<Grant, ServeRead> grants_;
   std::map<std::pair<ClientId, TransferId>, StartRead> reads_;  // the latest per reader and transfer
   std::vector<std::pair<ClientId, StartRead>> sources_to_check_;  // this step's (check_source)

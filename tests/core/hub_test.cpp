@@ -882,6 +882,42 @@ TEST(HubTopology, PrefersTheReadersDatacenterAndSeedsOncePerDatacenter) {
   EXPECT_EQ(read_of(driver, near[0])->source.replica, "t");
 }
 
+// Issue 34: a seeder's read across datacenters (slow: TCP through the VPC) does not take the slot
+// the readers of the source's own datacenter need. The fan-out limit counts each side apart.
+TEST(HubTopology, ASeedAcrossDatacentersDoesNotTakeTheLocalReadersSlot) {
+  Driver driver;  // pipeline on, fan-out 1
+  const auto t = driver.open_replica(trainer("t"));  // dc0
+  driver.publish(t, 1);
+  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
+  start_replicate(driver, far, Selector::latest());
+  EXPECT_EQ(read_of(driver, far[0])->source.replica, "t");
+  // The side across is limited too: a reader of a third datacenter waits, since the trainer
+  // serves one reader across already and nobody reads behind a copy still crossing datacenters.
+  const auto third = driver.open_replica(rollout("third", 2, "dc2"));
+  start_replicate(driver, third, Selector::latest());
+  EXPECT_FALSE(read_of(driver, third[0])) << "the trainer's slot across datacenters is taken";
+  // A local reader joins while the seed crosses: it reads the trainer too, at once.
+  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
+  start_replicate(driver, near, Selector::latest());
+  const auto near_read = read_of(driver, near[0]);
+  ASSERT_TRUE(near_read) << "a local reader must not queue behind a seed across datacenters";
+  EXPECT_EQ(near_read->source.replica, "t");
+  EXPECT_FALSE(near_read->source.partial);
+  // near's chain stays in dc0: the third datacenter's reader pipelines from it across.
+  ASSERT_TRUE(read_of(driver, third[0]));
+  EXPECT_EQ(read_of(driver, third[0])->source.replica, "near");
+  // near serves one reader across and none here: a second local reader pipelines from it too.
+  const auto near2 = driver.open_replica(rollout("near2", 2, "dc0"));
+  start_replicate(driver, near2, Selector::latest());
+  ASSERT_TRUE(read_of(driver, near2[0]));
+  EXPECT_EQ(read_of(driver, near2[0])->source.replica, "near");
+  for (const auto& reader : {far, near, near2, third}) {
+    driver.finish_reads(reader);
+    EXPECT_TRUE(is<ReplicateOk>(driver.replies(reader)));
+  }
+  EXPECT_EQ(driver.hub().stats().transfers_started, 4u);
+}
+
 TEST(HubTopology, WithoutPipelineASecondReaderWaitsForTheSeederInsteadOfSeedingAgain) {
   HubSettings settings;
   settings.pipeline = false;
@@ -956,7 +992,7 @@ TEST(HubTopology, SmartSkippingAlsoKeepsAThirdDatacenterFromPipeliningBehindASee
   driver.publish(t, 1);
   start_replicate(driver, seeder, Selector::latest());
   EXPECT_EQ(read_of(driver, seeder[0])->source.replica, "t");
-  start_replicate(driver, third, Selector::latest());  // t serves its one reader already
+  start_replicate(driver, third, Selector::latest());  // t serves its one reader across already
   EXPECT_FALSE(read_of(driver, third[0])) << "not behind the seeder still crossing into dc1";
   driver.finish_reads(seeder);
   EXPECT_TRUE(is<ReplicateOk>(driver.replies(seeder)));
@@ -1171,22 +1207,23 @@ TEST(HubOffloadSeeding, ANewerSeedReplacesAnOlderOneStillBeingRead) {
 // replica of the datacenter started a seed of its own.
 TEST(HubOffloadSeeding, ASeedWaitingForASourceIsTheDatacentersSeedAlready) {
   HubSettings settings = seeding_settings();
-  settings.pipeline = false;  // so that the seed waits while t serves its one reader
+  settings.pipeline = false;  // so that the seed waits while t serves its one reader across
   Driver driver(settings);
   const auto t = driver.open_replica(trainer("t"));
-  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
+  const auto other = driver.open_replica(rollout("other", 2, "dc2"));
   const auto far1 = driver.open_replica(rollout("far1", 2, "dc1"));
   const auto far2 = driver.open_replica(rollout("far2", 2, "dc1"));
   driver.publish(t, 1);
-  start_replicate(driver, near, Selector::latest());
+  start_replicate(driver, other, Selector::latest());  // takes t's slot for readers across
   start_update(driver, far1, Selector::latest());
   ASSERT_TRUE(is<UpdateOk>(driver.replies(far1)));
   EXPECT_FALSE(read_of(driver, far1[0])) << "the seed waits for t";
   start_update(driver, far2, Selector::latest());
   EXPECT_EQ(driver.hub().stats().seeds_started, 1u);
   EXPECT_TRUE(replica_info(driver, "far2").offloads.empty());
-  // Once t is free the seed reads; far2 reads in dc1 after it.
-  driver.finish_reads(near);
+  // Once t is free the seed reads (from t, or from `other`, complete now); far2 reads in dc1
+  // after it.
+  driver.finish_reads(other);
   ASSERT_TRUE(read_of(driver, far1[0]));
   EXPECT_NE(read_of(driver, far1[0])->offload_copy, 0u);
   EXPECT_FALSE(read_of(driver, far2[0]));

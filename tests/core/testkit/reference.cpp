@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <sstream>
+#include <tuple>
 
 #include "core/assert.h"
 #include "core/limits.h"
@@ -738,6 +739,13 @@ void Reference::after_step(const Input& input, const Effects& effects, TimeMs no
               return;
             }
             evict(client->second.key);
+          } else if constexpr (std::is_same_v<T, ServeRead>) {
+            // The source's half of a grant: the reader's StartRead names the same source, and the
+            // model follows the read from there (on_start_read, judge_load).
+          } else if constexpr (std::is_same_v<T, CopyCorrupt>) {
+            // Judged over the whole step, once every report is in (judge_corrupt_notices).
+          } else {
+            static_assert(!std::is_same_v<T, T>, "a new Message: say what the reference model expects of it");
           }
         },
         effect.message);
@@ -1500,6 +1508,49 @@ void Reference::apply_answer(Replica& replica, std::uint64_t seq, Call& call, co
 
 // ==== The end of a step: what the hub owed by now ==================================================
 
+// Load (DESIGN.md §5.4, issue 34): a source serves at most fan-out-limit transfers at a time to
+// readers of its own datacenter, and at most as many to readers of other datacenters, so that a
+// slow read across datacenters never takes the slot its own datacenter's readers need. Counted per
+// source shard, from what the hub told the readers: a shard serves a transfer from the StartRead
+// until the reader shard is done, or the source shard is told to stop (a read across layouts: every
+// source shard, until any is told to stop). The hub counts per copy until the whole transfer ends,
+// so this count is never above the hub's own.
+void Reference::judge_load() const {
+  struct Served {
+    std::uint32_t here = 0;
+    std::uint32_t across = 0;
+  };
+  // (source replica, copy kind, version, source shard)
+  std::map<std::tuple<std::string, CopyKind, Version, std::uint32_t>, Served> served;
+  for (const auto& [key, transfer] : transfers_) {
+    if (!transfer.attached) continue;
+    const auto reader = replicas_.find(transfer.reader);
+    const auto source = replicas_.find(transfer.source);
+    if (reader == replicas_.end() || source == replicas_.end()) continue;
+    const bool across = reader->second.datacenter != transfer.source_dc;
+    auto count = [&](std::uint32_t shard) {
+      Served& load = served[{transfer.source, transfer.kind, transfer.version, shard}];
+      ++(across ? load.across : load.here);
+      if ((across ? load.across : load.here) > settings_.fanout_max) {
+        fail("load: shard " + std::to_string(shard) + " of " + transfer.source + " serves " +
+             std::to_string(across ? load.across : load.here) + " reads of version " +
+             std::to_string(transfer.version) + " at once to readers " +
+             (across ? "of other datacenters" : "of its own datacenter") + " (the last: " + transfer.reader +
+             "), with a fan-out limit of " + std::to_string(settings_.fanout_max));
+      }
+    };
+    if (transfer.reshard) {
+      if ((transfer.started & ~transfer.done).none()) continue;
+      for (std::uint32_t shard = 0; shard < source->second.num_shards; ++shard) count(shard);
+    } else {
+      const ShardSet serving = transfer.started & ~transfer.done & ~transfer.stopped;
+      for (std::uint32_t shard = 0; shard < limits::kShardsMax; ++shard) {
+        if (serving.test(shard)) count(shard);
+      }
+    }
+  }
+}
+
 void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs now_ms) {
   (void)effects;
   const bool tick = std::holds_alternative<Tick>(input);
@@ -1510,6 +1561,7 @@ void Reference::end_of_step(const Input& input, const Effects& effects, TimeMs n
       transfer.attached = false;
     }
   }
+  judge_load();
   // Evictions are due a tick past the heartbeat timeout.
   if (tick) {
     for (const auto& [id, client] : clients_) {

@@ -31,6 +31,8 @@
 //                every shard of it, and only from a complete copy; a copy receiving across layouts
 //                is nobody's pipeline source; a copy that failed two reads across layouts (without
 //                a good read of each shard between) is condemned as under "checksums"
+//   load         a source shard serves at most fan-out-limit reads at once to readers of its own
+//                datacenter, and at most as many to readers of others
 //   offloads     every offload copy the hub releases is one it made (or was told of), once; at
 //                the end, every one left is needed (its version retained, no other safe copy)
 //   liveness     with faults healed and every read done, nothing the hub owes is left unanswered
@@ -217,6 +219,7 @@ class Reference : public StepWatcher {
   // The replica's primary copy is a new one (or reads afresh): nothing a reader found holds.
   static void fresh_copy(Replica& replica);
   void evict(const std::string& key);
+  void judge_load() const;
   void end_of_step(const Input& input, const Effects& effects, TimeMs now_ms);
 
   // The specification, over the model's account.

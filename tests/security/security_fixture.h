@@ -13,6 +13,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fixture.h"
@@ -47,6 +48,17 @@ class Security : public ProcessTest {
     std::stringstream text;
     text << log.rdbuf();
     return text.str();
+  }
+
+  // Whether the server's stderr says `text` within `timeout_ms`: the server writes a line about a
+  // connection it closes after closing it, so a test that saw the close may read the log first.
+  bool server_log_says(const Process& server, const std::string& text, int timeout_ms) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      if (server_log(server).find(text) != std::string::npos) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   }
 
   std::string log_path_of(const Process& server) const {

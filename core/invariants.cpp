@@ -325,10 +325,12 @@ void Hub::check_invariants() const {
         if (c.root) ++roots_by_layout[c.layout];
         DcCounts& sources = sums.at(copy->owner->dc);
         // Each eligible copy is indexed; with the counts equal below, the indexes hold no others.
+        // (Not `record` inside the lambda: clang before 16 cannot capture a structured binding.)
         const auto indexed = record.by_dc.find(copy->owner->dc);
+        const bool has_sources = indexed != record.by_dc.end();
         auto check_indexed = [&](std::set<std::pair<detail::SourceKey, Copy*>> detail::DcSources::*index,
                                  const char* readers) {
-          TH_ASSERT(indexed != record.by_dc.end() && (indexed->second.*index).contains({c.key, const_cast<Copy*>(copy)}),
+          TH_ASSERT(has_sources && (indexed->second.*index).contains({c.key, const_cast<Copy*>(copy)}),
                     "eligible copy", copy->id, "is indexed as a source for readers", readers);
         };
         if (c.eligible) {

@@ -212,6 +212,7 @@ void ShardAgent::on_reply(const Reply& reply) {
     // (A start-over open sent again as a resume after a failover, holding nothing at call 0, is
     // still one.)
     const bool fresh = open_call_id_.has_value() || start_open_;
+    const bool resumed = std::get<OpenRequest>(open_request_->body).resume != nullptr;
     open_request_.reset();
     if (const auto* opened = std::get_if<OpenOk>(&reply.outcome)) {
       // The replica's incarnation, which the hub chose if asked to: re-opens name it from now on.
@@ -224,6 +225,7 @@ void ShardAgent::on_reply(const Reply& reply) {
       start_open_ = false;
       reopen_backoff_ms_ = 0;
       next_heartbeat_ms_ = now_ms_;
+      if (resumed) report_announced_offloads();
       if (open_call_id_) {
         emit(CallDone{*open_call_id_, reply.outcome});
         open_call_id_.reset();
@@ -518,6 +520,16 @@ void ShardAgent::on_offload(const Offload& offload) {
   emit(MakeOffload{offload.version});
 }
 
+// The offload copies this open announced that the server has neither renamed nor released yet
+// are reported under their old ids until it does one or the other. It answers each at the resume,
+// but a lost answer is never repeated on its own: a release lost would keep CPU memory for ever
+// that no server counts, a rename lost would leave a copy the next release could not name.
+void ShardAgent::report_announced_offloads() {
+  for (const auto& [version, held] : offloads_) {
+    if (!named_this_session_.contains(version)) report(OffloadDone{version, held.copy});
+  }
+}
+
 void ShardAgent::on_offload_finished(const OffloadFinished& finished) {
   auto making = offloading_.find(finished.version);
   if (finished.failed) {
@@ -667,6 +679,10 @@ void ShardAgent::on_seed_finished(const ReadFinished& finished) {
     // repeats the instruction until it has one.
     if (finished.failure) {
       seed.failure = finished.failure;
+      // Its buffer goes now (a read from the next source fills a fresh one): a failed seed waits
+      // for the hub to name that source, and if the hub released the seed instead and that
+      // release was lost, nothing else would ever free the memory.
+      emit(FreeOffload{version});
       send_report(TransferFailed{finished.transfer, finished.epoch, *finished.failure});
       return;
     }
@@ -674,6 +690,9 @@ void ShardAgent::on_seed_finished(const ReadFinished& finished) {
     offloads_[version] = HeldCopy{version, seed.layout, seed.checksums, seed.copy};
     named_this_session_[version] = seed.copy;
     send_report(TransferDone{seed.transfer, seed.epoch, nullptr});
+    // Whole, the seed is an offload copy, reported like one until released: the server answers a
+    // report of a copy it no longer counts with its release again, so a lost release is repeated.
+    report(OffloadDone{version, seed.copy});
     return;
   }
   // A seed dropped meanwhile: its buffer was freed with it.
@@ -682,7 +701,7 @@ void ShardAgent::on_seed_finished(const ReadFinished& finished) {
 void ShardAgent::drop_seed(Version version) {
   auto found = seeds_.find(version);
   TH_ASSERT(found != seeds_.end());
-  if (!found->second.done) {
+  if (!found->second.done && !found->second.failure) {
     emit(CancelRead{found->second.transfer});
     emit(FreeOffload{version});
   }

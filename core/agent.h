@@ -197,7 +197,7 @@ class ShardAgent {
     LayoutRef layout;
     ChecksumsRef checksums;
     bool done = false;  // every byte arrived and matched: in offloads_ too
-    std::optional<ReadFailure> failure;  // the read from the current source failed
+    std::optional<ReadFailure> failure;  // the read from the current source failed: no buffer
   };
   struct Reading {
     std::uint32_t epoch = 0;
@@ -219,6 +219,7 @@ class ShardAgent {
   void on_offload(const Offload& offload);
   void on_offload_finished(const OffloadFinished& finished);
   void on_release_offload(const ReleaseOffload& release);
+  void report_announced_offloads();
   void on_read_finished(const ReadFinished& finished);
   void on_seed_read(const StartRead& read);
   void on_seed_finished(const ReadFinished& finished);

@@ -490,18 +490,28 @@ bool Hub::seed_needed(const Copy& seed) const {
 }
 
 void Hub::on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done) {
-  const auto found = std::find_if(replica.offloads.begin(), replica.offloads.end(),
-                                  [&](const Copy* copy) { return copy->id == done.copy; });
+  const auto found = std::find_if(replica.offloads.begin(), replica.offloads.end(), [&](const Copy* copy) {
+    return copy->id == done.copy && copy->record->version == done.version;
+  });
   if (found == replica.offloads.end()) {
-    // A copy this server does not count (cancelled before it was made, or made for a late
-    // instruction): the shard frees it rather than keep CPU memory nobody reads.
-    emit_to(replica.shards[shard], ReleaseOffload{done.version, done.copy});
+    // Not a copy this server counts under that id. A copy a resume announced that this server
+    // adopted is reported under the previous server's id until the renaming Offload arrives: it
+    // is named again (that Offload may have been lost). Any other (cancelled before it was made,
+    // made for a late instruction, announced and not adopted): the shard frees it rather than
+    // keep CPU memory nobody reads; it reports the copy until told, so a lost release is repeated.
+    const auto adopted = std::find_if(replica.offloads.begin(), replica.offloads.end(), [&](const Copy* copy) {
+      return copy->record->version == done.version && !copy->seed &&
+             (copy->state == CopyState::kComplete || copy->state == CopyState::kDraining);
+    });
+    if (adopted != replica.offloads.end()) {
+      emit_to(replica.shards[shard], Offload{done.version, (*adopted)->id});
+    } else {
+      emit_to(replica.shards[shard], ReleaseOffload{done.version, done.copy});
+    }
     return;
   }
   Copy* offload = *found;
-  if (offload->record->version != done.version || offload->state != CopyState::kOffloading) {
-    return;  // a duplicate (or a report about another version under this id: ignored)
-  }
+  if (offload->state != CopyState::kOffloading) return;  // a duplicate
   offload->ready.set(shard);
   if (offload->ready.count() < replica.num_shards) return;
   set_state(*offload, CopyState::kComplete);

@@ -138,10 +138,6 @@ struct Worker {
   bool buffer_corrupt = false;
   bool buffer_tampered = false;
   std::set<Version> offloads_corrupt;
-  // An instruction to this process was lost in the network (drop, partition) while its connection
-  // stayed up. The hub does not repeat a ReleaseOffload, so the process may keep an offload copy
-  // it was told to free until it reconnects: the end-of-run memory check does not judge it.
-  bool instruction_lost = false;
   // The last read of each transfer that finished, as the data plane ended it: what a TransferDone
   // report of the agent's is about (see check_done_report).
   struct FinishedRead {
@@ -514,7 +510,6 @@ class Simulation {
     worker.buffer_corrupt = worker.buffer_tampered = false;
     worker.offloads.clear();
     worker.offloads_corrupt.clear();
-    worker.instruction_lost = false;
     worker.finished_reads.clear();
     worker.grants.clear();
     worker.server_lost_pending = false;
@@ -658,7 +653,6 @@ class Simulation {
     if (!worker.alive || worker.client != effect.client) return;  // a process that is gone
     if (faults_on_ && (now_ < worker.cut_down_until || rng_.chance(knobs_.drop))) {
       ++result_.messages_lost;
-      worker.instruction_lost = true;
       return;
     }
     const int copies = faults_on_ && rng_.chance(knobs_.duplicate) ? 2 : 1;
@@ -2251,12 +2245,13 @@ class Simulation {
   // Settled, the offload copies in a live worker's CPU memory are exactly those the server counts
   // for its replica: one it does not count is memory nobody ever frees (a leak that grows with
   // every version), one it counts that the worker does not hold is a copy retention relies on in
-  // vain. Late and repeated instructions (knobs stale, duplicate) are what tend to break this.
-  // (Not judged: a process that lost an instruction on a live connection; see instruction_lost.)
+  // vain. Late, repeated and lost instructions (knobs stale, duplicate, drop, partition) are what
+  // tend to break this: a shard reports each offload copy it keeps until the server renames or
+  // releases it, and the server answers a report of a copy it does not count with its release.
   void check_offload_memory() const {
     const Hub& hub = *servers_[servers_alive_[0] ? 0 : 1];
     for (const Worker& worker : workers_) {
-      if (!worker.alive || worker.agent->phase() != AgentPhase::kOpen || worker.instruction_lost) continue;
+      if (!worker.alive || worker.agent->phase() != AgentPhase::kOpen) continue;
       const Replica& replica = replicas_[worker.replica];
       const auto snapshot = hub.snapshot(models_[replica.model]);
       if (!snapshot) continue;

@@ -657,6 +657,44 @@ TEST_F(AgentTest, AReleaseOfTheVersionFreesTheCopyTheOpenAnnouncedThoughItsNewNa
   EXPECT_EQ(only<FreeOffload>(hub(ReleaseOffload{9, 5})).version, 9u);
 }
 
+// Property-test find (AgentModel, lossy network, property-long seed 4): the new server answered
+// the copy an open announced with its release, and the network lost it; nothing asked again, and
+// the shard kept the memory for ever while no server counted the copy. The shard reports each
+// announced copy under its old id until the server renames or releases it.
+TEST_F(AgentTest, AnAnnouncedCopyIsReportedUntilTheNewServerNamesOrReleasesIt) {
+  open();
+  publish(1, 8);
+  hub(Offload{8, 80});
+  step(OffloadFinished{8});
+  publish(2, 9);
+  hub(Offload{9, 90});
+  step(OffloadFinished{9});
+  const AgentEffects lost = step(ServerLost{0});
+  ASSERT_EQ(std::get<OpenRequest>(requests(lost).at(0).body).resume->offloads.size(), 2u);
+  // The new server's rename of 8 overtakes the open's answer; its release of 9 is lost.
+  EXPECT_EQ(std::get<OffloadDone>(reports(hub(Offload{8, 3})).at(0)).copy, 3u);
+  const AgentEffects opened = open_reply(2, OpenOk{2, std::nullopt});
+  ASSERT_EQ(agent_.phase(), AgentPhase::kOpen);
+  const std::vector<ReportBody> announced = reports(opened);
+  ASSERT_EQ(announced.size(), 1u) << "copy 8 is named already";
+  EXPECT_EQ(std::get<OffloadDone>(announced[0]).version, 9u);
+  EXPECT_EQ(std::get<OffloadDone>(announced[0]).copy, 90u) << "under the id the open announced";
+  // Repeated until answered; the repeated release frees it, and the reports stop.
+  auto reported_9 = [&](TimeMs from, TimeMs to) {
+    std::size_t count = 0;
+    for (TimeMs t = from; t <= to; t += 50) {
+      for (const ReportBody& body : reports(tick_at(t))) {
+        const auto* offloaded = std::get_if<OffloadDone>(&body);
+        if (offloaded != nullptr && offloaded->version == 9) ++count;
+      }
+    }
+    return count;
+  };
+  EXPECT_GE(reported_9(0, 10000), 2u);
+  EXPECT_EQ(only<FreeOffload>(hub(ReleaseOffload{9, 90})).version, 9u);
+  EXPECT_EQ(reported_9(10050, 20000), 0u);
+}
+
 // th-sim seed 3308 (mixed, harsh-net): a seed's ReleaseOffload overtook its StartRead; the shard
 // then read the seed, and kept a CPU copy nobody counted.
 TEST_F(AgentTest, ASeedWhoseReleaseCameFirstIsNeverStarted) {
@@ -683,16 +721,26 @@ TEST_F(AgentTest, ASeedIsReadOutsideAnyCallAndServedOnlyOnceWhole) {
   // The buffers' own grant is unaffected.
   EXPECT_EQ(only<GrantServe>(hub(ServeRead{8, 1, 4, CopyKind::kPrimary, 0, "peer"})).grant.version, 4u);
   const std::vector<ReportBody> done = reports(step(ReadFinished{7, 1, std::nullopt}));
-  ASSERT_EQ(done.size(), 1u);
+  ASSERT_EQ(done.size(), 2u);
   EXPECT_EQ(std::get<TransferDone>(done[0]).transfer, 7u);
+  // Whole, it is an offload copy, reported as one (see below).
+  EXPECT_EQ(std::get<OffloadDone>(done[1]).version, 5u);
+  EXPECT_EQ(std::get<OffloadDone>(done[1]).copy, 50u);
   EXPECT_EQ(only<GrantServe>(hub(ServeRead{9, 2, 5, CopyKind::kOffload, 0, "peer"})).grant.version, 5u);
-  // Sent once (no call's answer acknowledges it): not retransmitted; answered again when the hub,
-  // which may have missed it, repeats the instruction.
+  // The transfer's report is sent once (no call's answer acknowledges it): not retransmitted;
+  // answered again when the hub, which may have missed it, repeats the instruction. The copy's
+  // report is repeated while the copy is held, so that a lost release is asked for again.
+  std::size_t offload_reports = 0;
   for (TimeMs t = 0; t <= 10000; t += 50) {
     for (const ReportBody& body : reports(tick_at(t))) {
       EXPECT_FALSE(std::holds_alternative<TransferDone>(body)) << "at " << t;
+      if (const auto* offloaded = std::get_if<OffloadDone>(&body)) {
+        EXPECT_EQ(offloaded->copy, 50u);
+        ++offload_reports;
+      }
     }
   }
+  EXPECT_GE(offload_reports, 2u);
   EXPECT_EQ(reports(hub(seed_read(7, 1, 5, 50))).size(), 1u);
   // A failover announces the whole seed like any offload copy.
   const AgentEffects lost = step(ServerLost{0});
@@ -707,12 +755,22 @@ TEST_F(AgentTest, ASeedIsReadOutsideAnyCallAndServedOnlyOnceWhole) {
 TEST_F(AgentTest, AFailedSeedReadIsReportedAgainWhenAskedAndReadAgainFromTheNextSource) {
   open();
   hub(seed_read(7, 1, 5, 50));
-  EXPECT_EQ(reports(step(ReadFinished{7, 1, ReadFailure::kSourceUnreachable})).size(), 1u);
+  const AgentEffects failed = step(ReadFinished{7, 1, ReadFailure::kSourceUnreachable});
+  EXPECT_EQ(reports(failed).size(), 1u);
+  // Sim find (th-sim 102489, harsh-net, once a lost instruction no longer excused kept memory):
+  // the hub released the seed as it failed, the release was lost, and the failed seed's buffer,
+  // waiting for a next source that never came, stayed for ever. A failed seed holds no buffer.
+  EXPECT_EQ(only<FreeOffload>(failed).version, 5u);
   const std::vector<ReportBody> again = reports(hub(seed_read(7, 1, 5, 50)));
   ASSERT_EQ(again.size(), 1u);
   EXPECT_EQ(std::get<TransferFailed>(again[0]).reason, ReadFailure::kSourceUnreachable);
   EXPECT_EQ(only<BeginRead>(hub(seed_read(7, 2, 5, 50))).read.epoch, 2u);
   EXPECT_TRUE(reports(step(ReadFinished{7, 1, std::nullopt})).empty()) << "the old source's read";
+  // Failed again, then released: its buffer is freed once, at the failure.
+  EXPECT_EQ(only<FreeOffload>(step(ReadFinished{7, 2, ReadFailure::kChecksumMismatch})).version, 5u);
+  const AgentEffects released = hub(ReleaseOffload{5, 50});
+  EXPECT_TRUE(all_of<FreeOffload>(released).empty());
+  EXPECT_TRUE(all_of<CancelRead>(released).empty()) << "its read ended";
 }
 
 TEST_F(AgentTest, AReleasedSeedStopsItsReadFreesItsBufferAndIsNeverStartedAgain) {

@@ -1996,6 +1996,49 @@ TEST(HubFailover, ReopenedReplicasRepopulateAFreshServer) {
   EXPECT_TRUE(is<UnpublishOk>(driver.replies(shards)));
 }
 
+// Property-test find (AgentModel, lossy network, property-long seed 4): the server's answer to an
+// offload copy a resume announced (its renaming Offload, or its release when the copy is of no
+// use) was lost, and nothing asked again. The shard reports the copy under the announced id until
+// answered; the server answers each such report again: the rename of a copy it adopted, the
+// release of any other.
+TEST(HubFailover, AReportOfAnAnnouncedCopyIsAnsweredAgain) {
+  Driver driver;  // a fresh server
+  ReplicaSpec t = trainer("t");
+  t.retention.pinned = {8};  // its offload copy of version 8 is needed
+  std::vector<ClientId> shards;
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    OpenRequest request = resume_request(driver, t, shard, 9);
+    Resume resume = *request.resume;
+    resume.offloads.push_back(HeldCopy{8, layout_for(shard), checksums_for(8, shard), 77});
+    // Only shard 0 still holds a copy of version 7: of no use, released.
+    if (shard == 0) resume.offloads.push_back(HeldCopy{7, layout_for(shard), checksums_for(7, shard), 66});
+    request.resume = std::make_shared<const Resume>(std::move(resume));
+    shards.push_back(driver.new_client());
+    driver.open(shards.back(), request, 12);
+  }
+  ASSERT_TRUE(is<OpenOk>(driver.replies(shards)));
+  const std::uint64_t adopted = driver.inbox(shards[0]).offload_copies.at(8);
+  EXPECT_EQ(driver.inbox(shards[1]).offload_copies.at(8), adopted);
+  EXPECT_EQ(driver.inbox(shards[0]).releases, std::vector<Version>{7});
+  EXPECT_EQ(replica_info(driver, "t").offloads, std::vector<Version>{8});
+  // Both answers lost; the shard reports the copies under the ids its open announced.
+  driver.inbox(shards[0]).offloads.clear();
+  driver.inbox(shards[0]).offload_copies.clear();
+  driver.inbox(shards[0]).releases.clear();
+  driver.report(shards[0], OffloadDone{8, 77});
+  EXPECT_EQ(driver.inbox(shards[0]).offload_copies.at(8), adopted) << "renamed again";
+  EXPECT_TRUE(driver.inbox(shards[0]).releases.empty()) << "the adopted copy is not freed";
+  driver.report(shards[0], OffloadDone{7, 66});
+  EXPECT_EQ(driver.inbox(shards[0]).releases, std::vector<Version>{7}) << "released again";
+  EXPECT_FALSE(driver.inbox(shards[0]).offload_copies.contains(7));
+  // Under the new id, the report of the adopted copy is a duplicate: nothing.
+  driver.inbox(shards[0]).offloads.clear();
+  driver.report(shards[0], OffloadDone{8, adopted});
+  EXPECT_TRUE(driver.inbox(shards[0]).offloads.empty());
+  EXPECT_EQ(driver.inbox(shards[0]).releases, std::vector<Version>{7});
+  EXPECT_EQ(replica_info(driver, "t").offloads, std::vector<Version>{8});
+}
+
 TEST(HubFailover, BarrierTimesOutWhenAShardNeverReturns) {
   HubSettings settings;
   settings.barrier_timeout_ms = 1000;

@@ -141,7 +141,9 @@ void Observer::on_call(ClientId client, std::uint64_t seq, const RequestBody& bo
   }
   const bool unpublish = std::holds_alternative<UnpublishRequest>(body);
   const bool update = std::holds_alternative<UpdateRequest>(body);
-  if (!unpublish && !update && !std::holds_alternative<CloseRequest>(body)) return;
+  const bool close = std::holds_alternative<CloseRequest>(body);
+  if (!unpublish && !update && !close) return;
+  if (close) replica.closing = true;
   if (!replica.leaving) replica.leaving_rules = changes_[replica.model];
   replica.leaving = true;
   if (update) replica.pending_update_seqs.insert(seq);
@@ -497,6 +499,10 @@ void Observer::on_effects(const Effects& effects) {
             // A release of another copy than the one the shard holds frees nothing (the agent
             // compares ids): only the copy it names goes, and each shard told is checked.
             if (offload == replica.offloads.end() || offload->second.copy != message.copy) return;
+            // Released by a close in progress (the hub dropped the copy when the close began and
+            // answers a late report of it so): the departure the CloseOk will announce, already
+            // made, and the same change of rules for the replicas that leave meanwhile.
+            if (replica.closing && offload->second.complete) ++changes_[replica.model];
             for (auto it = first_grant_of(client); it != grants_.end() && it->first.source == client;
                  ++it) {
               if (it->second.kind == CopyKind::kOffload && it->second.version == message.version) {

@@ -73,6 +73,9 @@ class Observer {
     std::optional<Version> held;     // complete copy, as the replies said
     bool leaving = false;            // an unpublish/update/close may be draining the held copy
     std::uint64_t leaving_rules = 0; // the model's changes_ when that call was made
+    // A shard called close: from then on the hub may drop what the replica holds (a close is never
+    // refused and may take the last copy of a retained version) before the CloseOk says so.
+    bool closing = false;
     std::optional<Version> failed;   // a reader could not read this replica's copy of this version
     // Offload copies by version (a replica holds at most one of each): the id the hub names it by
     // (its latest Offload instruction), the shards that reported it made, and whether it is

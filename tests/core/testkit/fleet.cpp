@@ -66,8 +66,9 @@ FleetSpec only_spot_rollouts(FleetSpec spec) {
   return spec;
 }
 
-rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts) {
-  return rc::gen::exec([faults, closes, layouts] {
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts, int replicas_min) {
+  TH_ASSERT(replicas_min >= 2 && replicas_min <= 6);
+  return rc::gen::exec([faults, closes, layouts, replicas_min] {
     FleetSpec spec = fleet_base(faults, closes);
     spec.settings.pipeline = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
     spec.settings.fanout_max = spec.settings.pipeline
@@ -88,7 +89,7 @@ rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts) {
       const bool sliced = layouts && *rc::gen::weightedElement<bool>({{2, false}, {1, true}});
       spec.models.push_back({"m" + std::to_string(m), shards, sliced});
     }
-    const int replicas = *rc::gen::inRange(2, 7);
+    const int replicas = *rc::gen::inRange(replicas_min, 7);
     for (int i = 0; i < replicas; ++i) {
       FleetSpec::ReplicaSpec replica;
       replica.model = static_cast<std::uint32_t>(i % models);

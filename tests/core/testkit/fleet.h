@@ -51,8 +51,9 @@ std::uint32_t shards_of(const FleetSpec& spec, std::uint32_t replica);
 
 // With `layouts`, now and then a model is sliced and its rollouts draw their own shard count (reads
 // across layouts); without, every replica has its model's shard count and the testkit's tensors
-// (the agents of testkit/cluster.h do not model reads across layouts).
-rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts = true);
+// (the agents of testkit/cluster.h do not model reads across layouts). A fleet has
+// replicas_min..6 replicas (2..6), its first ones the models' trainers.
+rc::Gen<FleetSpec> gen_fleet(bool faults, bool closes, bool layouts = true, int replicas_min = 2);
 
 // What every generated fleet shares: short heartbeat and barrier timeouts (a few ticks evict a
 // crashed replica), faults and closes as asked. gen_fleet draws the rest.

@@ -677,7 +677,7 @@ void ShardAgent::on_seed_finished(const ReadFinished& finished) {
     if (seed.epoch != finished.epoch || seed.done || seed.failure) return;
     // Sent once, not retransmitted: no call's answer acknowledges a seed's report, and the hub
     // repeats the instruction until it has one.
-    if (finished.failure) {
+    if (finished.failure.has_value()) {
       seed.failure = finished.failure;
       // Its buffer goes now (a read from the next source fills a fresh one): a failed seed waits
       // for the hub to name that source, and if the hub released the seed instead and that

@@ -609,7 +609,13 @@ void Cluster::on_agent_effect(int w, const AgentEffect& effect) {
               fail(who + " reports an offload copy of version " + std::to_string(offloaded->version) +
                    " it does not have");
             }
-            worker.offload_ids[offloaded->version] = {offloaded->copy, worker.agent->session()};
+            // The session whose server named the copy so: a resumed shard reports a copy its open
+            // announced under the previous server's id until the new server renames or releases it.
+            auto [named, first] = worker.offload_ids.try_emplace(offloaded->version,
+                                                                 Worker::Named{offloaded->copy, worker.agent->session()});
+            if (!first && named->second.copy != offloaded->copy) {
+              named->second = {offloaded->copy, worker.agent->session()};
+            }
           }
           if (const auto* done = std::get_if<TransferDone>(&e.report.body)) {
             auto failed = worker.failed_reads.find(done->transfer);

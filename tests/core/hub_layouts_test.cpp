@@ -181,5 +181,78 @@ TEST(HubLayouts, WhatAReaderAssembledMustAgreeWithAnotherCopyOfItsLayout) {
   EXPECT_GT(again.epoch, read2.epoch);
 }
 
+// Issue 10's hang, across layouts (mutant waiting-chain-counts): two chains in one datacenter,
+// of two layouts, lose their roots' sources one after the other. A copy of another layout counts
+// as a source soon here (the reader would read it once complete), but not when its own chain ends
+// in a reader still waiting for a source: here each root's only such copy reads, through its
+// chain, from the other root, and if each waited for the other neither would ever be answered.
+TEST(HubLayouts, TwoRootsOfOtherLayoutsDoNotWaitForEachOthersWaitingChains) {
+  Driver driver;  // pipeline, fan-out 1, smart skipping
+  ReplicaSpec trainer = replica("t", 2, "trainer");
+  trainer.datacenter = "dc1";
+  const auto t = driver.open_replica(trainer);
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    driver.call(t[shard], PublishRequest{1, sliced_layout_for(shard, 2), sliced_checksums_for(1, shard, 2)});
+  }
+  ASSERT_TRUE(is<PublishOk>(driver.replies(t)));
+  std::map<std::string, std::vector<ClientId>> r;
+  auto replicate_from = [&](const std::string& name, std::uint32_t shards, const std::string& source) {
+    r[name] = driver.open_replica(replica(name, shards));  // dc0
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      driver.call(r[name][shard], ReplicateRequest{Selector::latest(), sliced_layout_for(shard, shards), 0});
+    }
+    for (const ClientId client : r[name]) {
+      ASSERT_EQ(driver.inbox(client).reads.size(), 1u) << name;
+      EXPECT_EQ(driver.inbox(client).reads.begin()->second.source.replica, source) << name;
+    }
+  };
+  // Complete roots of both layouts here (one shard, and three), each read by a chain of its own.
+  replicate_from("s1", 1, "t");
+  driver.finish_reads(r["s1"], /*sliced=*/true);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r["s1"])));
+  replicate_from("s3", 3, "s1");
+  driver.finish_reads(r["s3"], /*sliced=*/true);
+  ASSERT_TRUE(is<ReplicateOk>(driver.replies(r["s3"])));
+  replicate_from("w1", 1, "s1");
+  replicate_from("w3", 3, "s3");
+  replicate_from("c1", 1, "w1");
+  replicate_from("c3", 3, "w3");
+  // The roots' sources go, s1 first: w1 waits for s3 (complete, of a layout it reads). Then s3:
+  // what is left here is two chains rooted in waiting readers; w3 must read across datacenters.
+  // (Their reads from the sources about to go are void: the data plane fails them.)
+  for (const ClientId client : r["w1"]) driver.inbox(client).reads.clear();
+  driver.lose_connection(r["s1"][0]);
+  for (const ClientId client : r["w3"]) driver.inbox(client).reads.clear();
+  for (const ClientId client : r["s3"]) driver.lose_connection(client);
+  // Every reader finishes: each round, whoever reads from a complete copy reads to the end.
+  const std::vector<std::string> readers = {"w1", "w3", "c1", "c3"};
+  std::set<std::string> answered;
+  std::set<std::string> complete = {"t"};
+  for (int round = 0; round < 10 && answered.size() < readers.size(); ++round) {
+    for (const std::string& name : readers) {
+      if (answered.contains(name)) continue;
+      bool from_complete = true;
+      for (const ClientId client : r[name]) {
+        const auto& reads = driver.inbox(client).reads;
+        from_complete = from_complete && !reads.empty() && complete.contains(reads.rbegin()->second.source.replica);
+      }
+      if (!from_complete) continue;
+      driver.finish_reads(r[name], /*sliced=*/true);
+      if (auto outcome = driver.replies(r[name])) {
+        EXPECT_TRUE(is<ReplicateOk>(outcome)) << name << ": " << describe(*outcome);
+        answered.insert(name);
+        complete.insert(name);
+      }
+    }
+  }
+  std::string left;
+  for (const std::string& name : readers) {
+    if (!answered.contains(name)) left += " " + name;
+  }
+  EXPECT_EQ(answered.size(), readers.size()) << "readers left waiting for ever:" << left;
+  const HubActivity activity = driver.hub().activity();
+  EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
+}
+
 }  // namespace
 }  // namespace th::test

@@ -2260,8 +2260,10 @@ TEST(HubRegression, ChainsEndingInWaitingReadersAreUnavailableNotAHang) {
 // Two chain roots in one datacenter lose their sources at once; each chain has a tail in a
 // datacenter of its own, so that the only complete copy (in a fourth) is a detour for neither.
 // A chain that ends in a reader still waiting must not count as "a source soon here": each root
-// would wait for the other's chain, for ever (the mutant 'waiting-chain-counts'; the property
-// fleets, with two or three datacenters, never build this shape).
+// would wait for the other's chain, for ever. (Since reads across datacenters have a slot of their
+// own (563da0a), a root here reads the other chain's end at once, and this shape no longer reaches
+// that rule: the mutant 'waiting-chain-counts' is pinned across layouts instead, by
+// HubLayouts.TwoRootsOfOtherLayoutsDoNotWaitForEachOthersWaitingChains and gen_chain_case.)
 TEST(HubRegression, TwoRootsDoNotWaitForEachOthersWaitingChains) {
   Driver driver;  // pipeline, fan-out 1, smart skipping
   auto one = [&](const std::string& name, const std::string& datacenter) {
@@ -2290,7 +2292,7 @@ TEST(HubRegression, TwoRootsDoNotWaitForEachOthersWaitingChains) {
   replicate_from("w2", "dc0", "s2");
   replicate_from("c1", "dc0", "w1");
   replicate_from("c2", "dc0", "w2");
-  replicate_from("f", "dc3", "t");   // t's one slot is taken
+  replicate_from("f", "dc3", "t");
   replicate_from("d1", "dc1", "c1");
   replicate_from("d2", "dc2", "c2");
   // Both roots' sources die.

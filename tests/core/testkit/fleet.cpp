@@ -253,16 +253,24 @@ rc::Gen<ChainCase> gen_chain_case() {
     spec.settings.pipeline = true;
     spec.settings.fanout_max = 1;
     spec.settings.smart_skipping = true;
-    spec.models.push_back({"m0", 1});
-    auto add = [&](const std::string& datacenter, bool trainer) {
+    // Half the cases slice the model (a two-shard trainer), and each chain holds a layout of its
+    // own: a root then counts the other layout's chains as sources soon (it reads them once
+    // complete), and must not count one that ends in a root still waiting itself. (Chains of one
+    // layout cannot show that: a root reads the end of another's chain at once, as its cross-
+    // datacenter reader does not take the end's one local slot.)
+    const bool sliced = *rc::gen::arbitrary<bool>();
+    spec.models.push_back({"m0", sliced ? 2u : 1u, sliced});
+    auto add = [&](const std::string& datacenter, bool trainer, std::uint32_t shards = 0) {
       FleetSpec::ReplicaSpec replica;
       replica.name = "r" + std::to_string(spec.replicas.size());
       replica.datacenter = datacenter;
       replica.trainer = trainer;
+      replica.num_shards = shards;  // 0: the model's
       if (trainer) replica.retention.keep_latest = 1;  // its unpublish offloads
       spec.replicas.push_back(std::move(replica));
       return static_cast<std::uint32_t>(spec.replicas.size() - 1);
     };
+    auto any_layout = [&] { return sliced ? *rc::gen::inRange<std::uint32_t>(1, kSlicedShardsMax) : 0u; };
     std::vector<std::string> remote = {"dc1", "dc2", "dc3"};
     const std::string trainer_dc = remote[*rc::gen::inRange<std::size_t>(0, 3)];
     add(trainer_dc, true);
@@ -271,27 +279,34 @@ rc::Gen<ChainCase> gen_chain_case() {
     std::erase(remote, trainer_dc);
     if (*rc::gen::arbitrary<bool>()) std::swap(remote[0], remote[1]);
     const int chains = *rc::gen::weightedElement<int>({{1, 1}, {3, 2}, {2, 3}});
+    // Each chain's shard count (sliced: 1 to 3, the first two chains' different).
+    std::vector<std::uint32_t> layouts;
+    for (int c = 0; c < chains; ++c) {
+      std::uint32_t shards = any_layout();
+      if (sliced && c == 1) shards = 1 + (layouts[0] - 1 + *rc::gen::inRange<std::uint32_t>(1, 3)) % 3;
+      layouts.push_back(shards);
+    }
     std::vector<std::uint32_t> sources;
-    for (int c = 0; c < chains; ++c) sources.push_back(add("dc0", false));
+    for (int c = 0; c < chains; ++c) sources.push_back(add("dc0", false, layouts[c]));
     // Someone near the trainer reads it first, so that the tails read the chains' ends.
     const bool occupied = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
-    const std::uint32_t occupier = occupied ? add(trainer_dc, false) : 0;
+    const std::uint32_t occupier = occupied ? add(trainer_dc, false, any_layout()) : 0;
     std::vector<std::vector<std::uint32_t>> levels;  // readers by depth, one per chain and depth
     const int depth = *rc::gen::inRange(1, 4);
     for (int d = 0; d < depth; ++d) {
       levels.emplace_back();
-      for (int c = 0; c < chains; ++c) levels.back().push_back(add("dc0", false));
+      for (int c = 0; c < chains; ++c) levels.back().push_back(add("dc0", false, layouts[c]));
     }
     std::vector<std::uint32_t> tails;
     for (int c = 0; c < chains; ++c) {
       tails.push_back(add(c < 2 && *rc::gen::weightedElement<bool>({{4, true}, {1, false}})
                               ? remote[static_cast<std::size_t>(c)]
                               : *rc::gen::element<std::string>("dc1", "dc2", "dc3"),
-                          false));
+                          false, layouts[c]));
     }
     const int extra = *rc::gen::inRange(0, 3);
     for (int e = 0; e < extra; ++e) {
-      add(*rc::gen::element<std::string>("dc0", "dc1", "dc2", "dc3"), false);
+      add(*rc::gen::element<std::string>("dc0", "dc1", "dc2", "dc3"), false, any_layout());
     }
 
     std::vector<Action>& program = chain_case.program;
@@ -301,7 +316,9 @@ rc::Gen<ChainCase> gen_chain_case() {
     program.push_back(Action{Action::Kind::kPlan, 0, 0, 1, 0, true});  // the trainer publishes
     for (std::uint32_t source : sources) {
       replicate(source);
-      program.push_back(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});  // the only one
+      for (std::uint32_t shard = 0; shard < shards_of(spec, source); ++shard) {
+        program.push_back(Action{Action::Kind::kFinishRead, 0, 0, 0, 0, false});  // the only ones
+      }
     }
     for (const auto& level : levels) {
       for (std::uint32_t reader : level) replicate(reader);

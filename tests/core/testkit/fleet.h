@@ -106,7 +106,8 @@ rc::Gen<Action> gen_chain_action(const FleetSpec& spec);
 // and read at its end from a datacenter of its own; the trainer's one slot may be taken; then
 // sources die in any order, and random actions follow. Such chains need more replicas and a more
 // careful order than random programs over gen_fleet's fleets reach (roots that wait for each
-// other's chains: the mutant 'waiting-chain-counts').
+// other's chains: the mutant 'waiting-chain-counts'). In half the cases the model is sliced and
+// each chain holds a layout of its own (the first two different ones).
 struct ChainCase {
   FleetSpec spec;
   std::vector<Action> program;

@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/agent.h"
@@ -129,6 +130,11 @@ struct Worker {
   std::optional<Version> buffer_version;  // what the first buffer_bytes (modelled) hold
   std::uint64_t buffer_bytes = 0;
   std::map<Version, std::vector<std::uint8_t>> offloads;
+  // The newest id the agent's current session heard for each version's offload copy (an Offload,
+  // or a seed's StartRead), until the copy of that version is freed: a release naming it must free
+  // the copy at once (see check_release_obeyed).
+  std::map<Version, std::uint64_t> offload_names;
+  std::uint64_t offload_names_session = 0;
   std::map<std::pair<TransferId, std::uint32_t>, ServeRead> grants;
   // Bytes a fault changed (knobs corrupt and tamper), until the buffer is written anew. Corrupt:
   // it may hold bytes that are not its version's, which a fault put there (a bit flipped on the
@@ -611,6 +617,7 @@ class Simulation {
             schedule(now_ + rng_.range(20, 200), Event(EventKind::kOffloadCopied, w, e.version));
           } else if constexpr (std::is_same_v<T, FreeOffload>) {
             worker.offloads.erase(e.version);
+            worker.offload_names.erase(e.version);
             worker.offloads_corrupt.erase(e.version);
           } else if constexpr (std::is_same_v<T, CopyFoundCorrupt>) {
             check_corrupt_notice(w, e);
@@ -693,7 +700,56 @@ class Simulation {
       trace_.instant(w + 1, std::string("evicted: ") + std::string(errc_name(evicted->reason)),
                      "failure", now_);
     }
+    const bool read_by_agent = reads_message(worker, event.server, effect);
+    const std::optional<Version> must_free = read_by_agent ? release_due(worker, effect) : std::nullopt;
     agent_step(w, FromHub{event.server, effect});
+    if (must_free && worker.offloads.contains(*must_free)) {
+      fail("retention: " + replicas_[worker.replica].name + "/" + std::to_string(worker.shard) +
+           " keeps its offload copy of v" + std::to_string(*must_free) + " after a release under copy id " +
+           std::to_string(std::get<ReleaseOffload>(effect.message).copy) +
+           ", the id its server last gave that copy");
+    }
+    if (read_by_agent) record_offload_name(worker, effect);
+  }
+
+  // A shard's offload copy carries the newest id its server gave it this session (ids grow; an
+  // older one in a late Offload is stale): a release under that id frees the copy at once. One the
+  // shard ignores is memory the server no longer counts, kept until the shard's next report of it
+  // is answered, or for ever where that answer renames rather than releases.
+  bool reads_message(Worker& worker, std::uint32_t server, const Effect& effect) {
+    const ShardAgent& agent = *worker.agent;
+    if (server != agent.server() || effect.session != agent.session() ||
+        (agent.phase() != AgentPhase::kOpening && agent.phase() != AgentPhase::kOpen)) {
+      return false;  // the agent drops it unread
+    }
+    if (std::exchange(worker.offload_names_session, agent.session()) != agent.session()) {
+      worker.offload_names.clear();  // a new session's server names the copies anew
+    }
+    return true;
+  }
+
+  // The version whose offload copy a release must free: one the process holds, named by the
+  // release as its server last named it.
+  static std::optional<Version> release_due(const Worker& worker, const Effect& effect) {
+    const auto* release = std::get_if<ReleaseOffload>(&effect.message);
+    if (release == nullptr || !worker.offloads.contains(release->version)) return std::nullopt;
+    const auto named = worker.offload_names.find(release->version);
+    if (named == worker.offload_names.end() || named->second != release->copy) return std::nullopt;
+    return release->version;
+  }
+
+  // After the agent's step: a copy freed in it (FreeOffload) is no longer named, the one it names
+  // now is.
+  static void record_offload_name(Worker& worker, const Effect& effect) {
+    auto name = [&](Version version, std::uint64_t copy) {
+      std::uint64_t& newest = worker.offload_names[version];
+      newest = std::max(newest, copy);
+    };
+    if (const auto* offload = std::get_if<Offload>(&effect.message)) {
+      name(offload->version, offload->copy);
+    } else if (const auto* read = std::get_if<StartRead>(&effect.message); read && read->offload_copy != 0) {
+      name(read->version, read->offload_copy);
+    }
   }
 
   // ---- the servers ----

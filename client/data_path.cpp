@@ -205,7 +205,25 @@ void Handle::Impl::run_read(ReadJob& job) {
   // them out) or all at the end (by this thread): each once per read.
   auto attempt = std::make_shared<ReadAttempt>(plan, job.packed, job.read.checksums, job.read.version,
                                                /*scatter=*/job.seed == nullptr);
+  // Another source for the same transfer (the last one failed, or the server moved the read):
+  // go on after the tensors that arrived whole and verify, rather than from byte 0 (issue 34).
+  // (A seed reads into a fresh buffer each time, on a thread of its own: never resumed.)
+  if (job.seed == nullptr) {
+    const std::optional<Resumable> earlier = std::exchange(resumable_, std::nullopt);
+    if (options_.resume_reads && earlier && earlier->transfer == job.read.transfer && earlier->epoch < job.read.epoch &&
+        earlier->progress == job.progress && earlier->stream == job.stream &&
+        earlier->attempt->version == job.read.version && earlier->attempt->plan.layout == plan.layout &&
+        earlier->attempt->packed == job.packed && earlier->attempt->scatter) {
+      pull_options.start_bytes = job.stream->resume(*earlier->attempt, *attempt, *job.cancelled);
+    }
+  }
   job.stream->begin(attempt);
+  if (pull_options.start_bytes > 0) {
+    log(LogLevel::kInfo, "data", "version " + std::to_string(job.read.version) + " from " + job.read.source.replica +
+                                     ": going on at byte " + std::to_string(pull_options.start_bytes) + " of " +
+                                     std::to_string(plan.layout->total_bytes()) +
+                                     " (the tensors before it arrived whole from the last source, and verify)");
+  }
   // A NIC may write GPU tensors (RDMA READs): flushed before any of them counts as arrived, since
   // arrived bytes are checked on the GPU, handed out, and served on to pipeline readers.
   const bool flush_nic_writes = plan.gpu != nullptr && transport_->kind() == "rdma";
@@ -244,7 +262,17 @@ void Handle::Impl::run_read(ReadJob& job) {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from.clear();
   };
-  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) return stopped();
+  // Ended short (cancelled for another source, or failed; a bad tensor stops resume() there): a
+  // later read of this transfer may go on from what arrived.
+  auto keep_for_resume = [&] {
+    if (job.seed == nullptr) {
+      resumable_ = Resumable{job.read.transfer, job.read.epoch, job.progress, job.stream, attempt};
+    }
+  };
+  if (outcome.error == net::ReadError::kCancelled || job.cancelled->load()) {
+    keep_for_resume();
+    return stopped();
+  }
   std::optional<ReadFailure> failure;
   if (!outcome.ok()) {
     log(LogLevel::kWarning, "data", outcome.detail);
@@ -266,11 +294,19 @@ void Handle::Impl::run_read(ReadJob& job) {
         failure = ReadFailure::kSourceUnreachable;
       }
     }
-    if (job.cancelled->load()) return stopped();  // (and the checks stopped short)
+    if (job.cancelled->load()) {
+      keep_for_resume();
+      return stopped();  // (and the checks stopped short)
+    }
   }
+  if (failure) keep_for_resume();
   {
     std::lock_guard lock(stats_mutex_);
     stats_.bytes_received += outcome.bytes;
+    if (pull_options.start_bytes > 0) {
+      ++stats_.reads_resumed;
+      stats_.bytes_resumed += pull_options.start_bytes;
+    }
     if (outcome.bytes_over_ipc > 0) ++stats_.pulls_ipc;
     stats_.reading_from.clear();
     if (failure) {

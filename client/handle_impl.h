@@ -40,6 +40,8 @@
 namespace th {
 namespace client_impl {
 
+struct ReadAttempt;  // client/receive.h
+
 constexpr TimeMs kTickMs = 50;                  // how often the agent hears the clock
 constexpr TimeMs kReconnectBackoffInitialMs = 100;
 constexpr TimeMs kReconnectBackoffMaxMs = 2000;
@@ -285,6 +287,17 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
     std::shared_ptr<std::atomic<bool>> cancelled;
   };
   std::optional<RunningRead> running_read_;  // the job the reader thread is on
+  // The last read into the buffers that ended without all its bytes (its source failed, or the
+  // server moved it to another source): the next read of the same transfer goes on from the
+  // tensors it verified (Receive::State::resume). The reader thread's own.
+  struct Resumable {
+    TransferId transfer = 0;
+    std::uint32_t epoch = 0;
+    std::shared_ptr<net::Progress> progress;
+    std::shared_ptr<Receive::State> stream;
+    std::shared_ptr<ReadAttempt> attempt;
+  };
+  std::optional<Resumable> resumable_;
   // A failed call's answer, held until the reader let go of the buffers (see apply(CallDone)).
   std::optional<std::pair<std::uint64_t, Outcome>> completion_after_reads_;
   bool reader_stopping_ = false;

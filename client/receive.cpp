@@ -145,6 +145,34 @@ std::optional<std::size_t> Receive::State::check_rest(ReadAttempt& read, const s
   return std::nullopt;
 }
 
+std::uint64_t Receive::State::resume(ReadAttempt& earlier, ReadAttempt& next, const std::atomic<bool>& cancelled) {
+  TH_ASSERT(earlier.unit_end == next.unit_end && earlier.version == next.version, "a resumed read has the same units");
+  std::unique_lock lock(mutex);
+  std::uint64_t verified = 0;
+  for (std::size_t unit = 0; unit < earlier.units.size() && !cancelled.load(); ++unit) {
+    // The application may be checking it right now: its verdict counts.
+    changed.wait(lock, [&] { return earlier.units[unit] != ReadAttempt::Unit::kChecking; });
+    ReadAttempt::Unit& verdict = earlier.units[unit];
+    if (verdict == ReadAttempt::Unit::kPending) {
+      if (earlier.ready_bytes < earlier.unit_end[unit]) break;  // not all of it arrived
+      verdict = ReadAttempt::Unit::kChecking;
+      lock.unlock();
+      // Against the checksums of the read that goes on (the same version's, from the server).
+      const std::optional<std::size_t> bad = next.check(unit);
+      lock.lock();
+      verdict = bad ? ReadAttempt::Unit::kBad : ReadAttempt::Unit::kGood;
+      if (bad) earlier.bad_tensor = bad;
+      changed.notify_all();
+    }
+    if (verdict != ReadAttempt::Unit::kGood) break;
+    next.units[unit] = ReadAttempt::Unit::kGood;
+    verified = earlier.unit_end[unit];
+  }
+  next.ready_bytes = verified;
+  TH_ASSERT(verified <= earlier.ready_bytes || verified == 0, "only what arrived is verified");
+  return verified;
+}
+
 namespace {
 
 std::string outcome_label(const Outcome& outcome) {

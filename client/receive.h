@@ -88,6 +88,11 @@ struct Receive::State {
   void advance(client_impl::ReadAttempt& attempt, std::uint64_t ready_bytes);
   // Stops (nothing found) once `cancelled` holds: the buffers are the application's again.
   std::optional<std::size_t> check_rest(client_impl::ReadAttempt& attempt, const std::atomic<bool>& cancelled);
+  // A read of the same version into the same buffers after `earlier` (of this call) ended short:
+  // the units from the first on that `earlier` verified, or that arrived whole and verify now, are
+  // good in `next` too, up to the first that is not. Returns where `next` goes on (layout order).
+  std::uint64_t resume(client_impl::ReadAttempt& earlier, client_impl::ReadAttempt& next,
+                       const std::atomic<bool>& cancelled);
   // The I/O thread (or a shutdown): the call's answer. The first one counts.
   void finish(Outcome outcome);
   bool finished() const;

@@ -275,6 +275,11 @@ struct PullOptions {
   int stall_ms_max = 60'000;
   // Caps the receive rate (0: none), e.g. to leave a shared NIC to the training job's own traffic.
   std::uint64_t rate_bytes_per_s = 0;  // a partial source that makes no progress this long has failed
+  // Resume: the first `start_bytes` of the targets (layout order) hold the version already (a
+  // reader verified them after its last source failed); only the rest is pulled, and on_progress
+  // counts from here. Over TCP one connection pulls the rest; a pull through CUDA IPC is not
+  // taken (it would copy everything again).
+  std::uint64_t start_bytes = 0;
   // Polled between chunks: true stops the pull with kCancelled.
   std::function<bool()> cancelled;
   // Called as the prefix of the targets (layout order) that has arrived grows: a receiving shard

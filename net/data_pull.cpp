@@ -150,6 +150,14 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
         offset = 0;
       }
     };
+    // Resume: the cursor starts after the prefix the reader holds.
+    while (region < targets.size() && region_start + targets[region].bytes <= options.start_bytes) {
+      region_start += targets[region].bytes;
+      ++region;
+    }
+    if (region < targets.size()) offset = options.start_bytes - region_start;
+    TH_ASSERT(region < targets.size() || region_start == options.start_bytes, "a resume starts within the targets");
+    ready = options.start_bytes;
     skip_empty_regions();
     if (region == targets.size()) return outcome;  // nothing to pull
     for (;;) {
@@ -239,7 +247,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       region_start = ask.global_end - ask.offset - ask.length;
       skip_empty_regions();
     }
-    TH_ASSERT(outcome.bytes >= ready);
+    TH_ASSERT(options.start_bytes + outcome.bytes >= ready);
     return outcome;
   } catch (const PullCancelled&) {
     return fail(ReadError::kCancelled, "cancelled");
@@ -261,8 +269,9 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
 // Over TCP: targets[i] is the source's region first_region + i.
 PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& secret, std::span<const LocalRegion> targets,
                      std::uint32_t first_region, const PullOptions& options) {
-  // A partial source is read in order on one connection: its ready prefix grows in order.
-  if (options.streams == 1 || options.partial || targets.size() < 2) {
+  // A partial source is read in order on one connection: its ready prefix grows in order. So is the
+  // rest of a resumed read (rare: after a source failed).
+  if (options.streams == 1 || options.partial || targets.size() < 2 || options.start_bytes > 0) {
     return pull_stream(source, key, secret, targets, first_region, options);
   }
   // Several connections, each taking the next region nobody has claimed yet. The ready prefix
@@ -319,8 +328,11 @@ PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret
                  const PullOptions& options) {
   TH_REQUIRE(options.chunk_bytes > 0 && options.progress_step_bytes > 0 && options.depth > 0 && options.streams > 0 &&
              options.streams <= kPullStreamsMax);
+  std::uint64_t target_bytes = 0;
+  for (const LocalRegion& target : targets) target_bytes += target.bytes;
+  TH_REQUIRE(options.start_bytes <= target_bytes, "a resume starts within the targets");
   std::string ipc_fallback;
-  if (options.ipc != nullptr && !options.partial) {
+  if (options.ipc != nullptr && !options.partial && options.start_bytes == 0) {
     const ipc_detail::TcpSide tcp{
         [&](std::span<const LocalRegion> part, std::uint32_t first_region, const PullOptions& part_options) {
           return pull_tcp(source, key, secret, part, first_region, part_options);

@@ -658,10 +658,16 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   };
   std::uint64_t target_bytes = 0;
   for (const net::LocalRegion& target : targets) target_bytes += target.bytes;
+  TH_REQUIRE(options.start_bytes <= target_bytes, "a resume starts within the targets");
+  // Resume (PullOptions::start_bytes) from a partial source: over TCP, which asks the source to
+  // wait for the bytes at the resume point; read_grant follows a partial source from byte 0, and
+  // must not write again the prefix the reader verified and may have handed out.
+  if (options.partial && options.start_bytes > 0) return over_tcp();
+  const std::uint64_t start = options.start_bytes;
   // A complete source that is big enough is read over every rail at once; a partial one is
   // followed in layout order on rail 0.
   const std::size_t wanted =
-      !options.partial && target_bytes >= state.options.stripe_bytes_min ? state.ports.size() : 1;
+      !options.partial && target_bytes - start >= state.options.stripe_bytes_min ? state.ports.size() : 1;
   std::vector<Rail> rails;
   rails.reserve(wanted);
   RailsGuard guard{state, rails, key};
@@ -677,14 +683,15 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
     if (rail.fall_back || rail.failed) continue;  // the other rails read its part (logged by acquire)
     rails.push_back(std::move(rail));
   }
-  const std::vector<std::uint64_t> ends = stripe_ends(target_bytes, rails.size(), state.options.read_bytes);
+  std::vector<std::uint64_t> ends = stripe_ends(target_bytes - start, rails.size(), state.options.read_bytes);
+  for (std::uint64_t& end : ends) end += start;
   for (std::size_t i = 0; i < rails.size(); ++i) {
-    rails[i].begin = i == 0 ? 0 : ends[i - 1];
+    rails[i].begin = i == 0 ? start : ends[i - 1];
     rails[i].end = ends[i];
   }
   if (rails.size() == 1) {
     Rail& rail = rails[0];
-    read_rail(state, rail, key, targets, 0, target_bytes, options);
+    read_rail(state, rail, key, targets, start, target_bytes, options);
     state.ports[rail.acquired.link->port]->bytes_read += rail.outcome.bytes;
     finish_rail(state, rail, key);
     if (rail.outcome.ok()) ++state.pulls_rdma;

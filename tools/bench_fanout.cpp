@@ -33,7 +33,12 @@ int run_fanout_node(const FanoutNodeOptions& options) {
   client.role = options.role;
   client.datacenter = options.datacenter;
   if (!options.data_ip.empty()) client.data_listen = options.data_ip + ":0";
+  client.resume_reads = options.resume_reads;
   const std::uint64_t bytes = options.mib << 20;
+  if (options.tensors == 0 || options.tensors > bytes) {
+    std::cerr << "th-bench fanout-node: --tensors is 1 to the shard's bytes\n";
+    return 2;
+  }
   BigBuffer memory(bytes);
   std::memset(memory.get(), 0, bytes);  // memory in use, as a worker's tensors are
   auto opened = Handle::open(client);
@@ -42,9 +47,15 @@ int run_fanout_node(const FanoutNodeOptions& options) {
     return 1;
   }
   std::unique_ptr<Handle> handle = std::move(opened).value();
-  if (auto registered = handle->register_tensor("weights", memory.get(), bytes, DType::kUInt8); !registered.ok()) {
-    std::cerr << "th-bench fanout-node: register: " << registered.error().detail << "\n";
-    return 1;
+  const std::uint64_t tensor_bytes = bytes / options.tensors;
+  for (std::uint32_t i = 0; i < options.tensors; ++i) {
+    const std::uint64_t size = i + 1 < options.tensors ? tensor_bytes : bytes - tensor_bytes * i;
+    const std::string name = options.tensors == 1 ? "weights" : "weights." + std::to_string(i);
+    if (auto registered = handle->register_tensor(name, memory.get() + tensor_bytes * i, size, DType::kUInt8);
+        !registered.ok()) {
+      std::cerr << "th-bench fanout-node: register: " << registered.error().detail << "\n";
+      return 1;
+    }
   }
   const bool two_versions = !options.second_version_file.empty();
   if (options.role == "trainer") {
@@ -113,9 +124,10 @@ int run_fanout_node(const FanoutNodeOptions& options) {
       std::cerr << "th-bench fanout-node: replicate: " << replicated.error().detail << "\n";
       return 1;
     }
+    const HandleStats stats = handle->stats();
     std::cout << std::fixed << std::setprecision(3) << "RESULT fanout_seconds=" << seconds
-              << " source=" << replicated.value().source_replica << " checksum_failures="
-              << handle->stats().checksum_failures << " data_endpoint=" << handle->data_endpoint() << std::endl;
+              << " source=" << replicated.value().source_replica << " checksum_failures=" << stats.checksum_failures
+              << " bytes_resumed=" << stats.bytes_resumed << " data_endpoint=" << handle->data_endpoint() << std::endl;
   }
   wait_for_file(options.stop_file);
   return 0;

@@ -17,7 +17,9 @@ struct FanoutNodeOptions {
   std::string replica;
   std::string datacenter = "default";
   std::string data_ip;       // this host's address: the data server listens there
-  std::uint64_t mib = 256;   // the tensor's size
+  std::uint64_t mib = 256;   // the shard's size
+  std::uint32_t tensors = 1; // cut into this many tensors (the last takes the remainder)
+  bool resume_reads = true;  // ClientOptions::resume_reads (bench/run-fanout-failure's before and after)
   std::string start_file;    // rollout: replicate once it exists
   std::string stop_file;     // close and exit once it exists
   // Cross-datacenter mode (bench/run-crossdc): the trainer publishes version 1, then version 2 once

@@ -448,7 +448,12 @@ int main(int argc, char** argv) {
   fanout->add_option("--data-ip", node.data_ip,
                      "this host's address for the data plane (default: libthclient's, which listens on every "
                      "interface and advertises the one that reaches the server)");
-  fanout->add_option("--mib", node.mib, "tensor size, MiB")->capture_default_str()->check(CLI::Range(1, 65536));
+  fanout->add_option("--mib", node.mib, "shard size, MiB")->capture_default_str()->check(CLI::Range(1, 65536));
+  fanout->add_option("--tensors", node.tensors, "tensors the shard is cut into")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  fanout->add_flag("!--no-resume", node.resume_reads,
+                   "after a source fails, read the next one from byte 0 (not from the verified tensors)");
   fanout->add_option("--start-file", node.start_file, "rollout: replicate once this file exists");
   fanout->add_option("--stop-file", node.stop_file, "exit once this file exists")->required();
   fanout->add_option("--second-version-file", node.second_version_file,

@@ -294,6 +294,8 @@ class PyHandle {
     out["memory_registrations"] = s.memory_registrations;
     out["servers_lost"] = s.servers_lost;
     out["pulls_ipc"] = s.pulls_ipc;
+    out["reads_resumed"] = s.reads_resumed;
+    out["bytes_resumed"] = s.bytes_resumed;
     out["gpu_registration"] = s.gpu_registration;
     return out;
   }

@@ -126,6 +126,40 @@ TEST_F(EndToEnd, ReaderFinishesFromAnotherSourceAfterKill9) {
   EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
 }
 
+// Issue 34: a source killed mid-transfer, and the reader goes on from the tensors that arrived
+// whole and verify (it pulls only the rest from the other holder), bit-exact.
+TEST_F(EndToEnd, AReaderWhoseSourceIsKilledGoesOnFromTheVerifiedTensors) {
+  const std::string server = start_server();
+  const std::vector<std::string> shape = {"--tensors", "8", "--tensor-bytes", "4000000"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), shape.begin(), shape.end());
+    return more;
+  };
+  Process& trainer = worker({server}, "trainer", shape, {"publish:1", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& first = worker({server}, "rollout-a", shape, {"replicate:latest", "verify", "wait-line"});
+  EXPECT_EQ(expect(first, "verify "), "verify ok 1");
+  // 32 MB at 20 MB/s: killed once 12 MB (two whole big tensors at least) arrived.
+  Process& reader = worker({server}, "rollout-b",
+                           with({"--read-rate", read_rate(20000000), "--report-source", "--halfway-bytes", "12000000"}),
+                           {"replicate-watched:latest", "verify"});
+  const std::string source = expect(reader, "source ").substr(7);
+  ASSERT_TRUE(source == "trainer" || source == "rollout-a") << source;
+  expect(reader, "halfway");
+  (source == "trainer" ? trainer : first).kill9();
+  const std::string survivor = source == "trainer" ? "rollout-a" : "trainer";
+  EXPECT_EQ(expect(reader, "replicate "), "replicate ok 1 from " + survivor);
+  const std::string stats = expect(reader, "stats ");
+  std::istringstream words(stats);
+  std::string word;
+  std::uint64_t reads_failed = 0, reads_resumed = 0, bytes_resumed = 0;
+  words >> word >> word >> reads_failed >> word >> reads_resumed >> word >> bytes_resumed;
+  EXPECT_EQ(reads_resumed, 1u) << stats;
+  EXPECT_GE(bytes_resumed, 8000000u) << stats;
+  EXPECT_LT(bytes_resumed, 8u * 4000000u) << stats;
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+}
+
 // The server dies; every client moves to the backup and the job carries on with version 2.
 TEST_F(EndToEnd, ClientsFailOverToTheBackupServer) {
   const std::string primary = start_server();

@@ -535,6 +535,55 @@ TEST(ReadAttempt, TheReaderChecksOnlyWhatTheApplicationDidNotAndStopsAtABadUnit)
   EXPECT_EQ(shard.plan.tensor_data[0][0], std::byte{0x77}) << "not scattered";
 }
 
+// Resume (issue 34): a read after its source failed keeps the units the last one verified and
+// those that arrived whole and verify now, up to the first that is not; it goes on from there.
+TEST(ReadAttempt, AResumedReadKeepsTheVerifiedPrefixUpToTheFirstUnitThatIsNot) {
+  using Unit = client_impl::ReadAttempt::Unit;
+  Units shard;
+  auto state = std::make_shared<Receive::State>(shard.plan, 1, nullptr);
+  const std::atomic<bool> going{false};
+  auto attempt = [&] {
+    return std::make_shared<client_impl::ReadAttempt>(shard.plan, shard.packed.data(), shard.checksums, 3, true);
+  };
+  // Unit 0 checked (by the application), unit 1 whole but not checked, unit 2 half there.
+  auto earlier = attempt();
+  state->begin(earlier);
+  state->advance(*earlier, earlier->unit_end[1] + 1000);
+  earlier->units[0] = Unit::kGood;
+  auto next = attempt();
+  EXPECT_EQ(state->resume(*earlier, *next, going), earlier->unit_end[1]);
+  EXPECT_EQ(next->units, (std::vector<Unit>{Unit::kGood, Unit::kGood, Unit::kPending}));
+  EXPECT_EQ(next->ready_bytes, earlier->unit_end[1]);
+  EXPECT_EQ(earlier->units[1], Unit::kGood) << "its verdict is kept";
+  // Resumed again after that one failed too: nothing is checked twice, and a unit that arrived
+  // with a flipped byte stops it (the next source reads it again).
+  state->begin(next);
+  state->advance(*next, next->unit_end[2]);
+  shard.plan.tensor_data[3][77] ^= std::byte{4};
+  auto third = attempt();
+  EXPECT_EQ(state->resume(*next, *third, going), next->unit_end[1]);
+  EXPECT_EQ(next->units[2], Unit::kBad);
+  EXPECT_EQ(next->bad_tensor, std::optional<std::size_t>(3));
+  EXPECT_EQ(third->units, (std::vector<Unit>{Unit::kGood, Unit::kGood, Unit::kPending}));
+  // A unit the earlier read found bad, or nothing whole: from byte 0.
+  auto bad_first = attempt();
+  bad_first->units[0] = Unit::kBad;
+  state->advance(*bad_first, bad_first->unit_end.back());
+  auto fourth = attempt();
+  EXPECT_EQ(state->resume(*bad_first, *fourth, going), 0u);
+  EXPECT_EQ(fourth->units, std::vector<Unit>(3, Unit::kPending));
+  auto barely = attempt();
+  state->advance(*barely, barely->unit_end[0] - 1);
+  EXPECT_EQ(state->resume(*barely, *attempt(), going), 0u);
+  // Cancelled: nothing is checked (the buffers are the application's again).
+  auto whole = attempt();
+  state->advance(*whole, whole->unit_end.back());
+  const std::atomic<bool> cancelled{true};
+  auto fifth = attempt();
+  EXPECT_EQ(state->resume(*whole, *fifth, cancelled), 0u);
+  EXPECT_EQ(whole->units, std::vector<Unit>(3, Unit::kPending));
+}
+
 // A model of small tensors only (issue 33, friction 5: 243 tensors under the packing size, the
 // first handed out with the last): its packed region is cut into units of about kPackedUnitBytes,
 // each checked, and its tensors handed out, as soon as that part of the region is in.

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   std::uint32_t tiny_tensors = 0;
   std::size_t name_bytes = 0;
   bool report_source = false;
+  std::uint64_t halfway_bytes = 0;
   std::uint64_t retain_latest = 0;
   bool retain = false;
   std::vector<std::string> script;
@@ -94,6 +95,8 @@ int main(int argc, char** argv) {
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
   app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
+  app.add_option("--halfway-bytes", halfway_bytes, "replicate-watched: print 'halfway' once this much arrived")
+      ->capture_default_str();
   // The e2e suite runs once per transport: the guest of ctest -L rdma sets TH_E2E_TRANSPORT=rdma.
   if (const char* transport = std::getenv("TH_E2E_TRANSPORT")) options.transport = transport;
   app.add_option("--transport", options.transport, "data plane: auto, rdma, tcp")->capture_default_str();
@@ -178,6 +181,32 @@ int main(int argc, char** argv) {
       held = replicated.value().version;
       say("replicate ok " + std::to_string(held) + " from " + replicated.value().source_replica);
       report_transport(*handle);
+    } else if (verb == "replicate-watched") {
+      // replicate(arg), saying "halfway" once --halfway-bytes of it arrived (a test kills the
+      // source then), and then how the reads went.
+      auto started = handle->replicate_async(arg, 0);
+      if (!started.ok()) {
+        fail("replicate", started.error());
+        continue;
+      }
+      th::Receive& receive = *started.value();
+      bool said = false;
+      while (!receive.wait_for(2)) {
+        if (!said && receive.progress().bytes_ready >= halfway_bytes) {
+          say("halfway");
+          said = true;
+        }
+      }
+      auto answer = receive.wait();
+      if (!answer.ok()) {
+        fail("replicate", answer.error());
+        continue;
+      }
+      held = answer.value().version.value_or(0);
+      say("replicate ok " + std::to_string(held) + " from " + answer.value().source_replica);
+      const th::HandleStats stats = handle->stats();
+      say("stats reads_failed " + std::to_string(stats.reads_failed) + " reads_resumed " +
+          std::to_string(stats.reads_resumed) + " bytes_resumed " + std::to_string(stats.bytes_resumed));
     } else if (verb == "update" || verb == "poll") {
       // poll: update every 250 ms while the answer is "not yet" (at most 120 times), as a rollout
       // loop would.

@@ -95,6 +95,88 @@ TEST(DataPlane, PullsACompleteSourceBitExact) {
   server.revoke({7, 1});
 }
 
+// Resume (issue 34): a reader that holds the first `start_bytes` (its last source failed after
+// them) pulls only the rest, from anywhere in a region: at a region's start, inside one, at the
+// empty one, at the very end; whatever streams it asked for. The prefix is left as it was.
+TEST(DataPlane, AResumedPullFetchesOnlyTheRest) {
+  DataServer server(DataServerConfig{});
+  Shard shard = source_shard();
+  shard.tensors.push_back(pattern((2 << 20) + 3, 5));
+  server.grant({7, 2}, kSecret, shard.exposed(), std::make_shared<Progress>(shard.total()));
+  const std::uint64_t first = shard.tensors[0].size();
+  for (const std::uint64_t start : {std::uint64_t{1}, first - 1, first, first + 100, first + 777 + 5, shard.total() - 1,
+                                    shard.total()}) {
+    for (const std::uint32_t streams : {1u, 3u}) {
+      SCOPED_TRACE("start " + std::to_string(start) + ", streams " + std::to_string(streams));
+      Reader reader(shard);
+      PullOptions options = small_chunks();
+      options.streams = streams;
+      options.start_bytes = start;
+      std::uint64_t last_progress = start;
+      options.on_progress = [&](std::uint64_t ready) {
+        EXPECT_GT(ready, last_progress);
+        last_progress = ready;
+      };
+      const auto targets = reader.targets();
+      const PullOutcome outcome = pull(server.endpoint(), {7, 2}, kSecret, targets, options);
+      ASSERT_TRUE(outcome.ok()) << outcome.detail;
+      EXPECT_EQ(outcome.bytes, shard.total() - start);
+      EXPECT_EQ(last_progress, shard.total());
+      // Byte by byte: the prefix untouched (0xEE), the rest the source's.
+      std::uint64_t at = 0;
+      for (std::size_t t = 0; t < shard.tensors.size(); ++t) {
+        for (std::size_t i = 0; i < shard.tensors[t].size(); ++i, ++at) {
+          const std::byte want = at < start ? std::byte{0xEE} : shard.tensors[t][i];
+          if (reader.buffers[t][i] != want) {
+            ADD_FAILURE() << "byte " << at << " (tensor " << t << ", offset " << i << ") is wrong";
+            t = shard.tensors.size();
+            break;
+          }
+        }
+      }
+    }
+  }
+  server.revoke({7, 2});
+}
+
+// A resumed pull from a source still receiving waits at the resume point for its bytes.
+TEST(DataPlane, AResumedPullFollowsAPartialSource) {
+  DataServer server(DataServerConfig{});
+  const Shard original = source_shard();
+  Shard receiving{std::vector<std::vector<std::byte>>(original.tensors.size())};
+  for (std::size_t i = 0; i < original.tensors.size(); ++i) receiving.tensors[i].assign(original.tensors[i].size(), std::byte{0});
+  auto progress = std::make_shared<Progress>(0);
+  server.grant({9, 2}, kSecret, receiving.exposed(), progress);
+  std::thread upstream([&] {
+    std::uint64_t done = 0;
+    for (std::size_t tensor = 0; tensor < original.tensors.size(); ++tensor) {
+      for (std::uint64_t offset = 0; offset < original.tensors[tensor].size();) {
+        const std::uint64_t step = std::min<std::uint64_t>(300'000, original.tensors[tensor].size() - offset);
+        std::memcpy(receiving.tensors[tensor].data() + offset, original.tensors[tensor].data() + offset, step);
+        offset += step;
+        done += step;
+        progress->advance_to(done);
+        std::this_thread::yield();
+      }
+    }
+  });
+  Reader reader(original);
+  const std::uint64_t start = (3 << 20) + 777 + 4096;  // inside the big tensor
+  std::memcpy(reader.buffers[0].data(), original.tensors[0].data(), original.tensors[0].size());
+  std::memcpy(reader.buffers[2].data(), original.tensors[2].data(), original.tensors[2].size());
+  std::memcpy(reader.buffers[3].data(), original.tensors[3].data(), 4096);
+  PullOptions options = small_chunks();
+  options.partial = true;
+  options.start_bytes = start;
+  const auto targets = reader.targets();
+  const PullOutcome outcome = pull(server.endpoint(), {9, 2}, kSecret, targets, options);
+  upstream.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, original.total() - start);
+  EXPECT_EQ(reader.buffers, original.tensors);
+  server.revoke({9, 2});
+}
+
 // A read of a grant the source has not heard of waits (grant_wait_ms_max), then is refused.
 TEST(DataPlane, RefusesReadsWithoutAGrant) {
   DataServer server(DataServerConfig{.grant_wait_ms_max = 50});

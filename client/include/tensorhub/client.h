@@ -101,6 +101,10 @@ struct ClientOptions {
   std::uint64_t chunk_bytes = 8ull << 20;  // data-plane request size
   std::uint64_t read_rate_bytes_per_s = 0;  // cap on this shard's receive rate (0: none)
   std::uint32_t data_streams = 1;  // connections per read of a complete source (1..16)
+  // After a source fails mid-read, the next source's read goes on after the tensors that arrived
+  // whole and verify against their checksums, rather than from byte 0 (issue 34). Off: from 0
+  // (the behaviour before; bench/run-fanout-failure compares the two).
+  bool resume_reads = true;
   // A source that sends nothing for this long has failed: the read is reported and the server
   // picks another source. 0: twice the server's heartbeat timeout (it evicts a silent peer by then
   // and moves this reader elsewhere, which stops the read at once), or 20 s before it is known.
@@ -166,6 +170,10 @@ struct HandleStats {
   std::uint64_t memory_registrations = 0;  // NIC registrations made (per allocation, not per version)
   std::uint64_t servers_lost = 0;          // control connections lost (each followed by a failover or reconnect)
   std::uint64_t pulls_ipc = 0;  // reads whose GPU tensors were copied from a same-host source over CUDA IPC
+  // Reads that went on from the tensors an earlier read of the same call verified, after its
+  // source failed, and the bytes they did not pull again.
+  std::uint64_t reads_resumed = 0;
+  std::uint64_t bytes_resumed = 0;
   // How GPU tensors meet the NIC under transport rdma: "dma-buf", "peermem", or "staging" (through
   // pinned host memory over TCP; also the answer under transport tcp).
   std::string gpu_registration = "staging";

@@ -19,8 +19,9 @@ fails and names the mutant (a hang is a bug of the tests or of the mutant's cata
            [--regression-seeds FILE] [--report FILE] [--jobs N] [--cases N] [--seeds A,B,C]
            [--only NAME,...] [--property-target 0.9] [--combined-target 1.0]
 
-With --unit, the hub's unit tests (core_hub_test built against the mutants) also run against the
-survivors of both: a third figure, for information; the targets are the two above.
+With --unit, the core's unit tests (the hub's, the layouts' and the agent's, built against the
+mutants) also run against the survivors of both: a third figure, for information; the targets
+are the two above.
 """
 import argparse
 import concurrent.futures
@@ -244,7 +245,7 @@ def main():
         by_unit = [result["name"] for result in results
                    if result["name"] in survivors and result.get("unit") not in ("-", "pass")]
         if args.unit:
-            lines.append(f"the hub's unit tests kill {len(by_unit)} of them" +
+            lines.append(f"the core's unit tests kill {len(by_unit)} of them" +
                          (f" ({', '.join(by_unit)})" if by_unit else ""))
     if hangs:
         ok = False

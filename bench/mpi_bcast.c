@@ -22,6 +22,10 @@ int main(int argc, char** argv) {
   memset(buffer, rank == 0 ? 7 : 0, (size_t)bytes);  /* memory in use, as the rollouts' */
   MPI_Barrier(MPI_COMM_WORLD);
   const double started = MPI_Wtime();
+  if (rank == 0) {  /* bench/run-change times a failure or a join from here */
+    printf("STARTED\n");
+    fflush(stdout);
+  }
   /* In pieces of at most 1 GiB: MPI counts are ints. */
   for (long offset = 0; offset < bytes; offset += 1L << 30) {
     const long piece = bytes - offset < (1L << 30) ? bytes - offset : (1L << 30);

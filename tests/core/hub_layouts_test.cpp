@@ -226,30 +226,8 @@ TEST(HubLayouts, TwoRootsOfOtherLayoutsDoNotWaitForEachOthersWaitingChains) {
   for (const ClientId client : r["s3"]) driver.lose_connection(client);
   // Every reader finishes: each round, whoever reads from a complete copy reads to the end.
   const std::vector<std::string> readers = {"w1", "w3", "c1", "c3"};
-  std::set<std::string> answered;
-  std::set<std::string> complete = {"t"};
-  for (int round = 0; round < 10 && answered.size() < readers.size(); ++round) {
-    for (const std::string& name : readers) {
-      if (answered.contains(name)) continue;
-      bool from_complete = true;
-      for (const ClientId client : r[name]) {
-        const auto& reads = driver.inbox(client).reads;
-        from_complete = from_complete && !reads.empty() && complete.contains(reads.rbegin()->second.source.replica);
-      }
-      if (!from_complete) continue;
-      driver.finish_reads(r[name], /*sliced=*/true);
-      if (auto outcome = driver.replies(r[name])) {
-        EXPECT_TRUE(is<ReplicateOk>(outcome)) << name << ": " << describe(*outcome);
-        answered.insert(name);
-        complete.insert(name);
-      }
-    }
-  }
-  std::string left;
-  for (const std::string& name : readers) {
-    if (!answered.contains(name)) left += " " + name;
-  }
-  EXPECT_EQ(answered.size(), readers.size()) << "readers left waiting for ever:" << left;
+  EXPECT_EQ(driver.finish_chains(r, readers, {"t"}, /*sliced=*/true), std::vector<std::string>{})
+      << "readers left waiting for ever";
   const HubActivity activity = driver.hub().activity();
   EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
 }

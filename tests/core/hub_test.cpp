@@ -2303,26 +2303,7 @@ TEST(HubRegression, TwoRootsDoNotWaitForEachOthersWaitingChains) {
   driver.lose_connection(r["s2"][0]);
   // Every reader finishes: each round, whoever reads from a complete copy reads to the end.
   const std::vector<std::string> readers = {"f", "w1", "w2", "c1", "c2", "d1", "d2"};
-  std::set<std::string> answered;
-  std::set<std::string> complete = {"t"};
-  for (int round = 0; round < 20 && answered.size() < readers.size(); ++round) {
-    for (const std::string& name : readers) {
-      if (answered.contains(name)) continue;
-      const auto read = read_of(driver, r[name][0]);
-      if (!read || !complete.contains(read->source.replica)) continue;
-      driver.finish_reads(r[name]);
-      if (auto outcome = driver.replies(r[name])) {
-        EXPECT_TRUE(is<ReplicateOk>(outcome)) << name << ": " << describe(*outcome);
-        answered.insert(name);
-        complete.insert(name);
-      }
-    }
-  }
-  std::string left;
-  for (const std::string& name : readers) {
-    if (!answered.contains(name)) left += " " + name;
-  }
-  EXPECT_EQ(answered.size(), readers.size()) << "readers left waiting for ever:" << left;
+  EXPECT_EQ(driver.finish_chains(r, readers, {"t"}), std::vector<std::string>{}) << "readers left waiting for ever";
   const HubActivity activity = driver.hub().activity();
   EXPECT_EQ(activity.transfers_waiting + activity.transfers_active, 0u);
 }

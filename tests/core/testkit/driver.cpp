@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
@@ -354,6 +355,34 @@ void Driver::finish_reads(const std::vector<ClientId>& shards, bool sliced) {
                                          : nullptr});
     }
   }
+}
+
+std::vector<std::string> Driver::finish_chains(const std::map<std::string, std::vector<ClientId>>& replicas,
+                                               const std::vector<std::string>& readers, std::set<std::string> complete,
+                                               bool sliced, int rounds) {
+  std::set<std::string> answered;
+  for (int round = 0; round < rounds && answered.size() < readers.size(); ++round) {
+    for (const std::string& name : readers) {
+      if (answered.contains(name)) continue;
+      const std::vector<ClientId>& shards = replicas.at(name);
+      const bool from_complete = std::all_of(shards.begin(), shards.end(), [&](ClientId client) {
+        const auto& reads = inbox(client).reads;
+        return !reads.empty() && complete.contains(reads.rbegin()->second.source.replica);
+      });
+      if (!from_complete) continue;
+      finish_reads(shards, sliced);
+      if (auto outcome = replies(shards)) {
+        EXPECT_TRUE(is<ReplicateOk>(outcome)) << name << ": " << describe(*outcome);
+        answered.insert(name);
+        complete.insert(name);
+      }
+    }
+  }
+  std::vector<std::string> left;
+  for (const std::string& name : readers) {
+    if (!answered.contains(name)) left.push_back(name);
+  }
+  return left;
 }
 
 void Driver::finish_offloads(const std::vector<ClientId>& shards) {

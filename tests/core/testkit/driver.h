@@ -104,6 +104,13 @@ class Driver {
   void finish_reads(const std::vector<ClientId>& shards, bool sliced = false);
   // Answers every outstanding offload instruction of these clients.
   void finish_offloads(const std::vector<ClientId>& shards);
+  // Liveness of chains of readers (replicas by name, each waiting for a replicate): round after
+  // round, every reader whose shards all read from a complete copy (starting with `complete`)
+  // finishes its reads, and each answered one is complete from then on. Returns the readers left
+  // unanswered after `rounds` rounds; every answer must be ReplicateOk.
+  std::vector<std::string> finish_chains(const std::map<std::string, std::vector<ClientId>>& replicas,
+                                         const std::vector<std::string>& readers, std::set<std::string> complete,
+                                         bool sliced = false, int rounds = 20);
   // Sends `body` from every shard, in order.
   void call_all(const std::vector<ClientId>& shards, const RequestBody& body);
   // Takes one reply from every shard; all must be equal (replica consistency) and are returned once.

@@ -149,16 +149,20 @@ std::uint64_t Receive::State::resume(ReadAttempt& earlier, ReadAttempt& next, co
   TH_ASSERT(earlier.unit_end == next.unit_end && earlier.version == next.version, "a resumed read has the same units");
   std::unique_lock lock(mutex);
   std::uint64_t verified = 0;
-  for (std::size_t unit = 0; unit < earlier.units.size() && !cancelled.load(); ++unit) {
+  for (std::size_t unit = 0; unit < earlier.units.size(); ++unit) {
     // The application may be checking it right now: its verdict counts.
     changed.wait(lock, [&] { return earlier.units[unit] != ReadAttempt::Unit::kChecking; });
     ReadAttempt::Unit& verdict = earlier.units[unit];
     if (verdict == ReadAttempt::Unit::kPending) {
       if (earlier.ready_bytes < earlier.unit_end[unit]) break;  // not all of it arrived
+      // Cancelled (the server moved the read on again): no more checks, but what is known good
+      // stays good, so that the read after this one still goes on from there.
+      if (cancelled.load()) break;
       verdict = ReadAttempt::Unit::kChecking;
       lock.unlock();
-      // Against the checksums of the read that goes on (the same version's, from the server).
-      const std::optional<std::size_t> bad = next.check(unit);
+      // (A failure of this host's GPU is the earlier attempt's to remember: the unit is bad, and
+      // the next source's read of it is judged on its own.)
+      const std::optional<std::size_t> bad = earlier.check(unit);
       lock.lock();
       verdict = bad ? ReadAttempt::Unit::kBad : ReadAttempt::Unit::kGood;
       if (bad) earlier.bad_tensor = bad;

@@ -91,6 +91,7 @@ struct Receive::State {
   // A read of the same version into the same buffers after `earlier` (of this call) ended short:
   // the units from the first on that `earlier` verified, or that arrived whole and verify now, are
   // good in `next` too, up to the first that is not. Returns where `next` goes on (layout order).
+  // Cancelled, it checks nothing more but still carries what is known good.
   std::uint64_t resume(client_impl::ReadAttempt& earlier, client_impl::ReadAttempt& next,
                        const std::atomic<bool>& cancelled);
   // The I/O thread (or a shutdown): the call's answer. The first one counts.

@@ -278,7 +278,7 @@ struct PullOptions {
   // Resume: the first `start_bytes` of the targets (layout order) hold the version already (a
   // reader verified them after its last source failed); only the rest is pulled, and on_progress
   // counts from here. Over TCP one connection pulls the rest; a pull through CUDA IPC is not
-  // taken (it would copy everything again).
+  // taken (it would copy everything again). All of it held: nothing is pulled, no source asked.
   std::uint64_t start_bytes = 0;
   // Polled between chunks: true stops the pull with kCancelled.
   std::function<bool()> cancelled;

@@ -331,6 +331,7 @@ PullOutcome pull(const Endpoint& source, GrantKey key, const GrantSecret& secret
   std::uint64_t target_bytes = 0;
   for (const LocalRegion& target : targets) target_bytes += target.bytes;
   TH_REQUIRE(options.start_bytes <= target_bytes, "a resume starts within the targets");
+  if (options.start_bytes == target_bytes) return PullOutcome{};  // all here: no source needed
   std::string ipc_fallback;
   if (options.ipc != nullptr && !options.partial && options.start_bytes == 0) {
     const ipc_detail::TcpSide tcp{

@@ -659,6 +659,7 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   std::uint64_t target_bytes = 0;
   for (const net::LocalRegion& target : targets) target_bytes += target.bytes;
   TH_REQUIRE(options.start_bytes <= target_bytes, "a resume starts within the targets");
+  if (options.start_bytes == target_bytes) return net::PullOutcome{};  // all here: no source needed
   // Resume (PullOptions::start_bytes) from a partial source: over TCP, which asks the source to
   // wait for the bytes at the resume point; read_grant follows a partial source from byte 0, and
   // must not write again the prefix the reader verified and may have handed out.

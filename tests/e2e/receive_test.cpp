@@ -575,13 +575,16 @@ TEST(ReadAttempt, AResumedReadKeepsTheVerifiedPrefixUpToTheFirstUnitThatIsNot) {
   auto barely = attempt();
   state->advance(*barely, barely->unit_end[0] - 1);
   EXPECT_EQ(state->resume(*barely, *attempt(), going), 0u);
-  // Cancelled: nothing is checked (the buffers are the application's again).
+  // Cancelled (the server moved the read on again): nothing more is checked, but what is known
+  // good is carried, so that the read after it still goes on from there.
   auto whole = attempt();
   state->advance(*whole, whole->unit_end.back());
+  whole->units[0] = Unit::kGood;
   const std::atomic<bool> cancelled{true};
   auto fifth = attempt();
-  EXPECT_EQ(state->resume(*whole, *fifth, cancelled), 0u);
-  EXPECT_EQ(whole->units, std::vector<Unit>(3, Unit::kPending));
+  EXPECT_EQ(state->resume(*whole, *fifth, cancelled), whole->unit_end[0]);
+  EXPECT_EQ(whole->units, (std::vector<Unit>{Unit::kGood, Unit::kPending, Unit::kPending})) << "nothing checked";
+  EXPECT_EQ(fifth->units, (std::vector<Unit>{Unit::kGood, Unit::kPending, Unit::kPending}));
 }
 
 // A model of small tensors only (issue 33, friction 5: 243 tensors under the packing size, the

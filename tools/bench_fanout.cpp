@@ -125,9 +125,11 @@ int run_fanout_node(const FanoutNodeOptions& options) {
       return 1;
     }
     const HandleStats stats = handle->stats();
+    // (bytes_resumed before source=: tests/e2e/two_hosts_test.sh reads the line's end as it was.)
     std::cout << std::fixed << std::setprecision(3) << "RESULT fanout_seconds=" << seconds
-              << " source=" << replicated.value().source_replica << " checksum_failures=" << stats.checksum_failures
-              << " bytes_resumed=" << stats.bytes_resumed << " data_endpoint=" << handle->data_endpoint() << std::endl;
+              << " bytes_resumed=" << stats.bytes_resumed << " source=" << replicated.value().source_replica
+              << " checksum_failures=" << stats.checksum_failures << " data_endpoint=" << handle->data_endpoint()
+              << std::endl;
   }
   wait_for_file(options.stop_file);
   return 0;

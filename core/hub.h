@@ -75,6 +75,10 @@ struct HubStats {
   std::uint64_t retained_versions_left = 0;
   // Copies whose bytes failed readers' checksums twice; their owners are told (CopyCorrupt).
   std::uint64_t copies_found_corrupt = 0;
+  // Rate-aware source selection: reads placed past a copy much slower than their reader, and
+  // slow readers that gave their source to a faster one and read behind it.
+  std::uint64_t slow_sources_passed = 0;
+  std::uint64_t transfers_displaced = 0;
 };
 
 // Who a client is (th-server's transfer timeline and metrics).
@@ -198,6 +202,23 @@ class Hub {
   void detach_source(Transfer& transfer);
   // The transfer looks for another source (in settle()); `failed`: its source failed it.
   void reassign(Transfer& transfer, bool failed = true);
+  // Rate-aware source selection (hub_rates.cpp).
+  void measure_shard_read(Transfer& transfer, std::uint32_t shard);
+  void record_receive_rate(const Transfer& transfer);
+  // Whether `candidate` is known to receive at under 1/factor of `reader`'s rate.
+  bool slower(const Replica& candidate, const Replica& reader, double factor) const;
+  bool much_slower(const Replica& candidate, const Replica& reader) const;
+  // Whether a receiving copy may give its source away (its transfer is local, of its own layout,
+  // and has not done so too often), and to this reader.
+  bool movable(const Copy& slow) const;
+  bool displaceable(const Copy& slow, const Copy& reader) const;
+  // Whether the copy is in the first part of its read (its rate known), where reading again is cheap.
+  bool early(const Copy& slow) const;
+  // The copy nearest the root on `candidate`'s chain that is slower than `reader` and gives it its
+  // place (null: none).
+  Copy* insertion_point(Copy& candidate, const Copy& reader) const;
+  // `faster`'s reader takes `slower`'s source, and `slower` reads behind it.
+  void put_ahead(Transfer& faster, Transfer& slower);
   void keep_one_seeder(const Copy& seeder);
   void complete_transfer(Transfer& transfer);
   void fail_transfer(Transfer& transfer, const Error& error);

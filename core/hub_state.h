@@ -188,6 +188,28 @@ struct Transfer {
   // A seed's transfer (no call retransmits its instructions): when each shard may next be told
   // again (see Hub::resend_seed_reads).
   std::vector<TimeMs> resend_at_ms;
+  // What the read's rate says of the reader (hub_rates.cpp): when this epoch's source was given,
+  // whether it then held every byte and served no one else (the reader alone set the pace), and
+  // the slowest rate of the shards that finished under it, in bytes per ms (0: none yet).
+  TimeMs assigned_ms = 0;
+  TimeMs first_assigned_ms = 0;  // when its first source was given (displacements count from it)
+  bool sole_reader_of_complete = false;
+  double slowest_bytes_per_ms = 0;
+  // Times a faster reader took this transfer's source from it (at most limits::kDisplacementsPerTransferMax).
+  std::uint32_t displacements = 0;
+};
+
+// How fast a replica receives, as the hub measured its reads (hub_rates.cpp, issue 34): the rate
+// of its slowest shard over the last read that said something about it. `exact`: the replica set
+// that pace itself (its source was complete and served it alone, or went clearly faster); else a
+// lower bound (it read behind a slower source, or shared one). Readers do not pipeline behind a
+// copy whose owner is known to receive at well under their own rate (Hub::slower).
+struct ReceiveRate {
+  double bytes_per_ms = 0;  // 0: never measured
+  bool exact = false;
+  // The last read measured, whatever it said: a reader behind this replica compares with it.
+  Version last_version = 0;
+  double last_bytes_per_ms = 0;
 };
 
 // Where a transaction of a replica stands.
@@ -274,6 +296,7 @@ struct Replica {
   // answer "not yet" for ever.
   std::optional<Version> seed_failed;
   std::map<std::uint64_t, Txn> txns;
+  ReceiveRate receive_rate;
 };
 
 struct TxnRef {
@@ -322,6 +345,10 @@ struct Model {
   // Draining copies whose readers are revoked at the deadline (settings.drain_grace_ms after the
   // drain began), in deadline order; exactly the copies with drain_deadline_ms != 0.
   std::set<std::pair<TimeMs, CopyId>> drain_deadlines;
+  // The fastest any shard received the newest version measured (hub_rates.cpp): against it, a
+  // replica measured exactly is slow or not.
+  Version fastest_read_version = 0;
+  double fastest_read_bytes_per_ms = 0;
 };
 
 struct Binding {

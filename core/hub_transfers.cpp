@@ -25,11 +25,14 @@ using detail::for_each_shard;
 using detail::SourceKey;
 using detail::TxnStage;
 
-enum class Hub::Pick : std::uint8_t { kFound, kWait, kUnavailable };
+// kDisplace: the reader takes the source of `copy` (a slower reader early in its read, on the
+// chain the reader would join), which then reads again, behind the reader (hub_rates.cpp).
+enum class Hub::Pick : std::uint8_t { kFound, kWait, kUnavailable, kDisplace };
 
 struct Hub::SourceChoice {
   Pick pick = Pick::kWait;
   Copy* copy = nullptr;
+  bool passed_slow = false;  // a copy much slower than the reader was passed over for `copy`
 };
 
 bool Hub::smart_skip(const VersionRecord& record, DcId dc) const {
@@ -199,10 +202,15 @@ void Hub::try_assign(Transfer& transfer) {
   const SourceChoice choice = select_source(transfer);
   switch (choice.pick) {
     case Pick::kFound:
+      if (choice.passed_slow) ++stats_.slow_sources_passed;
       dequeue_waiting(transfer);
       assign(transfer, *choice.copy);
       TH_ASSERT(transfer.source == choice.copy && transfer.reader->state == CopyState::kActive);
       if (transfer.cross_dc) keep_one_seeder(*transfer.reader);
+      return;
+    case Pick::kDisplace:
+      put_ahead(transfer, *choice.copy->incoming);
+      TH_ASSERT(choice.copy->incoming->source == transfer.reader && transfer.reader->state == CopyState::kActive);
       return;
     case Pick::kWait:
       enqueue_waiting(transfer);
@@ -375,8 +383,26 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   };
 
   if (local != record.by_dc.end()) {
+    // Least loaded first; a copy much slower than the reader only if no other can serve now. A
+    // copy on the chosen one's chain that is slower than the reader and early in its read gives
+    // its source to the reader and reads behind it (hub_rates.cpp).
+    Copy* chosen = nullptr;
+    Copy* slow = nullptr;
+    std::size_t slow_passed = 0;
     for (const auto& [key, copy] : local->second.eligible) {
-      if (usable(copy) && !behind_seeder(copy)) return {Pick::kFound, copy};
+      if (!usable(copy) || behind_seeder(copy)) continue;
+      if (!much_slower(*copy->owner, *reader.owner)) {
+        chosen = copy;
+        break;
+      }
+      if (slow == nullptr) slow = copy;
+      if (++slow_passed >= limits::kSlowSourcesPassedMax) break;
+    }
+    const bool passed_slow = chosen != nullptr && slow != nullptr;
+    if (chosen == nullptr) chosen = slow;
+    if (chosen != nullptr) {
+      if (Copy* ahead_of = insertion_point(*chosen, reader)) return {Pick::kDisplace, ahead_of};
+      return {Pick::kFound, chosen, passed_slow};
     }
   }
   // Copies here that serve or will serve soon: wait for them rather than seed across datacenters a
@@ -473,8 +499,12 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   transfer.reshard = source.owner->layout != owner.layout;
   TH_ASSERT(!transfer.reshard || (source.state == CopyState::kComplete && reader.kind == CopyKind::kPrimary),
             "another layout is read from complete copies only");
+  if (transfer.epoch == 0) transfer.first_assigned_ms = now_ms_;
   ++transfer.epoch;
   transfer.last_source = source.owner->name;
+  transfer.assigned_ms = now_ms_;
+  transfer.sole_reader_of_complete = source.state == CopyState::kComplete && source.readers == 0;
+  transfer.slowest_bytes_per_ms = 0;
   count_reader(source, transfer, +1);
   set_state(reader, CopyState::kActive);
   ++stats_.transfers_started;
@@ -626,10 +656,11 @@ void Hub::complete_transfer(Transfer& transfer) {
   TH_ASSERT(reader.ready.count() == replica.num_shards, "every shard has its bytes");
   TH_ASSERT(reader.incoming == &transfer);
   Model& model = *replica.model;
-  detach_source(transfer);
   dequeue_waiting(transfer);
   const std::string source_name = transfer.last_source;
   const std::uint64_t seq = transfer.txn_seq;
+  record_receive_rate(transfer);
+  detach_source(transfer);
   reader.incoming = nullptr;
   model.transfers.erase(transfer.id);
   ++stats_.transfers_completed;
@@ -766,6 +797,7 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   }
   if (transfer.started.test(shard)) {
     TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
+    if (done.epoch == transfer.epoch) measure_shard_read(transfer, shard);
     if (!transfer.reshard) {
       emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
       // The source's bytes of this shard read well: an earlier checksum failure was passing trouble.

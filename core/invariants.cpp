@@ -263,6 +263,14 @@ void Hub::check_invariants() const {
       TH_ASSERT(model.copies.contains(id) && model.copies.at(id)->kind == CopyKind::kOffload);
     }
 
+    for (const auto& [name, replica] : model.replicas) {
+      const detail::ReceiveRate& rate = replica->receive_rate;
+      TH_ASSERT(rate.bytes_per_ms >= 0 && (!rate.exact || rate.bytes_per_ms > 0) && rate.last_bytes_per_ms >= 0 &&
+                    (rate.bytes_per_ms == 0) == (rate.last_bytes_per_ms == 0),
+                "the receive rate of", name, "is a measurement or none");
+    }
+    TH_ASSERT(model.fastest_read_bytes_per_ms >= 0, "the model's fastest read is a measurement or none");
+
     // ---- transfers ----
     for (const auto& [id, transfer_ptr] : model.transfers) {
       const Transfer& transfer = *transfer_ptr;
@@ -276,6 +284,14 @@ void Hub::check_invariants() const {
       TH_ASSERT(transfer.queued == (std::count(reader.record->waiting.begin(),
                                                reader.record->waiting.end(), &transfer) == 1));
       TH_ASSERT((transfer.started & reader.ready).none(), "done shards are not reading");
+      // Rate-aware selection (hub_rates.cpp): a transfer gives its source away a bounded number of
+      // times, each time to a reader that then serves it; its measurements are of this epoch.
+      TH_ASSERT(transfer.displacements <= limits::kDisplacementsPerTransferMax &&
+                    transfer.displacements <= transfer.epoch,
+                "transfer", id, "gave its source away", transfer.displacements, "times");
+      TH_ASSERT(transfer.slowest_bytes_per_ms >= 0 && transfer.first_assigned_ms <= transfer.assigned_ms &&
+                    transfer.assigned_ms <= now_ms_ && (transfer.epoch > 0 || transfer.slowest_bytes_per_ms == 0),
+                "transfer", id, "measures its read from when its source was given");
       if (transfer.source != nullptr) {
         const Copy& source = *transfer.source;
         TH_ASSERT(model.copies.contains(source.id) && source.record == reader.record);

@@ -56,6 +56,13 @@ inline constexpr std::size_t kTxnWindowMax = 64;
 // A reader's source may fail this many times in one transfer before the hub gives up on it.
 inline constexpr std::uint32_t kSourceFailuresPerTransferMax = 64;
 
+// Rate-aware source selection (core/hub_rates.cpp): a reader gives its source to a faster one at
+// most this many times in one transfer (each time it reads again from byte 0 of its new source,
+// and only early in its read), and a reader passes over at most this many slow copies before it
+// takes the first of them.
+inline constexpr std::uint32_t kDisplacementsPerTransferMax = 16;
+inline constexpr std::size_t kSlowSourcesPassedMax = 16;
+
 // Upper bound on heartbeat timeout and call deadlines accepted from a client (one day).
 inline constexpr std::int64_t kDeadlineMsMax = 24LL * 3600 * 1000;
 

@@ -137,6 +137,11 @@ struct HubSettings {
   std::uint32_t fanout_max = 1;
   // `update` answers "not yet" while a datacenter's only copies hang off a cross-datacenter seeder.
   bool smart_skipping = true;
+  // Rate-aware source selection (issue 34; README "What happens underneath"): the hub measures
+  // how fast each replica receives, and a reader does not pipeline behind a copy that receives at
+  // well under its own rate while another can serve it; if none can, it takes that copy's source
+  // and the slower copy reads behind it (early in its read only).
+  bool rate_aware_sources = true;
   // Offload seeding (paper §4.3.4): the first `update` of a datacenter that would read a version
   // across datacenters instead has it read, in the background, into a CPU copy of its replica's
   // (an offload copy that seeds the datacenter) and answers "not yet" at once; the next update

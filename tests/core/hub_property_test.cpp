@@ -86,7 +86,10 @@ void tally(Coverage& coverage, const Fleet& fleet) {
                 {"calls cancelled", judged.cancels > 0},
                 {"reads revoked at a drain grace", judged.revokes > 0},
                 {"copies found corrupt (owner told)", judged.corrupt_notices > 0},
-                {"models ended", judged.lives_ended > 0}});
+                {"models ended", judged.lives_ended > 0},
+                // Rate-aware selection (the hub since its last restart): a reader took a slower
+                // copy's source, which read again behind it.
+                {"readers put ahead", fleet.driver().hub().stats().transfers_displaced > 0}});
 }
 
 void tally(Coverage& coverage, const Cluster& cluster) {
@@ -195,6 +198,27 @@ TEST(HubModel, ChainsAcrossDatacentersConverge) {
   }));
   coverage.check("HubModel.ChainsAcrossDatacentersConverge", {"reads", "pipelined reads", "cross-datacenter reads"},
                  kShareMin);
+}
+
+// Rollouts of uneven speed, updating together version after version (testkit/fleet.h,
+// gen_uneven_case): rate-aware source selection moves readers ahead of slower copies, which read
+// again behind them; every update still gets its version or a clear error, checked as in every
+// HubModel property.
+TEST(HubModel, UnevenReadersConverge) {
+  Coverage coverage;
+  EXPECT_TRUE(rc::check("uneven readers converge", [&] {
+    const ChainCase uneven = *gen_uneven_case();
+    RC_LOG() << uneven.spec << '\n';
+    Fleet fleet(uneven.spec);
+    fleet.open_all();
+    for (const Action& action : uneven.program) {
+      RC_LOG() << action << ' ';
+      fleet.apply(action);
+    }
+    fleet.heal_and_check_liveness();
+    tally(coverage, fleet);
+  }));
+  coverage.check("HubModel.UnevenReadersConverge", {"reads", "pipelined reads", "readers put ahead"}, kShareMin);
 }
 
 // Fleets of agents have at least four replicas: with two or three (one or two models) few have two

@@ -66,6 +66,7 @@ class Driver {
  public:
   explicit Driver(HubSettings settings = {});
   Hub& hub() { return *hub_; }
+  const Hub& hub() const { return *hub_; }
   // Server failover: a fresh hub with the same settings replaces the old one. Inboxes and sequence
   // numbers of the old clients are dropped; clients re-open under new ids.
   void restart_server();

@@ -245,6 +245,45 @@ rc::Gen<Action> gen_chain_action(const FleetSpec& spec) {
   });
 }
 
+rc::Gen<ChainCase> gen_uneven_case() {
+  return rc::gen::exec([] {
+    ChainCase uneven;
+    FleetSpec& spec = uneven.spec;
+    spec = fleet_base(/*faults=*/true, /*closes=*/false);
+    spec.settings.pipeline = true;
+    spec.settings.fanout_max = *rc::gen::inRange<std::uint32_t>(1, 3);
+    spec.settings.smart_skipping = *rc::gen::arbitrary<bool>();
+    spec.models.push_back({"m0", 2u, false});
+    const auto rollouts = *rc::gen::inRange<std::uint32_t>(3, 6);
+    for (std::uint32_t r = 0; r <= rollouts; ++r) {
+      FleetSpec::ReplicaSpec replica;
+      replica.name = "r" + std::to_string(r);
+      replica.datacenter = "dc0";
+      replica.trainer = r == 0;
+      if (replica.trainer) replica.retention.keep_latest = 1;
+      spec.replicas.push_back(std::move(replica));
+    }
+    std::vector<Action>& program = uneven.program;
+    const int versions = *rc::gen::inRange(2, 5);
+    for (int v = 0; v < versions; ++v) {
+      if (v > 0) program.push_back(Action{Action::Kind::kPlan, 0, 1, 0, 0, true});  // unpublish
+      program.push_back(Action{Action::Kind::kPlan, 0, 0, 1, 0, true});               // the next version
+      program.push_back(Action{Action::Kind::kBurst, 0, 0, 0, 0, false});             // every rollout updates
+      // The shards' reads finish one by one, some after a while: uneven rates.
+      const int finishes = *rc::gen::inRange(4, 14);
+      for (int f = 0; f < finishes; ++f) {
+        if (*rc::gen::weightedElement<bool>({{1, true}, {2, false}})) {
+          program.push_back(Action{Action::Kind::kTick, *rc::gen::inRange<std::uint32_t>(1, 6), 0, 0, 0, false});
+        }
+        program.push_back(Action{Action::Kind::kFinishRead, *rc::gen::inRange<std::uint32_t>(0, 4), 0, 0, 0, false});
+      }
+    }
+    const auto tail = *rc::gen::container<std::vector<Action>>(*rc::gen::inRange(0, 8), gen_chain_action(spec));
+    program.insert(program.end(), tail.begin(), tail.end());
+    return uneven;
+  });
+}
+
 rc::Gen<ChainCase> gen_chain_case() {
   return rc::gen::exec([] {
     ChainCase chain_case;

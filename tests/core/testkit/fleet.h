@@ -114,6 +114,14 @@ struct ChainCase {
 };
 rc::Gen<ChainCase> gen_chain_case();
 
+// Rollouts of uneven speed (HubModel.UnevenReadersConverge): one trainer and three to five
+// rollouts of a two-shard model in one datacenter, fan-out 1 or 2; version after version every
+// rollout updates at once, and their shards' reads finish at uneven times (time passes between
+// finishes), so the hub measures some replicas slow and reorders the next version's chain
+// (core/hub_rates.cpp: readers put ahead of slower copies, which read again behind them); random
+// actions (crashed sources, failed reads) follow.
+rc::Gen<ChainCase> gen_uneven_case();
+
 class Fleet {
  public:
   explicit Fleet(const FleetSpec& spec);
@@ -128,6 +136,7 @@ class Fleet {
   void check_retained_versions_readable();
 
   Driver& driver() { return driver_; }
+  const Driver& driver() const { return driver_; }
   const Reference& reference() const { return reference_; }
 
   // What a run exercised, for RC_CLASSIFY: a property that passes without doing anything proves

@@ -1,0 +1,201 @@
+// Rate-aware source selection (issue 34): how fast each replica receives, as the hub measures it,
+// and the two rules that use it. A pipeline runs at its slowest link, so a reader behind a slow
+// member waits for it; reading complete copies only (no pipeline) would spare the reader that, at
+// the price of every static fan-out. Instead:
+//   - a reader passes over a copy whose owner receives at well under the reader's own rate, for
+//     any other copy here that can serve it now (a slow copy serves only when none can);
+//   - if every copy that can serve it now is such a slow one, still early in its own read, the
+//     reader takes that copy's source and the slow copy reads behind the reader: slow members
+//     move to the end of the chain.
+// The hub measures rates itself (grant to TransferDone, per shard, the slowest shard counting), so
+// a client's word is not needed and a client that reports late only makes itself look slow. A
+// replica never measured counts as fast: the first version of a job pipelines as before.
+#include "core/hub.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "core/hub_internal.h"
+
+namespace th {
+
+using detail::CopyState;
+
+namespace {
+
+// "Well under": a copy is passed over when its owner receives at less than 1/kSlowFactor of the
+// reader's rate. A factor near 1 would reorder chains over noise, each time at the cost of a read
+// started again; 2 leaves alone what a pipeline absorbs (a link at half rate halves one hop).
+constexpr double kSlowFactor = 2;
+// Reordering a chain costs only the bytes the slower copy read early on, so a smaller gap is
+// worth it there: 5/4 still keeps equal members (measured within a few percent) in place.
+constexpr double kReorderFactor = 1.25;
+// A read went at the reader's own pace when it took under 4/5 of the rate its source itself
+// received the same version at: the source kept ahead of it.
+constexpr double kBehindFraction = 0.8;
+// A slow copy gives its source away only in the first 1/kDisplaceWindowDivisor of its read (as
+// long as its rate says the read takes), counted from its first source: it then reads the bytes
+// it had again, from the faster reader, which soon passes it.
+constexpr double kDisplaceWindowDivisor = 8;
+
+std::uint64_t smallest_shard_bytes(const detail::Replica& replica) {
+  TH_ASSERT(replica.layout != nullptr, "a replica that reads has a layout");
+  std::uint64_t smallest = 0;
+  for (const LayoutRef& shard : replica.layout->shards) {
+    if (shard == nullptr) continue;
+    if (smallest == 0 || shard->total_bytes() < smallest) smallest = shard->total_bytes();
+  }
+  return smallest;
+}
+
+}  // namespace
+
+void Hub::measure_shard_read(Transfer& transfer, std::uint32_t shard) {
+  const Replica& replica = *transfer.reader->owner;
+  TH_ASSERT(shard < replica.num_shards && transfer.started.test(shard), "a shard of this epoch's read");
+  // A seed's read crosses datacenters over TCP, which says nothing of how fast the replica
+  // receives here (record_receive_rate leaves it out too).
+  if (transfer.cross_dc || transfer.reader->kind != CopyKind::kPrimary) return;
+  const LayoutRef& layout = replica.layout->shards[shard];
+  if (layout == nullptr || layout->total_bytes() == 0) return;
+  const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
+  const double rate = static_cast<double>(layout->total_bytes()) / static_cast<double>(elapsed_ms);
+  transfer.slowest_bytes_per_ms =
+      transfer.slowest_bytes_per_ms == 0 ? rate : std::min(transfer.slowest_bytes_per_ms, rate);
+  Model& model = *replica.model;
+  const Version version = transfer.reader->record->version;
+  if (version > model.fastest_read_version) {
+    model.fastest_read_version = version;  // rates change: the newest version's reads say what is
+    model.fastest_read_bytes_per_ms = rate;
+  } else if (version == model.fastest_read_version) {
+    model.fastest_read_bytes_per_ms = std::max(model.fastest_read_bytes_per_ms, rate);
+  }
+  TH_ASSERT(transfer.slowest_bytes_per_ms > 0 && transfer.slowest_bytes_per_ms <= rate);
+}
+
+void Hub::record_receive_rate(const Transfer& transfer) {
+  const Copy& reader = *transfer.reader;
+  // Nor does a read with no shard finished under its last source.
+  if (transfer.slowest_bytes_per_ms == 0 || transfer.source == nullptr || transfer.cross_dc ||
+      reader.kind != CopyKind::kPrimary) {
+    return;
+  }
+  Replica& replica = *reader.owner;
+  const Version version = reader.record->version;
+  const double measured = transfer.slowest_bytes_per_ms;
+  const detail::ReceiveRate& upstream = transfer.source->owner->receive_rate;
+  const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
+                            measured < upstream.last_bytes_per_ms * kBehindFraction;
+  detail::ReceiveRate& rate = replica.receive_rate;
+  const bool paced_by_reader = transfer.sole_reader_of_complete || source_ahead;
+  if (paced_by_reader) {
+    rate.bytes_per_ms = measured;  // the replica set the pace: what it can do now
+    rate.exact = true;
+  } else if (measured > rate.bytes_per_ms) {
+    rate.bytes_per_ms = measured;  // it went at least this fast, behind its source
+    rate.exact = false;
+  }
+  rate.last_version = version;
+  rate.last_bytes_per_ms = measured;
+  TH_ASSERT(paced_by_reader ? rate.exact && rate.bytes_per_ms == measured : rate.bytes_per_ms >= measured);
+}
+
+bool Hub::slower(const Replica& candidate, const Replica& reader, double factor) const {
+  const detail::ReceiveRate& slow = candidate.receive_rate;
+  const detail::ReceiveRate& fast = reader.receive_rate;
+  // Only a candidate measured exactly is known slow (a lower bound may be far below what it can do).
+  if (!settings_.rate_aware_sources || !slow.exact || slow.bytes_per_ms <= 0) return false;
+  if (fast.exact) return slow.bytes_per_ms * factor < fast.bytes_per_ms;
+  // A reader with a lower bound kept pace with its source (within kBehindFraction), and may be far
+  // faster: it counts as faster than a copy it could have kept pace with, if that copy is slow
+  // against the model's fastest shard read (a fleet that is alike keeps its order). So the readers
+  // that spent a version behind a slow member go ahead of it the next, and show their own rate
+  // (one step a version: a bubble sort over the versions). A reader never measured joins where it
+  // would have.
+  return fast.bytes_per_ms > 0 && slow.bytes_per_ms * kBehindFraction <= fast.bytes_per_ms &&
+         slow.bytes_per_ms * kSlowFactor < reader.model->fastest_read_bytes_per_ms;
+}
+
+bool Hub::much_slower(const Replica& candidate, const Replica& reader) const {
+  return slower(candidate, reader, kSlowFactor);
+}
+
+bool Hub::movable(const Copy& slow) const {
+  if (!settings_.rate_aware_sources || !settings_.pipeline) return false;
+  if (slow.state != CopyState::kActive || slow.kind != CopyKind::kPrimary) return false;
+  const Transfer* moving = slow.incoming;
+  TH_ASSERT(moving != nullptr && moving->source != nullptr, "a receiving copy reads from a source");
+  return !moving->cross_dc && !moving->reshard && moving->displacements < limits::kDisplacementsPerTransferMax &&
+         moving->source->owner->layout == slow.owner->layout;
+}
+
+bool Hub::displaceable(const Copy& slow, const Copy& reader) const {
+  if (reader.kind != CopyKind::kPrimary || !movable(slow) || slow.owner == reader.owner ||
+      slow.owner->dc != reader.owner->dc || slow.owner->layout != reader.owner->layout) {
+    return false;
+  }
+  // The reader reads the slow copy's source in its place: of its layout, and not itself slow.
+  // A source that drains, or that a reader failed, takes no new reader; one still receiving
+  // serves on only as a pipeline of its own layout.
+  const Copy& source = *slow.incoming->source;
+  const bool takes_readers =
+      !source.failed && !source.corrupt &&
+      (source.state == CopyState::kComplete ||
+       (source.state == CopyState::kActive && source.kind == CopyKind::kPrimary && !source.incoming->reshard));
+  return takes_readers && source.owner != reader.owner && source.owner->layout == reader.owner->layout &&
+         !much_slower(*source.owner, *reader.owner);
+}
+
+Hub::Copy* Hub::insertion_point(Copy& candidate, const Copy& reader) const {
+  // The slower copy will read from the reader: it must be a source a reader may take.
+  if (!settings_.rate_aware_sources || !settings_.pipeline || reader.readers > 0 || reader.failed ||
+      reader.corrupt) {
+    return nullptr;
+  }
+  const Model& model = *reader.owner->model;
+  Copy* point = nullptr;
+  Copy* at = &candidate;
+  for (std::size_t hops = 0; at->state == CopyState::kActive; ++hops) {
+    TH_ASSERT(hops <= model.copies.size(), "the source chain has a cycle");
+    if (slower(*at->owner, *reader.owner, kReorderFactor) && displaceable(*at, reader) && early(*at)) {
+      point = at;  // the last one found is nearest the root
+    }
+    at = at->incoming->source;
+    TH_ASSERT(at != nullptr, "an active copy reads");
+  }
+  return point;
+}
+
+bool Hub::early(const Copy& slow) const {
+  // However often it gave its source away, the slow copy reads again at most an eighth of what
+  // its read takes, at the rate it is known to receive at.
+  const double rate = slow.owner->receive_rate.bytes_per_ms;
+  TH_ASSERT(rate > 0, "a slow copy's rate is known");
+  const double expected_ms = static_cast<double>(smallest_shard_bytes(*slow.owner)) / rate;
+  return static_cast<double>(now_ms_ - slow.incoming->first_assigned_ms) * kDisplaceWindowDivisor <= expected_ms;
+}
+
+void Hub::put_ahead(Transfer& faster, Transfer& slower) {
+  Copy& fast_copy = *faster.reader;
+  TH_ASSERT(faster.source == nullptr && fast_copy.readers == 0, "a reader still looking for its source");
+  TH_ASSERT(slower.source != nullptr && slower.reader != &fast_copy);
+  Copy& source = *slower.source;
+  ++slower.displacements;
+  ++stats_.transfers_displaced;
+  for (Transfer* moving : {&faster, &slower}) {
+    detach_source(*moving);
+    dequeue_waiting(*moving);
+    // Each reads afresh from its next source (see reassign): verified shards stay.
+    moving->reader->mismatched.reset();
+    moving->reader->corrupt = false;
+    set_state(*moving->reader, CopyState::kWaiting);
+  }
+  assign(faster, source);
+  // The slower copy reads behind the faster one, which serves no one yet: the chain keeps its
+  // order, and no other copy takes the place (settle() could give it its old source back).
+  TH_ASSERT(has_slot(fast_copy, /*across=*/false), "a reader that took a source serves no one yet");
+  assign(slower, fast_copy);
+  TH_ASSERT(faster.source == &source && slower.source == &fast_copy);
+}
+
+}  // namespace th

@@ -1,0 +1,178 @@
+// Unit tests of rate-aware source selection (core/hub_rates.cpp, issue 34): the hub measures how
+// fast each replica receives, and a slow member moves to the end of the chain instead of holding
+// up the readers behind it. Time is the driver's: a shard's read takes as long as the test waits
+// before it reports TransferDone.
+#include <gtest/gtest.h>
+
+#include "tests/core/testkit/driver.h"
+
+namespace th::test {
+namespace {
+
+ReplicaSpec replica(std::string name, std::string role) {
+  ReplicaSpec spec;
+  spec.name = std::move(name);
+  spec.num_shards = 2;
+  spec.role = std::move(role);
+  return spec;
+}
+
+void start_update(Driver& driver, const std::vector<ClientId>& shards) {
+  for (std::uint32_t shard = 0; shard < shards.size(); ++shard) {
+    driver.call(shards[shard], UpdateRequest{Selector::latest(), layout_for(shard)});
+  }
+}
+
+std::string source_of(Driver& driver, const std::vector<ClientId>& shards) {
+  const auto& reads = driver.inbox(shards[0]).reads;
+  return reads.empty() ? "(none)" : reads.rbegin()->second.source.replica;
+}
+
+void finish_shard(Driver& driver, ClientId client) {
+  auto reads = driver.inbox(client).reads;
+  driver.inbox(client).reads.clear();
+  for (const auto& [transfer, read] : reads) driver.report(client, TransferDone{transfer, read.epoch, nullptr});
+}
+
+struct Fleet {
+  explicit Fleet(HubSettings settings = {}) : driver(settings) {
+    t = driver.open_replica(replica("t", "trainer"));
+    for (const char* name : {"r0", "r1", "r2"}) rollouts[name] = driver.open_replica(replica(name, "rollout"));
+  }
+  // Version 1 through the chain t -> r0 -> r1 -> r2 (the readers arrive in that order): shard 0
+  // of every reader arrives after 10 ms, shard 1 after `slow_shard_ms` (r0's own pace: it reads
+  // a complete copy alone), the readers behind r0 a millisecond after their source.
+  void first_version(TimeMs slow_shard_ms) {
+    driver.publish(t, 1);
+    for (const char* name : {"r0", "r1", "r2"}) start_update(driver, rollouts[name]);
+    EXPECT_EQ(source_of(driver, rollouts["r0"]), "t");
+    EXPECT_EQ(source_of(driver, rollouts["r1"]), "r0");
+    EXPECT_EQ(source_of(driver, rollouts["r2"]), "r1");
+    driver.advance(10);
+    for (const char* name : {"r0", "r1", "r2"}) finish_shard(driver, rollouts[name][0]);
+    driver.advance(slow_shard_ms - 10);
+    for (const char* name : {"r0", "r1", "r2"}) {
+      finish_shard(driver, rollouts[name][1]);
+      EXPECT_TRUE(is<UpdateOk>(driver.replies(rollouts[name]))) << name;
+      driver.advance(1);
+    }
+  }
+  // The trainer unpublishes the version it held and publishes the next.
+  void publish(Version version) {
+    driver.call_all(t, UnpublishRequest{});
+    EXPECT_TRUE(is<UnpublishOk>(driver.replies(t)));
+    driver.publish(t, version);
+  }
+  Driver driver;
+  std::vector<ClientId> t;
+  std::map<std::string, std::vector<ClientId>> rollouts;
+};
+
+TEST(HubRates, ASlowMemberGoesToTheEndOfTheChainTheNextVersion) {
+  Fleet fleet;
+  fleet.first_version(/*slow_shard_ms=*/1000);  // r0's shard 1 at a hundredth of shard 0's rate
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  // r0 came first and took the trainer; r1 and r2 kept r0's pace last time, so each may be
+  // faster: each takes r0's source in turn, and r0 reads behind them.
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "r2");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 2u);
+  // r0's shards read again (a new epoch) and every read completes.
+  for (const char* name : {"r1", "r2", "r0"}) {
+    driver.finish_reads(fleet.rollouts[name]);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name;
+  }
+}
+
+TEST(HubRates, WithoutRateAwarenessTheChainKeepsItsArrivalOrder) {
+  HubSettings settings;
+  settings.rate_aware_sources = false;
+  Fleet fleet(settings);
+  fleet.first_version(/*slow_shard_ms=*/1000);
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+}
+
+TEST(HubRates, AFleetThatIsAlikeKeepsItsOrder) {
+  Fleet fleet;
+  // Both shards at the same pace: r0 is measured exactly, and is no slower than the fastest read.
+  fleet.first_version(/*slow_shard_ms=*/12);
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+  EXPECT_EQ(driver.hub().stats().slow_sources_passed, 0u);
+}
+
+TEST(HubRates, ASlowCopyLateInItsReadKeepsItsSource) {
+  Fleet fleet;
+  fleet.first_version(/*slow_shard_ms=*/1000);
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  start_update(driver, fleet.rollouts["r0"]);
+  // r0's read takes about 1000 ms at its rate: past its first eighth, reading again would cost
+  // more than it saves the readers behind it.
+  driver.advance(200);
+  start_update(driver, fleet.rollouts["r1"]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+}
+
+TEST(HubRates, AFastReaderPassesOverAMuchSlowerCopyForOneThatCanServeIt) {
+  HubSettings settings;
+  settings.fanout_max = 2;
+  Fleet fleet(settings);
+  fleet.first_version(/*slow_shard_ms=*/1000);
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  start_update(driver, fleet.rollouts["r0"]);
+  driver.advance(200);  // too late for r0 to give its source away
+  start_update(driver, fleet.rollouts["r1"]);
+  // The least loaded copy is r0 (no reader yet), but it receives at a hundredth of the fastest
+  // read: r1 shares the trainer instead.
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
+  EXPECT_EQ(driver.hub().stats().slow_sources_passed, 1u);
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+}
+
+TEST(HubRates, OnlyAReadThatSetItsOwnPaceMakesAReplicaKnownSlow) {
+  Fleet fleet;
+  fleet.first_version(/*slow_shard_ms=*/1000);
+  Driver& driver = fleet.driver;
+  // Version 2 in the order the rates give: r1, r2, then r0 (see the first test). r1 reads the
+  // trainer alone at the fast pace; r2 keeps r1's pace (a lower bound only); r0 is slow again.
+  fleet.publish(2);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  driver.advance(10);
+  for (const char* name : {"r1", "r2"}) {
+    driver.finish_reads(fleet.rollouts[name]);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name;
+  }
+  driver.advance(990);
+  driver.finish_reads(fleet.rollouts["r0"]);
+  EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts["r0"])));
+  // Version 3, r2 first: it is not known slow (it only kept pace), so r1 reads behind it, and r0
+  // (known slow) goes behind r1 without displacing anyone known fast.
+  fleet.publish(3);
+  for (const char* name : {"r2", "r1", "r0"}) start_update(driver, fleet.rollouts[name]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "t");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r2");
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "r1");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 2u) << "only version 2's";
+}
+
+}  // namespace
+}  // namespace th::test

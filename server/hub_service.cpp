@@ -792,6 +792,10 @@ void HubService::log_lifecycle(const HubStats& before, const HubStats& after) {
                              " read(s) of a draining copy revoked at the drain grace (" +
                              std::to_string(hub_.settings().drain_grace_ms) + " ms): read elsewhere", "hub");
   }
+  if (after.transfers_displaced > before.transfers_displaced) {
+    log(LogLevel::kDebug, std::to_string(after.transfers_displaced - before.transfers_displaced) +
+                              " slower reader(s) moved behind a faster one (rate-aware source selection)", "hub");
+  }
   if (after.copies_found_corrupt > before.copies_found_corrupt) {
     log(LogLevel::kWarn, std::to_string(after.copies_found_corrupt - before.copies_found_corrupt) +
                              " copy(ies) failed readers' checksums twice: no longer read from, their owners told "

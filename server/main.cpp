@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
   th::server::ServiceConfig config;
   bool no_pipeline = false;
   bool no_smart_skipping = false;
+  bool no_rate_aware_sources = false;
   bool no_heartbeat_datagrams = false;
   app.add_option("--listen", listen, "Address to listen on, HOST:PORT (port 0: any free port)")
       ->capture_default_str();
@@ -128,6 +129,9 @@ int main(int argc, char** argv) {
                  "datacenters never takes the slot local readers need)")
       ->capture_default_str();
   app.add_flag("--no-pipeline", no_pipeline, "Readers pull only from complete copies (no pipeline replication)");
+  app.add_flag("--no-rate-aware-sources", no_rate_aware_sources,
+               "Readers choose sources without the rates the server measured (a slow replica then stays "
+               "wherever it joined a pipeline chain, and holds up every reader behind it)");
   app.add_flag("--no-smart-skipping", no_smart_skipping,
                "update() never answers 'not yet' while a cross-datacenter seeder is still receiving");
   app.add_flag("--offload-seeding", config.hub.offload_seeding,
@@ -227,6 +231,7 @@ int main(int argc, char** argv) {
   }
   config.hub.pipeline = !no_pipeline;
   config.hub.smart_skipping = !no_smart_skipping;
+  config.hub.rate_aware_sources = !no_rate_aware_sources;
   auto tokens = th::net::read_token_lines(token_file);
   if (!tokens.ok()) {
     std::cerr << "th-server: " << tokens.error().detail << "\n";

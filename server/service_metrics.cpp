@@ -169,6 +169,12 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.family("th_server_readers_revoked_total", Type::kCounter,
              "Reads of a draining copy revoked at its drain grace (--drain-grace-ms) and sent elsewhere");
   out.sample({}, static_cast<double>(stats.readers_revoked));
+  out.family("th_server_readers_put_ahead_total", Type::kCounter,
+             "Readers that took the source of a slower copy early in its read, which then read behind them");
+  out.sample({}, static_cast<double>(stats.transfers_displaced));
+  out.family("th_server_slow_sources_passed_total", Type::kCounter,
+             "Reads placed past a copy that receives at under half the reader's rate");
+  out.sample({}, static_cast<double>(stats.slow_sources_passed));
   out.family("th_server_copies_found_corrupt_total", Type::kCounter,
              "Copies whose bytes failed readers' checksums twice (their owners are told)");
   out.sample({}, static_cast<double>(stats.copies_found_corrupt));

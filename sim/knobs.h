@@ -71,6 +71,8 @@ struct Knobs {
   bool pipeline = true;
   std::uint32_t fanout = 1;
   bool smart_skipping = true;
+  // Not drawn (every seed runs the server's default): th-plan turns it off for a before/after.
+  bool rate_aware_sources = true;
   bool offload_seeding = false;
   TimeMs heartbeat_timeout_ms = 3000;
   // Network faults (control plane).

@@ -134,6 +134,7 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.pipeline = pipeline;
   knobs.fanout = fanout_used(spec, pipeline);
   knobs.smart_skipping = spec.smart_skipping;
+  knobs.rate_aware_sources = spec.rate_aware_sources;
   knobs.offload_seeding = spec.offload_seeding;
   knobs.heartbeat_timeout_ms = 10'000;  // th-server's default
   knobs.drain_grace_ms = std::llround(spec.drain_grace_s * 1000);
@@ -514,7 +515,8 @@ Result<PlanReport> plan(const PlanSpec& spec) {
   std::ostringstream th_says;
   th_says << "the real Hub and shard agents in virtual time (th-sim's simulator), pipeline "
           << (spec.pipeline ? "on" : "off") << ", fan-out " << fanout_used(spec, spec.pipeline) << ", smart skipping "
-          << (spec.smart_skipping ? "on" : "off") << ", offload seeding "
+          << (spec.smart_skipping ? "on" : "off") << ", rate-aware sources "
+          << (spec.rate_aware_sources ? "on" : "off") << ", offload seeding "
           << (spec.offload_seeding ? "on" : "off") << ", drain grace " << spec.drain_grace_s
           << " s; data plane at x" << spec.efficiency
           << " of the NIC rate; stall = the rollout's update time until the version arrived, and a "

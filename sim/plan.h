@@ -54,6 +54,7 @@ struct PlanSpec {
   // TensorHub.
   bool pipeline = true;
   bool smart_skipping = true;
+  bool rate_aware_sources = true;
   bool offload_seeding = false;
   double efficiency = 1.0;        // TensorHub's data plane (the paper measured 0.88 on RDMA)
   std::uint32_t fanout = 1;

@@ -251,6 +251,7 @@ class Simulation {
     settings.pipeline = knobs_.pipeline;
     settings.fanout_max = knobs_.fanout;
     settings.smart_skipping = knobs_.smart_skipping;
+    settings.rate_aware_sources = knobs_.rate_aware_sources;
     settings.offload_seeding = knobs_.offload_seeding;
     settings.drain_grace_ms = knobs_.drain_grace_ms;
     settings.model_grace_ms = knobs_.model_grace_ms;
@@ -309,7 +310,11 @@ class Simulation {
       fail(std::string("assertion: ") + failure.what());
     }
     result_.virtual_ms = now_;
-    for (const auto& server : servers_) result_.models_ended += server->stats().models_forgotten;
+    for (const auto& server : servers_) {
+      result_.models_ended += server->stats().models_forgotten;
+      result_.readers_put_ahead += server->stats().transfers_displaced;
+      result_.slow_sources_passed += server->stats().slow_sources_passed;
+    }
     result_.trace_hash = trace_.hash();
     if (plan_ != nullptr) {
       result_.plan.replicas.reserve(replicas_.size());
@@ -2403,6 +2408,10 @@ std::string SimResult::summary() const {
       << (run_restarts > 0 ? std::to_string(run_restarts) + " run restarts, " : std::string())
       << (models_ended > 0 ? std::to_string(models_ended) + " models ended, " : std::string())
       << (corrupt_notices > 0 ? std::to_string(corrupt_notices) + " corrupt-copy notices, " : std::string())
+      << (readers_put_ahead + slow_sources_passed > 0
+              ? std::to_string(readers_put_ahead) + " readers put ahead of slower ones, " +
+                    std::to_string(slow_sources_passed) + " slow sources passed, "
+              : std::string())
       << evictions
       << " evictions, " << failovers << " failovers, " << offloads << " offloads, " << seeds
       << " seeds, " << messages

@@ -111,6 +111,10 @@ struct SimResult {
   std::uint64_t offloads = 0;
   std::uint64_t seeds = 0;          // offload seeding: CPU copies read across datacenters
   std::uint64_t corrupt_notices = 0;  // shards told readers found their copy corrupt (CopyCorrupt)
+  // Rate-aware source selection (the servers alive at the end; core/hub_rates.cpp): readers that
+  // took a slower copy's source (it read behind them), and reads placed past a much slower copy.
+  std::uint64_t readers_put_ahead = 0;
+  std::uint64_t slow_sources_passed = 0;
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;
   std::uint64_t stale_messages = 0;  // instructions that arrived again, late (knob stale)

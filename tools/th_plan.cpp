@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   double shard_mib = 0;
   bool no_pipeline = false;
   bool no_smart_skipping = false;
+  bool no_rate_aware_sources = false;
   bool skip_no_pipeline = false;
   std::string json_path;
   CLI::App app{
@@ -65,6 +66,8 @@ int main(int argc, char** argv) {
                  "every spot rollout is preempted when this version is out (0: never)");
   app.add_flag("--no-pipeline", no_pipeline, "TensorHub without pipeline replication");
   app.add_flag("--no-smart-skipping", no_smart_skipping, "TensorHub without smart skipping");
+  app.add_flag("--no-rate-aware-sources", no_rate_aware_sources,
+               "TensorHub without rate-aware source selection (th-server --no-rate-aware-sources)");
   app.add_flag("--offload-seeding", spec.offload_seeding, "TensorHub with offload seeding");
   app.add_option("--efficiency", spec.efficiency,
                  "TensorHub's data plane, a fraction of the NIC rate (1; the paper measured 0.88)");
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   spec.shard_bytes = static_cast<std::uint64_t>(std::llround(shard_bytes));
   spec.pipeline = !no_pipeline;
   spec.smart_skipping = !no_smart_skipping;
+  spec.rate_aware_sources = !no_rate_aware_sources;
   spec.run_no_pipeline = !skip_no_pipeline;
   auto report = th::sim::plan(spec);
   if (!report.ok()) {

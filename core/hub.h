@@ -208,6 +208,8 @@ class Hub {
   // Whether `candidate` is known to receive at under 1/factor of `reader`'s rate.
   bool slower(const Replica& candidate, const Replica& reader, double factor) const;
   bool much_slower(const Replica& candidate, const Replica& reader) const;
+  // Whether the copy, still receiving, or one on its chain (the nearest few) is much slower.
+  bool slow_chain(const Copy& candidate, const Copy& reader) const;
   // Whether a receiving copy may give its source away (its transfer is local, of its own layout,
   // and has not done so too often), and to this reader.
   bool movable(const Copy& slow) const;

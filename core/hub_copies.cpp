@@ -211,6 +211,7 @@ void Hub::count_reader(Copy& source, const Transfer& transfer, int delta) {
   TH_ASSERT(delta > 0 || (source.readers > 0 && (!transfer.cross_dc || source.readers_across > 0)),
             "a source counts the transfer that leaves it");
   source.readers += delta;
+  if (delta > 0) ++source.readers_joined;
   if (transfer.cross_dc) source.readers_across += delta;
   TH_ASSERT(source.readers_across <= source.readers);
   reindex(source);

@@ -42,7 +42,7 @@ std::uint64_t smallest_shard_bytes(const detail::Replica& replica) {
   TH_ASSERT(replica.layout != nullptr, "a replica that reads has a layout");
   std::uint64_t smallest = 0;
   for (const LayoutRef& shard : replica.layout->shards) {
-    if (shard == nullptr) continue;
+    if (shard == nullptr || shard->total_bytes() == 0) continue;
     if (smallest == 0 || shard->total_bytes() < smallest) smallest = shard->total_bytes();
   }
   return smallest;
@@ -54,8 +54,10 @@ void Hub::measure_shard_read(Transfer& transfer, std::uint32_t shard) {
   const Replica& replica = *transfer.reader->owner;
   TH_ASSERT(shard < replica.num_shards && transfer.started.test(shard), "a shard of this epoch's read");
   // A seed's read crosses datacenters over TCP, which says nothing of how fast the replica
-  // receives here (record_receive_rate leaves it out too).
-  if (transfer.cross_dc || transfer.reader->kind != CopyKind::kPrimary) return;
+  // receives here (record_receive_rate leaves it out too). Only a transfer's first source is
+  // timed: at a later one a shard may go on from the bytes it verified (client resume), and its
+  // whole shard over the time since would look far faster than it read.
+  if (transfer.cross_dc || transfer.reader->kind != CopyKind::kPrimary || transfer.epoch != 1) return;
   const LayoutRef& layout = replica.layout->shards[shard];
   if (layout == nullptr || layout->total_bytes() == 0) return;
   const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
@@ -87,7 +89,12 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
                             measured < upstream.last_bytes_per_ms * kBehindFraction;
   detail::ReceiveRate& rate = replica.receive_rate;
-  const bool paced_by_reader = transfer.sole_reader_of_complete || source_ahead;
+  // Alone at a complete copy of its own layout from start to end (another reader joining shares
+  // the source's pace; a CPU offload copy or pieces of another layout set their own).
+  const Copy& source = *transfer.source;
+  const bool alone = transfer.sole_reader_of_complete && source.readers_joined == transfer.source_readers_joined &&
+                     source.kind == CopyKind::kPrimary && !transfer.reshard;
+  const bool paced_by_reader = alone || source_ahead;
   if (paced_by_reader) {
     rate.bytes_per_ms = measured;  // the replica set the pace: what it can do now
     rate.exact = true;
@@ -118,6 +125,19 @@ bool Hub::slower(const Replica& candidate, const Replica& reader, double factor)
 
 bool Hub::much_slower(const Replica& candidate, const Replica& reader) const {
   return slower(candidate, reader, kSlowFactor);
+}
+
+bool Hub::slow_chain(const Copy& candidate, const Copy& reader) const {
+  // A complete copy serves at its own pace, which its owner's receive rate does not say; a copy
+  // still receiving passes its bytes on at most as fast as they reach it, through every copy on
+  // its chain (the nearest kChainHopsWeighedMax weighed).
+  const Copy* at = &candidate;
+  for (std::size_t hops = 0; at->state == CopyState::kActive && hops < limits::kChainHopsWeighedMax; ++hops) {
+    if (much_slower(*at->owner, *reader.owner)) return true;
+    at = at->incoming->source;
+    TH_ASSERT(at != nullptr, "an active copy reads");
+  }
+  return false;
 }
 
 bool Hub::movable(const Copy& slow) const {
@@ -152,11 +172,11 @@ Hub::Copy* Hub::insertion_point(Copy& candidate, const Copy& reader) const {
       reader.corrupt) {
     return nullptr;
   }
-  const Model& model = *reader.owner->model;
+  // The copies nearest the candidate only: at fan-out 1 each new reader picks the end of the
+  // chain, and a walk to the root would make a fleet's updates quadratic in its size.
   Copy* point = nullptr;
   Copy* at = &candidate;
-  for (std::size_t hops = 0; at->state == CopyState::kActive; ++hops) {
-    TH_ASSERT(hops <= model.copies.size(), "the source chain has a cycle");
+  for (std::size_t hops = 0; at->state == CopyState::kActive && hops < limits::kChainHopsWeighedMax; ++hops) {
     if (slower(*at->owner, *reader.owner, kReorderFactor) && displaceable(*at, reader) && early(*at)) {
       point = at;  // the last one found is nearest the root
     }

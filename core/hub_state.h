@@ -114,6 +114,7 @@ struct Copy {
   // the readers here (Hub::has_slot): a seeder's slow read across datacenters must not take the
   // slot the readers of the copy's own datacenter need (issue 34).
   std::uint32_t readers_across = 0;
+  std::uint64_t readers_joined = 0;  // transfers that ever took this copy as their source
   Transfer* incoming = nullptr;    // kGathering, kWaiting, kActive
   bool failed = false;             // a reader could not read it; never chosen again
   // Shards whose bytes failed a reader's checksums since their last good read. A second failure
@@ -194,6 +195,7 @@ struct Transfer {
   TimeMs assigned_ms = 0;
   TimeMs first_assigned_ms = 0;  // when its first source was given (displacements count from it)
   bool sole_reader_of_complete = false;
+  std::uint64_t source_readers_joined = 0;  // the source's readers_joined once this one joined
   double slowest_bytes_per_ms = 0;
   // Times a faster reader took this transfer's source from it (at most limits::kDisplacementsPerTransferMax).
   std::uint32_t displacements = 0;

@@ -383,15 +383,16 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
   };
 
   if (local != record.by_dc.end()) {
-    // Least loaded first; a copy much slower than the reader only if no other can serve now. A
-    // copy on the chosen one's chain that is slower than the reader and early in its read gives
-    // its source to the reader and reads behind it (hub_rates.cpp).
+    // Least loaded first; a copy still receiving behind a much slower one (itself, or one on its
+    // chain) only if no other can serve now. A copy on the chosen one's chain that is slower than
+    // the reader and early in its read gives its source to the reader and reads behind it
+    // (hub_rates.cpp).
     Copy* chosen = nullptr;
     Copy* slow = nullptr;
     std::size_t slow_passed = 0;
     for (const auto& [key, copy] : local->second.eligible) {
       if (!usable(copy) || behind_seeder(copy)) continue;
-      if (!much_slower(*copy->owner, *reader.owner)) {
+      if (!slow_chain(*copy, reader)) {
         chosen = copy;
         break;
       }
@@ -506,6 +507,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   transfer.sole_reader_of_complete = source.state == CopyState::kComplete && source.readers == 0;
   transfer.slowest_bytes_per_ms = 0;
   count_reader(source, transfer, +1);
+  transfer.source_readers_joined = source.readers_joined;
   set_state(reader, CopyState::kActive);
   ++stats_.transfers_started;
 

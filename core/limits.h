@@ -62,6 +62,9 @@ inline constexpr std::uint32_t kSourceFailuresPerTransferMax = 64;
 // takes the first of them.
 inline constexpr std::uint32_t kDisplacementsPerTransferMax = 16;
 inline constexpr std::size_t kSlowSourcesPassedMax = 16;
+// ... and weighs at most this many copies up a candidate's chain of sources (the walk runs for
+// every reader that joins a chain: the whole chain would make a fleet's updates quadratic).
+inline constexpr std::size_t kChainHopsWeighedMax = 16;
 
 // Upper bound on heartbeat timeout and call deadlines accepted from a client (one day).
 inline constexpr std::int64_t kDeadlineMsMax = 24LL * 3600 * 1000;

@@ -148,6 +148,68 @@ TEST(HubRates, AFastReaderPassesOverAMuchSlowerCopyForOneThatCanServeIt) {
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
 }
 
+// r0 reads version 1 from the trainer alone at a hundredth of the fastest rate; r1 reads it from
+// the trainer alone after r0, its slower shard in `r1_ms`: both are measured exactly.
+void two_exact_rates(Fleet& fleet, TimeMs r1_ms) {
+  Driver& driver = fleet.driver;
+  driver.publish(fleet.t, 1);
+  start_update(driver, fleet.rollouts["r0"]);
+  driver.advance(10);
+  finish_shard(driver, fleet.rollouts["r0"][0]);
+  driver.advance(990);
+  finish_shard(driver, fleet.rollouts["r0"][1]);
+  EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts["r0"])));
+  start_update(driver, fleet.rollouts["r1"]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
+  driver.advance(r1_ms);
+  driver.finish_reads(fleet.rollouts["r1"]);
+  EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts["r1"])));
+  fleet.publish(2);
+  start_update(driver, fleet.rollouts["r0"]);
+  start_update(driver, fleet.rollouts["r1"]);
+}
+
+TEST(HubRates, OfTwoReplicasMeasuredExactlyTheFasterGoesAheadByAQuarterOrMore) {
+  Fleet ahead;
+  two_exact_rates(ahead, /*r1_ms=*/600);  // 1.67 x r0's rate
+  EXPECT_EQ(source_of(ahead.driver, ahead.rollouts["r1"]), "t");
+  EXPECT_EQ(source_of(ahead.driver, ahead.rollouts["r0"]), "r1");
+  EXPECT_EQ(ahead.driver.hub().stats().transfers_displaced, 1u);
+  Fleet alike;
+  two_exact_rates(alike, /*r1_ms=*/900);  // 1.11 x: not worth r0's reading again
+  EXPECT_EQ(source_of(alike.driver, alike.rollouts["r0"]), "t");
+  EXPECT_EQ(source_of(alike.driver, alike.rollouts["r1"]), "r0");
+  EXPECT_EQ(alike.driver.hub().stats().transfers_displaced, 0u);
+}
+
+TEST(HubRates, ACopyBehindAMuchSlowerOneIsPassedOverToo) {
+  HubSettings settings;
+  settings.fanout_max = 2;
+  Fleet fleet(settings);
+  Driver& driver = fleet.driver;
+  // Version 1: t -> r0 -> r1, r0's shard 1 slow; r2 reads nothing (it is never measured).
+  driver.publish(fleet.t, 1);
+  start_update(driver, fleet.rollouts["r0"]);
+  start_update(driver, fleet.rollouts["r1"]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
+  driver.advance(10);
+  for (const char* name : {"r0", "r1"}) finish_shard(driver, fleet.rollouts[name][0]);
+  driver.advance(990);
+  for (const char* name : {"r0", "r1"}) {
+    finish_shard(driver, fleet.rollouts[name][1]);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name;
+  }
+  fleet.publish(2);
+  start_update(driver, fleet.rollouts["r0"]);
+  driver.advance(200);  // too late for r0 to give its source away
+  start_update(driver, fleet.rollouts["r2"]);
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r0") << "r2 is not known to be faster than r0";
+  start_update(driver, fleet.rollouts["r1"]);
+  // r2 is the least loaded copy and is not known slow, but its bytes come through r0.
+  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
+  EXPECT_EQ(driver.hub().stats().slow_sources_passed, 1u);
+}
+
 TEST(HubRates, OnlyAReadThatSetItsOwnPaceMakesAReplicaKnownSlow) {
   Fleet fleet;
   fleet.first_version(/*slow_shard_ms=*/1000);

@@ -4,6 +4,9 @@
 // before it reports TransferDone.
 #include <gtest/gtest.h>
 
+#include <initializer_list>
+#include <string>
+
 #include "tests/core/testkit/driver.h"
 
 namespace th::test {
@@ -57,6 +60,17 @@ struct Fleet {
       driver.advance(1);
     }
   }
+  // Version 2: the trainer publishes it, and the rollouts update in the order given.
+  void second_version(std::initializer_list<const char*> order) {
+    publish(2);
+    for (const char* name : order) start_update(driver, rollouts[name]);
+  }
+  // Each rollout's source, in the order given: "r0<-t r1<-r0 ...".
+  std::string sources(std::initializer_list<const char*> order) {
+    std::string out;
+    for (const char* name : order) out += (out.empty() ? "" : " ") + std::string(name) + "<-" + source_of(driver, rollouts[name]);
+    return out;
+  }
   // The trainer unpublishes the version it held and publishes the next.
   void publish(Version version) {
     driver.call_all(t, UnpublishRequest{});
@@ -72,13 +86,10 @@ TEST(HubRates, ASlowMemberGoesToTheEndOfTheChainTheNextVersion) {
   Fleet fleet;
   fleet.first_version(/*slow_shard_ms=*/1000);  // r0's shard 1 at a hundredth of shard 0's rate
   Driver& driver = fleet.driver;
-  fleet.publish(2);
-  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  fleet.second_version({"r0", "r1", "r2"});
   // r0 came first and took the trainer; r1 and r2 kept r0's pace last time, so each may be
   // faster: each takes r0's source in turn, and r0 reads behind them.
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "r2");
+  EXPECT_EQ(fleet.sources({"r1", "r2", "r0"}), "r1<-t r2<-r1 r0<-r2");
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 2u);
   // r0's shards read again (a new epoch) and every read completes.
   for (const char* name : {"r1", "r2", "r0"}) {
@@ -92,27 +103,19 @@ TEST(HubRates, WithoutRateAwarenessTheChainKeepsItsArrivalOrder) {
   settings.rate_aware_sources = false;
   Fleet fleet(settings);
   fleet.first_version(/*slow_shard_ms=*/1000);
-  Driver& driver = fleet.driver;
-  fleet.publish(2);
-  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
-  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+  fleet.second_version({"r0", "r1", "r2"});
+  EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
+  EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 0u);
 }
 
 TEST(HubRates, AFleetThatIsAlikeKeepsItsOrder) {
   Fleet fleet;
   // Both shards at the same pace: r0 is measured exactly, and is no slower than the fastest read.
   fleet.first_version(/*slow_shard_ms=*/12);
-  Driver& driver = fleet.driver;
-  fleet.publish(2);
-  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
-  EXPECT_EQ(source_of(driver, fleet.rollouts["r2"]), "r1");
-  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
-  EXPECT_EQ(driver.hub().stats().slow_sources_passed, 0u);
+  fleet.second_version({"r0", "r1", "r2"});
+  EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
+  EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 0u);
+  EXPECT_EQ(fleet.driver.hub().stats().slow_sources_passed, 0u);
 }
 
 TEST(HubRates, ASlowCopyLateInItsReadKeepsItsSource) {

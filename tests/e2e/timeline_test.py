@@ -97,16 +97,20 @@ def check_against_table(receives, rows):
     check(set(by_row) == set(rows), f"the timeline's (version, reader) pairs {sorted(by_row)} differ from the "
                                     f"table's {sorted(rows)}")
     for key, row in rows.items():
-        reads = by_row[key]
+        # A read the server moved to another source ends 'withdrawn' (rate-aware source selection
+        # puts a faster reader ahead of a slower one early in its read): the reads that completed
+        # are one per shard, from the source the table names.
+        reads = [e for e in by_row[key] if e["args"]["outcome"] != "withdrawn"]
         check(row["ok"], f"th-demo's row {key} failed its checksum")
         check(sorted(e["args"]["shard"] for e in reads) == list(range(SHARDS)),
               f"{key}: reads of shards {[e['args']['shard'] for e in reads]}, not one per shard")
+        for event in by_row[key]:
+            check(event["dur"] <= row["stall_us"] + SLACK_US,
+                  f"{key}: a read of {event['dur']} us inside an update call of {row['stall_us']:.0f} us")
         for event in reads:
             check(event["args"]["outcome"] == "done", f"{key}: a read ended '{event['args']['outcome']}'")
             check(event["args"]["source"] == row["source"],
                   f"{key}: the timeline's source {event['args']['source']}, the table's {row['source']}")
-            check(event["dur"] <= row["stall_us"] + SLACK_US,
-                  f"{key}: a read of {event['dur']} us inside an update call of {row['stall_us']:.0f} us")
         total = sum(e["args"]["bytes"] for e in reads)
         check(total == row["bytes"], f"{key}: the timeline's reads add up to {total} bytes, the table says {row['bytes']}")
 

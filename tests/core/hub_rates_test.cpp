@@ -239,5 +239,31 @@ TEST(HubRates, OnlyAReadThatSetItsOwnPaceMakesAReplicaKnownSlow) {
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 2u) << "only version 2's";
 }
 
+TEST(HubRates, AReaderThatFailedItsOwnReaderTakesNoSlowCopysPlace) {
+  Fleet fleet;
+  fleet.first_version(/*slow_shard_ms=*/1000);  // r0 known slow; r1 and r2 kept its pace
+  Driver& driver = fleet.driver;
+  fleet.publish(2);
+  for (const char* name : {"r2", "r1", "r0"}) start_update(driver, fleet.rollouts[name]);
+  ASSERT_EQ(fleet.sources({"r2", "r1", "r0"}), "r2<-t r1<-r2 r0<-r1");
+  // r0 cannot reach r1: r1 is a copy its reader failed, and r0 waits for another source. It gets
+  // the trainer when r2 has read all of it.
+  const auto [transfer, read] = *driver.inbox(fleet.rollouts["r0"][0]).reads.rbegin();
+  driver.report(fleet.rollouts["r0"][0], TransferFailed{transfer, read.epoch, ReadFailure::kSourceUnreachable});
+  driver.finish_reads(fleet.rollouts["r2"]);
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts["r2"])));
+  ASSERT_EQ(fleet.sources({"r0"}), "r0<-t");
+  // r1's source dies, and r1 looks again: r0, early in its read, is the only copy that can serve.
+  // r1 may well be faster than r0, but a copy that its own reader could not reach is no one's
+  // source: r1 reads behind r0.
+  for (ClientId client : fleet.rollouts["r2"]) driver.lose_connection(client);
+  EXPECT_EQ(fleet.sources({"r0", "r1"}), "r0<-t r1<-r0");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+  for (const char* name : {"r0", "r1"}) {
+    driver.finish_reads(fleet.rollouts[name]);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name;
+  }
+}
+
 }  // namespace
 }  // namespace th::test

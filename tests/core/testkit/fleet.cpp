@@ -264,11 +264,21 @@ rc::Gen<ChainCase> gen_uneven_case() {
       spec.replicas.push_back(std::move(replica));
     }
     std::vector<Action>& program = uneven.program;
-    const int versions = *rc::gen::inRange(2, 5);
+    const int versions = *rc::gen::inRange(2, 6);
     for (int v = 0; v < versions; ++v) {
       if (v > 0) program.push_back(Action{Action::Kind::kPlan, 0, 1, 0, 0, true});  // unpublish
       program.push_back(Action{Action::Kind::kPlan, 0, 0, 1, 0, true});               // the next version
       program.push_back(Action{Action::Kind::kBurst, 0, 0, 0, 0, false});             // every rollout updates
+      // Half the time, in the last version (the rates known, and the versions before left to
+      // reorder undisturbed), readers fail their sources as the burst reorders the chains: a copy
+      // that its reader failed, looking for a source again after failing its own, must not be put
+      // ahead of a slower copy (which would then read from it).
+      if (v == versions - 1 && *rc::gen::arbitrary<bool>()) {
+        for (int failure = 0; failure < 2; ++failure) {
+          program.push_back(Action{Action::Kind::kFailRead, *rc::gen::inRange<std::uint32_t>(0, 4),
+                                   *rc::gen::inRange<std::uint32_t>(0, 3), 0, 0, false});
+        }
+      }
       // The shards' reads finish one by one, some after a while: uneven rates.
       const int finishes = *rc::gen::inRange(4, 14);
       for (int f = 0; f < finishes; ++f) {

@@ -207,12 +207,13 @@ void Handle::Impl::run_read(ReadJob& job) {
                                                /*scatter=*/job.seed == nullptr);
   // Another source for the same transfer (the last one failed, or the server moved the read):
   // go on after the tensors that arrived whole and verify, rather than from byte 0 (issue 34).
-  // Only at a complete source: one still receiving may be behind the resume point, and the
-  // reader would wait there without progress until it calls the source stalled. (A seed reads
-  // into a fresh buffer each time, on a thread of its own: never resumed.)
+  // A source still receiving may be behind the resume point: the reader waits there while the
+  // source catches up (its empty answers say it advances, so it is not called stalled), and gets
+  // there no later than reading from byte 0 would. (A seed reads into a fresh buffer each time, on
+  // a thread of its own: never resumed.)
   if (job.seed == nullptr) {
     const std::optional<Resumable> earlier = std::exchange(resumable_, std::nullopt);
-    if (options_.resume_reads && !job.read.source.partial && earlier && earlier->transfer == job.read.transfer &&
+    if (options_.resume_reads && earlier && earlier->transfer == job.read.transfer &&
         earlier->epoch < job.read.epoch &&
         earlier->progress == job.progress && earlier->stream == job.stream &&
         earlier->attempt->version == job.read.version && earlier->attempt->plan.layout == plan.layout &&

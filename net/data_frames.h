@@ -39,9 +39,16 @@ inline bool same_secret(const GrantSecret& a, const GrantSecret& b) {
   return differ == 0;
 }
 
+// ReadResponseFrame::flags. kSourceAdvanced, on an empty answer only: nothing is ready at the
+// offset asked yet, but the source's own ready prefix grew while it waited. A reader resumed
+// ahead of a source still receiving waits for it to catch up, and counts this as progress rather
+// than calling a healthy source stalled (issue 34). (A reader before it ignores the field, and a
+// source before it sends 0.)
+inline constexpr std::uint32_t kSourceAdvanced = 1;
+
 struct ReadResponseFrame {
   std::uint32_t status = 0;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;
   std::uint64_t length = 0;  // payload bytes that follow (the ready prefix of what was asked)
 };
 static_assert(sizeof(ReadResponseFrame) == 16);

@@ -501,10 +501,13 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
     return ready > begin ? std::min(ready - begin, request.length) : 0;
   };
   std::uint64_t length = ready_after_begin();
+  bool advanced = false;  // while nothing was ready at `begin`
   if (length == 0 && request.length > 0 && request.wait_for_bytes != 0) {
+    const std::uint64_t ready_before = grant->progress->ready_bytes();
     grant->progress->wait_beyond(begin, config_.progress_wait_ms_max,
                                  [&] { return grant->revoked.load() || stopping_.load(); });
     length = ready_after_begin();
+    advanced = grant->progress->ready_bytes() > ready_before;
   }
   // GPU memory goes out through a staging ring, borrowed before the answer begins. Waiting for one
   // holds the pin, so the wait ends as soon as revoke() marks the grant (revoke waits for pins).
@@ -540,7 +543,8 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
   TH_ASSERT(length <= request.length);
   // (Nothing ready yet at `begin`, which may lie beyond the ready prefix: an empty answer.)
   TH_ASSERT(length == 0 || begin + length <= grant->progress->ready_bytes(), "only ready bytes are sent");
-  const ReadResponseFrame response{static_cast<std::uint32_t>(FrameStatus::kOk), 0, length};
+  const ReadResponseFrame response{static_cast<std::uint32_t>(FrameStatus::kOk),
+                                   length == 0 && advanced ? kSourceAdvanced : 0u, length};
   const Deadline deadline = response_deadline(config_, length);  // for the response as a whole
   try {
     send_all_by(self.socket, &response, sizeof response, deadline);

@@ -272,9 +272,11 @@ struct PullOptions {
   bool partial = false;                    // the source is still receiving (pipeline replication)
   int connect_timeout_ms = 5'000;
   int io_timeout_ms = 30'000;
+  // A partial source that makes no progress this long has failed. Progress is its own ready
+  // prefix's: a reader resumed ahead of it waits while it catches up (kSourceAdvanced).
   int stall_ms_max = 60'000;
   // Caps the receive rate (0: none), e.g. to leave a shared NIC to the training job's own traffic.
-  std::uint64_t rate_bytes_per_s = 0;  // a partial source that makes no progress this long has failed
+  std::uint64_t rate_bytes_per_s = 0;
   // Resume: the first `start_bytes` of the targets (layout order) hold the version already (a
   // reader verified them after its last source failed); only the rest is pulled, and on_progress
   // counts from here. Over TCP one connection pulls the rest; a pull through CUDA IPC is not

@@ -223,6 +223,8 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
         ready = got_end;
         if (options.on_progress) options.on_progress(ready);
         last_progress = now();
+      } else if ((response.flags & kSourceAdvanced) != 0) {
+        last_progress = now();  // still behind where this reader resumed, but receiving
       } else if (now() - last_progress > std::chrono::milliseconds(options.stall_ms_max)) {
         return fail(ReadError::kStalled, "no progress for " + std::to_string(options.stall_ms_max) + " ms");
       }

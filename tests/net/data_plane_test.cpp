@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 
 #include <cerrno>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -175,6 +176,64 @@ TEST(DataPlane, AResumedPullFollowsAPartialSource) {
   EXPECT_EQ(outcome.bytes, original.total() - start);
   EXPECT_EQ(reader.buffers, original.tensors);
   server.revoke({9, 2});
+}
+
+// A source still receiving, far behind where a reader resumed: the reader waits longer than its
+// stall limit for the bytes at its resume point, and does not call the source stalled while the
+// source's own prefix grows (kSourceAdvanced); one that stops growing is stalled all the same.
+TEST(DataPlane, AResumedPullWaitsForAPartialSourceFarBehindIt) {
+  DataServer server(DataServerConfig{.progress_wait_ms_max = 10});
+  const Shard original = source_shard();
+  Shard receiving{std::vector<std::vector<std::byte>>(original.tensors.size())};
+  for (std::size_t i = 0; i < original.tensors.size(); ++i) receiving.tensors[i].assign(original.tensors[i].size(), std::byte{0});
+  auto progress = std::make_shared<Progress>(0);
+  server.grant({9, 3}, kSecret, receiving.exposed(), progress);
+  // The reader holds the first two tensors and the third (the second is empty); the source needs
+  // 160 steps of 5 ms or more to reach them: several times the reader's stall limit.
+  const std::uint64_t start = (3 << 20) + 777;
+  const std::uint64_t step_bytes = start / 160 + 1;
+  std::atomic<std::uint64_t> ready_when_reached{0};
+  std::thread upstream([&] {
+    std::uint64_t done = 0;
+    for (std::size_t tensor = 0; tensor < original.tensors.size(); ++tensor) {
+      for (std::uint64_t offset = 0; offset < original.tensors[tensor].size();) {
+        const std::uint64_t step = std::min<std::uint64_t>(step_bytes, original.tensors[tensor].size() - offset);
+        std::memcpy(receiving.tensors[tensor].data() + offset, original.tensors[tensor].data() + offset, step);
+        offset += step;
+        done += step;
+        progress->advance_to(done);
+        if (done < start) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  });
+  Reader reader(original);
+  for (std::size_t t : {0, 2}) std::memcpy(reader.buffers[t].data(), original.tensors[t].data(), original.tensors[t].size());
+  PullOptions options = small_chunks();
+  options.partial = true;
+  options.start_bytes = start;
+  options.stall_ms_max = 200;
+  options.on_progress = [&](std::uint64_t ready) {
+    if (ready_when_reached.load() == 0) ready_when_reached = progress->ready_bytes();
+    EXPECT_GT(ready, start);
+  };
+  const auto targets = reader.targets();
+  const PullOutcome outcome = pull(server.endpoint(), {9, 3}, kSecret, targets, options);
+  upstream.join();
+  ASSERT_TRUE(outcome.ok()) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, original.total() - start) << "only the rest is pulled";
+  EXPECT_GT(ready_when_reached.load(), start) << "the first bytes came once the source had them";
+  EXPECT_EQ(reader.buffers, original.tensors);
+  server.revoke({9, 3});
+
+  // Stuck behind the resume point: no answer says it advances.
+  server.grant({9, 4}, kSecret, original.exposed(), std::make_shared<Progress>(1000));
+  Reader stuck_reader(original);
+  options.on_progress = nullptr;
+  const auto stuck_targets = stuck_reader.targets();
+  const PullOutcome stuck = pull(server.endpoint(), {9, 4}, kSecret, stuck_targets, options);
+  EXPECT_EQ(stuck.error, ReadError::kStalled) << stuck.detail;
+  EXPECT_EQ(stuck.bytes, 0u);
+  server.revoke({9, 4});
 }
 
 // A read of a grant the source has not heard of waits (grant_wait_ms_max), then is refused.

@@ -208,6 +208,9 @@ class Hub {
   // Whether `candidate` is known to receive at under 1/factor of `reader`'s rate.
   bool slower(const Replica& candidate, const Replica& reader, double factor) const;
   bool much_slower(const Replica& candidate, const Replica& reader) const;
+  // Whether `reader` may be faster than `candidate`, which nothing measured can say: it goes
+  // ahead of it to find out (insertion_point only).
+  bool unexplored(const Replica& candidate, const Replica& reader) const;
   // Whether the copy, still receiving, or one on its chain (the nearest few) is much slower.
   bool slow_chain(const Copy& candidate, const Copy& reader) const;
   // Whether a receiving copy may give its source away (its transfer is local, of its own layout,

@@ -13,6 +13,8 @@
 #include "core/hub.h"
 
 #include <algorithm>
+#include <optional>
+#include <set>
 #include <vector>
 
 #include "core/hub_internal.h"
@@ -89,6 +91,7 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
                             measured < upstream.last_bytes_per_ms * kBehindFraction;
   detail::ReceiveRate& rate = replica.receive_rate;
+  const std::optional<double> exact_before = rate.exact ? std::optional(rate.bytes_per_ms) : std::nullopt;
   // Alone at a complete copy of its own layout from start to end (another reader joining shares
   // the source's pace; a CPU offload copy or pieces of another layout set their own).
   const Copy& source = *transfer.source;
@@ -104,6 +107,13 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   }
   rate.last_version = version;
   rate.last_bytes_per_ms = measured;
+  std::multiset<double>& exact_rates = replica.model->exact_rates_bytes_per_ms;
+  if (exact_before) {
+    const auto found = exact_rates.find(*exact_before);
+    TH_ASSERT(found != exact_rates.end(), "the model holds each exact rate of its replicas");
+    exact_rates.erase(found);
+  }
+  if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
   TH_ASSERT(paced_by_reader ? rate.exact && rate.bytes_per_ms == measured : rate.bytes_per_ms >= measured);
 }
 
@@ -119,8 +129,27 @@ bool Hub::slower(const Replica& candidate, const Replica& reader, double factor)
   // that spent a version behind a slow member go ahead of it the next, and show their own rate
   // (one step a version: a bubble sort over the versions). A reader never measured joins where it
   // would have.
+  // "Slow" against the fastest this model's replicas have shown: the newest version's fastest
+  // read, or a replica's own pace measured in any version (when every reader of the newest one
+  // went behind a slow member, its fastest read is the slow member's pace).
+  const std::multiset<double>& exact = reader.model->exact_rates_bytes_per_ms;
+  const double fastest_exact = exact.empty() ? 0.0 : *exact.rbegin();
+  const double fastest = std::max(reader.model->fastest_read_bytes_per_ms, fastest_exact);
   return fast.bytes_per_ms > 0 && slow.bytes_per_ms * kBehindFraction <= fast.bytes_per_ms &&
-         slow.bytes_per_ms * kSlowFactor < reader.model->fastest_read_bytes_per_ms;
+         slow.bytes_per_ms * kSlowFactor < fastest;
+}
+
+bool Hub::unexplored(const Replica& candidate, const Replica& reader) const {
+  // Nothing to compare the candidate with: it is the model's only replica measured exactly, so
+  // every other read the hub timed (lower bounds, the reader's among them) may have gone at
+  // the candidate's pace, behind it (a slow member at the root of the first version's chain:
+  // bench/run-change "slow"). Its readers go ahead of it, to be measured themselves; the first to
+  // read alone gives the model a second exact rate, and from then on either the model's fastest
+  // read says the candidate is slow, or the two say the fleet is alike and it keeps its order.
+  // (The reader is not exact: the candidate is the only one that is. A reader never measured joins
+  // where it would have, as everywhere.)
+  return settings_.rate_aware_sources && candidate.receive_rate.exact && reader.receive_rate.bytes_per_ms > 0 &&
+         reader.model->exact_rates_bytes_per_ms.size() == 1;
 }
 
 bool Hub::much_slower(const Replica& candidate, const Replica& reader) const {
@@ -177,7 +206,8 @@ Hub::Copy* Hub::insertion_point(Copy& candidate, const Copy& reader) const {
   Copy* point = nullptr;
   Copy* at = &candidate;
   for (std::size_t hops = 0; at->state == CopyState::kActive && hops < limits::kChainHopsWeighedMax; ++hops) {
-    if (slower(*at->owner, *reader.owner, kReorderFactor) && displaceable(*at, reader) && early(*at)) {
+    if ((slower(*at->owner, *reader.owner, kReorderFactor) || unexplored(*at->owner, *reader.owner)) &&
+        displaceable(*at, reader) && early(*at)) {
       point = at;  // the last one found is nearest the root
     }
     at = at->incoming->source;

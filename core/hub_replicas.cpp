@@ -255,6 +255,11 @@ void Hub::remove_replica(Replica& replica) {
   for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) unbind(replica, shard);
   TH_ASSERT(replica.bound_shards == 0);
   mark_dirty(model);
+  if (replica.receive_rate.exact) {
+    const auto found = model.exact_rates_bytes_per_ms.find(replica.receive_rate.bytes_per_ms);
+    TH_ASSERT(found != model.exact_rates_bytes_per_ms.end(), "the model holds each exact rate of its replicas");
+    model.exact_rates_bytes_per_ms.erase(found);
+  }
   model.replicas.erase(replica.name);  // destroys `replica`
   if (model.replicas.empty()) model.idle_since_ms = now_ms_;
 }

@@ -351,6 +351,10 @@ struct Model {
   // replica measured exactly is slow or not.
   Version fastest_read_version = 0;
   double fastest_read_bytes_per_ms = 0;
+  // The exact receive rates of its replicas, one per replica that has one (hub_rates.cpp): the
+  // fastest says what a replica here can do, whichever version showed it (the newest version's
+  // reads may all have gone behind a slow member); with one only, nothing to compare it with.
+  std::multiset<double> exact_rates_bytes_per_ms;
 };
 
 struct Binding {

@@ -263,12 +263,15 @@ void Hub::check_invariants() const {
       TH_ASSERT(model.copies.contains(id) && model.copies.at(id)->kind == CopyKind::kOffload);
     }
 
+    std::multiset<double> exact_rates;
     for (const auto& [name, replica] : model.replicas) {
       const detail::ReceiveRate& rate = replica->receive_rate;
       TH_ASSERT(rate.bytes_per_ms >= 0 && (!rate.exact || rate.bytes_per_ms > 0) && rate.last_bytes_per_ms >= 0 &&
                     (rate.bytes_per_ms == 0) == (rate.last_bytes_per_ms == 0),
                 "the receive rate of", name, "is a measurement or none");
+      if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
     }
+    TH_ASSERT(exact_rates == model.exact_rates_bytes_per_ms, "the model holds exactly its replicas' exact rates");
     TH_ASSERT(model.fastest_read_bytes_per_ms >= 0, "the model's fastest read is a measurement or none");
 
     // ---- transfers ----

@@ -108,14 +108,85 @@ TEST(HubRates, WithoutRateAwarenessTheChainKeepsItsArrivalOrder) {
   EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 0u);
 }
 
-TEST(HubRates, AFleetThatIsAlikeKeepsItsOrder) {
+// The chain's readers finish `ms` after the last step, in chain order, each a millisecond after its
+// source (the order given), and every update completes.
+void finish_chain(Fleet& fleet, std::initializer_list<const char*> chain, TimeMs ms) {
+  fleet.driver.advance(ms);
+  for (const char* name : chain) {
+    fleet.driver.finish_reads(fleet.rollouts[name]);
+    EXPECT_TRUE(is<UpdateOk>(fleet.driver.replies(fleet.rollouts[name]))) << name;
+    fleet.driver.advance(1);
+  }
+}
+
+TEST(HubRates, AFleetThatIsAlikeIsReorderedOnceThenKeepsItsOrder) {
   Fleet fleet;
-  // Both shards at the same pace: r0 is measured exactly, and is no slower than the fastest read.
+  // Both shards at the same pace: r0 is measured exactly, r1 and r2 kept its pace. Nothing says
+  // whether r0 held them up: they go ahead of it once, to be measured themselves.
   fleet.first_version(/*slow_shard_ms=*/12);
   fleet.second_version({"r0", "r1", "r2"});
-  EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
-  EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 0u);
+  EXPECT_EQ(fleet.sources({"r1", "r2", "r0"}), "r1<-t r2<-r1 r0<-r2");
+  EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 2u);
+  finish_chain(fleet, {"r1", "r2", "r0"}, 12);  // r1 reads the trainer alone, as fast as r0 did
+  // Two exact rates alike: from here the chains keep the order the readers come in.
+  for (Version version : {3, 4}) {
+    fleet.publish(version);
+    for (const char* name : {"r0", "r1", "r2"}) start_update(fleet.driver, fleet.rollouts[name]);
+    EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1") << "version " << version;
+    finish_chain(fleet, {"r0", "r1", "r2"}, 12);
+  }
+  EXPECT_EQ(fleet.driver.hub().stats().transfers_displaced, 2u);
   EXPECT_EQ(fleet.driver.hub().stats().slow_sources_passed, 0u);
+}
+
+// At fan-out 2 readers share the trainer, and none of them is measured exactly: the only exact
+// rate stays the first version's. It is explored in the second version at most, not again.
+TEST(HubRates, AFleetThatIsAlikeIsReorderedOnceAtFanOutTwo) {
+  HubSettings settings;
+  settings.fanout_max = 2;
+  Fleet fleet(settings);
+  Driver& driver = fleet.driver;
+  driver.publish(fleet.t, 1);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  ASSERT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1") << "each the least loaded copy";
+  finish_chain(fleet, {"r0", "r1", "r2"}, 12);  // r0 reads the trainer alone: exact; r1, r2 lower bounds
+  std::uint64_t displaced_in_two = 0;
+  for (Version version : {2, 3, 4}) {
+    fleet.publish(version);
+    for (const char* name : {"r1", "r0", "r2"}) start_update(driver, fleet.rollouts[name]);
+    if (version == 2) displaced_in_two = driver.hub().stats().transfers_displaced;
+    driver.advance(12);
+    for (int round = 0; round < 3; ++round) {  // chains of up to three
+      for (const char* name : {"r0", "r1", "r2"}) driver.finish_reads(fleet.rollouts[name]);
+      driver.advance(1);
+    }
+    for (const char* name : {"r0", "r1", "r2"}) {
+      EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name << ", version " << version;
+    }
+  }
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, displaced_in_two) << "versions 3 and 4 keep their order";
+}
+
+// bench/run-change "slow": the slow member asks first and is the root of the first version's
+// chain; every read the hub times goes at its pace. The next version finds it out.
+TEST(HubRates, ASlowMemberAtTheRootOfTheOnlyChainIsFoundOutTheNextVersion) {
+  Fleet fleet;
+  Driver& driver = fleet.driver;
+  driver.publish(fleet.t, 1);
+  for (const char* name : {"r0", "r1"}) start_update(driver, fleet.rollouts[name]);  // r2 reads nothing
+  EXPECT_EQ(fleet.sources({"r0", "r1"}), "r0<-t r1<-r0");
+  finish_chain(fleet, {"r0", "r1"}, 1000);
+  // r2, never measured, joins where it would have; r1 goes ahead of r0 to be measured.
+  fleet.second_version({"r0", "r2", "r1"});
+  EXPECT_EQ(fleet.sources({"r1", "r0", "r2"}), "r1<-t r0<-r1 r2<-r0");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 1u);
+  finish_chain(fleet, {"r1"}, 10);
+  finish_chain(fleet, {"r0", "r2"}, 989);
+  // Known slow now: it goes to the end of the chain whenever it comes first.
+  fleet.publish(3);
+  for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
+  EXPECT_EQ(fleet.sources({"r1", "r2", "r0"}), "r1<-t r2<-r1 r0<-r2");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 3u);
 }
 
 TEST(HubRates, ASlowCopyLateInItsReadKeepsItsSource) {

@@ -355,6 +355,9 @@ struct Model {
   // fastest says what a replica here can do, whichever version showed it (the newest version's
   // reads may all have gone behind a slow member); with one only, nothing to compare it with.
   std::multiset<double> exact_rates_bytes_per_ms;
+  // Whether two of its replicas have had exact rates at once: from then on the hub compares
+  // (Hub::unexplored), even if one leaves or a noisy read turns an exact rate into a lower bound.
+  bool exact_rates_compared = false;
 };
 
 struct Binding {

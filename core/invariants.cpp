@@ -272,6 +272,7 @@ void Hub::check_invariants() const {
       if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
     }
     TH_ASSERT(exact_rates == model.exact_rates_bytes_per_ms, "the model holds exactly its replicas' exact rates");
+    TH_ASSERT(exact_rates.size() < 2 || model.exact_rates_compared, "two exact rates have been compared");
     TH_ASSERT(model.fastest_read_bytes_per_ms >= 0, "the model's fastest read is a measurement or none");
 
     // ---- transfers ----

@@ -8,9 +8,10 @@
 //   - one rollout much slower than the rest serves no one from the second version after its first
 //     read on: whichever place it asks in, it ends up at the end of every chain, so nobody waits
 //     for it (the slow member that held up everyone behind it in bench/run-change "slow").
-// The timing model: a read started at t by a rollout of true read time T, from a source that
-// completes at F, completes at max(t + T, F + 1); the rollouts report their reads done in that
-// order, through the test driver, and the hub times them as it does real ones.
+// The timing model: a read started at t by a rollout of true read time T (give or take 10 %, read
+// by read: measurements are noisy), from a source that completes at F, completes at
+// max(t + T, F + 1); the rollouts report their reads done in that order, through the test
+// driver, and the hub times them as it does real ones.
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 
@@ -33,6 +34,7 @@ struct RatesCase {
   std::uint32_t fanout = 1;
   std::uint32_t versions = 4;
   std::vector<TimeMs> read_ms;                     // each rollout's true read time
+  std::vector<std::vector<int>> jitter_percent;    // per version and rollout: that read's noise, +-10 %
   std::optional<std::uint32_t> slow;               // the rollout much slower than the others
   std::vector<std::uint32_t> first_version;        // the version each rollout first reads (1 or later)
   std::vector<std::vector<std::uint32_t>> orders;  // per version, the order the rollouts ask in
@@ -47,6 +49,8 @@ std::ostream& operator<<(std::ostream& out, const RatesCase& c) {
   for (std::size_t v = 0; v < c.orders.size(); ++v) {
     out << "\n  version " << v + 1 << " order";
     for (std::uint32_t r : c.orders[v]) out << " r" << r;
+    out << ", jitter %";
+    for (int percent : c.jitter_percent[v]) out << ' ' << percent;
   }
   return out;
 }
@@ -62,10 +66,13 @@ rc::Gen<RatesCase> gen_rates_case() {
       c.slow = *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
       c.read_ms[*c.slow] = 100 * *rc::gen::inRange<TimeMs>(3, 11);
     }
-    // Now and then a rollout joins late: never measured, it must not move anyone.
+    // Now and then a rollout joins late: never measured, it must not move anyone. Often the slow
+    // one: asking first in its first version, it is the root every other read of that version
+    // went behind, so the version's fastest read is its own pace.
     c.first_version.assign(c.rollouts, 1);
     if (c.rollouts > 2 && *rc::gen::arbitrary<bool>()) {
-      c.first_version[*rc::gen::inRange<std::uint32_t>(0, c.rollouts)] = *rc::gen::inRange<std::uint32_t>(2, 4);
+      const std::uint32_t late = c.slow && *rc::gen::arbitrary<bool>() ? *c.slow : *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
+      c.first_version[late] = *rc::gen::inRange<std::uint32_t>(2, 4);
     }
     for (std::uint32_t v = 0; v < c.versions; ++v) {
       // A random permutation; the slow rollout first half the time (the chain's root).
@@ -77,6 +84,7 @@ rc::Gen<RatesCase> gen_rates_case() {
         order.insert(order.begin(), *c.slow);
       }
       c.orders.push_back(std::move(order));
+      c.jitter_percent.push_back(*rc::gen::container<std::vector<int>>(c.rollouts, rc::gen::inRange(-10, 11)));
     }
     return c;
   });
@@ -119,7 +127,6 @@ Outcomes run_case(const RatesCase& c) {
       driver.call(clients[r], UpdateRequest{Selector::latest(), layout_for(0)});
       reading.insert(r);
     }
-    if (version == 2) run.displaced_in_version_2 = driver.hub().stats().transfers_displaced - run.displaced;
     // Reads complete in the order of the timing model, each at the time it gives.
     std::map<std::pair<TransferId, std::uint32_t>, TimeMs> started_ms;  // by (transfer, epoch)
     // From the second version after its first read the slow rollout is known (it was timed alone,
@@ -150,7 +157,8 @@ Outcomes run_case(const RatesCase& c) {
         RC_ASSERT(depth <= c.rollouts);  // a chain of sources has no cycle
         if (const auto found = completes_ms.find(r); found != completes_ms.end()) return found->second;
         const auto& [transfer, read] = *driver.inbox(clients[r]).reads.begin();
-        TimeMs at = started_ms.at({transfer, read.epoch}) + c.read_ms[r];
+        const TimeMs read_ms = c.read_ms[r] + c.read_ms[r] * c.jitter_percent[version - 1][r] / 100;
+        TimeMs at = started_ms.at({transfer, read.epoch}) + read_ms;
         const auto upstream = by_name.find(source.at(r));
         if (upstream != by_name.end()) at = std::max(at, completes(upstream->second, depth + 1) + 1);
         return completes_ms[r] = at;
@@ -166,7 +174,10 @@ Outcomes run_case(const RatesCase& c) {
       RC_ASSERT(is<UpdateOk>(outcome));
       reading.erase(next);
     }
-    if (version == 2) run.displaced_after_version_2 = driver.hub().stats().transfers_displaced;
+    if (version == 2) {
+      run.displaced_after_version_2 = driver.hub().stats().transfers_displaced;
+      run.displaced_in_version_2 = run.displaced_after_version_2 - run.displaced;
+    }
     run.displaced = driver.hub().stats().transfers_displaced;
     driver.advance(10);
   }

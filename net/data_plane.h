@@ -273,7 +273,8 @@ struct PullOptions {
   int connect_timeout_ms = 5'000;
   int io_timeout_ms = 30'000;
   // A partial source that makes no progress this long has failed. Progress is its own ready
-  // prefix's: a reader resumed ahead of it waits while it catches up (kSourceAdvanced).
+  // prefix's: a reader resumed ahead of it waits while it catches up (kSourceAdvanced), for at
+  // most ten times this without a byte.
   int stall_ms_max = 60'000;
   // Caps the receive rate (0: none), e.g. to leave a shared NIC to the training job's own traffic.
   std::uint64_t rate_bytes_per_s = 0;

@@ -60,6 +60,15 @@ struct PullCancelled {};
 // wait out the whole I/O timeout first, and the next version queued behind it).
 constexpr int kCancelPollMs = 50;
 constexpr std::chrono::microseconds kRateSleepSlice{kCancelPollMs * 1000};  // a capped pull's sleeps
+// A reader resumed ahead of a source still receiving waits for it while the source's empty answers
+// say it advances (kSourceAdvanced), but not for ever: at most this many stall limits without a
+// byte (10 minutes by default: a 50 GB shard at 1 Gbit/s takes 7), then it calls the source
+// stalled. A source that says it advances and never sends a byte gets no more than that.
+constexpr int kBehindStallsMax = 10;
+// After an empty answer, before asking again: a healthy source answers empty only after waiting
+// for bytes (DataServerConfig::progress_wait_ms_max), so this costs it nothing; one that answers
+// at once does not make the reader spin.
+constexpr std::chrono::milliseconds kEmptyAnswerPause{1};
 
 // Receives exactly `bytes` on a socket whose receive timeout is kCancelPollMs (one blocking recv
 // per wake-up, as fast as a plain blocking read). Throws PullCancelled when the pull is cancelled
@@ -141,6 +150,7 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
     bool wait_for_bytes = options.partial;  // let the source wait (bounded) for bytes to be ready
     const auto now = [] { return std::chrono::steady_clock::now(); };
     auto last_progress = now();
+    auto last_byte = now();
     const auto pull_started = now();
 
     auto skip_empty_regions = [&] {
@@ -213,21 +223,27 @@ PullOutcome pull_stream(const Endpoint& source, GrantKey key, const GrantSecret&
       if (response.length == ask.length) {
         ready = ask.global_end;
         if (options.on_progress && response.length > 0) options.on_progress(ready);
-        last_progress = now();
+        last_progress = last_byte = now();
         continue;
       }
       // A short answer: the source has no more yet. Drain what is in flight, then ask again from
       // the first missing byte, one request at a time.
       const std::uint64_t got_end = ask.global_end - ask.length + response.length;
+      const std::chrono::milliseconds stall_max{options.stall_ms_max};
       if (response.length > 0) {
         ready = got_end;
         if (options.on_progress) options.on_progress(ready);
-        last_progress = now();
-      } else if ((response.flags & kSourceAdvanced) != 0) {
+        last_progress = last_byte = now();
+      } else if ((response.flags & kSourceAdvanced) != 0 && options.partial &&
+                 now() - last_byte <= stall_max * kBehindStallsMax) {
         last_progress = now();  // still behind where this reader resumed, but receiving
-      } else if (now() - last_progress > std::chrono::milliseconds(options.stall_ms_max)) {
-        return fail(ReadError::kStalled, "no progress for " + std::to_string(options.stall_ms_max) + " ms");
+      } else if (now() - last_progress > stall_max) {
+        return fail(ReadError::kStalled, now() - last_byte > stall_max * kBehindStallsMax
+                                             ? "still behind where this read resumed after " +
+                                                   std::to_string(options.stall_ms_max * kBehindStallsMax) + " ms"
+                                             : "no progress for " + std::to_string(options.stall_ms_max) + " ms");
       }
+      if (response.length == 0) std::this_thread::sleep_for(kEmptyAnswerPause);
       while (!in_flight.empty()) {
         const Ask later = in_flight.front();
         in_flight.pop_front();

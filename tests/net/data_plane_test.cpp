@@ -490,7 +490,7 @@ struct RawRequest {
 };
 struct RawResponse {
   std::uint32_t status = 0;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;  // 1: an empty answer, and the source's own prefix grew meanwhile
   std::uint64_t length = 0;
 };
 
@@ -810,6 +810,51 @@ TEST(DataPlane, AConnectionWhoseReadsAreRefusedOverAndOverIsClosed) {
   // A rightful reader is served, on a connection of its own.
   expect_bit_exact_pull(server, shard, {8, 1}, 1);
   server.revoke({8, 1});
+}
+
+// A source that says it advances (an empty answer, flag 1) at once, for ever, without a byte: a
+// reader resumed ahead of it gives up after ten stall limits, and calls it stalled; meanwhile it
+// does not spin (it pauses after each empty answer).
+TEST(DataPlane, ASourceThatSaysItAdvancesButSendsNothingIsStalledInTheEnd) {
+  Fd listener = listen_tcp(Endpoint{"127.0.0.1", 0}, 4);
+  const Endpoint endpoint{"127.0.0.1", local_port(listener)};
+  std::atomic<int> answers{0};
+  std::atomic<bool> done{false};
+  std::thread liar([&] {
+    // Every connection the reader makes (a probe, then the pull), one after the other.
+    while (!done.load()) {
+      pollfd entry{listener.get(), POLLIN, 0};
+      if (::poll(&entry, 1, 50) != 1) continue;
+      Fd connection = accept_tcp(listener);
+      if (!connection.valid()) continue;
+      try {
+        RawRequest request;
+        while (recv_all_or_eof(connection, &request, sizeof request)) {
+          const RawResponse empty{0, 1, 0};
+          send_all(connection, &empty, sizeof empty);
+          ++answers;
+        }
+      } catch (const SocketError&) {
+        // the reader hung up mid-answer
+      }
+    }
+  });
+  const Shard shard = source_shard();
+  Reader reader(shard);
+  PullOptions options = small_chunks();
+  options.partial = true;
+  options.start_bytes = 1000;
+  options.stall_ms_max = 20;
+  const auto targets = reader.targets();
+  const PullOutcome outcome = pull(endpoint, {9, 5}, kSecret, targets, options);
+  done = true;
+  liar.join();
+  EXPECT_EQ(outcome.error, ReadError::kStalled) << outcome.detail;
+  EXPECT_NE(outcome.detail.find("still behind where this read resumed"), std::string::npos) << outcome.detail;
+  EXPECT_EQ(outcome.bytes, 0u);
+  // At most one answer a millisecond over the 200 ms and more it waited (not a timing bound on
+  // the reader: a bound on how hard it asked).
+  EXPECT_LT(answers.load(), 2'000);
 }
 
 }  // namespace

@@ -130,6 +130,22 @@ int run_fanout_node(const FanoutNodeOptions& options) {
               << " bytes_resumed=" << stats.bytes_resumed << " source=" << replicated.value().source_replica
               << " checksum_failures=" << stats.checksum_failures << " data_endpoint=" << handle->data_endpoint()
               << std::endl;
+    if (!options.next_version_file.empty()) {
+      wait_for_file(options.next_version_file);
+      const auto asked = std::chrono::steady_clock::now();
+      auto updated = handle->update("latest");
+      const double next_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+      if (!updated.ok() || updated.value().version.value_or(0) != 2) {
+        std::cerr << "th-bench fanout-node: update to version 2: "
+                  << (updated.ok() ? "got version " + std::to_string(updated.value().version.value_or(0))
+                                   : updated.error().detail)
+                  << "\n";
+        return 1;
+      }
+      std::cout << std::fixed << std::setprecision(3) << "RESULT next_seconds=" << next_s
+                << " source=" << updated.value().source_replica
+                << " checksum_failures=" << handle->stats().checksum_failures << std::endl;
+    }
   }
   wait_for_file(options.stop_file);
   return 0;

@@ -27,12 +27,18 @@ struct FanoutNodeOptions {
   // update("latest") (every 50 ms while the answer is "not yet", as a rollout that keeps generating
   // with the weights it has) until it holds version 2.
   std::string second_version_file;
+  // Next-version mode (bench/run-change's "slow" scenario): a rollout replicates version 1 at its
+  // start file as usual, then calls update("latest") once this file exists (the script makes it
+  // once the trainer has published version 2, the trainer run with second_version_file): the
+  // version read after the hub has timed every rollout once.
+  std::string next_version_file;
 };
 
 // Prints "node ready" once open (trainer: once published), "RESULT fanout_seconds=... source=..."
 // (rollout), and exits 0 once the stop file appears. In cross-datacenter mode a rollout prints
 // "RESULT stall_seconds=S until_seconds=U not_yet=N source=R": S the time spent blocked in
-// update(), U until it held version 2, N how often it was told "not yet".
+// update(), U until it held version 2, N how often it was told "not yet". In next-version mode a
+// rollout then prints "RESULT next_seconds=... source=..." for version 2.
 int run_fanout_node(const FanoutNodeOptions& options);
 
 }  // namespace th::bench

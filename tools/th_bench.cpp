@@ -458,6 +458,9 @@ int main(int argc, char** argv) {
   fanout->add_option("--stop-file", node.stop_file, "exit once this file exists")->required();
   fanout->add_option("--second-version-file", node.second_version_file,
                      "cross-datacenter mode: the trainer publishes version 2 once this file exists; rollouts update to it");
+  fanout->add_option("--next-version-file", node.next_version_file,
+                     "rollout: after replicating version 1, update to version 2 once this file exists, timed "
+                     "(the trainer runs with --second-version-file)");
 
   auto* reshard = app.add_subcommand(
       "reshard", "Rollouts reading from a trainer of another layout (TP=8 -> TP=4/2/1, FSDP x8 -> TP=2) against "

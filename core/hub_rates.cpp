@@ -9,7 +9,9 @@
 //     move to the end of the chain.
 // The hub measures rates itself (grant to TransferDone, per shard, the slowest shard counting), so
 // a client's word is not needed and a client that reports late only makes itself look slow. A
-// replica never measured counts as fast: the first version of a job pipelines as before.
+// replica never measured counts as fast: the first version of a job pipelines as before. While a
+// model has had one exact rate only (the root of its first chain, which everyone else may have
+// read behind), its measured readers go ahead of that copy once, to be timed themselves.
 #include "core/hub.h"
 
 #include <algorithm>

@@ -156,10 +156,8 @@ bool Hub::unexplored(const Replica& candidate, const Replica& reader) const {
   // is alike and it keeps its order (sticky: a noisy read that turns an exact rate into a lower
   // bound, or a replica leaving, does not start it again: helper review, jitter of 1-10 % reordered
   // 16-41 % of alike fleets again). (The reader is not exact: the candidate is the only one. A
-  // reader never measured joins where it would have, as everywhere.)
-  TH_ASSERT(!candidate.receive_rate.exact || reader.model->exact_rates_compared ||
-                reader.model->exact_rates_bytes_per_ms.size() == 1,
-            "an exact rate with no other is the only one");
+  // reader never measured joins where it would have, as everywhere. That an exact rate with no
+  // other is the model's only one, check_invariants asserts: not here, on every hop of a walk.)
   return settings_.rate_aware_sources && candidate.receive_rate.exact && reader.receive_rate.bytes_per_ms > 0 &&
          !reader.model->exact_rates_compared;
 }

@@ -37,6 +37,12 @@ void finish_shard(Driver& driver, ClientId client) {
   for (const auto& [transfer, read] : reads) driver.report(client, TransferDone{transfer, read.epoch, nullptr});
 }
 
+HubSettings with_fanout(std::uint32_t fanout_max) {
+  HubSettings settings;
+  settings.fanout_max = fanout_max;
+  return settings;
+}
+
 struct Fleet {
   explicit Fleet(HubSettings settings = {}) : driver(settings) {
     t = driver.open_replica(replica("t", "trainer"));
@@ -142,9 +148,7 @@ TEST(HubRates, AFleetThatIsAlikeIsReorderedOnceThenKeepsItsOrder) {
 // At fan-out 2 readers share the trainer, and none of them is measured exactly: the only exact
 // rate stays the first version's. It is explored in the second version at most, not again.
 TEST(HubRates, AFleetThatIsAlikeIsReorderedOnceAtFanOutTwo) {
-  HubSettings settings;
-  settings.fanout_max = 2;
-  Fleet fleet(settings);
+  Fleet fleet(with_fanout(2));
   Driver& driver = fleet.driver;
   driver.publish(fleet.t, 1);
   for (const char* name : {"r0", "r1", "r2"}) start_update(driver, fleet.rollouts[name]);
@@ -205,9 +209,7 @@ TEST(HubRates, ASlowCopyLateInItsReadKeepsItsSource) {
 }
 
 TEST(HubRates, AFastReaderPassesOverAMuchSlowerCopyForOneThatCanServeIt) {
-  HubSettings settings;
-  settings.fanout_max = 2;
-  Fleet fleet(settings);
+  Fleet fleet(with_fanout(2));
   fleet.first_version(/*slow_shard_ms=*/1000);
   Driver& driver = fleet.driver;
   fleet.publish(2);
@@ -257,9 +259,7 @@ TEST(HubRates, OfTwoReplicasMeasuredExactlyTheFasterGoesAheadByAQuarterOrMore) {
 }
 
 TEST(HubRates, ACopyBehindAMuchSlowerOneIsPassedOverToo) {
-  HubSettings settings;
-  settings.fanout_max = 2;
-  Fleet fleet(settings);
+  Fleet fleet(with_fanout(2));
   Driver& driver = fleet.driver;
   // Version 1: t -> r0 -> r1, r0's shard 1 slow; r2 reads nothing (it is never measured).
   driver.publish(fleet.t, 1);

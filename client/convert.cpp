@@ -94,6 +94,18 @@ void convert_elements(DType from, const std::byte* source, DType to, std::byte* 
     std::memcpy(destination, source, count * dtype_bytes(from));
     return;
   }
+  if (from == DType::kFloat32 && to == DType::kBFloat16) {
+    // The trainer's every step (master weights into the published bf16 buffers, PatchWriter):
+    // a loop of its own, which the compiler vectorises; the general one below decodes dtypes per
+    // element.
+    for (std::uint64_t i = 0; i < count; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, source + i * 4, 4);
+      const std::uint16_t half = float_to_bfloat16(float_of(bits));
+      std::memcpy(destination + i * 2, &half, 2);
+    }
+    return;
+  }
   const std::uint32_t from_bytes = dtype_bytes(from);
   const std::uint32_t to_bytes = dtype_bytes(to);
   for (std::uint64_t i = 0; i < count; ++i) store(to, load(from, source + i * from_bytes), destination + i * to_bytes);

@@ -39,21 +39,42 @@ void PatchWriter::write(DType source_dtype, const std::byte* source, std::uint64
     const std::uint64_t n = std::min(kBatchElements, count - done);
     convert_elements(source_dtype, source + done * source_bytes, dtype_, batch.data(), n);
     std::byte* at = published_.data() + (written_ + done) * element_bytes_;
-    const std::uint64_t bytes = n * element_bytes_;
-    // Most elements keep their bits: compare 8 bytes at a time, look closer only where they differ.
-    for (std::uint64_t word = 0; word < bytes; word += 8) {
-      const std::uint64_t word_bytes = std::min<std::uint64_t>(8, bytes - word);
-      if (std::memcmp(at + word, batch.data() + word, word_bytes) == 0) continue;
-      for (std::uint64_t offset = word; offset < word + word_bytes; offset += element_bytes_) {
-        if (std::memcmp(at + offset, batch.data() + offset, element_bytes_) != 0) {
-          builder_.changed(written_ + done + offset / element_bytes_, batch.data() + offset);
-        }
-      }
+    const std::uint64_t first = written_ + done;
+    switch (element_bytes_) {
+      case 1: record_changes<1>(at, batch.data(), n, first); break;
+      case 2: record_changes<2>(at, batch.data(), n, first); break;
+      case 4: record_changes<4>(at, batch.data(), n, first); break;
+      default: record_changes<8>(at, batch.data(), n, first); break;
     }
-    std::memcpy(at, batch.data(), bytes);
+    std::memcpy(at, batch.data(), n * element_bytes_);
     done += n;
   }
   written_ += count;
+}
+
+template <std::uint32_t kElementBytes>
+void PatchWriter::record_changes(const std::byte* old_bytes, const std::byte* new_bytes, std::uint64_t count,
+                                 std::uint64_t first) {
+  // Most elements keep their bits: compare a word at a time (sizes known here, so no call to
+  // memcmp), and look at its elements only where it differs.
+  constexpr std::uint64_t kPerWord = 8 / kElementBytes;
+  auto element_differs = [&](std::uint64_t i) {
+    return std::memcmp(old_bytes + i * kElementBytes, new_bytes + i * kElementBytes, kElementBytes) != 0;
+  };
+  std::uint64_t i = 0;
+  for (; i + kPerWord <= count; i += kPerWord) {
+    std::uint64_t old_word;
+    std::uint64_t new_word;
+    std::memcpy(&old_word, old_bytes + i * kElementBytes, 8);
+    std::memcpy(&new_word, new_bytes + i * kElementBytes, 8);
+    if (old_word == new_word) continue;
+    for (std::uint64_t j = i; j < i + kPerWord; ++j) {
+      if (element_differs(j)) builder_.changed(first + j, new_bytes + j * kElementBytes);
+    }
+  }
+  for (; i < count; ++i) {
+    if (element_differs(i)) builder_.changed(first + i, new_bytes + i * kElementBytes);
+  }
 }
 
 std::optional<std::vector<std::byte>> PatchWriter::finish() {

@@ -38,6 +38,10 @@ class PatchWriter {
   std::uint64_t elements_changed() const { return builder_.changed_elements(); }
 
  private:
+  template <std::uint32_t kElementBytes>
+  void record_changes(const std::byte* old_bytes, const std::byte* new_bytes, std::uint64_t count,
+                      std::uint64_t first);
+
   DType dtype_;
   std::uint32_t element_bytes_;
   std::span<std::byte> published_;

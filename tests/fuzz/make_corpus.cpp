@@ -9,6 +9,7 @@
 #include <iostream>
 #include <string>
 
+#include "core/patch.h"
 #include "net/heartbeat.h"
 #include "net/wire.h"
 
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* target : {"fuzz_wire", "fuzz_heartbeat", "fuzz_data_request", "fuzz_frames"}) {
+  for (const char* target : {"fuzz_wire", "fuzz_heartbeat", "fuzz_data_request", "fuzz_frames", "fuzz_patch"}) {
     fs::create_directories(root / target);
   }
   using th::net::ToHubMessage;
@@ -134,6 +135,24 @@ int main(int argc, char** argv) {
     answer.setAck(1);
     append(server, effects);
     write(root / "fuzz_frames" / "server", server.data(), server.size());
+  }
+  {
+    // Patches: one sparse over two blocks and a bit of bf16 (positions as gaps), one dense in a
+    // small tensor (a bitmap), and the empty tensor's.
+    struct Seed {
+      const char* name;
+      std::uint64_t elements;
+      std::uint64_t every;
+    };
+    for (const Seed& seed : {Seed{"gaps", (1u << 19) + 100, 50000}, Seed{"bitmap", 1000, 3}}) {
+      th::PatchBuilder builder(2, seed.elements * 2, 0x5eed, ~std::uint64_t{0});
+      const std::byte value[2] = {std::byte{0x3f}, std::byte{0x80}};
+      for (std::uint64_t at = 5; at < seed.elements; at += seed.every) builder.changed(at, value);
+      const auto patch = builder.finish();
+      write(root / "fuzz_patch" / seed.name, patch->data(), patch->size());
+    }
+    const auto empty = th::PatchBuilder(4, 0, 1, 1000).finish();
+    write(root / "fuzz_patch" / "empty", empty->data(), empty->size());
   }
   std::cout << "make_corpus: wrote seeds under " << root << "\n";
   return 0;

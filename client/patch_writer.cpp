@@ -15,6 +15,8 @@ namespace {
 constexpr std::uint64_t kBatchElements = 4096;
 
 std::uint64_t patch_bytes_max(std::uint64_t tensor_bytes, double fraction_max) {
+  // Checked here, before the builder is made with it (a negative or NaN fraction would not convert).
+  TH_REQUIRE(fraction_max >= 0 && fraction_max <= 1, "a fraction of the dense bytes", fraction_max);
   return static_cast<std::uint64_t>(std::floor(static_cast<double>(tensor_bytes) * fraction_max));
 }
 
@@ -25,9 +27,7 @@ PatchWriter::PatchWriter(DType dtype, std::span<std::byte> published, std::uint6
     : dtype_(dtype),
       element_bytes_(dtype_bytes(dtype)),
       published_(published),
-      builder_(element_bytes_, published.size(), base_checksum, patch_bytes_max(published.size(), fraction_max)) {
-  TH_REQUIRE(fraction_max >= 0 && fraction_max <= 1, "a fraction of the dense bytes", fraction_max);
-}
+      builder_(element_bytes_, published.size(), base_checksum, patch_bytes_max(published.size(), fraction_max)) {}
 
 void PatchWriter::write(DType source_dtype, const std::byte* source, std::uint64_t count) {
   const std::uint64_t elements = published_.size() / element_bytes_;

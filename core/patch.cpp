@@ -48,6 +48,12 @@ bool valid_element_bytes(std::uint32_t element_bytes) {
   return element_bytes == 1 || element_bytes == 2 || element_bytes == 4 || element_bytes == 8;
 }
 
+// The caller's element size, checked before anything divides by it.
+std::uint32_t required_element_bytes(std::uint32_t element_bytes) {
+  TH_REQUIRE(valid_element_bytes(element_bytes), "elements of 1, 2, 4 or 8 bytes", element_bytes);
+  return element_bytes;
+}
+
 // Reads a patch front to back, every bound checked. With `tensor` null it only checks; with a
 // tensor it writes the new elements (apply_patch runs it twice: check, then write, so that a bad
 // patch changes nothing).
@@ -236,12 +242,11 @@ Result<std::uint64_t> parse(std::span<const std::byte> patch, std::uint32_t elem
 
 PatchBuilder::PatchBuilder(std::uint32_t element_bytes, std::uint64_t tensor_bytes, std::uint64_t base_checksum,
                            std::uint64_t bytes_max)
-    : element_bytes_(element_bytes),
+    : element_bytes_(required_element_bytes(element_bytes)),
       tensor_bytes_(tensor_bytes),
-      elements_per_block_(kPatchBlockBytes / element_bytes),
+      elements_per_block_(kPatchBlockBytes / element_bytes_),
       blocks_(blocks_of(tensor_bytes)),
       bytes_max_(bytes_max) {
-  TH_REQUIRE(valid_element_bytes(element_bytes), "elements of 1, 2, 4 or 8 bytes", element_bytes);
   TH_REQUIRE(tensor_bytes % element_bytes == 0, "a tensor of whole elements", tensor_bytes, element_bytes);
   out_.insert(out_.end(), reinterpret_cast<const std::byte*>(kMagic),
               reinterpret_cast<const std::byte*>(kMagic) + sizeof kMagic);

@@ -116,6 +116,8 @@ TEST(PatchWriter, MisuseIsACallersBug) {
   EXPECT_THROW(writer.finish(), RequirementFailure);  // none written yet
   EXPECT_THROW(writer.write(DType::kInt8, five_floats.data(), 1), RequirementFailure);
   EXPECT_THROW(PatchWriter(DType::kBFloat16, published, 0, 1.5), RequirementFailure);
+  EXPECT_THROW(PatchWriter(DType::kBFloat16, published, 0, -0.5), RequirementFailure);
+  EXPECT_THROW(PatchWriter(DType::kBFloat16, published, 0, std::nan("")), RequirementFailure);
 }
 
 }  // namespace

@@ -242,6 +242,7 @@ TEST(Patch, ABuilderMisusedIsACallersBug) {
   builder.changed(5, value);
   EXPECT_THROW(builder.changed(5, value), RequirementFailure);   // positions increase
   EXPECT_THROW(builder.changed(50, value), RequirementFailure);  // past the tensor's 50 elements
+  EXPECT_THROW(PatchBuilder(0, 0, kBase, kNoLimit), RequirementFailure);  // not a division by zero
   EXPECT_THROW(PatchBuilder(3, 99, kBase, kNoLimit), RequirementFailure);
   EXPECT_THROW(PatchBuilder(4, 98, kBase, kNoLimit), RequirementFailure);
 }

@@ -145,6 +145,15 @@ RC_GTEST_PROP(Patch, ADamagedPatchIsRefusedWithTheTensorUntouchedOrAppliesAsAnot
   }
 }
 
+// A damaged patch is refused, saying `detail`, and the tensor keeps its old bytes.
+void expect_refused(const Bytes& patch, const Bytes& old_tensor, const std::string& detail) {
+  Bytes tensor = old_tensor;
+  auto applied = apply_patch(patch, 2, tensor, kBase);
+  ASSERT_FALSE(applied.ok());
+  EXPECT_NE(applied.error().detail.find(detail), std::string::npos) << applied.error().detail;
+  EXPECT_EQ(tensor, old_tensor);
+}
+
 TEST(Patch, EveryCutOfAPatchIsRefusedAndChangesNothing) {
   const Bytes old_tensor = random_bytes(3 * kPatchBlockBytes / 2, 7);
   const Bytes new_tensor = changed_copy(old_tensor, 2, 20000, 8);
@@ -256,18 +265,9 @@ TEST(Patch, ASectionThatClaimsMoreThanItHoldsIsRefused) {
   Bytes patch = *patch_of(old_tensor, new_tensor, 2, kBase, kNoLimit);
   const std::uint32_t claimed = 1u << 20;
   std::memcpy(&patch[kPatchHeaderBytes + 1], &claimed, 4);
-  Bytes tensor = old_tensor;
-  auto applied = apply_patch(patch, 2, tensor, kBase);
-  ASSERT_FALSE(applied.ok());
-  EXPECT_NE(applied.error().detail.find("block 0"), std::string::npos) << applied.error().detail;
-  EXPECT_EQ(tensor, old_tensor);
+  expect_refused(patch, old_tensor, "block 0");
 }
 
-}  // namespace
-}  // namespace th
-
-namespace th {
-namespace {
 
 // A position one past its block's last element, in the last block, would write past the tensor.
 TEST(Patch, APositionJustPastTheTensorIsRefused) {
@@ -280,11 +280,7 @@ TEST(Patch, APositionJustPastTheTensorIsRefused) {
   ASSERT_EQ(patch[gap_at + 1], std::byte{0x0f});
   patch[gap_at] = std::byte{0x80};  // 2048: 0x80 0x10
   patch[gap_at + 1] = std::byte{0x10};
-  Bytes tensor = old_tensor;
-  auto applied = apply_patch(patch, 2, tensor, kBase);
-  ASSERT_FALSE(applied.ok());
-  EXPECT_NE(applied.error().detail.find("past the block's 2048 elements"), std::string::npos) << applied.error().detail;
-  EXPECT_EQ(tensor, old_tensor);
+  expect_refused(patch, old_tensor, "past the block's 2048 elements");
 }
 
 // A bitmap's last byte has bits for elements the block does not have: set, they are refused.
@@ -297,11 +293,7 @@ TEST(Patch, ABitmapBitPastTheTensorIsRefused) {
   const std::size_t last_map_byte = kPatchHeaderBytes + kPatchSectionHeaderBytes + 255;
   ASSERT_EQ(patch[last_map_byte], std::byte{0x1f});
   patch[last_map_byte] = std::byte{0x2f};  // element 2044's bit moved to 2045's: as many bits set
-  Bytes tensor = old_tensor;
-  auto applied = apply_patch(patch, 2, tensor, kBase);
-  ASSERT_FALSE(applied.ok());
-  EXPECT_NE(applied.error().detail.find("past the block's last element"), std::string::npos) << applied.error().detail;
-  EXPECT_EQ(tensor, old_tensor);
+  expect_refused(patch, old_tensor, "past the block's last element");
 }
 
 }  // namespace

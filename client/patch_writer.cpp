@@ -5,11 +5,15 @@
 #include <cmath>
 #include <cstring>
 
+#include "client/checksum.h"
 #include "client/convert.h"
 #include "core/assert.h"
 
 namespace th::client_impl {
 namespace {
+
+// A patch's blocks are the checksum's: a reader can apply and verify a block at a time.
+static_assert(kPatchBlockBytes == kChecksumBlockBytes);
 
 // Elements converted at a time into a buffer on the stack, then compared with the published ones.
 constexpr std::uint64_t kBatchElements = 4096;

@@ -248,6 +248,12 @@ PatchBuilder::PatchBuilder(std::uint32_t element_bytes, std::uint64_t tensor_byt
       blocks_(blocks_of(tensor_bytes)),
       bytes_max_(bytes_max) {
   TH_REQUIRE(tensor_bytes % element_bytes == 0, "a tensor of whole elements", tensor_bytes, element_bytes);
+  // The most the patch can take: at most bytes_max, at most every block as a bitmap with all its
+  // elements. Reserved once, so that the patch is never copied while it grows (a vector that
+  // doubles holds both copies at once); the pages it never writes cost no memory.
+  const std::uint64_t worst_bytes = kPatchHeaderBytes + blocks_ * kPatchSectionHeaderBytes + tensor_bytes +
+                                    bitmap_bytes(tensor_bytes / element_bytes_) + blocks_;
+  out_.reserve(static_cast<std::size_t>(std::min(bytes_max_, worst_bytes)));
   out_.insert(out_.end(), reinterpret_cast<const std::byte*>(kMagic),
               reinterpret_cast<const std::byte*>(kMagic) + sizeof kMagic);
   put_u32(out_, element_bytes);
@@ -269,6 +275,7 @@ void PatchBuilder::changed(std::uint64_t position, const std::byte* new_bytes) {
   if (gave_up_) return;
   const std::uint64_t block = position / elements_per_block_;
   close_blocks_before(block);
+  if (gave_up_) return;
   block_positions_.push_back(static_cast<std::uint32_t>(position % elements_per_block_));
   block_values_.insert(block_values_.end(), new_bytes, new_bytes + element_bytes_);
   // The values alone of the open block already pass the limit: no encoding of it fits.
@@ -296,6 +303,13 @@ void PatchBuilder::close_block() {
     const std::uint64_t map_bytes = bitmap_bytes(elements);
     const bool gaps = gaps_bytes <= map_bytes;
     const std::uint64_t payload_bytes = (gaps ? gaps_bytes : map_bytes) + block_values_.size();
+    // Given up before the section is appended: out_ never grows past bytes_max (nor past what
+    // the constructor reserved, so it is never copied).
+    if (out_.size() + kPatchSectionHeaderBytes + payload_bytes + (blocks_ - block_ - 1) * kPatchSectionHeaderBytes >
+        bytes_max_) {
+      give_up();
+      return;
+    }
     out_.push_back(static_cast<std::byte>(gaps ? PatchBlockKind::kGaps : PatchBlockKind::kBitmap));
     put_u32(out_, changed);
     put_u32(out_, static_cast<std::uint32_t>(payload_bytes));

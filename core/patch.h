@@ -47,9 +47,10 @@ struct PatchHeader {
 };
 
 // Builds a patch from the changes of one tensor, element by element in increasing position (as a
-// writer meets them). Keeps only the patch: at most `bytes_max` of it, and a block's positions
-// (4 bytes each) while that block is open. Past bytes_max it gives up (a dense read is cheaper):
-// gave_up() and finish() return nothing.
+// writer meets them). Keeps the patch, at most `bytes_max` of it (reserved once: it is never
+// copied while it grows), and while a block is open its positions (4 bytes each) and new values:
+// at most 5 MiB besides, whatever the tensor. Past bytes_max it gives up (a dense read is
+// cheaper) and frees what it built: gave_up() and finish() return nothing.
 class PatchBuilder {
  public:
   PatchBuilder(std::uint32_t element_bytes, std::uint64_t tensor_bytes, std::uint64_t base_checksum,
@@ -92,7 +93,8 @@ Result<PatchHeader> read_patch_header(std::span<const std::byte> patch);
 // is written: a malformed or hostile patch (a position past its block, a payload that says one
 // length and holds another, trailing bytes, a base or size that is not the tensor's) is an error
 // naming what is wrong, and leaves the tensor as it was. A well-formed patch with wrong values is
-// the caller's checksum's to catch. Returns the elements changed.
+// the caller's checksum's to catch. Returns the elements changed. The patch must not overlap the
+// tensor, and must not change during the call (it is read twice: checked, then applied).
 Result<std::uint64_t> apply_patch(std::span<const std::byte> patch, std::uint32_t element_bytes,
                                   std::span<std::byte> tensor, std::uint64_t base_checksum);
 

@@ -89,15 +89,39 @@ TEST(PatchWriter, WritingInPiecesMakesTheSamePatchAsInOne) {
 
 TEST(PatchWriter, BitsNotValuesSayWhatChanged) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> old_values = {0.0f, nan, 1.0f, -0.0f};
-  std::vector<float> new_values = {-0.0f, nan, 1.0f, -0.0f};  // -0 == +0 as floats, not as bits
+  // 4,096 float32 elements, three of them odd: +0 becomes -0 (equal as floats, not as bits), a
+  // NaN stays the same NaN (unequal as floats, equal as bits), a NaN becomes another NaN.
+  std::vector<float> old_values(4096, 1.0f);
+  old_values[10] = 0.0f;
+  old_values[20] = nan;
+  old_values[30] = nan;
+  std::vector<float> new_values = old_values;
+  new_values[10] = -0.0f;
+  new_values[30] = -nan;
   Bytes published = bytes_of(old_values);
+  const Bytes old_bytes = published;
   PatchWriter writer(DType::kFloat32, published, 0);
-  writer.write(DType::kFloat32, bytes_of(new_values).data(), 4);
-  EXPECT_EQ(writer.elements_changed(), 1u);
+  writer.write(DType::kFloat32, bytes_of(new_values).data(), new_values.size());
+  EXPECT_EQ(writer.elements_changed(), 2u);  // 10 and 30
   EXPECT_EQ(published, bytes_of(new_values));
-  // 16 bytes: a patch's header alone (40) is longer, so none is made; the tensor goes dense.
+  auto patch = writer.finish();
+  ASSERT_TRUE(patch.has_value());
+  Bytes tensor = old_bytes;
+  auto applied = apply_patch(*patch, 4, tensor, 0);
+  ASSERT_TRUE(applied.ok()) << applied.error().detail;
+  EXPECT_EQ(applied.value(), 2u);
+  EXPECT_EQ(tensor, published);
+}
+
+// 16 bytes: a patch's header alone (40) is longer, so none is made; the tensor goes dense.
+TEST(PatchWriter, ATinyTensorHasNoPatch) {
+  Bytes published(16);
+  PatchWriter writer(DType::kFloat32, published, 0);
+  const std::vector<float> ones(4, 1.0f);
+  writer.write(DType::kFloat32, bytes_of(ones).data(), 4);
+  EXPECT_EQ(writer.elements_changed(), 4u);
   EXPECT_FALSE(writer.finish().has_value());
+  EXPECT_EQ(published, bytes_of(ones));
 }
 
 TEST(PatchWriter, APatchPastItsLimitIsNotMadeButTheBufferHoldsTheNewVersion) {

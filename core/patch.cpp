@@ -254,6 +254,9 @@ PatchBuilder::PatchBuilder(std::uint32_t element_bytes, std::uint64_t tensor_byt
   const std::uint64_t worst_bytes = kPatchHeaderBytes + blocks_ * kPatchSectionHeaderBytes + tensor_bytes +
                                     bitmap_bytes(tensor_bytes / element_bytes_) + blocks_;
   out_.reserve(static_cast<std::size_t>(std::min(bytes_max_, worst_bytes)));
+  // And the open block's positions and values, once (at most 4 MiB and 1 MiB: a block's elements).
+  block_positions_.reserve(static_cast<std::size_t>(std::min(elements_per_block_, tensor_bytes / element_bytes_)));
+  block_values_.reserve(static_cast<std::size_t>(std::min(kPatchBlockBytes, tensor_bytes)));
   out_.insert(out_.end(), reinterpret_cast<const std::byte*>(kMagic),
               reinterpret_cast<const std::byte*>(kMagic) + sizeof kMagic);
   put_u32(out_, element_bytes);

@@ -79,6 +79,12 @@ struct HubStats {
   // slow readers that gave their source to a faster one and read behind it.
   std::uint64_t slow_sources_passed = 0;
   std::uint64_t transfers_displaced = 0;
+  // Delta versions (hub_patches.cpp): copies published with a patch, reads placed as patch reads,
+  // patch reads that failed (the transfer went on with the bytes), readers that kept the patch.
+  std::uint64_t patches_published = 0;
+  std::uint64_t patch_reads_started = 0;
+  std::uint64_t patch_reads_failed = 0;
+  std::uint64_t patches_kept = 0;
 };
 
 // Who a client is (th-server's transfer timeline and metrics).
@@ -274,6 +280,24 @@ class Hub {
   // An offload copy draining to be released that is again the last safe copy of a retained
   // version (the copy that made it redundant went first).
   bool offload_needed_again(const Copy& offload) const;
+
+  // Delta versions (hub_patches.cpp).
+  struct PatchSource {
+    Copy* copy = nullptr;  // a holder of the reader's patch with a free slot
+    bool wait = false;     // none is free, but one in the reader's datacenter will be
+  };
+  Status check_patch(const Replica& replica, Version version, std::uint32_t shard, const LayoutRef& layout,
+                     const PatchRef& patch) const;
+  // A publish completes: its shards' patches become the copy's if every shard announced one.
+  void commit_patches(Copy& copy);
+  // The version an update's reader may read a patch against: the one its buffers hold whole.
+  std::optional<Version> patch_base(const Replica& replica, const Txn& txn) const;
+  bool holds_patch(const Copy& candidate, const Transfer& transfer) const;
+  bool reading_patch(const Copy& candidate, const Transfer& transfer) const;
+  PatchSource patch_source(const Transfer& transfer, const std::function<bool(const Copy*)>& usable) const;
+  void on_patch_read_failed(Transfer& transfer, ReadFailure reason);
+  // A transfer completes: a reader whose every shard applied a patch keeps it, to serve onwards.
+  void keep_patch(Copy& reader, const Transfer& transfer);
 
   // Layouts (hub_layouts.cpp).
   // Why shard `shard`'s tensors cannot be of `replica`'s layout, known before its peers described

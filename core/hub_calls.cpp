@@ -306,6 +306,7 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
     }
     replica.primary->pending_layouts.resize(replica.num_shards);
     replica.primary->pending_checksums.resize(replica.num_shards);
+    replica.primary->pending_patches.resize(replica.num_shards);
     txn.stage = TxnStage::kPublishing;
   }
   TH_ASSERT(txn.stage == TxnStage::kPublishing, "publish in stage", static_cast<int>(txn.stage));
@@ -318,8 +319,13 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
     abort_txn(replica, txn, checked.error());
     return;
   }
+  if (Status checked = check_patch(replica, version, shard, request.layout, request.patch); !checked) {
+    abort_txn(replica, txn, checked.error());
+    return;
+  }
   copy.pending_layouts[shard] = request.layout;
   copy.pending_checksums[shard] = request.checksums;
+  if (copy.pending_patches.size() == replica.num_shards) copy.pending_patches[shard] = request.patch;
   copy.ready.set(shard);
   if (copy.ready.count() < replica.num_shards) return;
 
@@ -356,6 +362,7 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
   }
   copy.pending_layouts.clear();
   copy.pending_checksums.clear();
+  commit_patches(copy);
   set_state(copy, CopyState::kComplete);
   on_copy_complete(copy);
   finish(replica, txn, txn.seeded_outcome.value_or(PublishOk{version}));

@@ -134,6 +134,10 @@ struct Copy {
   // While kPublishing: what each shard published, committed to the model/version on completion.
   std::vector<LayoutRef> pending_layouts;
   std::vector<ChecksumsRef> pending_checksums;
+  std::vector<PatchRef> pending_patches;
+  // Per shard, the patch of the version against an earlier one that this copy serves (it published
+  // or applied it; README "Delta versions"); empty: none. Only a complete primary copy has one.
+  std::vector<PatchRef> patch;
   Contribution counted;            // what this copy currently adds to record/model counters
   std::size_t index_in_record = 0;  // position in record->copies, for O(1) removal
 };
@@ -199,6 +203,15 @@ struct Transfer {
   double slowest_bytes_per_ms = 0;
   // Times a faster reader took this transfer's source from it (at most limits::kDisplacementsPerTransferMax).
   std::uint32_t displacements = 0;
+  // Delta versions (hub_patches.cpp): the version the reader's buffers hold whole and healthy,
+  // whose patch it may read instead of the bytes; none once a read of the bytes began or a patch
+  // read failed. `patch`: this epoch reads the source's patch (epochs 1..patch_epochs did), and
+  // `patched` the shards that completed under one.
+  std::optional<Version> patch_base;
+  bool patch = false;
+  std::uint32_t patch_epochs = 0;
+  ShardSet patched;
+  std::vector<PatchRef> patch_read;  // the last patch source's patches, which the reader keeps
 };
 
 // How fast a replica receives, as the hub measured its reads (hub_rates.cpp, issue 34): the rate

@@ -106,6 +106,7 @@ void Hub::begin_receive(Replica& replica, Txn& txn, Version version) {
   transfer->id = next_transfer_id_++;
   transfer->reader = copy;
   transfer->txn_seq = txn.seq;
+  transfer->patch_base = patch_base(replica, txn);
   copy->incoming = transfer.get();
   model.transfers.emplace(transfer->id, std::move(transfer));
   TH_ASSERT(replica.primary == copy && copy->incoming != nullptr);
@@ -317,6 +318,13 @@ Hub::SourceChoice Hub::select_source(const Transfer& transfer) const {
       }
     }
   }
+  // A reader that holds the version before whole reads the patch from a copy that has it, if one
+  // here has (or will soon have) a free slot (hub_patches.cpp).
+  if (transfer.patch_base) {
+    const PatchSource patch = patch_source(transfer, usable);
+    if (patch.copy != nullptr) return {Pick::kFound, patch.copy};
+    if (patch.wait) return {Pick::kWait, nullptr};
+  }
   // With smart skipping, nobody pipelines behind a seeder still crossing datacenters: the readers
   // here wait until it is complete and then pipeline at local speed (paper §4.3.4). Nor does a
   // reader in a third datacenter read from a copy still crossing into another one (a chain across
@@ -506,6 +514,15 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   transfer.assigned_ms = now_ms_;
   transfer.sole_reader_of_complete = source.state == CopyState::kComplete && source.readers == 0;
   transfer.slowest_bytes_per_ms = 0;
+  // A patch where the source has the reader's; else the bytes, which leave the buffers no base.
+  transfer.patch = !transfer.reshard && reader.kind == CopyKind::kPrimary && holds_patch(source, transfer);
+  if (transfer.patch) {
+    transfer.patch_epochs = transfer.epoch;
+    transfer.patch_read = source.patch;
+    ++stats_.patch_reads_started;
+  } else {
+    transfer.patch_base.reset();
+  }
   count_reader(source, transfer, +1);
   transfer.source_readers_joined = source.readers_joined;
   set_state(reader, CopyState::kActive);
@@ -565,7 +582,7 @@ void Hub::emit_grant(const Transfer& transfer, std::uint32_t shard) {
   for (std::uint32_t serving = first; serving < end; ++serving) {
     emit_to(source.owner->shards[serving],
             ServeRead{transfer.id, transfer.epoch, transfer.reader->record->version, source.kind, serving,
-                      transfer.reader->owner->name, grant_secret(transfer)});
+                      transfer.reader->owner->name, grant_secret(transfer), transfer.patch});
   }
   emit_start_read(transfer, shard);
 }
@@ -584,6 +601,12 @@ void Hub::emit_start_read(const Transfer& transfer, std::uint32_t shard) {
                             source.owner->shards[source_shard].endpoint, source.kind,
                             source.state != CopyState::kComplete},
                   checksums, 0, nullptr, grant_secret(transfer), {}};
+  if (transfer.patch) {
+    // As the source announced it when the read was placed (it may have dropped it since: then this
+    // read fails, and the next reads the bytes).
+    TH_ASSERT(transfer.patch_read.size() == source.owner->num_shards, "a patch read has every shard's patch");
+    start.patch = transfer.patch_read[shard];
+  }
   if (transfer.reshard) {
     const detail::ModelLayout& held = *source.owner->layout;
     for (std::uint32_t serving = 0; serving < source.owner->num_shards; ++serving) {
@@ -616,6 +639,7 @@ void Hub::detach_source(Transfer& transfer) {
   }
   transfer.started.reset();
   transfer.reshard = false;
+  transfer.patch = false;
   transfer.source = nullptr;
   count_reader(*source, transfer, -1);
   if (source->state == CopyState::kDraining && source->readers == 0) {
@@ -662,6 +686,7 @@ void Hub::complete_transfer(Transfer& transfer) {
   const std::string source_name = transfer.last_source;
   const std::uint64_t seq = transfer.txn_seq;
   record_receive_rate(transfer);
+  keep_patch(reader, transfer);
   detach_source(transfer);
   reader.incoming = nullptr;
   model.transfers.erase(transfer.id);
@@ -807,6 +832,7 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
     }
     transfer.started.reset(shard);
   }
+  if (done.epoch <= transfer.patch_epochs) transfer.patched.set(shard);
   reader.ready.set(shard);
   if (reader.ready.count() == replica.num_shards) complete_transfer(transfer);
 }
@@ -825,7 +851,9 @@ void Hub::on_transfer_failed(Replica& replica, std::uint32_t shard, const Transf
   }
   if (failed.epoch != transfer.epoch) return;
   ++stats_.source_failures;
-  if (failed.reason == ReadFailure::kChecksumMismatch && transfer.reshard) {
+  if (transfer.patch) {
+    on_patch_read_failed(transfer, failed.reason);
+  } else if (failed.reason == ReadFailure::kChecksumMismatch && transfer.reshard) {
     on_reshard_mismatch(*transfer.source);
   } else if (failed.reason == ReadFailure::kChecksumMismatch) {
     on_mismatch(*transfer.source, shard);

@@ -251,6 +251,19 @@ void Hub::check_invariants() const {
       TH_ASSERT(readers - across <= settings_.fanout_max, "fan-out limit exceeded within a datacenter");
       TH_ASSERT(across <= settings_.fanout_max, "fan-out limit exceeded across datacenters");
       TH_ASSERT(copy.counted == contribution(copy), "stale contribution of copy", id);
+      // Delta versions (hub_patches.cpp): a patch is every shard's, against one earlier version, and
+      // held by a primary that published or applied it, until it leaves.
+      if (!copy.patch.empty()) {
+        TH_ASSERT(copy.kind == CopyKind::kPrimary && copy.patch.size() == copy.owner->num_shards,
+                  "copy", id, "has a patch of every shard");
+        TH_ASSERT(copy.state == CopyState::kComplete || copy.state == CopyState::kDraining ||
+                      copy.state == CopyState::kActive, "copy", id, "has a patch in state", copy_state_name(copy.state));
+        TH_ASSERT(copy.state != CopyState::kActive || copy.incoming == nullptr, "a reader keeps a patch once complete");
+        for (const PatchRef& patch : copy.patch) {
+          TH_ASSERT(patch != nullptr && patch->base == copy.patch.front()->base && patch->base < copy.record->version,
+                    "copy", id, "has a patch of its version against one earlier version");
+        }
+      }
       if (copy.awaiting_offload != 0) {
         TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
         auto offload = model.copies.find(copy.awaiting_offload);
@@ -296,6 +309,20 @@ void Hub::check_invariants() const {
       TH_ASSERT(transfer.slowest_bytes_per_ms >= 0 && transfer.first_assigned_ms <= transfer.assigned_ms &&
                     transfer.assigned_ms <= now_ms_ && (transfer.epoch > 0 || transfer.slowest_bytes_per_ms == 0),
                 "transfer", id, "measures its read from when its source was given");
+      // A patch read: from a complete holder of the patch against the version the reader's buffers
+      // hold, of the reader's layout; the epochs that read one come first.
+      TH_ASSERT(!transfer.patch_base || *transfer.patch_base < reader.record->version, "transfer", id,
+                "patches against an earlier version");
+      TH_ASSERT(transfer.patch_epochs <= transfer.epoch && (!transfer.patch || transfer.patch_epochs == transfer.epoch),
+                "transfer", id, "reads patches in its first epochs only");
+      TH_ASSERT((transfer.patched & ~reader.ready).none(), "transfer", id, "patched shards are done");
+      if (transfer.patch) {
+        TH_ASSERT(transfer.source != nullptr && transfer.patch_base && reader.kind == CopyKind::kPrimary &&
+                      !transfer.reshard && transfer.source->owner->layout == reader.owner->layout,
+                  "transfer", id, "reads a patch of its own layout into a primary");
+        TH_ASSERT(transfer.source->patch.empty() || transfer.source->patch.front()->base == *transfer.patch_base,
+                  "transfer", id, "reads a patch against the base its reader holds");
+      }
       if (transfer.source != nullptr) {
         const Copy& source = *transfer.source;
         TH_ASSERT(model.copies.contains(source.id) && source.record == reader.record);

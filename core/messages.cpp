@@ -8,6 +8,7 @@ std::string_view read_failure_name(ReadFailure failure) {
     case ReadFailure::kSourceUnreachable: return "source-unreachable";
     case ReadFailure::kChecksumMismatch: return "checksum-mismatch";
     case ReadFailure::kSourceRefused: return "source-refused";
+    case ReadFailure::kPatchBaseMismatch: return "patch-base-mismatch";
   }
   return "unknown-failure";
 }

@@ -121,6 +121,11 @@ struct PublishRequest {
   Version version = 0;
   LayoutRef layout;
   ChecksumsRef checksums;
+  // The shard's patch of `version` against the version this replica published before (its tensors
+  // written through a patch writer, client/patch_writer.h); null: none. The publisher keeps the
+  // patch's bytes to serve them. A reader that holds the base reads the patch instead of the
+  // version's bytes, and then serves it too (README "Delta versions").
+  PatchRef patch = nullptr;
 };
 struct UnpublishRequest {};
 struct ReplicateRequest {
@@ -156,7 +161,9 @@ struct Request {
 
 // ---- Reports: data-plane facts, idempotent, not part of transactions ---------------------------------
 
-enum class ReadFailure : std::uint8_t { kSourceUnreachable, kChecksumMismatch, kSourceRefused };
+// kPatchBaseMismatch: told to read a patch, the shard found its buffers were not the patch's base
+// (written since they held it); it wrote nothing. The read goes on without a patch.
+enum class ReadFailure : std::uint8_t { kSourceUnreachable, kChecksumMismatch, kSourceRefused, kPatchBaseMismatch };
 std::string_view read_failure_name(ReadFailure failure);  // "source-unreachable", ...
 
 struct Heartbeat {};
@@ -257,6 +264,13 @@ struct StartRead {
   // assembled (TransferDone::checksums); `checksums` is then its own layout's where they are
   // known (to compare), null where not. Empty: a read of shard `shard` of the reader's layout.
   std::vector<SourceShard> reshard = {};
+  // Read the source's patch of `version` against `patch->base`, which the shard's buffers hold,
+  // rather than its bytes: per tensor its patch (or the whole tensor where it has none), checked
+  // whole before any byte is written (core/patch.h), applied in place and verified against
+  // `checksums`. Tensors the shard already verified as `version` are skipped. A shard whose buffers
+  // are not the base reports kPatchBaseMismatch; any failure of a patch read is followed by a read
+  // of the bytes. Null: read the bytes.
+  PatchRef patch = nullptr;
 };
 // To a source shard: a grant; serve reads of (version, kind) to this transfer and epoch only.
 struct ServeRead {
@@ -269,6 +283,8 @@ struct ServeRead {
   // The grant's capability: the source serves a read only if it presents this secret, which the
   // hub tells this source and this transfer's reader alone (unguessable: 128 bits of a keyed PRF).
   GrantSecret secret{};
+  // Serve the shard's patch of `version` (the one it published or applied), not only its bytes.
+  bool patch = false;
 };
 // To a source shard: the grant is withdrawn (finished, reassigned or cancelled).
 struct StopServing {

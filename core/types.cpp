@@ -420,4 +420,13 @@ Status validate(const HubSettings& settings) {
   return Unit{};
 }
 
+std::uint64_t PatchInfo::read_bytes(const ShardLayout& layout) const {
+  TH_REQUIRE(tensor_bytes.size() == layout.tensors().size(), "a patch has one size per tensor");
+  std::uint64_t bytes = 0;
+  for (std::size_t tensor = 0; tensor < tensor_bytes.size(); ++tensor) {
+    bytes += tensor_bytes[tensor] != 0 ? tensor_bytes[tensor] : layout.tensors()[tensor].bytes;
+  }
+  return bytes;
+}
+
 }  // namespace th

@@ -116,6 +116,19 @@ using LayoutRef = std::shared_ptr<const ShardLayout>;
 using Checksums = std::vector<std::uint64_t>;
 using ChecksumsRef = std::shared_ptr<const Checksums>;
 
+// A shard's patch of a version against an earlier one (core/patch.h): what a reader whose buffers
+// hold `base` reads instead of the version's bytes. Per tensor of the shard, in layout order, the
+// bytes of its patch; 0: the tensor has none (too much of it changed) and is read whole.
+struct PatchInfo {
+  Version base = 0;
+  std::vector<std::uint64_t> tensor_bytes;
+
+  // The bytes a patch read moves: the patches, and the whole tensors that have none.
+  std::uint64_t read_bytes(const ShardLayout& layout) const;
+  friend bool operator==(const PatchInfo&, const PatchInfo&) = default;
+};
+using PatchRef = std::shared_ptr<const PatchInfo>;
+
 // ---- Hub settings -----------------------------------------------------------------------------------
 
 struct HubSettings {

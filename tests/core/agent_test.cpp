@@ -80,7 +80,12 @@ class AgentTest : public ::testing::Test {
   }
   // A message from the hub in the agent's current session, from its current server.
   AgentEffects hub(Message message) {
-    return step(FromHub{agent_.server(), Effect{kClient, std::move(message), agent_.session()}});
+    FromHub from;  // built field by field: GCC 12 misreads the aggregate's variant as uninitialized
+    from.server = agent_.server();
+    from.effect.client = kClient;
+    from.effect.message = std::move(message);
+    from.effect.session = agent_.session();
+    return step(std::move(from));
   }
   AgentEffects reply(std::uint64_t seq, const Outcome& outcome) {
     Reply answer;  // built field by field: GCC 12 misreads the aggregate's variant as uninitialized

@@ -69,7 +69,8 @@ std::string describe_effect(const Effect& effect) {
           out << "start-read t" << message.transfer << "/" << message.epoch << " v"
               << message.version << " from " << message.source.replica
               << (message.source.kind == CopyKind::kOffload ? " (offload)" : "")
-              << (message.source.partial ? " (partial)" : "");
+              << (message.source.partial ? " (partial)" : "")
+              << (message.patch ? " (patch against v" + std::to_string(message.patch->base) + ")" : "");
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           out << "serve t" << message.transfer << "/" << message.epoch << " v" << message.version
               << " to " << message.reader_replica;

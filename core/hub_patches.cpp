@@ -1,0 +1,155 @@
+// Delta versions (README "Delta versions", issue 35): a publisher announces, with a version, its
+// patch against the version it published before; a reader whose buffers hold that base whole and
+// healthy reads the patch (a few percent of the bytes at RL learning rates) instead of the bytes,
+// from a copy that has it, and then has it too and serves it onwards. Apart from the source graph
+// (hub_transfers.cpp) because it is one rule laid over it: which of the usable sources to prefer,
+// and what a failed patch read means. Correctness never rests on the patch: the reader verifies
+// the version's checksums after applying it, and any failure of a patch read is followed by a
+// read of the bytes.
+#include "core/hub.h"
+
+#include <string>
+#include <utility>
+
+#include "core/hub_internal.h"
+
+namespace th {
+
+using detail::Copy;
+using detail::CopyState;
+using detail::DcId;
+
+Status Hub::check_patch(const Replica& replica, Version version, std::uint32_t shard, const LayoutRef& layout,
+                        const PatchRef& patch) const {
+  if (patch == nullptr) return Unit{};
+  const std::string at = detail::describe(replica) + " shard " + std::to_string(shard) + ": ";
+  if (patch->base >= version) {
+    return make_error(Errc::kInvalidArgument, at + "a patch of version " + std::to_string(version) +
+                                                  " is against an earlier version, not " + std::to_string(patch->base));
+  }
+  const std::vector<TensorSpec>& tensors = layout->tensors();
+  if (patch->tensor_bytes.size() != tensors.size()) {
+    return make_error(Errc::kInvalidArgument, at + "the patch has " + std::to_string(patch->tensor_bytes.size()) +
+                                                  " sizes for " + std::to_string(tensors.size()) + " tensors");
+  }
+  for (std::size_t tensor = 0; tensor < tensors.size(); ++tensor) {
+    // A patch as large as the tensor saves nothing: the publisher leaves it out (size 0).
+    if (patch->tensor_bytes[tensor] >= tensors[tensor].bytes && patch->tensor_bytes[tensor] != 0) {
+      return make_error(Errc::kInvalidArgument,
+                        at + "the patch of tensor '" + tensors[tensor].name + "' is " +
+                            std::to_string(patch->tensor_bytes[tensor]) + " bytes, not fewer than the tensor's " +
+                            std::to_string(tensors[tensor].bytes));
+    }
+  }
+  return Unit{};
+}
+
+void Hub::commit_patches(Copy& copy) {
+  TH_ASSERT(copy.state == CopyState::kPublishing && copy.patch.empty());
+  const std::uint32_t shards = copy.owner->num_shards;
+  // All or nothing: a reader reads every shard's patch or none (a shard announced before a failover
+  // is not known to have one; the next server learns no patches).
+  bool whole = copy.pending_patches.size() == shards;
+  for (std::uint32_t shard = 0; whole && shard < shards; ++shard) {
+    whole = copy.pending_patches[shard] != nullptr && copy.pending_patches[shard]->base == copy.pending_patches[0]->base;
+  }
+  if (whole) {
+    copy.patch = std::move(copy.pending_patches);
+    ++stats_.patches_published;
+  }
+  copy.pending_patches.clear();
+}
+
+std::optional<Version> Hub::patch_base(const Replica& replica, const Txn& txn) const {
+  // The replica's buffers hold `previous` whole (its copy was complete when the update began) and,
+  // as far as readers found, as published. A copy that readers reported may hold other bytes: the
+  // patch's base checksum would refuse them, at a round trip's cost.
+  if (!txn.previous || txn.seeded) return std::nullopt;
+  const detail::CopyHealth& health = txn.previous_health;
+  if (health.failed || health.corrupt || health.mismatched.any()) return std::nullopt;
+  if (replica.layout == nullptr) return std::nullopt;
+  return txn.previous;
+}
+
+bool Hub::holds_patch(const Copy& candidate, const Transfer& transfer) const {
+  const Copy& reader = *transfer.reader;
+  return transfer.patch_base && !candidate.patch.empty() && candidate.patch.front()->base == *transfer.patch_base &&
+         candidate.state == CopyState::kComplete && !candidate.failed && !candidate.corrupt &&
+         candidate.owner->layout == reader.owner->layout && &candidate != &reader;
+}
+
+// Whether `candidate` reads the reader's patch now, and so will hold it.
+bool Hub::reading_patch(const Copy& candidate, const Transfer& transfer) const {
+  const Transfer* incoming = candidate.incoming;
+  return &candidate != transfer.reader && incoming != nullptr && incoming->patch &&
+         incoming->patch_base == transfer.patch_base && candidate.kind == CopyKind::kPrimary &&
+         candidate.owner->layout == transfer.reader->owner->layout;
+}
+
+// Among the copies `usable` allows: a holder of the reader's patch with a free slot, in the
+// reader's datacenter first; else, while one here is only busy (or still reading the patch), wait for it: a patch is at most
+// kPatchFractionMax of the bytes (client/patch_writer.h) and each reader that applies it serves it
+// too, so holders double while a read of the bytes would still be under way. Across datacenters
+// only into a datacenter with no other copy, from a holder with a slot. None: choose as for the
+// bytes.
+Hub::PatchSource Hub::patch_source(const Transfer& transfer, const std::function<bool(const Copy*)>& usable) const {
+  const Copy& reader = *transfer.reader;
+  const detail::VersionRecord& record = *reader.record;
+  const DcId dc = reader.owner->dc;
+  Copy* best = nullptr;
+  bool busy_here = false;
+  bool any_here = false;
+  auto better = [](const Copy* a, const Copy* b) { return b == nullptr || std::pair{a->readers, a->id} < std::pair{b->readers, b->id}; };
+  for (Copy* copy : record.copies) {
+    if (copy->owner->dc != dc) continue;
+    if (copy != &reader && (copy->counted.servable || copy->state == CopyState::kComplete)) any_here = true;
+    if (reading_patch(*copy, transfer)) busy_here = true;  // a holder once its own read is done
+    if (!holds_patch(*copy, transfer) || !usable(copy)) continue;
+    if (!has_slot(*copy, false)) {
+      busy_here = true;
+      continue;
+    }
+    if (better(copy, best)) best = copy;
+  }
+  if (best != nullptr) return {best, false};
+  if (busy_here) return {nullptr, true};
+  // Across datacenters only into one that has no copy but the reader's (no second seeder, no
+  // complete copy passed over: DESIGN.md §5.5), and not for a chain root (its detour rules).
+  if (any_here || reader.readers > 0) return {};
+  for (Copy* copy : record.copies) {
+    if (copy->owner->dc == dc || !holds_patch(*copy, transfer) || !usable(copy) || !has_slot(*copy, true)) continue;
+    if (better(copy, best)) best = copy;
+  }
+  return {best, false};
+}
+
+void Hub::on_patch_read_failed(Transfer& transfer, ReadFailure reason) {
+  TH_ASSERT(transfer.patch && transfer.source != nullptr);
+  Copy& source = *transfer.source;
+  ++stats_.patch_reads_failed;
+  switch (reason) {
+    case ReadFailure::kPatchBaseMismatch:
+      break;  // the reader's buffers changed since they held the base: the source is not at fault
+    case ReadFailure::kChecksumMismatch:
+    case ReadFailure::kSourceRefused:
+      // The patch did not make the version (made against other bytes than the base, damaged on its
+      // way), or the source no longer has it: it serves the bytes only. Its bytes are not in doubt.
+      source.patch.clear();
+      break;
+    case ReadFailure::kSourceUnreachable:
+      set_failed(source);
+      break;
+  }
+  // Whatever went wrong, the rest of this transfer reads the bytes: the buffers may be partly patched.
+  transfer.patch_base.reset();
+}
+
+void Hub::keep_patch(Copy& reader, const Transfer& transfer) {
+  TH_ASSERT(reader.patch.empty());
+  if (reader.kind != CopyKind::kPrimary || transfer.patch_read.empty()) return;
+  if (transfer.patched.count() != reader.owner->num_shards) return;  // some shard read the bytes
+  reader.patch = transfer.patch_read;
+  ++stats_.patches_kept;
+}
+
+}  // namespace th

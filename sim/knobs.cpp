@@ -189,6 +189,12 @@ Knobs draw_knobs(Rng& rng, const Workload* workload) {
   // Drawn last (see above): models that end, and runs that restart from version 1 in their name.
   if (rng.chance(0.5)) knobs.model_grace_ms = rng.range(1, 5) * 1000;
   knobs.run_restart = rng.chance(0.25);
+  // Drawn last (see above): versions of which a few percent of the bytes change, published with
+  // patches. 34 %: many tensors' patches pass the publisher's 40 % and are left out.
+  if (rng.chance(0.35)) {
+    constexpr std::uint32_t kPercents[] = {3, 10, 34};
+    knobs.patch_percent = kPercents[rng.below(3)];
+  }
   return knobs;
 }
 
@@ -209,7 +215,7 @@ std::string fault_keys() {
          "corrupt (share of reads with a bit flipped in flight), tamper (per s: a source's published buffers "
          "change under its readers), throttle (share of rollout hosts whose downloads crawl at 2 KB/s), "
          "run-restart (0/1: once, every replica of a model stops until the model ended, and its run starts "
-         "again from version 1); and the hub options offload-seeding (0/1), drain-grace (ms) and model-grace (ms)";
+         "again from version 1), patch (percent of bytes that change per version, published with patches; 0: all); and the hub options offload-seeding (0/1), drain-grace (ms) and model-grace (ms)";
 }
 
 Status apply_overrides(Knobs& knobs, std::string_view overrides) {
@@ -269,6 +275,8 @@ Status apply_overrides(Knobs& knobs, std::string_view overrides) {
       knobs.drain_grace_ms = static_cast<TimeMs>(number);
     } else if (key == "model-grace" && number <= static_cast<double>(limits::kDeadlineMsMax)) {
       knobs.model_grace_ms = static_cast<TimeMs>(number);
+    } else if (key == "patch" && number <= 100) {
+      knobs.patch_percent = static_cast<std::uint32_t>(number);
     } else if (key == "run-restart") {
       knobs.run_restart = number != 0;
     } else if (key == "offload-seeding") {
@@ -325,7 +333,7 @@ std::string describe(const Knobs& knobs) {
       << " tamper=" << knobs.tamper_per_s << "/s skew=" << knobs.clock_skew_ppm
       << "ppm shard=" << (knobs.shard_bytes >> 20) << "MiB throttle=" << knobs.throttle_fraction
       << " drain-grace=" << knobs.drain_grace_ms << "ms model-grace=" << knobs.model_grace_ms
-      << "ms run-restart=" << knobs.run_restart;
+      << "ms run-restart=" << knobs.run_restart << " patch=" << knobs.patch_percent << "%";
   if (knobs.trainer_placement) {
     out << " layouts=" << describe(*knobs.trainer_placement) << ":";
     for (std::size_t r = 0; r < knobs.rollout_placements.size(); ++r) {

@@ -119,6 +119,11 @@ struct Knobs {
   // The application: the share of a rollout's replicate, update and wait calls that one of its
   // shards cancels (UserCancel) a while after making it.
   double cancel = 0;
+  // Delta versions: the percentage of a shard's bytes that change from one version to the next
+  // (the content's change period, sim/layouts.h); 0: every byte changes. With it on, trainers
+  // publish each version with a patch against the one before, and rollouts that hold that one read
+  // the patch (README "Delta versions"); drawn in about a third of the seeds.
+  std::uint32_t patch_percent = 0;
   // The data plane.
   std::uint64_t shard_bytes = 64ULL << 20;  // modelled size of one shard
   std::uint64_t nic_bytes_per_ms = 1'250'000;  // 10 Gbit/s up and down per host

@@ -78,8 +78,19 @@ std::uint64_t mix(std::uint64_t x) {
   return x;
 }
 
+// Which of its values an item (a byte, an element) has in `version`: the version itself, or with a
+// change period p > 1 the number of p-version spans since the item's phase, so that the item keeps
+// its value through p - 1 versions and changes in the p-th (ShardContent::plain).
+std::uint64_t value_epoch(Version version, std::uint32_t change_period, std::uint64_t item) {
+  if (change_period <= 1) return version;
+  const std::uint64_t phase = mix(item ^ 0x5bd1e995ULL) % change_period;
+  return (version + phase) / change_period;
+}
+
 // The other workloads' byte at `offset` of shard `shard` of `version` of model `model`.
-std::uint8_t plain_content(int model, Version version, std::uint32_t shard, std::size_t offset) {
+std::uint8_t plain_content(int model, Version version, std::uint32_t shard, std::size_t offset,
+                           std::uint32_t change_period) {
+  version = value_epoch(version, change_period, (static_cast<std::uint64_t>(shard) << 40) ^ offset);
   std::uint64_t x = (static_cast<std::uint64_t>(model) << 56) ^ (version * 0x9E3779B97F4A7C15ULL) ^
                     (static_cast<std::uint64_t>(shard) << 40) ^ offset;
   x ^= x >> 33;
@@ -95,7 +106,9 @@ std::uint64_t tensor_key(const std::string& name) {
 // Element `element` (row-major in the whole tensor) of the logical tensor `key` in `version`: a
 // finite bfloat16 (an infinity or NaN is made finite: a NaN's payload need not survive a
 // conversion, and the expected bytes must not depend on the path they took).
-std::uint16_t element_bits(int model, Version version, std::uint64_t key, std::uint64_t element) {
+std::uint16_t element_bits(int model, Version version, std::uint64_t key, std::uint64_t element,
+                           std::uint32_t change_period) {
+  version = value_epoch(version, change_period, key ^ mix(element + 1));
   const std::uint64_t x = mix(key ^ mix(static_cast<std::uint64_t>(model) << 48 ^ version) ^ mix(element + 1));
   auto bits = static_cast<std::uint16_t>(x);
   if ((bits & 0x7F80) == 0x7F80) bits = static_cast<std::uint16_t>(bits ^ 0x0100);
@@ -180,8 +193,9 @@ std::uint64_t fnv(const std::uint8_t* bytes, std::size_t size) {
 
 // ---- ShardContent ------------------------------------------------------------------------------------
 
-ShardContent::ShardContent(LayoutRef layout, bool plain, std::uint32_t shard)
-    : layout_(std::move(layout)), plain_(plain), shard_(shard), offsets_(offsets_of(*layout_)) {
+ShardContent::ShardContent(LayoutRef layout, bool plain, std::uint32_t shard, std::uint32_t change_period)
+    : layout_(std::move(layout)), change_period_(change_period), plain_(plain), shard_(shard), offsets_(offsets_of(*layout_)) {
+  TH_ASSERT(change_period_ >= 1);
   size_ = offsets_.back();
   if (plain_) return;
   for (const TensorSpec& tensor : layout_->tensors()) {
@@ -192,25 +206,26 @@ ShardContent::ShardContent(LayoutRef layout, bool plain, std::uint32_t shard)
   }
 }
 
-std::shared_ptr<const ShardContent> ShardContent::plain(std::uint32_t shard) {
+std::shared_ptr<const ShardContent> ShardContent::plain(std::uint32_t shard, std::uint32_t change_period) {
   // Two tensors of 40 and 24 bytes: the real buffer of every other workload's shard.
   LayoutRef layout = ShardLayout::make({{"layer." + std::to_string(shard) + ".weight", DType::kBFloat16, 40},
                                         {"layer." + std::to_string(shard) + ".bias", DType::kFloat32, 24}})
                          .value();
-  return std::shared_ptr<const ShardContent>(new ShardContent(std::move(layout), true, shard));
+  return std::shared_ptr<const ShardContent>(new ShardContent(std::move(layout), true, shard, change_period));
 }
 
-std::shared_ptr<const ShardContent> ShardContent::placed(const Placement& placement, std::uint32_t shard) {
-  return pieces(ShardLayout::make(placed_tensors(placement, shard)).value());
+std::shared_ptr<const ShardContent> ShardContent::placed(const Placement& placement, std::uint32_t shard,
+                                                        std::uint32_t change_period) {
+  return pieces(ShardLayout::make(placed_tensors(placement, shard)).value(), change_period);
 }
 
-std::shared_ptr<const ShardContent> ShardContent::pieces(LayoutRef layout) {
-  return std::shared_ptr<const ShardContent>(new ShardContent(std::move(layout), false, 0));
+std::shared_ptr<const ShardContent> ShardContent::pieces(LayoutRef layout, std::uint32_t change_period) {
+  return std::shared_ptr<const ShardContent>(new ShardContent(std::move(layout), false, 0, change_period));
 }
 
 std::uint8_t ShardContent::byte(int model, Version version, std::size_t offset) const {
   TH_ASSERT(offset < size_);
-  if (plain_) return plain_content(model, version, shard_, offset);
+  if (plain_) return plain_content(model, version, shard_, offset, change_period_);
   const auto tensor = static_cast<std::size_t>(std::upper_bound(offsets_.begin(), offsets_.end(), offset) -
                                                offsets_.begin() - 1);
   const TensorSpec& spec = layout_->tensors()[tensor];
@@ -218,14 +233,14 @@ std::uint8_t ShardContent::byte(int model, Version version, std::size_t offset) 
   const std::size_t local = offset - offsets_[tensor];
   const std::uint64_t element = global_index(spec.shape, spec.box, local / width);
   std::array<std::uint8_t, 4> stored{};
-  encode(element_bits(model, version, tensor_keys_[tensor], element), spec.dtype, stored.data());
+  encode(element_bits(model, version, tensor_keys_[tensor], element, change_period_), spec.dtype, stored.data());
   return stored[local % width];
 }
 
 std::vector<std::uint8_t> ShardContent::bytes(int model, Version version) const {
   std::vector<std::uint8_t> bytes(size_);
   if (plain_) {
-    for (std::size_t offset = 0; offset < size_; ++offset) bytes[offset] = plain_content(model, version, shard_, offset);
+    for (std::size_t offset = 0; offset < size_; ++offset) bytes[offset] = plain_content(model, version, shard_, offset, change_period_);
     return bytes;
   }
   for (std::size_t tensor = 0; tensor < tensor_keys_.size(); ++tensor) {
@@ -234,7 +249,7 @@ std::vector<std::uint8_t> ShardContent::bytes(int model, Version version) const 
     const std::uint64_t count = element_count(spec.box.extent);
     for (std::uint64_t local = 0; local < count; ++local) {
       const std::uint64_t element = global_index(spec.shape, spec.box, local);
-      encode(element_bits(model, version, tensor_keys_[tensor], element), spec.dtype,
+      encode(element_bits(model, version, tensor_keys_[tensor], element, change_period_), spec.dtype,
              bytes.data() + offsets_[tensor] + local * width);
     }
   }

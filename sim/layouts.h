@@ -41,11 +41,16 @@ class ShardContent {
  public:
   // The other workloads' shard `shard`: two tensors of bytes whose every byte mixes (model,
   // version, shard, offset), so that a mix-up of any of them shows.
-  static std::shared_ptr<const ShardContent> plain(std::uint32_t shard);
+  //
+  // `change_period` (delta versions, knob patch): 1, every byte (element) differs from one
+  // version to the next; p > 1, each changes in one version of every p (at a phase of its own),
+  // so that about 1/p of them change per version and a patch against the version before is small.
+  static std::shared_ptr<const ShardContent> plain(std::uint32_t shard, std::uint32_t change_period = 1);
   // A shard of `placement` (the layouts workload): its pieces of the model's logical tensors.
-  static std::shared_ptr<const ShardContent> placed(const Placement& placement, std::uint32_t shard);
+  static std::shared_ptr<const ShardContent> placed(const Placement& placement, std::uint32_t shard,
+                                                    std::uint32_t change_period = 1);
   // A shard of any layout whose tensors are all pieces of the model's logical tensors.
-  static std::shared_ptr<const ShardContent> pieces(LayoutRef layout);
+  static std::shared_ptr<const ShardContent> pieces(LayoutRef layout, std::uint32_t change_period = 1);
 
   const LayoutRef& layout() const { return layout_; }
   std::size_t size() const { return size_; }
@@ -58,8 +63,9 @@ class ShardContent {
   Checksums checksums(const std::vector<std::uint8_t>& buffer) const;
 
  private:
-  ShardContent(LayoutRef layout, bool plain, std::uint32_t shard);
+  ShardContent(LayoutRef layout, bool plain, std::uint32_t shard, std::uint32_t change_period);
   LayoutRef layout_;
+  std::uint32_t change_period_ = 1;
   bool plain_ = false;
   std::uint32_t shard_ = 0;                  // plain: the shard whose bytes these are
   std::vector<std::size_t> offsets_;         // per tensor, where it begins; then size()

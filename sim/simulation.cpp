@@ -144,6 +144,16 @@ struct Worker {
   bool buffer_corrupt = false;
   bool buffer_tampered = false;
   std::set<Version> offloads_corrupt;
+  // Delta versions (knob patch): the patch its buffers' version came with (it published or
+  // applied it), kept in host memory apart from the buffers, as a real client keeps it.
+  struct Patch {
+    Version version = 0;
+    Version base = 0;
+    Checksums base_checksums;  // of the base's tensors: a reader holding other bytes is refused
+    std::vector<std::uint64_t> tensor_bytes;  // announced per tensor (0: read whole), real scale
+    std::vector<std::pair<std::size_t, std::uint8_t>> changes;  // offset, new byte
+  };
+  std::optional<Patch> patch;
   // The last read of each transfer that finished, as the data plane ended it: what a TransferDone
   // report of the agent's is about (see check_done_report).
   struct FinishedRead {
@@ -468,7 +478,9 @@ class Simulation {
       Worker worker;
       worker.replica = index;
       worker.shard = shard;
-      worker.content = replica.placement ? ShardContent::placed(*replica.placement, shard) : ShardContent::plain(shard);
+      const std::uint32_t period = change_period();
+      worker.content = replica.placement ? ShardContent::placed(*replica.placement, shard, period)
+                                         : ShardContent::plain(shard, period);
       worker.modelled_bytes = knobs_.shard_bytes * worker.content->size() / reference_bytes;
       worker.node = gpus_placed_++ / gpus_per_node;
       if (plan_ != nullptr) worker.nic_factor = plan_nic_factor(options_.seed, workers_.size(), plan_->nic_jitter);
@@ -936,6 +948,11 @@ class Simulation {
     flow.started_ms = now_;
     flow.remote = read.source.datacenter != replica_of(w).datacenter;
     flow.total = static_cast<double>(reader.modelled_bytes);
+    if (read.patch != nullptr) {
+      // The patches, and the tensors without one whole.
+      flow.total = static_cast<double>(reader.modelled_bytes) * static_cast<double>(read.patch->read_bytes(*reader.content->layout())) /
+                   static_cast<double>(reader.content->size());
+    }
     check_vouched(w, read.version, read.checksums, read.reshard.empty());
     if (read.reshard.empty()) {
       check_same_layout(w, read);
@@ -960,7 +977,9 @@ class Simulation {
     } else {
       reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
       reader.buffer_bytes = 0;
-      reader.buffer_corrupt = reader.buffer_tampered = false;
+      reader.patch.reset();  // freed with the version it came with
+      // (A patch read checks at the end that the buffers still hold its base: they are unchanged.)
+      if (read.patch == nullptr) reader.buffer_corrupt = reader.buffer_tampered = false;
     }
     flows_[{w, read.transfer}] = flow;
     if (!data_tick_scheduled_) {
@@ -1267,6 +1286,7 @@ class Simulation {
       return;
     }
     if (flow.reshard) return advance_reshard(flow);
+    if (flow.read.patch != nullptr) return advance_patch(flow);
     if (flow.source < 0 || !workers_[flow.source].alive) {
       flow.fail_at = now_ + kReadTimeoutMs;  // the reader waits out a dead source
       return;
@@ -1367,6 +1387,87 @@ class Simulation {
     // Every tensor is checked against the checksums the hub gave with the instruction.
     const bool matches = reader.content->checksums(*into) == *read.checksums;
     finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
+  }
+
+  // A patch read (StartRead::patch, from a complete copy that has the patch): the patch's bytes
+  // move at the flow's rate; then, as a real client does, the reader checks that its buffers hold
+  // the patch's base (nothing is written otherwise), applies it, reads the tensors without one
+  // whole, and verifies the version's checksums.
+  void advance_patch(Flow& flow) {
+    Worker& reader = workers_[flow.reader];
+    const StartRead& read = flow.read;
+    if (flow.source < 0 || !workers_[flow.source].alive) {
+      flow.fail_at = now_ + kReadTimeoutMs;
+      return;
+    }
+    Worker& source = workers_[flow.source];
+    auto grant = source.grants.find({read.transfer, read.epoch});
+    const bool granted = grant != source.grants.end() && grant->second.version == read.version &&
+                         grant->second.kind == read.source.kind && grant->second.patch;
+    if (!granted) {
+      if (flow.granted || now_ - flow.started_ms >= kGrantGraceMs) {
+        flow.fail_at = now_;
+        flow.fail_reason = ReadFailure::kSourceRefused;
+      }
+      return;
+    }
+    flow.granted = true;
+    if (flow.fail_at_progress >= 0 && flow.progress >= flow.fail_at_progress) {
+      flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
+      return;
+    }
+    double rate = std::min(bandwidth(source) / uploads_[flow.source], download_bandwidth(reader) / downloads_[flow.reader]);
+    if (flow.remote && knobs_.remote_bytes_per_ms > 0) {
+      rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote_flows_);
+    }
+    flow.progress = std::min(flow.total, flow.progress + rate * kDataTickMs);
+    if (flow.progress < flow.total) return;
+    const std::string who = replica_of(flow.reader).name + "/" + std::to_string(reader.shard);
+    // The hub places a patch read only with a holder of that patch, of a complete copy.
+    if (!source.patch || source.patch->version != read.version || source.patch->base != read.patch->base ||
+        source.buffer_version != read.version) {
+      throw Violation("patches: " + who + " is sent to read the patch of version " + std::to_string(read.version) +
+                      " against " + std::to_string(read.patch->base) + " from " + read.source.replica +
+                      ", which does not have it");
+    }
+    if (source.patch->tensor_bytes != read.patch->tensor_bytes) {
+      throw Violation("patches: " + who + " is told other patch sizes than " + read.source.replica + " announced");
+    }
+    const Worker::Patch& patch = *source.patch;
+    const ShardContent& content = *reader.content;
+    const Checksums held = content.checksums(reader.buffer);
+    for (std::size_t tensor = 0; tensor < patch.tensor_bytes.size(); ++tensor) {
+      if (patch.tensor_bytes[tensor] != 0 && held[tensor] != patch.base_checksums[tensor]) {
+        finish_flow(flow, ReadFailure::kPatchBaseMismatch);  // nothing written
+        return;
+      }
+    }
+    check_may_write(flow.reader, read.version);
+    for (const auto& [offset, byte] : patch.changes) {
+      const std::size_t tensor = tensor_at(content, offset);
+      if (patch.tensor_bytes[tensor] != 0) reader.buffer[offset] = byte;
+    }
+    for (std::size_t tensor = 0; tensor < patch.tensor_bytes.size(); ++tensor) {
+      if (patch.tensor_bytes[tensor] != 0) continue;
+      std::copy(source.buffer.begin() + static_cast<std::ptrdiff_t>(content.offset(tensor)),
+                source.buffer.begin() + static_cast<std::ptrdiff_t>(content.offset(tensor + 1)),
+                reader.buffer.begin() + static_cast<std::ptrdiff_t>(content.offset(tensor)));
+    }
+    if (source.buffer_corrupt) reader.buffer_corrupt = true;
+    const bool matches = content.checksums(reader.buffer) == *read.checksums;
+    if (matches) {
+      reader.buffer_bytes = reader.modelled_bytes;
+      reader.buffer_corrupt = reader.buffer_tampered = false;
+      reader.patch = patch;  // kept, to serve onwards
+      ++result_.patch_reads;
+    }
+    finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
+  }
+
+  static std::size_t tensor_at(const ShardContent& content, std::size_t offset) {
+    std::size_t tensor = 0;
+    while (content.offset(tensor + 1) <= offset) ++tensor;
+    return tensor;
   }
 
   void offload_copied(int w, Version version) {
@@ -1518,8 +1619,12 @@ class Simulation {
         // if a fault changed them since and they are not published).
         const bool tampered = worker.buffer_tampered && !worker.agent->held();
         if (worker.buffer_version != app.version || tampered) write_version(w, app.version);
+        PatchRef patch;
+        if (worker.patch && worker.patch->version == app.version) {
+          patch = std::make_shared<const PatchInfo>(PatchInfo{worker.patch->base, worker.patch->tensor_bytes});
+        }
         call(w, PublishRequest{app.version, worker.content->layout(),
-                               std::make_shared<const Checksums>(worker.content->checksums(worker.buffer))},
+                               std::make_shared<const Checksums>(worker.content->checksums(worker.buffer)), patch},
              "publish v" + std::to_string(app.version));
         return;
       }
@@ -1625,10 +1730,47 @@ class Simulation {
                         "read them is active");
       }
     }
-    worker.buffer = worker.content->bytes(content_model(replica_of(w).model), version);
+    std::vector<std::uint8_t> written = worker.content->bytes(content_model(replica_of(w).model), version);
+    if (knobs_.patch_percent > 0 && worker.buffer_version && *worker.buffer_version < version &&
+        worker.buffer_bytes == worker.modelled_bytes) {
+      worker.patch = make_patch(w, *worker.buffer_version, version, written);
+    } else if (worker.buffer_version != version) {
+      worker.patch.reset();
+    }
+    worker.buffer = std::move(written);
     worker.buffer_version = version;
     worker.buffer_bytes = worker.modelled_bytes;
     worker.buffer_corrupt = worker.buffer_tampered = false;
+  }
+
+  // A trainer's patch writer (client/patch_writer.h), as it writes `version` over `base`: the bytes
+  // that differ from what the buffers held (a tampered buffer gives a patch no reader can use: its
+  // readers' checks catch that), per tensor sized as positions and values, and left out (0) past
+  // 40 % of the tensor (kPatchFractionMax).
+  Worker::Patch make_patch(int w, Version base, Version version, const std::vector<std::uint8_t>& written) {
+    const Worker& worker = workers_[w];
+    const ShardContent& content = *worker.content;
+    Worker::Patch patch;
+    patch.version = version;
+    patch.base = base;
+    patch.base_checksums = content.checksums(content.bytes(content_model(replica_of(w).model), base));
+    const std::size_t tensors = content.layout()->tensors().size();
+    for (std::size_t tensor = 0; tensor < tensors; ++tensor) {
+      std::uint64_t changed = 0;
+      for (std::size_t offset = content.offset(tensor); offset < content.offset(tensor + 1); ++offset) {
+        if (worker.buffer[offset] == written[offset]) continue;
+        patch.changes.emplace_back(offset, written[offset]);
+        ++changed;
+      }
+      const std::uint64_t bytes = content.offset(tensor + 1) - content.offset(tensor);
+      const std::uint64_t patch_bytes = std::max<std::uint64_t>(1, changed * 3 / 2);
+      patch.tensor_bytes.push_back(patch_bytes * 10 <= bytes * 4 ? patch_bytes : 0);
+    }
+    return patch;
+  }
+
+  std::uint32_t change_period() const {
+    return knobs_.patch_percent == 0 ? 1 : std::max<std::uint32_t>(1, (100 + knobs_.patch_percent / 2) / knobs_.patch_percent);
   }
 
   // The data plane writes a shard's buffers only for the application's replicate or update in
@@ -2129,6 +2271,7 @@ class Simulation {
       worker.buffer_version.reset();
       worker.buffer_bytes = 0;
       worker.buffer_corrupt = worker.buffer_tampered = false;
+      worker.patch.reset();
       std::erase_if(flows_, [&](const auto& entry) { return entry.second.reader == w; });
     }
     schedule(now_ + restart_after_ms, Event(EventKind::kRestart, index, ++replica.restart_token));
@@ -2402,7 +2545,8 @@ std::string SimResult::summary() const {
       << static_cast<double>(virtual_ms) / 1000.0
       << " s simulated, " << calls << " calls, " << versions << " publishes, " << reads
       << " shard reads (" << reads_failed << " failed"
-      << (reads_across > 0 ? ", " + std::to_string(reads_across) + " across layouts" : std::string()) << "), "
+      << (reads_across > 0 ? ", " + std::to_string(reads_across) + " across layouts" : std::string())
+      << (patch_reads > 0 ? ", " + std::to_string(patch_reads) + " patches" : std::string()) << "), "
       << crashes << " crashes, "
       << divergence_restarts << " divergence restarts, "
       << (run_restarts > 0 ? std::to_string(run_restarts) + " run restarts, " : std::string())

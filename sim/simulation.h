@@ -102,6 +102,7 @@ struct SimResult {
   std::uint64_t reads = 0;          // completed shard reads
   std::uint64_t reads_failed = 0;
   std::uint64_t reads_across = 0;   // of the completed: from a copy of another layout (layouts workload)
+  std::uint64_t patch_reads = 0;    // of the completed: a patch applied to the version before (knob patch)
   std::uint64_t crashes = 0;
   std::uint64_t divergence_restarts = 0;  // replicas their framework restarted after a divergence
   std::uint64_t run_restarts = 0;   // models whose run started again from version 1 (knob run_restart)

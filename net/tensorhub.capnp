@@ -107,6 +107,13 @@ struct HeldCopy {
   copy @3 :UInt64;  # an offload copy: the id the server that made it gave it
 }
 
+# A shard's patch of a version against an earlier one (core/types.h PatchInfo): per tensor in layout
+# order the bytes of its patch, 0 for a tensor that has none (read whole).
+struct PatchInfo {
+  base @0 :UInt64;
+  tensorBytes @1 :List(UInt64);
+}
+
 struct TxnRecord {
   seq @0 :UInt64;
   op @1 :OpKey;
@@ -145,7 +152,10 @@ struct Request {
   session @2 :UInt64;
   body :union {
     open @3 :OpenRequest;
-    publish :group { version @4 :UInt64; layout @5 :List(TensorSpec); checksums @6 :List(UInt64); }
+    publish :group {
+      version @4 :UInt64; layout @5 :List(TensorSpec); checksums @6 :List(UInt64);
+      patch @17 :PatchInfo;  # against the version published before (unset: none)
+    }
     unpublish @7 :Void;
     replicate :group { selector @8 :Selector; layout @9 :List(TensorSpec); timeoutMs @10 :Int64; }
     update :group { selector @11 :Selector; layout @12 :List(TensorSpec); }
@@ -217,6 +227,7 @@ struct Effect {
       layout @27 :List(TensorSpec);  # offload seeding: the layout of that copy
       grantSecret @29 :Data;  # 16 bytes: what the source asks of this transfer's reads
       reshard @31 :List(SourceShard);  # a source of another layout: all its shards (else empty)
+      patch @33 :PatchInfo;  # read this patch against the version the buffers hold (unset: the bytes)
     }
     serveRead :group {
       transfer @11 :UInt64;
@@ -226,6 +237,7 @@ struct Effect {
       shard @15 :UInt32;
       readerReplica @16 :Text;
       grantSecret @30 :Data;  # 16 bytes: serve only reads that present it (a capability)
+      patch @34 :Bool;  # serve the shard's patch of the version too
     }
     stopServing :group { transfer @17 :UInt64; epoch @18 :UInt32; }
     offload @19 :UInt64;         # the version

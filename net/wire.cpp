@@ -265,6 +265,23 @@ LayoutRef get_layout(capnp::List<wire::TensorSpec>::Reader in) {
   return std::move(layout).value();
 }
 
+// A patch's sizes: one per tensor, checked against the layout by the hub (Hub::check_patch) and
+// by the reader (it reads no more than they say).
+PatchRef get_patch(wire::PatchInfo::Reader in) {
+  list_at_most(in.getTensorBytes(), limits::kTensorsPerShardMax, "patch sizes");
+  auto patch = std::make_shared<PatchInfo>();
+  patch->base = in.getBase();
+  patch->tensor_bytes.reserve(in.getTensorBytes().size());
+  for (std::uint64_t bytes : in.getTensorBytes()) patch->tensor_bytes.push_back(bytes);
+  if (patch->tensor_bytes.empty()) invalid("a patch without sizes");
+  return patch;
+}
+
+void put_patch(const PatchInfo& patch, wire::PatchInfo::Builder out) {
+  out.setBase(patch.base);
+  put_u64s(patch.tensor_bytes, [&](unsigned n) { return out.initTensorBytes(n); });
+}
+
 ChecksumsRef get_checksums(capnp::List<std::uint64_t>::Reader in) {
   if (in.size() == 0) return nullptr;
   list_at_most(in, limits::kTensorsPerShardMax, "checksums");
@@ -429,6 +446,7 @@ Request get(wire::Request::Reader in) {
         invalid("publish needs a layout and one checksum per tensor (" + std::to_string(tensors) +
                 " tensors, " + std::to_string(checksums) + " checksums)");
       }
+      if (publish.hasPatch()) out.patch = get_patch(publish.getPatch());
       request.body = std::move(out);
       break;
     }
@@ -470,7 +488,7 @@ Report get(wire::Report::Reader in) {
     case wire::Report::Body::TRANSFER_FAILED: {
       auto failed = body.getTransferFailed();
       report.body = TransferFailed{failed.getTransfer(), failed.getEpoch(),
-                                   enum_in_range(failed.getReason(), ReadFailure::kSourceRefused,
+                                   enum_in_range(failed.getReason(), ReadFailure::kPatchBaseMismatch,
                                                  "read failure")};
       break;
     }
@@ -517,6 +535,7 @@ Effect get(wire::Effect::Reader in) {
         }
       }
       if (start.offload_copy != 0 && start.layout == nullptr) invalid("a seed read without a layout");
+      if (read.hasPatch()) start.patch = get_patch(read.getPatch());
       break;
     }
     case wire::Effect::Message::SERVE_READ: {
@@ -524,7 +543,7 @@ Effect get(wire::Effect::Reader in) {
       effect.message = ServeRead{serve.getTransfer(), serve.getEpoch(), serve.getVersion(),
                                  enum_in_range(serve.getKind(), CopyKind::kOffload, "copy kind"),
                                  serve.getShard(), name(serve.getReaderReplica(), "reader replica"),
-                                 get_secret(serve.getGrantSecret())};
+                                 get_secret(serve.getGrantSecret()), serve.getPatch()};
       break;
     }
     case wire::Effect::Message::STOP_SERVING:
@@ -590,6 +609,7 @@ void encode(const Request& request, wire::Request::Builder out) {
           publish.setVersion(call.version);
           put_layout(call.layout, [&](unsigned n) { return publish.initLayout(n); });
           put_checksums(call.checksums, [&](unsigned n) { return publish.initChecksums(n); });
+          if (call.patch) put_patch(*call.patch, publish.initPatch());
         } else if constexpr (std::is_same_v<T, UnpublishRequest>) {
           body.setUnpublish();
         } else if constexpr (std::is_same_v<T, ReplicateRequest>) {
@@ -685,6 +705,7 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
             put_layout(shard.layout, [&](unsigned n) { return source_shard.initLayout(n); });
             put_checksums(shard.checksums, [&](unsigned n) { return source_shard.initChecksums(n); });
           }
+          if (body.patch) put_patch(*body.patch, read.initPatch());
         } else if constexpr (std::is_same_v<T, ServeRead>) {
           auto serve = message.initServeRead();
           serve.setTransfer(body.transfer);
@@ -694,6 +715,7 @@ void encode(const Effect& effect, wire::Effect::Builder out) {
           serve.setShard(body.shard);
           serve.setReaderReplica(body.reader_replica);
           put_secret(body.secret, serve.initGrantSecret(sizeof(GrantSecret)));
+          serve.setPatch(body.patch);
         } else if constexpr (std::is_same_v<T, StopServing>) {
           auto stop = message.initStopServing();
           stop.setTransfer(body.transfer);

@@ -109,6 +109,16 @@ TEST(Wire, EveryCallKind) {
     EXPECT_EQ(publish.version, 5u);
     expect_same_layout(publish.layout, sample_layout());
     EXPECT_EQ(*publish.checksums, *sample_checksums());
+    EXPECT_EQ(publish.patch, nullptr);
+  }
+  {
+    // With a patch against the version before (delta versions): its base and sizes travel.
+    const auto patch = std::make_shared<const PatchInfo>(PatchInfo{4, std::vector<std::uint64_t>(sample_layout()->tensors().size(), 0)});
+    const auto got = round_trip<wire::Request>(
+        Request{1, 2, PublishRequest{5, sample_layout(), sample_checksums(), patch}, 3});
+    const auto& publish = std::get<PublishRequest>(got.body);
+    ASSERT_NE(publish.patch, nullptr);
+    EXPECT_EQ(*publish.patch, *patch);
   }
   EXPECT_TRUE(std::holds_alternative<UnpublishRequest>(
       round_trip<wire::Request>(Request{1, 2, UnpublishRequest{}, 3}).body));
@@ -245,6 +255,17 @@ TEST(Wire, EveryServerMessageKind) {
     EXPECT_EQ(*got.checksums, *sample_checksums());
     EXPECT_EQ(got.offload_copy, 0u);
     EXPECT_EQ(got.layout, nullptr);
+    EXPECT_EQ(got.patch, nullptr);
+  }
+  {
+    // A patch read: the patch's base and sizes.
+    StartRead sent{21, 3, 17, 9, 1,
+                   SourceRef{"rollout-2", 4, "dc-b", "10.1.1.1:7000", CopyKind::kPrimary, false},
+                   sample_checksums(), 0, nullptr};
+    sent.patch = std::make_shared<const PatchInfo>(PatchInfo{8, {120, 0, 7}});
+    const auto got = std::get<StartRead>(round_trip<wire::Effect>(Effect{1, sent, 2}).message);
+    ASSERT_NE(got.patch, nullptr);
+    EXPECT_EQ(*got.patch, *sent.patch);
   }
   {
     // Offload seeding: into a new CPU copy of the given layout.
@@ -272,6 +293,10 @@ TEST(Wire, EveryServerMessageKind) {
     EXPECT_EQ(got.kind, CopyKind::kPrimary);
     EXPECT_EQ(got.shard, 1u);
     EXPECT_EQ(got.reader_replica, "rollout-5");
+    EXPECT_FALSE(got.patch);
+    ServeRead patch = sent;
+    patch.patch = true;
+    EXPECT_TRUE(std::get<ServeRead>(round_trip<wire::Effect>(Effect{1, patch, 2}).message).patch);
   }
   const auto stop = std::get<StopServing>(round_trip<wire::Effect>(Effect{1, StopServing{23, 4}, 2}).message);
   EXPECT_EQ(stop.transfer, 23u);
@@ -412,6 +437,13 @@ TEST(WireRefuses, BadReportsAndEffects) {
   auto decoded_report = decode(report.asReader());
   ASSERT_FALSE(decoded_report.ok());
   EXPECT_NE(decoded_report.error().detail.find("read failure"), std::string::npos);
+  // The last reason there is travels (a shard that found its buffers were not a patch's base).
+  report.getBody().getTransferFailed().setReason(static_cast<std::uint8_t>(ReadFailure::kPatchBaseMismatch));
+  decoded_report = decode(report.asReader());
+  ASSERT_TRUE(decoded_report.ok());
+  EXPECT_EQ(std::get<TransferFailed>(decoded_report.value().body).reason, ReadFailure::kPatchBaseMismatch);
+  report.getBody().getTransferFailed().setReason(static_cast<std::uint8_t>(ReadFailure::kPatchBaseMismatch) + 1);
+  EXPECT_FALSE(decode(report.asReader()).ok());
 
   capnp::MallocMessageBuilder effect_message;
   auto effect = effect_message.initRoot<wire::Effect>();

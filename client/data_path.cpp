@@ -72,6 +72,20 @@ void Handle::Impl::serve(const ServeRead& grant) {
     return;
   }
   const Plan& current = plan();  // first: it may rebuild packed_
+  if (grant.patch) {
+    // A reader that holds the base: this shard's patches, and its tensors that have none, whole.
+    if (kept_patch_ == nullptr || kept_patch_->version != grant.version ||
+        kept_patch_->patches.size() != current.layout->tensors().size()) {
+      log(LogLevel::kWarning, "data", "asked to serve the patch of version " + std::to_string(grant.version) +
+                                          ", which this shard does not have (the reader is refused, and reads the bytes)");
+      return;
+    }
+    std::vector<net::ExposedRegion> regions = patch_regions(*kept_patch_, current, packed_.data());
+    std::uint64_t total = 0;
+    for (const net::ExposedRegion& region : regions) total += region.bytes;
+    transport_->grant(key, grant.secret, std::move(regions), std::make_shared<net::Progress>(total));
+    return;
+  }
   transport_->grant(key, grant.secret, regions_of(current, packed_.data()), buffers_progress_);
 }
 
@@ -84,6 +98,13 @@ void Handle::Impl::start_read(const StartRead& read) {
   }
   ReadJob job{read, std::make_shared<std::atomic<bool>>(false), buffers_progress_, plan(), packed_.data(),
               nullptr, nullptr};
+  // The buffers change: the patch of what they held is no longer theirs to serve. A patch read
+  // starts from what they hold (its base); any other read writes them.
+  kept_patch_.reset();
+  if (read.patch != nullptr && held_checksums_ && held_checksums_->first == read.patch->base) {
+    job.base_checksums = held_checksums_->second;
+  }
+  if (read.patch == nullptr) held_checksums_.reset();
   {
     // The call this read serves streams it (the agent drops instructions of other calls).
     std::lock_guard lock(calls_mutex_);
@@ -179,6 +200,7 @@ void Handle::Impl::reader_main() {
 }
 
 void Handle::Impl::run_read(ReadJob& job) {
+  if (job.read.patch != nullptr && job.seed == nullptr) return run_patch_read(job);
   if (!job.read.reshard.empty()) return run_reshard_read(job);
   const Plan& plan = job.plan;
   std::vector<net::LocalRegion> targets;
@@ -322,7 +344,74 @@ void Handle::Impl::run_read(ReadJob& job) {
       stats_.last_read_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     }
   }
-  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure}] { step(finished); });
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure}, seed = job.seed != nullptr,
+         version = job.read.version, checksums = job.read.checksums] {
+    if (!finished.failure && !seed) hold_verified(version, checksums, nullptr);
+    step(finished);
+  });
+}
+
+void Handle::Impl::hold_verified(Version version, ChecksumsRef checksums, std::shared_ptr<KeptPatch> kept) {
+  if (!buffers_version_ || *buffers_version_ != version || checksums == nullptr) return;  // moved on since
+  held_checksums_ = {version, std::move(checksums)};
+  kept_patch_ = std::move(kept);
+}
+
+// A patch read (client/patch_read.h): nothing of it is handed out before every tensor verified, as
+// for a read across layouts, and the patch is kept to serve onwards.
+void Handle::Impl::run_patch_read(ReadJob& job) {
+  net::PullOptions pull_options;
+  pull_options.chunk_bytes = options_.chunk_bytes;
+  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  pull_options.streams = options_.data_streams;
+  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
+  pull_options.staging = pull_staging_;
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from = job.read.source.replica;
+  }
+  job.stream->begin(nullptr);
+  const auto started = std::chrono::steady_clock::now();
+  PatchReadOutcome outcome =
+      read_patch(*transport_, job.read, job.plan, job.packed, job.base_checksums, pull_options, *job.cancelled);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (outcome.cancelled || job.cancelled->load()) {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from.clear();
+    return;  // replaced by a newer read, or dropped: nothing to report
+  }
+  if (outcome.failure) {
+    log(*outcome.failure == ReadFailure::kChecksumMismatch ? LogLevel::kError : LogLevel::kWarning, "data",
+        "the patch of version " + std::to_string(job.read.version) + " against " + std::to_string(job.read.patch->base) +
+            " from " + job.read.source.replica + ": " + outcome.detail);
+  } else {
+    log(LogLevel::kInfo, "data", "version " + std::to_string(job.read.version) + " from " + job.read.source.replica + ": a patch against " +
+                                     std::to_string(job.read.patch->base) + ", " + std::to_string(outcome.bytes_read) + " bytes of " +
+                                     std::to_string(job.plan.layout->total_bytes()) + ", " +
+                                     std::to_string(outcome.elements_changed) + " elements changed");
+  }
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.reading_from.clear();
+    stats_.bytes_received += outcome.bytes_read;
+    if (outcome.failure) {
+      ++stats_.reads_failed;
+      ++stats_.patch_reads_failed;
+      if (*outcome.failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
+    } else {
+      ++stats_.patch_reads;
+      stats_.patch_bytes_received += outcome.bytes_read;
+      stats_.last_read_bytes = outcome.bytes_read;
+      stats_.last_pull_seconds = seconds;
+      stats_.last_read_seconds = seconds;
+    }
+  }
+  if (!outcome.failure) job.progress->advance_to(job.plan.layout->total_bytes());
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, outcome.failure}, version = job.read.version,
+         checksums = job.read.checksums, kept = std::move(outcome.kept)]() mutable {
+    if (!finished.failure) hold_verified(version, checksums, std::move(kept));
+    step(finished);
+  });
 }
 
 // A read from a source of another layout (client/reshard_read.h). Nothing of it is handed out
@@ -371,7 +460,11 @@ void Handle::Impl::run_reshard_read(ReadJob& job) {
   }
   if (!outcome.failure) job.progress->advance_to(job.plan.layout->total_bytes());
   on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, outcome.failure,
-                                       outcome.failure ? nullptr : outcome.checksums}] { step(finished); });
+                                       outcome.failure ? nullptr : outcome.checksums},
+         version = job.read.version] {
+    if (!finished.failure) hold_verified(version, finished.checksums, nullptr);
+    step(finished);
+  });
 }
 
 void Handle::Impl::start_offload(Version version) {

@@ -13,6 +13,8 @@
 // threads hand it work through the loop's executor.
 #include "client/handle_impl.h"
 #include "client/cuda/ipc.h"
+#include "client/convert.h"
+#include "client/patch_writer.h"
 #include "client/receive.h"
 #include "net/token.h"
 
@@ -587,6 +589,9 @@ Status Handle::Impl::register_tensor(TensorSpec spec, void* data, MemoryKind mem
     std::string key = name;
     registry_.emplace(std::move(key), Registered{static_cast<std::byte*>(data), std::move(spec), std::move(lease), on_device});
     plan_stale_ = true;
+    held_checksums_.reset();  // another layout: no patch is against what the old one held
+    kept_patch_.reset();
+    written_patches_.clear();
   });
   return status;
 }
@@ -605,6 +610,9 @@ Status Handle::Impl::unregister_tensor(std::string_view name) {
     }
     registry_.erase(found);
     plan_stale_ = true;
+    held_checksums_.reset();
+    kept_patch_.reset();
+    written_patches_.clear();
   });
   return status;
 }
@@ -693,11 +701,46 @@ Result<Version> Handle::Impl::publish(Version version, void* cuda_stream) {
   } catch (const net::DeviceCopyError& error) {
     return make_error(Errc::kUnavailable, std::string("publish: reading the GPU tensors failed: ") + error.what());
   }
+  // Delta versions: the patches write_tensor recorded against the version the buffers held before.
+  PatchRef patch;
+  std::shared_ptr<KeptPatch> kept;
   on_io([&] {
+    if (held_checksums_ && held_checksums_->first < version && !written_patches_.empty()) {
+      const Version base = held_checksums_->first;
+      auto made = std::make_shared<KeptPatch>();
+      made->version = version;
+      made->patches.resize(tensors.size());
+      PatchInfo info{base, std::vector<std::uint64_t>(tensors.size(), 0)};
+      bool any = false;
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        auto written = written_patches_.find(tensors[i].name);
+        if (written == written_patches_.end() || written->second.base != base || !written->second.patch) continue;
+        info.tensor_bytes[i] = written->second.patch->size();
+        made->patches[i] = std::move(*written->second.patch);
+        any = true;
+      }
+      if (any) {
+        made->info = std::make_shared<const PatchInfo>(std::move(info));
+        patch = made->info;
+        kept = std::move(made);
+      }
+    }
+    written_patches_.clear();  // a patch is of the version it was written for
     buffers_version_ = version;
     buffers_progress_ = std::make_shared<net::Progress>(current.layout->total_bytes());
   });
-  Outcome outcome = call(PublishRequest{version, current.layout, std::move(checksums)});
+  const ChecksumsRef published = checksums;
+  Outcome outcome = call(PublishRequest{version, current.layout, std::move(checksums), patch});
+  if (!std::holds_alternative<Error>(outcome)) {
+    on_io([&] { hold_verified(version, published, kept); });
+    if (patch != nullptr) {
+      std::uint64_t bytes = 0;
+      for (std::uint64_t size : patch->tensor_bytes) bytes += size;
+      std::lock_guard lock(stats_mutex_);
+      ++stats_.patches_published;
+      stats_.patch_bytes_published += bytes;
+    }
+  }
   if (const Error* error = std::get_if<Error>(&outcome)) {
     on_io([&] {
       if (!agent_.held().has_value()) buffers_version_.reset();
@@ -705,6 +748,52 @@ Result<Version> Handle::Impl::publish(Version version, void* cuda_stream) {
     return *error;
   }
   return std::get<PublishOk>(outcome).version;
+}
+
+Status Handle::Impl::write_tensor(std::string_view name, const void* source, DType source_dtype) {
+  if (source == nullptr) return make_error(Errc::kInvalidArgument, "write_tensor: no source for tensor '" + std::string(name) + "'");
+  std::optional<Error> refused;
+  Registered target;
+  std::optional<std::pair<Version, ChecksumsRef>> held;
+  std::size_t index = 0;
+  on_io([&] {
+    auto found = registry_.find(name);
+    if (found == registry_.end()) {
+      refused = make_error(Errc::kInvalidArgument, "write_tensor: no tensor '" + std::string(name) + "' is registered");
+    } else if (buffers_version_.has_value() || agent_.held().has_value() || agent_.call_in_flight()) {
+      refused = make_error(Errc::kAlreadyHolding, "write_tensor: the shard holds a version: unpublish first (tensors "
+                                                  "change only while not published)");
+    } else if (found->second.on_device) {
+      refused = make_error(Errc::kInvalidArgument, "write_tensor: tensor '" + std::string(name) +
+                                                       "' is GPU memory; patches of GPU tensors are not built yet "
+                                                       "(copy it and publish: it is read whole)");
+    } else if (!convertible(source_dtype, found->second.spec.dtype)) {
+      refused = make_error(Errc::kInvalidArgument, "write_tensor: tensor '" + std::string(name) + "' is " +
+                                                       std::string(dtype_name(found->second.spec.dtype)) + ", which " +
+                                                       std::string(dtype_name(source_dtype)) + " does not convert to");
+    } else {
+      target = found->second;
+      held = held_checksums_;
+      const Plan& current = plan();
+      while (current.layout->tensors()[index].name != name) ++index;
+      // The base: what the tensor held when the buffers last held a version whole (its layout
+      // unchanged since: registering again makes the checksums another layout's).
+      if (held && (held->second == nullptr || held->second->size() != current.layout->tensors().size())) held.reset();
+    }
+  });
+  if (refused) return *refused;
+  const std::uint64_t count = target.spec.bytes / dtype_bytes(target.spec.dtype);
+  if (!held) {
+    // Nothing to patch against (the first version, or the buffers were written otherwise).
+    convert_elements(source_dtype, static_cast<const std::byte*>(source), target.spec.dtype, target.data, count);
+    on_io([&] { written_patches_[std::string(name)] = WrittenPatch{0, std::nullopt}; });
+    return Unit{};
+  }
+  PatchWriter writer(target.spec.dtype, std::span<std::byte>(target.data, target.spec.bytes), (*held->second)[index]);
+  writer.write(source_dtype, static_cast<const std::byte*>(source), count);
+  std::optional<std::vector<std::byte>> patch = writer.finish();
+  on_io([&] { written_patches_[std::string(name)] = WrittenPatch{held->first, std::move(patch)}; });
+  return Unit{};
 }
 
 void Handle::Impl::interrupt(const std::string& why) {
@@ -901,6 +990,11 @@ Result<Version> Handle::publish(Version version, void* cuda_stream) {
   OneCallAtATime exclusive(impl_->user_call_busy_);
   if (exclusive.refused()) return OneCallAtATime::error();
   return recorded(impl_->metrics_, Call::kPublish, [&] { return impl_->publish(version, cuda_stream); });
+}
+Status Handle::write_tensor(std::string_view name, const void* source, DType source_dtype) {
+  OneCallAtATime exclusive(impl_->user_call_busy_);
+  if (exclusive.refused()) return OneCallAtATime::error();
+  return impl_->write_tensor(name, source, source_dtype);
 }
 Status Handle::unpublish() {
   OneCallAtATime exclusive(impl_->user_call_busy_);

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "client/log_sink.h"
+#include "client/patch_read.h"
 #include "client/plan.h"
 #include "client/metrics.h"
 #include "core/agent.h"
@@ -110,6 +111,7 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   Outcome call(RequestBody body, std::optional<TimeMs> deadline_ms = std::nullopt);
   Status register_tensor(TensorSpec spec, void* data, MemoryKind memory);
   Status unregister_tensor(std::string_view name);
+  Status write_tensor(std::string_view name, const void* source, DType source_dtype);
   Result<Version> publish(Version version, void* cuda_stream);
   // Starts a replicate or update (validated by the caller) whose answer goes to the State it
   // returns; at most one in flight (the agent refuses a second call).
@@ -144,6 +146,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
     // Who hears the read's progress and checks its tensors with it (the Receive of the call it
     // serves; a State of its own for a seed copy).
     std::shared_ptr<Receive::State> stream;
+    // A patch read: the checksums of the version the buffers held (its base), where known.
+    ChecksumsRef base_checksums = nullptr;
   };
 
   void taskFailed(kj::Exception&& exception) override;
@@ -179,6 +183,10 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_read(ReadJob& job);
   // run_read's for a source of another layout (StartRead::reshard set).
   void run_reshard_read(ReadJob& job);
+  // run_read's for a patch (StartRead::patch set; client/patch_read.h).
+  void run_patch_read(ReadJob& job);
+  // A read into the buffers verified `version` whole (I/O thread): what they hold, to patch next.
+  void hold_verified(Version version, ChecksumsRef checksums, std::shared_ptr<KeptPatch> kept);
   void complete_call(std::uint64_t call_id, Outcome outcome);
   void fail_everything(Error error);
   // Asks `server`, once, whether it speaks HTTP (it hung up on the hello, or kept quiet for
@@ -248,6 +256,17 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   // What the registered buffers hold now: a version and how much of it is ready (pipeline).
   std::optional<Version> buffers_version_;
   std::shared_ptr<net::Progress> buffers_progress_;
+  // Delta versions (I/O thread): the version the buffers last held whole and its checksums (the
+  // base of the next patch, as writer or reader; kept across unpublish, dropped once a read
+  // writes them), the patch that version came with (served onwards), and what write_tensor
+  // recorded since (by tensor name; nullopt: written, no patch).
+  std::optional<std::pair<Version, ChecksumsRef>> held_checksums_;
+  std::shared_ptr<KeptPatch> kept_patch_;
+  struct WrittenPatch {
+    Version base = 0;
+    std::optional<std::vector<std::byte>> patch;
+  };
+  std::map<std::string, WrittenPatch, std::less<>> written_patches_;
   std::map<Version, std::shared_ptr<OffloadCopy>> offloads_;
   std::map<net::GrantKey, std::shared_ptr<OffloadCopy>> offload_grants_;  // keeps copies alive
   // One thread per offload copy, joined once its copy was reported (a finished thread that is never

@@ -174,6 +174,14 @@ struct HandleStats {
   // source failed, and the bytes they did not pull again.
   std::uint64_t reads_resumed = 0;
   std::uint64_t bytes_resumed = 0;
+  // Delta versions: reads that applied a patch (and the bytes they pulled, patches and tensors read
+  // whole), patch reads that failed (the bytes were read next), and versions this shard published
+  // with patches (and their bytes).
+  std::uint64_t patch_reads = 0;
+  std::uint64_t patch_bytes_received = 0;
+  std::uint64_t patch_reads_failed = 0;
+  std::uint64_t patches_published = 0;
+  std::uint64_t patch_bytes_published = 0;
   // How GPU tensors meet the NIC under transport rdma: "dma-buf", "peermem", or "staging" (through
   // pinned host memory over TCP; also the answer under transport tcp).
   std::string gpu_registration = "staging";
@@ -278,6 +286,18 @@ class Handle {
   Status register_piece(std::string name, void* data, DType dtype, Shape global_shape, Box box,
                         MemoryKind memory = MemoryKind::kCpu);
   Status unregister_tensor(std::string_view name);
+
+  // Delta versions (README "Delta versions"): writes the tensor's new value, `source` (its element
+  // count, of `source_dtype`: the tensor's own, or float32 into bfloat16/float16 with rounding to
+  // nearest even), into its registered buffer, and records what changed against the version the
+  // buffer held, which this shard published or received last. The next publish() announces the
+  // patches of the tensors written so (a tensor with more than 40 % of its bytes changed, or written
+  // otherwise, has none: it is read whole), and rollouts that hold that version pull the patches, a
+  // few percent of the bytes at RL learning rates, instead of the whole version. Between unpublish()
+  // (or before the first publish) and publish(); CPU tensors only, for now (a GPU tensor is refused
+  // kInvalidArgument: copy it and publish, no patch). A tensor written after write_tensor by other
+  // means makes a patch that readers' checksums refuse: they then read the bytes.
+  Status write_tensor(std::string_view name, const void* source, DType source_dtype);
 
   // Promises that the registered tensors hold `version` and will not change until unpublish().
   // Blocks until every shard of the replica published; then readers may pull from here.

@@ -1,0 +1,151 @@
+// Delta versions end to end (issue 35): a trainer writes each version through write_tensor, which
+// records what changed; a rollout that holds the version before pulls the patch, applies it and
+// ends bit-exact on the trainer's tensors; a patch that does not make the version (the rollout's
+// buffers were written behind the server's back) is followed by a read of the bytes, still exact.
+// In process, against a real th-server.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fixture.h"
+#include "tensorhub/client.h"
+
+namespace th::e2e {
+namespace {
+
+class Delta : public ProcessTest {};
+
+ClientOptions options_for(const std::string& server, const std::string& replica, const std::string& role) {
+  ClientOptions options;
+  options.servers = {server};
+  options.token = kToken;
+  options.model = "m";
+  options.replica = replica;
+  options.role = role;
+  options.open_timeout_ms = kStepMs;
+  options.data_listen = "127.0.0.1:0";
+  return options;
+}
+
+std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
+  auto handle = Handle::open(options);
+  EXPECT_TRUE(handle.ok()) << handle.error().detail;
+  return handle.ok() ? std::move(handle).value() : nullptr;
+}
+
+// A model of two bfloat16 tensors (one of 4 MiB, one small, packed) trained with float32 master
+// weights: each step moves a few percent of the weights by more than bfloat16 resolves.
+struct Model {
+  std::vector<float> weight_master = std::vector<float>(2u << 20);
+  std::vector<float> bias_master = std::vector<float>(2048);
+  std::vector<std::uint16_t> weight = std::vector<std::uint16_t>(weight_master.size());
+  std::vector<std::uint16_t> bias = std::vector<std::uint16_t>(bias_master.size());
+  std::mt19937_64 rng{7};
+
+  Model() {
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    for (float& w : weight_master) w = normal(rng);
+    for (float& b : bias_master) b = normal(rng);
+  }
+  // One step: 2 % of the weights move by about 1 %, every bias by a little (its patch is too big).
+  void step() {
+    std::uniform_int_distribution<std::size_t> pick(0, weight_master.size() - 1);
+    for (std::size_t i = 0; i < weight_master.size() / 50; ++i) weight_master[pick(rng)] *= 1.01f;
+    for (float& b : bias_master) b += 0.01f;
+  }
+  void register_with(Handle& handle) {
+    ASSERT_TRUE(handle.register_tensor("layer.weight", weight.data(), weight.size() * 2, DType::kBFloat16).ok());
+    ASSERT_TRUE(handle.register_tensor("layer.bias", bias.data(), bias.size() * 2, DType::kBFloat16).ok());
+  }
+  void write(Handle& handle) {
+    ASSERT_TRUE(handle.write_tensor("layer.weight", weight_master.data(), DType::kFloat32).ok());
+    ASSERT_TRUE(handle.write_tensor("layer.bias", bias_master.data(), DType::kFloat32).ok());
+  }
+};
+
+struct Engine {
+  std::vector<std::uint16_t> weight = std::vector<std::uint16_t>(2u << 20);
+  std::vector<std::uint16_t> bias = std::vector<std::uint16_t>(2048);
+  void register_with(Handle& handle) {
+    ASSERT_TRUE(handle.register_tensor("layer.weight", weight.data(), weight.size() * 2, DType::kBFloat16).ok());
+    ASSERT_TRUE(handle.register_tensor("layer.bias", bias.data(), bias.size() * 2, DType::kBFloat16).ok());
+  }
+  bool holds(const Model& model) const { return weight == model.weight && bias == model.bias; }
+};
+
+TEST_F(Delta, ARolloutThatHoldsTheVersionBeforePullsThePatchAndEndsBitExact) {
+  const std::string server = start_server();
+  Model model;
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  model.register_with(*trainer);
+  model.write(*trainer);  // the first version: nothing to patch against
+  ASSERT_TRUE(trainer->publish(1).ok());
+  EXPECT_EQ(trainer->stats().patches_published, 0u);
+
+  Engine engine;
+  auto rollout = open_or_fail(options_for(server, "rollout", "rollout"));
+  ASSERT_NE(rollout, nullptr);
+  engine.register_with(*rollout);
+  auto first = rollout->update();
+  ASSERT_TRUE(first.ok()) << first.error().detail;
+  ASSERT_TRUE(engine.holds(model));
+  EXPECT_EQ(rollout->stats().patch_reads, 0u) << "it held nothing: the bytes";
+  const std::uint64_t dense_bytes = rollout->stats().bytes_received;
+
+  for (Version version = 2; version <= 3; ++version) {
+    ASSERT_TRUE(trainer->unpublish().ok());
+    model.step();
+    model.write(*trainer);
+    ASSERT_TRUE(trainer->publish(version).ok());
+    EXPECT_EQ(trainer->stats().patches_published, version - 1);
+    const std::uint64_t received_before = rollout->stats().bytes_received;
+    auto updated = rollout->update();
+    ASSERT_TRUE(updated.ok()) << updated.error().detail;
+    EXPECT_TRUE(engine.holds(model)) << "version " << version << " is the trainer's, bit for bit";
+    const HandleStats stats = rollout->stats();
+    EXPECT_EQ(stats.patch_reads, version - 1);
+    EXPECT_EQ(stats.patch_reads_failed, 0u);
+    const std::uint64_t moved = stats.bytes_received - received_before;
+    // About 2 % of the weight's elements changed (positions and values) and the bias read whole.
+    EXPECT_LT(moved, dense_bytes / 8) << "a patch read pulled " << moved << " of " << dense_bytes << " bytes";
+  }
+
+  // The rollout's buffers written behind the server's back: the patch cannot make the version,
+  // which the rollout's checksums see; it then reads the bytes, and ends exact all the same.
+  ASSERT_TRUE(trainer->unpublish().ok());
+  model.step();
+  model.write(*trainer);
+  ASSERT_TRUE(trainer->publish(4).ok());
+  engine.weight[12345] ^= 0x40;
+  auto updated = rollout->update();
+  ASSERT_TRUE(updated.ok()) << updated.error().detail;
+  EXPECT_TRUE(engine.holds(model)) << "after a failed patch read, the bytes";
+  EXPECT_EQ(rollout->stats().patch_reads_failed, 1u);
+}
+
+TEST_F(Delta, WriteTensorRefusesWhatItCannotDoNamingTheTensor) {
+  const std::string server = start_server();
+  Model model;
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  model.register_with(*trainer);
+  Status unknown = trainer->write_tensor("layer.nope", model.weight_master.data(), DType::kFloat32);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.error().detail.find("layer.nope"), std::string::npos) << unknown.error().detail;
+  Status integer = trainer->write_tensor("layer.weight", model.weight_master.data(), DType::kInt32);
+  ASSERT_FALSE(integer.ok());
+  EXPECT_EQ(integer.error().code, Errc::kInvalidArgument);
+  model.write(*trainer);
+  ASSERT_TRUE(trainer->publish(1).ok());
+  Status published = trainer->write_tensor("layer.weight", model.weight_master.data(), DType::kFloat32);
+  ASSERT_FALSE(published.ok()) << "tensors change only while not published";
+  EXPECT_EQ(published.error().code, Errc::kAlreadyHolding);
+}
+
+}  // namespace
+}  // namespace th::e2e

@@ -142,6 +142,13 @@ std::string ClientMetrics::render() const {
   counter("th_client_servers_lost_total", "Control connections lost (each a failover or a reconnect)",
           &HandleStats::servers_lost);
   counter("th_client_memory_registrations_total", "NIC memory registrations made", &HandleStats::memory_registrations);
+  // Delta versions: of the bytes received, those of patch reads (the rest: versions read whole).
+  counter("th_client_patch_reads_total", "Versions received as a patch against the one held", &HandleStats::patch_reads);
+  counter("th_client_patch_received_bytes_total", "Bytes received by patch reads (patches, and tensors read whole)",
+          &HandleStats::patch_bytes_received);
+  counter("th_client_patch_reads_failed_total", "Patch reads that failed (the bytes were read next)",
+          &HandleStats::patch_reads_failed);
+  counter("th_client_patches_published_total", "Versions published with a patch", &HandleStats::patches_published);
   static_assert(kCalls == static_cast<std::size_t>(HandleMetrics::Call::kClose) + 1, "every call kind");
   return out.take();
 }

@@ -175,6 +175,19 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.family("th_server_slow_sources_passed_total", Type::kCounter,
              "Reads placed past a copy that receives at under half the reader's rate");
   out.sample({}, static_cast<double>(stats.slow_sources_passed));
+  // Delta versions (README "Delta versions"): how many reads moved a patch, not the bytes.
+  out.family("th_server_patches_published_total", Type::kCounter,
+             "Versions a replica published with a patch against the version before");
+  out.sample({}, static_cast<double>(stats.patches_published));
+  out.family("th_server_patch_reads_total", Type::kCounter,
+             "Reads placed as patch reads (a reader holding the version before, a holder of the patch)");
+  out.sample({}, static_cast<double>(stats.patch_reads_started));
+  out.family("th_server_patch_reads_failed_total", Type::kCounter,
+             "Patch reads that failed; each went on with the bytes");
+  out.sample({}, static_cast<double>(stats.patch_reads_failed));
+  out.family("th_server_patches_kept_total", Type::kCounter,
+             "Readers that applied a patch and serve it onwards");
+  out.sample({}, static_cast<double>(stats.patches_kept));
   out.family("th_server_copies_found_corrupt_total", Type::kCounter,
              "Copies whose bytes failed readers' checksums twice (their owners are told)");
   out.sample({}, static_cast<double>(stats.copies_found_corrupt));

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -40,21 +42,22 @@ std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
 // A model of two bfloat16 tensors (one of 4 MiB, one small, packed) trained with float32 master
 // weights: each step moves a few percent of the weights by more than bfloat16 resolves.
 struct Model {
-  std::vector<float> weight_master = std::vector<float>(2u << 20);
+  std::vector<float> weight_master;
   std::vector<float> bias_master = std::vector<float>(2048);
-  std::vector<std::uint16_t> weight = std::vector<std::uint16_t>(weight_master.size());
+  std::vector<std::uint16_t> weight;
   std::vector<std::uint16_t> bias = std::vector<std::uint16_t>(bias_master.size());
   std::mt19937_64 rng{7};
 
-  Model() {
+  explicit Model(std::size_t weights = 2u << 20) : weight_master(weights), weight(weights) {
     std::normal_distribution<float> normal(0.0f, 0.02f);
     for (float& w : weight_master) w = normal(rng);
     for (float& b : bias_master) b = normal(rng);
   }
-  // One step: 2 % of the weights move by about 1 %, every bias by a little (its patch is too big).
-  void step() {
+  // One step: 1 / `share` of the weights (2 % by default) move by about 1 %, every bias by a little
+  // (its patch is too big).
+  void step(std::size_t share = 50) {
     std::uniform_int_distribution<std::size_t> pick(0, weight_master.size() - 1);
-    for (std::size_t i = 0; i < weight_master.size() / 50; ++i) weight_master[pick(rng)] *= 1.01f;
+    for (std::size_t i = 0; i < weight_master.size() / share; ++i) weight_master[pick(rng)] *= 1.01f;
     for (float& b : bias_master) b += 0.01f;
   }
   void register_with(Handle& handle) {
@@ -70,6 +73,8 @@ struct Model {
 struct Engine {
   std::vector<std::uint16_t> weight = std::vector<std::uint16_t>(2u << 20);
   std::vector<std::uint16_t> bias = std::vector<std::uint16_t>(2048);
+  Engine() = default;
+  explicit Engine(const Model& like) : weight(like.weight.size()), bias(like.bias.size()) {}
   void register_with(Handle& handle) {
     ASSERT_TRUE(handle.register_tensor("layer.weight", weight.data(), weight.size() * 2, DType::kBFloat16).ok());
     ASSERT_TRUE(handle.register_tensor("layer.bias", bias.data(), bias.size() * 2, DType::kBFloat16).ok());
@@ -126,6 +131,66 @@ TEST_F(Delta, ARolloutThatHoldsTheVersionBeforePullsThePatchAndEndsBitExact) {
   ASSERT_TRUE(updated.ok()) << updated.error().detail;
   EXPECT_TRUE(engine.holds(model)) << "after a failed patch read, the bytes";
   EXPECT_EQ(rollout->stats().patch_reads_failed, 1u);
+}
+
+// A source that leaves in the middle of serving a patch: its grant is revoked at the drain grace
+// (the connection cut mid-read), the server moves the read, and the reader reads the patch again
+// from the other holder (the trainer, once its one slot is free), ending exact: the cut read wrote
+// nothing but tensors read whole, which the next read writes again. (Three rollouts, fan-out 1: r2,
+// holding nothing, reads the bytes slowly from the trainer, so that r0, which holds the version
+// before, reads the patch from r1, which applied it.)
+TEST_F(Delta, ASourceThatLeavesMidPatchIsReadAgainFromAnotherHolderExact) {
+  const std::string server = start_server({"--drain-grace-ms", "1000"});
+  Model model(512u << 10);
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  ASSERT_NE(trainer, nullptr);
+  model.register_with(*trainer);
+  model.write(*trainer);
+  ASSERT_TRUE(trainer->publish(1).ok());
+  Engine engine0(model), engine1(model), engine2(model);
+  ClientOptions slow0 = options_for(server, "r0", "rollout");
+  slow0.read_rate_bytes_per_s = 150'000;  // the patch takes about 2 s: r1 leaves within it
+  slow0.chunk_bytes = 32u << 10;          // asked for a piece at a time (not all in the socket at once)
+  auto r0 = open_or_fail(slow0);
+  auto r1 = open_or_fail(options_for(server, "r1", "rollout"));
+  ASSERT_TRUE(r0 != nullptr && r1 != nullptr);
+  engine0.register_with(*r0);
+  engine1.register_with(*r1);
+  ASSERT_TRUE(r0->update().ok());
+  ASSERT_TRUE(r1->update().ok());
+
+  ASSERT_TRUE(trainer->unpublish().ok());
+  model.step(4);  // a quarter of the weights change
+  model.write(*trainer);
+  ASSERT_TRUE(trainer->publish(2).ok());
+  ASSERT_TRUE(r1->update().ok());
+  ASSERT_EQ(r1->stats().patch_reads, 1u);
+  ClientOptions slow2 = options_for(server, "r2", "rollout");
+  slow2.read_rate_bytes_per_s = 150'000;
+  auto r2 = open_or_fail(slow2);
+  ASSERT_NE(r2, nullptr);
+  engine2.register_with(*r2);
+  auto whole = r2->update_async();  // takes the trainer's one slot for about 7 s
+  ASSERT_TRUE(whole.ok()) << whole.error().detail;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (r2->stats().reading_from != "trainer" && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(r2->stats().reading_from, "trainer");
+  auto patched = r0->update_async();
+  ASSERT_TRUE(patched.ok()) << patched.error().detail;
+  while (r0->stats().reading_from != "r1" && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(r0->stats().reading_from, "r1") << "r0 reads the patch from r1, which applied it";
+  r1.reset();  // leaves: its copy drains, and r0's grant is revoked within a second
+  auto done = patched.value()->wait();
+  ASSERT_TRUE(done.ok()) << done.error().detail;
+  EXPECT_TRUE(engine0.holds(model)) << "after the patch read was cut, exact";
+  EXPECT_EQ(done.value().source_replica, "trainer") << "the read moved off the replica that left";
+  EXPECT_EQ(r0->stats().patch_reads, 1u) << "the patch, from the other holder";
+  ASSERT_TRUE(whole.value()->wait().ok());
+  EXPECT_TRUE(engine2.holds(model));
 }
 
 TEST_F(Delta, WriteTensorRefusesWhatItCannotDoNamingTheTensor) {

@@ -205,6 +205,13 @@ class PyHandle {
     return value_or_raise(run([&] { return live().publish(version, reinterpret_cast<void*>(cuda_stream)); }));
   }
   void unpublish() { ok_or_raise(run([&] { return live().unpublish(); })); }
+  // Handle::write_tensor: the caller (tensorhub.Handle.write) checked that `data` holds the
+  // registered tensor's element count of `dtype`, in host memory.
+  void write_tensor(const std::string& name, std::uintptr_t data, const std::string& dtype) {
+    const std::optional<th::DType> parsed = th::parse_dtype(dtype);
+    if (!parsed) throw CallError{"invalid-argument", "unknown dtype '" + dtype + "'"};
+    ok_or_raise(run([&] { return live().write_tensor(name, reinterpret_cast<const void*>(data), *parsed); }));
+  }
   py::tuple replicate(const std::string& selector, th::TimeMs timeout_ms) {
     const th::ReplicateInfo info = value_or_raise(run([&] { return live().replicate(selector, timeout_ms); }));
     return py::make_tuple(info.version, info.source_replica);
@@ -296,6 +303,11 @@ class PyHandle {
     out["pulls_ipc"] = s.pulls_ipc;
     out["reads_resumed"] = s.reads_resumed;
     out["bytes_resumed"] = s.bytes_resumed;
+    out["patch_reads"] = s.patch_reads;
+    out["patch_bytes_received"] = s.patch_bytes_received;
+    out["patch_reads_failed"] = s.patch_reads_failed;
+    out["patches_published"] = s.patches_published;
+    out["patch_bytes_published"] = s.patch_bytes_published;
     out["gpu_registration"] = s.gpu_registration;
     return out;
   }
@@ -512,6 +524,7 @@ PYBIND11_MODULE(_core, module) {
       .def("forget", &PyHandle::forget)
       .def("publish", &PyHandle::publish, py::arg("version"), py::arg("cuda_stream") = 0)
       .def("unpublish", &PyHandle::unpublish)
+      .def("write_tensor", &PyHandle::write_tensor, py::arg("name"), py::arg("data"), py::arg("dtype"))
       .def("replicate", &PyHandle::replicate, py::arg("selector"), py::arg("timeout_ms"))
       .def("update", &PyHandle::update, py::arg("selector"))
       .def("receive", &PyHandle::receive, py::arg("kind"), py::arg("selector"), py::arg("timeout_ms"))

@@ -126,6 +126,13 @@ except ImportError:
     _TORCH_DTYPE_OF = {}
 
 
+# Bytes per element of each dtype name libthclient knows (core/include/tensorhub/types.h).
+_DTYPE_BYTES: Dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1, "float8_e5m2": 1, "float64": 8,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}
+
+
 def _describe(name: str, tensor: Any):
     """(address, bytes, dtype name, is_cuda, what to keep alive, shape) of a tensor-like object,
     or InvalidArgument."""
@@ -372,6 +379,27 @@ class Handle:
     def unpublish(self) -> None:
         """Withdraws the promise; returns when no reader reads these tensors any more."""
         self._core.unpublish()
+
+    def write(self, name: str, source: Any) -> None:
+        """Writes ``source`` (a CPU tensor or array of the registered tensor's element count: of
+        its dtype, or float32 into a bfloat16/float16 tensor, rounded to nearest even) into the
+        registered tensor ``name`` and records what changed against the version it held: the next
+        publish() sends rollouts that hold that version a patch instead of the whole tensor
+        (README "Delta versions"). Between unpublish() (or before the first publish) and
+        publish(); CPU tensors only for now."""
+        registered = self._tensors.get(name)
+        if registered is None:
+            raise InvalidArgument(f"write: no tensor '{name}' is registered")
+        address, size, dtype, cuda, keep, _ = _describe(name, source)
+        _, reg_size, reg_dtype, reg_cuda, _, _ = _describe(name, registered[0])
+        if cuda or reg_cuda:
+            raise InvalidArgument(f"write: tensor '{name}': patches of GPU tensors are not built yet "
+                                  "(copy into it and publish: it is read whole)")
+        if size * _DTYPE_BYTES[reg_dtype] != reg_size * _DTYPE_BYTES[dtype]:
+            raise InvalidArgument(f"write: tensor '{name}' holds {reg_size // _DTYPE_BYTES[reg_dtype]} elements, "
+                                  f"the source {size // _DTYPE_BYTES[dtype]}")
+        self._core.write_tensor(name, address, dtype)
+        del keep  # (alive until here: libthclient has read it)
 
     def replicate(self, selector: Union[str, int] = "latest", timeout: Optional[float] = None,
                   on_tensor: Optional[Callable[[str, Any], None]] = None) -> ReplicateInfo:

@@ -66,6 +66,40 @@ def test_a_mixed_state_dict_arrives_bit_exact(server):
         rollout.close()
 
 
+def test_a_trainer_that_writes_through_the_handle_sends_rollouts_patches(server):
+    # Delta versions: float32 master weights written into the bf16 published tensor through
+    # Handle.write; a rollout that holds the version before pulls a patch and ends bit-exact.
+    generator = torch.Generator().manual_seed(5)
+    master = torch.randn(512, 1024, generator=generator) * 0.02
+    published = {"layer.weight": torch.zeros(512, 1024, dtype=torch.bfloat16)}
+    engine = {"layer.weight": torch.zeros(512, 1024, dtype=torch.bfloat16)}
+    with handle(server, "trainer", role="trainer") as trainer, handle(server, "rollout", role="rollout") as rollout:
+        trainer.register_state_dict(published)
+        rollout.register_state_dict(engine)
+        trainer.write("layer.weight", master)
+        trainer.publish(1)
+        rollout.update()
+        assert torch.equal(engine["layer.weight"], published["layer.weight"])
+        for version in (2, 3):
+            trainer.unpublish()
+            changed = torch.rand(master.shape, generator=generator) < 0.02
+            master[changed] *= 1.01
+            trainer.write("layer.weight", master)
+            trainer.publish(version)
+            before = rollout.stats()["bytes_received"]
+            rollout.update()
+            assert torch.equal(engine["layer.weight"], published["layer.weight"])
+            assert torch.equal(engine["layer.weight"], master.to(torch.bfloat16))
+            assert rollout.stats()["patch_reads"] == version - 1
+            assert rollout.stats()["bytes_received"] - before < (1 << 20) // 8
+        assert trainer.stats()["patches_published"] == 2
+        with pytest.raises(tensorhub.InvalidArgument, match="elements"):
+            trainer.unpublish()
+            trainer.write("layer.weight", master[:10])
+        with pytest.raises(tensorhub.InvalidArgument, match="no tensor 'nope'"):
+            trainer.write("nope", master)
+
+
 def test_a_modules_own_parameters_are_written_in_place(server):
     torch.manual_seed(1)
     trained = torch.nn.Linear(64, 32)

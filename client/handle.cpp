@@ -777,8 +777,10 @@ Status Handle::Impl::write_tensor(std::string_view name, const void* source, DTy
       const Plan& current = plan();
       while (current.layout->tensors()[index].name != name) ++index;
       // The base: what the tensor held when the buffers last held a version whole (its layout
-      // unchanged since: registering again makes the checksums another layout's).
+      // unchanged since: registering again makes the checksums another layout's). A tensor
+      // written twice since no longer holds it: the second write records no patch (read whole).
       if (held && (held->second == nullptr || held->second->size() != current.layout->tensors().size())) held.reset();
+      if (written_patches_.contains(name)) held.reset();
     }
   });
   if (refused) return *refused;

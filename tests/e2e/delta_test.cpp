@@ -131,6 +131,20 @@ TEST_F(Delta, ARolloutThatHoldsTheVersionBeforePullsThePatchAndEndsBitExact) {
   ASSERT_TRUE(updated.ok()) << updated.error().detail;
   EXPECT_TRUE(engine.holds(model)) << "after a failed patch read, the bytes";
   EXPECT_EQ(rollout->stats().patch_reads_failed, 1u);
+
+  // A tensor written twice between publishes no longer holds the base when it is written the
+  // second time: that write records no patch, and the tensor is read whole (still exact).
+  ASSERT_TRUE(trainer->unpublish().ok());
+  model.step();
+  model.write(*trainer);
+  model.step();
+  model.write(*trainer);
+  ASSERT_TRUE(trainer->publish(5).ok());
+  EXPECT_EQ(trainer->stats().patches_published, 3u) << "nothing of version 5 has a patch";
+  updated = rollout->update();
+  ASSERT_TRUE(updated.ok()) << updated.error().detail;
+  EXPECT_TRUE(engine.holds(model)) << "after a failed patch read, the bytes";
+  EXPECT_EQ(rollout->stats().patch_reads_failed, 1u);
 }
 
 // A source that leaves in the middle of serving a patch: its grant is revoked at the drain grace

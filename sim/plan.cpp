@@ -136,6 +136,7 @@ SimOptions sim_options(const PlanSpec& spec, bool pipeline) {
   knobs.smart_skipping = spec.smart_skipping;
   knobs.rate_aware_sources = spec.rate_aware_sources;
   knobs.offload_seeding = spec.offload_seeding;
+  knobs.patch_percent = spec.changed_percent;
   knobs.heartbeat_timeout_ms = 10'000;  // th-server's default
   knobs.drain_grace_ms = std::llround(spec.drain_grace_s * 1000);
   knobs.delay_min_ms = std::max<TimeMs>(0, std::llround(spec.latency_ms));
@@ -517,7 +518,9 @@ Result<PlanReport> plan(const PlanSpec& spec) {
           << (spec.pipeline ? "on" : "off") << ", fan-out " << fanout_used(spec, spec.pipeline) << ", smart skipping "
           << (spec.smart_skipping ? "on" : "off") << ", rate-aware sources "
           << (spec.rate_aware_sources ? "on" : "off") << ", offload seeding "
-          << (spec.offload_seeding ? "on" : "off") << ", drain grace " << spec.drain_grace_s
+          << (spec.offload_seeding ? "on" : "off")
+          << (spec.changed_percent > 0 ? ", patches (" + std::to_string(spec.changed_percent) + " % of the weights change per version)" : std::string())
+          << ", drain grace " << spec.drain_grace_s
           << " s; data plane at x" << spec.efficiency
           << " of the NIC rate; stall = the rollout's update time until the version arrived, and a "
              "trainer's unpublish time (reads draining)";

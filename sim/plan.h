@@ -56,6 +56,10 @@ struct PlanSpec {
   bool smart_skipping = true;
   bool rate_aware_sources = true;
   bool offload_seeding = false;
+  // Delta versions: the percentage of the weights that change per version (0: all); trainers
+  // then publish patches and rollouts that hold the version before read them (README "Delta
+  // versions"). The baselines move whole versions.
+  std::uint32_t changed_percent = 0;
   double efficiency = 1.0;        // TensorHub's data plane (the paper measured 0.88 on RDMA)
   std::uint32_t fanout = 1;
   // th-server's --drain-grace-ms: a read still running this long after its trainer's unpublish is

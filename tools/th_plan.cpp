@@ -69,6 +69,10 @@ int main(int argc, char** argv) {
   app.add_flag("--no-rate-aware-sources", no_rate_aware_sources,
                "TensorHub without rate-aware source selection (th-server --no-rate-aware-sources)");
   app.add_flag("--offload-seeding", spec.offload_seeding, "TensorHub with offload seeding");
+  app.add_option("--changed-percent", spec.changed_percent,
+                 "delta versions: this percentage of the weights changes per version, and trainers publish "
+                 "patches (0: every weight changes; issue 35 measured 1-3 % at lr 1e-6)")
+      ->check(CLI::Range(0, 100));
   app.add_option("--efficiency", spec.efficiency,
                  "TensorHub's data plane, a fraction of the NIC rate (1; the paper measured 0.88)");
   app.add_option("--fanout", spec.fanout, "reads one source copy serves at once (1, th-server's default)");

@@ -74,13 +74,14 @@ void Handle::Impl::serve(const ServeRead& grant) {
   const Plan& current = plan();  // first: it may rebuild packed_
   if (grant.patch) {
     // A reader that holds the base: this shard's patches, and its tensors that have none, whole.
-    if (kept_patch_ == nullptr || kept_patch_->version != grant.version ||
-        kept_patch_->patches.size() != current.layout->tensors().size()) {
-      log(LogLevel::kWarning, "data", "asked to serve the patch of version " + std::to_string(grant.version) +
-                                          ", which this shard does not have (the reader is refused, and reads the bytes)");
-      return;
-    }
-    std::vector<net::ExposedRegion> regions = patch_regions(*kept_patch_, current, packed_.data());
+    // A shard that made no patch of the version its buffers hold (a stage whose weights did not
+    // change, while its peers' did) serves every tensor whole: the server announced it so.
+    KeptPatch none;
+    none.version = grant.version;
+    none.patches.resize(current.layout->tensors().size());
+    const bool kept = kept_patch_ != nullptr && kept_patch_->version == grant.version &&
+                      kept_patch_->patches.size() == current.layout->tensors().size();
+    std::vector<net::ExposedRegion> regions = patch_regions(kept ? *kept_patch_ : none, current, packed_.data());
     std::uint64_t total = 0;
     for (const net::ExposedRegion& region : regions) total += region.bytes;
     transport_->grant(key, grant.secret, std::move(regions), std::make_shared<net::Progress>(total));

@@ -728,10 +728,19 @@ Result<Version> Handle::Impl::publish(Version version, void* cuda_stream) {
     written_patches_.clear();  // a patch is of the version it was written for
     buffers_version_ = version;
     buffers_progress_ = std::make_shared<net::Progress>(current.layout->total_bytes());
+    // Before the call: the server may send a reader to it as soon as the publish completes,
+    // before this thread hears the answer.
+    kept_patch_ = kept;
   });
   const ChecksumsRef published = checksums;
   Outcome outcome = call(PublishRequest{version, current.layout, std::move(checksums), patch});
-  if (!std::holds_alternative<Error>(outcome)) {
+  if (std::holds_alternative<Error>(outcome)) {
+    // The buffers hold what was written, which is not the base any more, nor a version.
+    on_io([&] {
+      held_checksums_.reset();
+      kept_patch_.reset();
+    });
+  } else {
     on_io([&] { hold_verified(version, published, kept); });
     if (patch != nullptr) {
       std::uint64_t bytes = 0;

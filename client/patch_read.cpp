@@ -1,6 +1,7 @@
 #include "client/patch_read.h"
 
 #include <cstring>
+#include <new>
 #include <span>
 #include <utility>
 
@@ -65,11 +66,16 @@ PatchReadOutcome read_patch(net::DataTransport& transport, const StartRead& read
   kept->patches.resize(tensors.size());
   std::vector<net::LocalRegion> targets;
   for (std::size_t index = 0; index < tensors.size(); ++index) {
-    if (sizes[index] > tensors[index].bytes) {
-      return fail(ReadFailure::kSourceRefused, "the patch of tensor '" + tensors[index].name + "' is larger than it");
+    if (sizes[index] > patch_bytes_limit(tensors[index].bytes)) {  // (the server refuses such a publish)
+      return fail(ReadFailure::kSourceRefused, "the patch of tensor '" + tensors[index].name + "' is over 40 % of it");
     }
     if (sizes[index] != 0) {
-      kept->patches[index].resize(sizes[index]);
+      try {
+        kept->patches[index].resize(sizes[index]);
+      } catch (const std::bad_alloc&) {
+        return fail(ReadFailure::kPatchBaseMismatch, "no memory for the patch of tensor '" + tensors[index].name +
+                                                         "' (" + std::to_string(sizes[index]) + " bytes): reading the bytes");
+      }
       targets.push_back({kept->patches[index].data(), sizes[index], false});
     } else if (tensors[index].bytes > 0) {
       targets.push_back({plan.tensor_data[index], tensors[index].bytes, false});

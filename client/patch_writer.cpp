@@ -31,7 +31,8 @@ PatchWriter::PatchWriter(DType dtype, std::span<std::byte> published, std::uint6
     : dtype_(dtype),
       element_bytes_(dtype_bytes(dtype)),
       published_(published),
-      builder_(element_bytes_, published.size(), base_checksum, patch_bytes_max(published.size(), fraction_max)) {}
+      builder_(element_bytes_, published.size(), base_checksum,
+               std::min(patch_bytes_max(published.size(), fraction_max), patch_bytes_limit(published.size()))) {}
 
 void PatchWriter::write(DType source_dtype, const std::byte* source, std::uint64_t count) {
   const std::uint64_t elements = published_.size() / element_bytes_;

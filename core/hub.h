@@ -296,6 +296,8 @@ class Hub {
   bool reading_patch(const Copy& candidate, const Transfer& transfer) const;
   PatchSource patch_source(const Transfer& transfer, const std::function<bool(const Copy*)>& usable) const;
   void on_patch_read_failed(Transfer& transfer, ReadFailure reason);
+  // A shard finished a patch read under the current epoch.
+  void patch_read_done(Transfer& transfer);
   // A transfer completes: a reader whose every shard applied a patch keeps it, to serve onwards.
   void keep_patch(Copy& reader, const Transfer& transfer);
 

@@ -360,9 +360,9 @@ void Hub::on_publish(Replica& replica, Txn& txn, std::uint32_t shard, const Publ
   for (std::uint32_t s = 0; s < replica.num_shards; ++s) {
     if (copy.pending_layouts[s]) commit_checksums(record, *layout.value(), s, copy.pending_checksums[s]);
   }
+  commit_patches(copy);  // (reads pending_layouts)
   copy.pending_layouts.clear();
   copy.pending_checksums.clear();
-  commit_patches(copy);
   set_state(copy, CopyState::kComplete);
   on_copy_complete(copy);
   finish(replica, txn, txn.seeded_outcome.value_or(PublishOk{version}));

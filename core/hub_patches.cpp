@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/hub_internal.h"
+#include "core/patch.h"
 
 namespace th {
 
@@ -33,11 +34,12 @@ Status Hub::check_patch(const Replica& replica, Version version, std::uint32_t s
                                                   " sizes for " + std::to_string(tensors.size()) + " tensors");
   }
   for (std::size_t tensor = 0; tensor < tensors.size(); ++tensor) {
-    // A patch as large as the tensor saves nothing: the publisher leaves it out (size 0).
-    if (patch->tensor_bytes[tensor] >= tensors[tensor].bytes && patch->tensor_bytes[tensor] != 0) {
+    // Past 40 % a read of the bytes costs little more: the publisher leaves it out (size 0). The
+    // waits for a busy holder (patch_source) and every reader's memory count on the limit.
+    if (patch->tensor_bytes[tensor] > patch_bytes_limit(tensors[tensor].bytes)) {
       return make_error(Errc::kInvalidArgument,
                         at + "the patch of tensor '" + tensors[tensor].name + "' is " +
-                            std::to_string(patch->tensor_bytes[tensor]) + " bytes, not fewer than the tensor's " +
+                            std::to_string(patch->tensor_bytes[tensor]) + " bytes, more than 40 % of the tensor's " +
                             std::to_string(tensors[tensor].bytes));
     }
   }
@@ -47,13 +49,29 @@ Status Hub::check_patch(const Replica& replica, Version version, std::uint32_t s
 void Hub::commit_patches(Copy& copy) {
   TH_ASSERT(copy.state == CopyState::kPublishing && copy.patch.empty());
   const std::uint32_t shards = copy.owner->num_shards;
-  // All or nothing: a reader reads every shard's patch or none (a shard announced before a failover
-  // is not known to have one; the next server learns no patches).
-  bool whole = copy.pending_patches.size() == shards;
-  for (std::uint32_t shard = 0; whole && shard < shards; ++shard) {
-    whole = copy.pending_patches[shard] != nullptr && copy.pending_patches[shard]->base == copy.pending_patches[0]->base;
+  // A reader reads every shard's patch or none. A shard that announced none (a pipeline stage whose
+  // weights are frozen wrote nothing through a patch writer) is read whole within the patch read:
+  // its patch has no tensor's. Not after a failover, whose shards announced theirs to the old
+  // server; nor where two shards disagree on the base.
+  const PatchRef* first = nullptr;
+  bool agreed = copy.pending_patches.size() == shards && copy.pending_layouts.size() == shards;
+  for (std::uint32_t shard = 0; agreed && shard < shards; ++shard) {
+    const PatchRef& patch = copy.pending_patches[shard];
+    if (patch == nullptr) {
+      agreed = copy.pending_layouts[shard] != nullptr;
+    } else if (first == nullptr) {
+      first = &patch;
+    } else {
+      agreed = patch->base == (*first)->base;
+    }
   }
-  if (whole) {
+  if (agreed && first != nullptr) {
+    const Version base = (*first)->base;
+    for (std::uint32_t shard = 0; shard < shards; ++shard) {
+      if (copy.pending_patches[shard] != nullptr) continue;
+      copy.pending_patches[shard] = std::make_shared<const PatchInfo>(
+          PatchInfo{base, std::vector<std::uint64_t>(copy.pending_layouts[shard]->tensors().size(), 0)});
+    }
     copy.patch = std::move(copy.pending_patches);
     ++stats_.patches_published;
   }
@@ -87,9 +105,11 @@ bool Hub::reading_patch(const Copy& candidate, const Transfer& transfer) const {
 }
 
 // Among the copies `usable` allows: a holder of the reader's patch with a free slot, in the
-// reader's datacenter first; else, while one here is only busy (or still reading the patch), wait for it: a patch is at most
-// kPatchFractionMax of the bytes (client/patch_writer.h) and each reader that applies it serves it
-// too, so holders double while a read of the bytes would still be under way. Across datacenters
+// reader's datacenter first; else, while one here has its slots held by patch reads (or is still
+// reading the patch), wait for it: a patch is at most 40 % of the bytes (patch_bytes_limit) and
+// each reader that applies it serves it too, so holders double while a read of the bytes would
+// still be under way. A holder whose slot a read of the bytes holds may stay busy long: not waited
+// for. Across datacenters
 // only into a datacenter with no other copy, from a holder with a slot. None: choose as for the
 // bytes.
 Hub::PatchSource Hub::patch_source(const Transfer& transfer, const std::function<bool(const Copy*)>& usable) const {
@@ -106,7 +126,8 @@ Hub::PatchSource Hub::patch_source(const Transfer& transfer, const std::function
     if (reading_patch(*copy, transfer)) busy_here = true;  // a holder once its own read is done
     if (!holds_patch(*copy, transfer) || !usable(copy)) continue;
     if (!has_slot(*copy, false)) {
-      busy_here = true;
+      // Freed soon only if patch reads hold its slots; a read of the bytes may take long.
+      if (copy->patch_readers == copy->readers) busy_here = true;
       continue;
     }
     if (better(copy, best)) best = copy;
@@ -131,10 +152,14 @@ void Hub::on_patch_read_failed(Transfer& transfer, ReadFailure reason) {
     case ReadFailure::kPatchBaseMismatch:
       break;  // the reader's buffers changed since they held the base: the source is not at fault
     case ReadFailure::kChecksumMismatch:
+      // The patch did not make the version: made against other bytes than the base, damaged on its
+      // way, or applied to buffers written since they held the base (a reader cannot tell that
+      // without hashing them all). Twice, from two reads: the source serves the bytes only. Its
+      // bytes are not in doubt either way.
+      if (std::exchange(source.patch_suspect, true)) source.patch.clear();
+      break;
     case ReadFailure::kSourceRefused:
-      // The patch did not make the version (made against other bytes than the base, damaged on its
-      // way), or the source no longer has it: it serves the bytes only. Its bytes are not in doubt.
-      source.patch.clear();
+      source.patch.clear();  // it no longer has the patch
       break;
     case ReadFailure::kSourceUnreachable:
       set_failed(source);
@@ -142,6 +167,11 @@ void Hub::on_patch_read_failed(Transfer& transfer, ReadFailure reason) {
   }
   // Whatever went wrong, the rest of this transfer reads the bytes: the buffers may be partly patched.
   transfer.patch_base.reset();
+}
+
+void Hub::patch_read_done(Transfer& transfer) {
+  // A patch that made the version once is not the suspect of a reader that could not use it.
+  if (transfer.patch && transfer.source != nullptr) transfer.source->patch_suspect = false;
 }
 
 void Hub::keep_patch(Copy& reader, const Transfer& transfer) {

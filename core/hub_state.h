@@ -138,6 +138,12 @@ struct Copy {
   // Per shard, the patch of the version against an earlier one that this copy serves (it published
   // or applied it; README "Delta versions"); empty: none. Only a complete primary copy has one.
   std::vector<PatchRef> patch;
+  // Of `readers`, those reading its patch (short reads: a reader that can read the patch waits
+  // for such a holder's slot, not for one that a read of the bytes holds).
+  std::uint32_t patch_readers = 0;
+  // A reader found that the patch did not make the version. A second one drops the patch: one
+  // reader whose buffers were written behind the server's back must not cost everyone theirs.
+  bool patch_suspect = false;
   Contribution counted;            // what this copy currently adds to record/model counters
   std::size_t index_in_record = 0;  // position in record->copies, for O(1) removal
 };

@@ -519,6 +519,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   if (transfer.patch) {
     transfer.patch_epochs = transfer.epoch;
     transfer.patch_read = source.patch;
+    ++source.patch_readers;
     ++stats_.patch_reads_started;
   } else {
     transfer.patch_base.reset();
@@ -639,6 +640,10 @@ void Hub::detach_source(Transfer& transfer) {
   }
   transfer.started.reset();
   transfer.reshard = false;
+  if (transfer.patch) {
+    TH_ASSERT(source->patch_readers > 0);
+    --source->patch_readers;
+  }
   transfer.patch = false;
   transfer.source = nullptr;
   count_reader(*source, transfer, -1);
@@ -833,6 +838,7 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
     transfer.started.reset(shard);
   }
   if (done.epoch <= transfer.patch_epochs) transfer.patched.set(shard);
+  if (done.epoch == transfer.epoch) patch_read_done(transfer);
   reader.ready.set(shard);
   if (reader.ready.count() == replica.num_shards) complete_transfer(transfer);
 }

@@ -204,11 +204,13 @@ void Hub::check_invariants() const {
     // ---- copies ----
     // Counted from the transfers: all of a copy's readers, and those in another datacenter.
     std::unordered_map<const Copy*, std::pair<std::uint32_t, std::uint32_t>> readers_of;
+    std::unordered_map<const Copy*, std::uint32_t> patch_readers_of;
     for (const auto& [id, transfer] : model.transfers) {
       if (transfer->source == nullptr) continue;
       const bool across = transfer->source->owner->dc != transfer->reader->owner->dc;
       TH_ASSERT(transfer->cross_dc == across, "transfer", id, "says it reads across datacenters:", transfer->cross_dc);
       ++readers_of[transfer->source].first;
+      patch_readers_of[transfer->source] += transfer->patch ? 1 : 0;
       readers_of[transfer->source].second += across;
     }
     for (const auto& [id, copy_ptr] : model.copies) {
@@ -264,6 +266,9 @@ void Hub::check_invariants() const {
                     "copy", id, "has a patch of its version against one earlier version");
         }
       }
+      const auto counted_patch_readers = patch_readers_of.find(&copy);
+      TH_ASSERT(copy.patch_readers == (counted_patch_readers == patch_readers_of.end() ? 0 : counted_patch_readers->second),
+                "patch reader count of copy", id, ":", copy.patch_readers);
       if (copy.awaiting_offload != 0) {
         TH_ASSERT(copy.state == CopyState::kDraining && copy.readers == 0);
         auto offload = model.copies.find(copy.awaiting_offload);

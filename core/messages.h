@@ -161,8 +161,10 @@ struct Request {
 
 // ---- Reports: data-plane facts, idempotent, not part of transactions ---------------------------------
 
-// kPatchBaseMismatch: told to read a patch, the shard found its buffers were not the patch's base
-// (written since they held it); it wrote nothing. The read goes on without a patch.
+// kPatchBaseMismatch: told to read a patch, the shard cannot apply it to what its buffers hold (they
+// are not the patch's base as far as it knows, or it cannot apply patches: GPU tensors, no
+// memory). Nothing it patched changed; tensors read whole may be partly written, and the read of
+// the bytes that follows writes them again. The source is not at fault.
 enum class ReadFailure : std::uint8_t { kSourceUnreachable, kChecksumMismatch, kSourceRefused, kPatchBaseMismatch };
 std::string_view read_failure_name(ReadFailure failure);  // "source-unreachable", ...
 

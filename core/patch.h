@@ -34,6 +34,13 @@
 namespace th {
 
 inline constexpr std::uint64_t kPatchBlockBytes = std::uint64_t{1} << 20;
+
+// The largest patch of a tensor of `tensor_bytes` anyone makes, serves or reads: 2/5 (40 %) of it.
+// Past that a read of the bytes costs little more, and the holders of a patch would keep that much
+// besides their weights. The hub refuses a publish that announces more (Hub::check_patch).
+constexpr std::uint64_t patch_bytes_limit(std::uint64_t tensor_bytes) {
+  return tensor_bytes / 5 * 2 + tensor_bytes % 5 * 2 / 5;
+}
 inline constexpr std::size_t kPatchHeaderBytes = 40;
 inline constexpr std::size_t kPatchSectionHeaderBytes = 9;
 

@@ -133,9 +133,10 @@ _DTYPE_BYTES: Dict[str, int] = {
 }
 
 
-def _describe(name: str, tensor: Any):
+def _describe(name: str, tensor: Any, writable: bool = True):
     """(address, bytes, dtype name, is_cuda, what to keep alive, shape) of a tensor-like object,
-    or InvalidArgument."""
+    or InvalidArgument. ``writable``: libthclient writes it (a registered tensor), so a read-only
+    buffer is refused."""
     if _torch is not None and isinstance(tensor, _torch.Tensor):
         if tensor.layout != _torch.strided:
             raise InvalidArgument(f"tensor '{name}' is {tensor.layout}: only dense (strided) tensors")
@@ -153,7 +154,7 @@ def _describe(name: str, tensor: Any):
         if _torch is None:
             raise InvalidArgument(f"tensor '{name}': a __dlpack__ object needs torch to be registered")
         try:
-            return _describe(name, _torch.utils.dlpack.from_dlpack(tensor))
+            return _describe(name, _torch.utils.dlpack.from_dlpack(tensor), writable)
         except (RuntimeError, TypeError, BufferError) as error:
             raise InvalidArgument(f"tensor '{name}': cannot take its __dlpack__: {error}") from None
     try:
@@ -164,7 +165,7 @@ def _describe(name: str, tensor: Any):
     # closed, under libthclient meanwhile.
     if not view.c_contiguous:
         raise InvalidArgument(f"tensor '{name}' is not C-contiguous")
-    if view.readonly:
+    if view.readonly and writable:
         raise InvalidArgument(f"tensor '{name}' is read-only: replicate() writes into registered tensors")
     dtype = _BUFFER_DTYPES.get(view.format.lstrip("@=<"))
     if dtype is None or (dtype == "int64" and view.itemsize != 8):
@@ -173,6 +174,13 @@ def _describe(name: str, tensor: Any):
     if view.nbytes == 0:
         return 0, 0, dtype, False, view, shape
     import ctypes
+    if view.readonly:  # (a source write() only reads)
+        try:
+            import numpy
+        except ImportError:
+            raise InvalidArgument(f"'{name}': a read-only source is taken through numpy, which is not installed") from None
+        array = numpy.frombuffer(view, dtype=numpy.uint8)
+        return array.ctypes.data, view.nbytes, dtype, False, (view, array), shape
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return address, view.nbytes, dtype, False, view, shape
 
@@ -390,7 +398,7 @@ class Handle:
         registered = self._tensors.get(name)
         if registered is None:
             raise InvalidArgument(f"write: no tensor '{name}' is registered")
-        address, size, dtype, cuda, keep, _ = _describe(name, source)
+        address, size, dtype, cuda, keep, _ = _describe(name, source, writable=False)
         _, reg_size, reg_dtype, reg_cuda, _, _ = _describe(name, registered[0])
         if cuda or reg_cuda:
             raise InvalidArgument(f"write: tensor '{name}': patches of GPU tensors are not built yet "

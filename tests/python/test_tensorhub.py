@@ -93,6 +93,11 @@ def test_a_trainer_that_writes_through_the_handle_sends_rollouts_patches(server)
             assert rollout.stats()["patch_reads"] == version - 1
             assert rollout.stats()["bytes_received"] - before < (1 << 20) // 8
         assert trainer.stats()["patches_published"] == 2
+        trainer.unpublish()
+        frozen = master.numpy().copy()
+        frozen.setflags(write=False)  # a read-only source is only read
+        trainer.write("layer.weight", frozen)
+        trainer.publish(4)
         with pytest.raises(tensorhub.InvalidArgument, match="elements"):
             trainer.unpublish()
             trainer.write("layer.weight", master[:10])

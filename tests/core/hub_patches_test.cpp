@@ -3,6 +3,7 @@
 // model of the buffers over random fleets; these pin each rule by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,43 @@ TEST_F(HubPatches, OneReaderFailingAPatchDoesNotTakeItFromEveryone) {
   driver_.report(rollouts_.at(1), TransferFailed{second.transfer, second.epoch, ReadFailure::kChecksumMismatch});
   const StartRead third = take_read(1);
   EXPECT_EQ(third.patch, nullptr) << "two are";
+}
+
+// A pipeline stage whose weights are frozen writes nothing through a patch writer: its shard
+// announces no patch while its peers do. Readers still read the patch, that shard's tensors whole.
+TEST(HubPatchesSharded, AShardWithoutAPatchIsReadWholeWithinThePatchRead) {
+  Driver driver;
+  ReplicaSpec trainer_spec;
+  trainer_spec.name = "t";
+  trainer_spec.role = "trainer";
+  trainer_spec.num_shards = 2;
+  ReplicaSpec rollout_spec;
+  rollout_spec.name = "r";
+  rollout_spec.num_shards = 2;
+  const std::vector<ClientId> trainer = driver.open_replica(trainer_spec);
+  const std::vector<ClientId> rollout = driver.open_replica(rollout_spec);
+  driver.publish(trainer, 1);
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(rollout[shard], UpdateRequest{Selector::latest(), layout_for(shard)});
+  driver.finish_reads(rollout);
+  ASSERT_TRUE(is<UpdateOk>(driver.replies(rollout)));
+  driver.call_all(trainer, UnpublishRequest{});
+  ASSERT_TRUE(is<UnpublishOk>(driver.replies(trainer)));
+  const LayoutRef layout0 = layout_for(0);
+  PatchInfo info{1, std::vector<std::uint64_t>(layout0->tensors().size(), 0)};
+  info.tensor_bytes.back() = 1;
+  driver.call(trainer[0], PublishRequest{2, layout0, checksums_for(2, 0), std::make_shared<const PatchInfo>(info)});
+  driver.call(trainer[1], PublishRequest{2, layout_for(1), checksums_for(2, 1), nullptr});
+  ASSERT_TRUE(is<PublishOk>(driver.replies(trainer)));
+  for (std::uint32_t shard = 0; shard < 2; ++shard) driver.call(rollout[shard], UpdateRequest{Selector::latest(), layout_for(shard)});
+  for (std::uint32_t shard = 0; shard < 2; ++shard) {
+    const auto& reads = driver.inbox(rollout[shard]).reads;
+    ASSERT_EQ(reads.size(), 1u);
+    const PatchRef& patch = reads.begin()->second.patch;
+    ASSERT_NE(patch, nullptr) << "shard " << shard;
+    EXPECT_EQ(patch->base, 1u);
+    const std::uint64_t patched = std::count_if(patch->tensor_bytes.begin(), patch->tensor_bytes.end(), [](std::uint64_t b) { return b != 0; });
+    EXPECT_EQ(patched, shard == 0 ? 1u : 0u) << "shard 1 announced none: every tensor of it whole";
+  }
 }
 
 TEST_F(HubPatches, APublishRefusesAPatchOverFortyPercentOfItsTensorNamingIt) {

@@ -208,13 +208,8 @@ void Handle::Impl::run_read(ReadJob& job) {
   for (const net::ExposedRegion& region : regions_of(plan, job.packed)) {
     targets.push_back({const_cast<std::byte*>(region.base), region.bytes, region.on_device});
   }
-  net::PullOptions pull_options;
-  pull_options.chunk_bytes = options_.chunk_bytes;
+  net::PullOptions pull_options = pull_options_for_reads();
   pull_options.partial = job.read.source.partial;
-  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
-  pull_options.streams = options_.data_streams;
-  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
-  pull_options.staging = pull_staging_;
   if (plan.gpu != nullptr && options_.cuda_ipc) {
     if (ipc_importer_ == nullptr) ipc_importer_ = make_ipc_importer(plan.gpu_device);
     pull_options.ipc = ipc_importer_;
@@ -352,6 +347,16 @@ void Handle::Impl::run_read(ReadJob& job) {
   });
 }
 
+net::PullOptions Handle::Impl::pull_options_for_reads() const {
+  net::PullOptions options;
+  options.chunk_bytes = options_.chunk_bytes;
+  options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
+  options.streams = options_.data_streams;
+  options.io_timeout_ms = static_cast<int>(data_timeout_ms());
+  options.staging = pull_staging_;
+  return options;
+}
+
 void Handle::Impl::hold_verified(Version version, ChecksumsRef checksums, std::shared_ptr<KeptPatch> kept) {
   if (!buffers_version_ || *buffers_version_ != version || checksums == nullptr) return;  // moved on since
   held_checksums_ = {version, std::move(checksums)};
@@ -361,12 +366,7 @@ void Handle::Impl::hold_verified(Version version, ChecksumsRef checksums, std::s
 // A patch read (client/patch_read.h): nothing of it is handed out before every tensor verified, as
 // for a read across layouts, and the patch is kept to serve onwards.
 void Handle::Impl::run_patch_read(ReadJob& job) {
-  net::PullOptions pull_options;
-  pull_options.chunk_bytes = options_.chunk_bytes;
-  pull_options.rate_bytes_per_s = options_.read_rate_bytes_per_s;
-  pull_options.streams = options_.data_streams;
-  pull_options.io_timeout_ms = static_cast<int>(data_timeout_ms());
-  pull_options.staging = pull_staging_;
+  const net::PullOptions pull_options = pull_options_for_reads();
   {
     std::lock_guard lock(stats_mutex_);
     stats_.reading_from = job.read.source.replica;

@@ -185,6 +185,8 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_reshard_read(ReadJob& job);
   // run_read's for a patch (StartRead::patch set; client/patch_read.h).
   void run_patch_read(ReadJob& job);
+  // What every read of the buffers pulls with (chunks, rate, streams, timeout, staging).
+  net::PullOptions pull_options_for_reads() const;
   // A read into the buffers verified `version` whole (I/O thread): what they hold, to patch next.
   void hold_verified(Version version, ChecksumsRef checksums, std::shared_ptr<KeptPatch> kept);
   void complete_call(std::uint64_t call_id, Outcome outcome);

@@ -1286,7 +1286,6 @@ class Simulation {
       return;
     }
     if (flow.reshard) return advance_reshard(flow);
-    if (flow.read.patch != nullptr) return advance_patch(flow);
     if (flow.source < 0 || !workers_[flow.source].alive) {
       flow.fail_at = now_ + kReadTimeoutMs;  // the reader waits out a dead source
       return;
@@ -1296,7 +1295,7 @@ class Simulation {
     // The source's data server serves only under a grant for this transfer and epoch.
     auto grant = source.grants.find({read.transfer, read.epoch});
     const bool granted = grant != source.grants.end() && grant->second.version == read.version &&
-                         grant->second.kind == read.source.kind;
+                         grant->second.kind == read.source.kind && grant->second.patch == (read.patch != nullptr);
     if (!granted) {
       if (flow.granted || now_ - flow.started_ms >= kGrantGraceMs) {
         flow.fail_at = now_;
@@ -1324,6 +1323,11 @@ class Simulation {
     }
     if (flow.source == flow.reader && plan_ != nullptr && plan_->local_copy_bytes_per_ms > 0) {
       rate = static_cast<double>(plan_->local_copy_bytes_per_ms);  // over PCIe, not the NIC
+    }
+    if (read.patch != nullptr) {
+      flow.progress = std::min(total, flow.progress + rate * kDataTickMs);
+      if (flow.progress >= total) finish_patch(flow, source);
+      return;
     }
     // What the source can give: all of an offload copy; of its buffers, the prefix it holds of the
     // version (a partial source: what it has received so far). A buffer that holds another version
@@ -1389,39 +1393,13 @@ class Simulation {
     finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
   }
 
-  // A patch read (StartRead::patch, from a complete copy that has the patch): the patch's bytes
-  // move at the flow's rate; then, as a real client does, the reader checks that its buffers hold
-  // the patch's base (nothing is written otherwise), applies it, reads the tensors without one
-  // whole, and verifies the version's checksums.
-  void advance_patch(Flow& flow) {
+  // A patch read (StartRead::patch, from a complete copy that has the patch), once its bytes moved
+  // at the flow's rate: as a real client does, the reader checks that its buffers hold the patch's
+  // base (nothing is written otherwise), applies it, reads the tensors without one whole, and
+  // verifies the version's checksums.
+  void finish_patch(Flow& flow, const Worker& source) {
     Worker& reader = workers_[flow.reader];
     const StartRead& read = flow.read;
-    if (flow.source < 0 || !workers_[flow.source].alive) {
-      flow.fail_at = now_ + kReadTimeoutMs;
-      return;
-    }
-    Worker& source = workers_[flow.source];
-    auto grant = source.grants.find({read.transfer, read.epoch});
-    const bool granted = grant != source.grants.end() && grant->second.version == read.version &&
-                         grant->second.kind == read.source.kind && grant->second.patch;
-    if (!granted) {
-      if (flow.granted || now_ - flow.started_ms >= kGrantGraceMs) {
-        flow.fail_at = now_;
-        flow.fail_reason = ReadFailure::kSourceRefused;
-      }
-      return;
-    }
-    flow.granted = true;
-    if (flow.fail_at_progress >= 0 && flow.progress >= flow.fail_at_progress) {
-      flow.fail_at = now_ + rng_.range(0, kReadTimeoutMs);
-      return;
-    }
-    double rate = std::min(bandwidth(source) / uploads_[flow.source], download_bandwidth(reader) / downloads_[flow.reader]);
-    if (flow.remote && knobs_.remote_bytes_per_ms > 0) {
-      rate = std::min(rate, static_cast<double>(knobs_.remote_bytes_per_ms) / remote_flows_);
-    }
-    flow.progress = std::min(flow.total, flow.progress + rate * kDataTickMs);
-    if (flow.progress < flow.total) return;
     const std::string who = replica_of(flow.reader).name + "/" + std::to_string(reader.shard);
     // The hub places a patch read only with a holder of that patch, of a complete copy.
     if (!source.patch || source.patch->version != read.version || source.patch->base != read.patch->base ||

@@ -14,30 +14,13 @@
 #include <vector>
 
 #include "fixture.h"
+#include "in_process.h"
 #include "tensorhub/client.h"
 
 namespace th::e2e {
 namespace {
 
 class Delta : public ProcessTest {};
-
-ClientOptions options_for(const std::string& server, const std::string& replica, const std::string& role) {
-  ClientOptions options;
-  options.servers = {server};
-  options.token = kToken;
-  options.model = "m";
-  options.replica = replica;
-  options.role = role;
-  options.open_timeout_ms = kStepMs;
-  options.data_listen = "127.0.0.1:0";
-  return options;
-}
-
-std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
-  auto handle = Handle::open(options);
-  EXPECT_TRUE(handle.ok()) << handle.error().detail;
-  return handle.ok() ? std::move(handle).value() : nullptr;
-}
 
 // A model of two bfloat16 tensors (one of 4 MiB, one small, packed) trained with float32 master
 // weights: each step moves a few percent of the weights by more than bfloat16 resolves.

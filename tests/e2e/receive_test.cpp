@@ -16,6 +16,7 @@
 
 #include "client/receive.h"
 #include "fixture.h"
+#include "in_process.h"
 #include "tensorhub/client.h"
 
 namespace th::e2e {
@@ -61,24 +62,6 @@ struct Shard {
     }
   }
 };
-
-ClientOptions options_for(const std::string& server, const std::string& replica, const std::string& role) {
-  ClientOptions options;
-  options.servers = {server};
-  options.token = kToken;
-  options.model = "m";
-  options.replica = replica;
-  options.role = role;
-  options.open_timeout_ms = kStepMs;
-  options.data_listen = "127.0.0.1:0";
-  return options;
-}
-
-std::unique_ptr<Handle> open_or_fail(const ClientOptions& options) {
-  auto handle = Handle::open(options);
-  EXPECT_TRUE(handle.ok()) << handle.error().detail;
-  return handle.ok() ? std::move(handle).value() : nullptr;
-}
 
 // A reader at 4 MB/s: the shard's 8.4 MB take about 2 s.
 constexpr std::uint64_t kSlowBytesPerSecond = 4'000'000;

@@ -393,24 +393,34 @@ void Handle::Impl::run_patch_read(ReadJob& job) {
   }
   {
     std::lock_guard lock(stats_mutex_);
+    ++(outcome.failure ? stats_.patch_reads_failed : stats_.patch_reads);
+    if (!outcome.failure) stats_.patch_bytes_received += outcome.bytes_read;
+  }
+  finish_whole_read(job, outcome.failure, outcome.bytes_read, seconds, nullptr, std::move(outcome.kept));
+}
+
+void Handle::Impl::finish_whole_read(const ReadJob& job, std::optional<ReadFailure> failure, std::uint64_t bytes,
+                                     double seconds, ChecksumsRef assembled, std::shared_ptr<KeptPatch> kept) {
+  {
+    std::lock_guard lock(stats_mutex_);
     stats_.reading_from.clear();
-    stats_.bytes_received += outcome.bytes_read;
-    if (outcome.failure) {
+    stats_.bytes_received += bytes;
+    if (failure) {
       ++stats_.reads_failed;
-      ++stats_.patch_reads_failed;
-      if (*outcome.failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
+      if (*failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
     } else {
-      ++stats_.patch_reads;
-      stats_.patch_bytes_received += outcome.bytes_read;
-      stats_.last_read_bytes = outcome.bytes_read;
+      stats_.last_read_bytes = bytes;
       stats_.last_pull_seconds = seconds;
       stats_.last_read_seconds = seconds;
     }
   }
-  if (!outcome.failure) job.progress->advance_to(job.plan.layout->total_bytes());
-  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, outcome.failure}, version = job.read.version,
-         checksums = job.read.checksums, kept = std::move(outcome.kept)]() mutable {
-    if (!finished.failure) hold_verified(version, checksums, std::move(kept));
+  if (!failure) job.progress->advance_to(job.plan.layout->total_bytes());
+  // The buffers hold the version whole: its checksums (as assembled, after a read across layouts)
+  // are the base of the next patch.
+  ChecksumsRef held = assembled != nullptr ? assembled : job.read.checksums;
+  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, failure, failure ? nullptr : assembled},
+         version = job.read.version, held = std::move(held), kept = std::move(kept)]() mutable {
+    if (!finished.failure) hold_verified(version, held, std::move(kept));
     step(finished);
   });
 }
@@ -446,26 +456,7 @@ void Handle::Impl::run_reshard_read(ReadJob& job) {
         "version " + std::to_string(job.read.version) + " from " + job.read.source.replica +
             " (another layout, " + std::to_string(job.read.reshard.size()) + " shards): " + outcome.detail);
   }
-  {
-    std::lock_guard lock(stats_mutex_);
-    stats_.reading_from.clear();
-    stats_.bytes_received += outcome.bytes_read;
-    if (outcome.failure) {
-      ++stats_.reads_failed;
-      if (*outcome.failure == ReadFailure::kChecksumMismatch) ++stats_.checksum_failures;
-    } else {
-      stats_.last_read_bytes = outcome.bytes_read;
-      stats_.last_pull_seconds = seconds;
-      stats_.last_read_seconds = seconds;
-    }
-  }
-  if (!outcome.failure) job.progress->advance_to(job.plan.layout->total_bytes());
-  on_io([this, finished = ReadFinished{job.read.transfer, job.read.epoch, outcome.failure,
-                                       outcome.failure ? nullptr : outcome.checksums},
-         version = job.read.version] {
-    if (!finished.failure) hold_verified(version, finished.checksums, nullptr);
-    step(finished);
-  });
+  finish_whole_read(job, outcome.failure, outcome.bytes_read, seconds, outcome.checksums, nullptr);
 }
 
 void Handle::Impl::start_offload(Version version) {

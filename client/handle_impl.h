@@ -185,6 +185,11 @@ class Handle::Impl : private kj::TaskSet::ErrorHandler {
   void run_reshard_read(ReadJob& job);
   // run_read's for a patch (StartRead::patch set; client/patch_read.h).
   void run_patch_read(ReadJob& job);
+  // The end of a read handed out only once whole (across layouts, or a patch): stats, progress,
+  // what the buffers hold, and the agent's ReadFinished. `assembled`: after a read across
+  // layouts, the checksums of what landed.
+  void finish_whole_read(const ReadJob& job, std::optional<ReadFailure> failure, std::uint64_t bytes, double seconds,
+                         ChecksumsRef assembled, std::shared_ptr<KeptPatch> kept);
   // What every read of the buffers pulls with (chunks, rate, streams, timeout, staging).
   net::PullOptions pull_options_for_reads() const;
   // A read into the buffers verified `version` whole (I/O thread): what they hold, to patch next.

@@ -63,6 +63,14 @@ class HubPatches : public ::testing::Test {
     ASSERT_TRUE(is<UpdateOk>(outcome)) << (outcome ? describe(*outcome) : "no reply");
     EXPECT_EQ(std::get<UpdateOk>(*outcome).version, std::optional<Version>(version));
   }
+  // r0 and r1 hold version 1 whole (read before any patch), and the trainer published 2 with a
+  // patch against 1.
+  void both_hold_one_then_two_is_patched() {
+    publish(1, nullptr);
+    read_version(0, 1);
+    read_version(1, 1);
+    publish(2, patch_against(1));
+  }
   void read_version(std::size_t rollout, Version version) {
     update(rollout);
     finish(rollout, take_read(rollout), version);
@@ -124,10 +132,7 @@ TEST_F(HubPatches, AFailedPatchReadGoesOnWithTheBytes) {
 // A source that no longer has its patch (it refused the read) serves no more patch reads; its bytes
 // are not in doubt.
 TEST_F(HubPatches, APatchItsSourceRefusedIsNotServedAgain) {
-  publish(1, nullptr);
-  read_version(0, 1);
-  read_version(1, 1);
-  publish(2, patch_against(1));
+  both_hold_one_then_two_is_patched();
   update(0);
   const StartRead first = take_read(0);
   ASSERT_NE(first.patch, nullptr);
@@ -144,10 +149,7 @@ TEST_F(HubPatches, APatchItsSourceRefusedIsNotServedAgain) {
 // With the only holder busy (fan-out 1, the default), a reader that can read the patch waits for it (a patch is a small
 // part of the bytes) and then reads it from the first reader, which applied and kept it.
 TEST_F(HubPatches, AReaderWaitsForABusyHolderAndReadsThePatchFromThoseThatAppliedIt) {
-  publish(1, nullptr);
-  read_version(0, 1);
-  read_version(1, 1);
-  publish(2, patch_against(1));
+  both_hold_one_then_two_is_patched();
   update(0);
   const StartRead first = take_read(0);
   ASSERT_NE(first.patch, nullptr);
@@ -183,10 +185,7 @@ TEST_F(HubPatches, AReaderDoesNotWaitForAHolderThatServesTheBytes) {
 // A patch that failed its checksums once may have met a reader whose buffers were written behind
 // the server's back: the holder keeps serving it until a second reader fails with it.
 TEST_F(HubPatches, OneReaderFailingAPatchDoesNotTakeItFromEveryone) {
-  publish(1, nullptr);
-  read_version(0, 1);
-  read_version(1, 1);
-  publish(2, patch_against(1));
+  both_hold_one_then_two_is_patched();
   update(0);
   const StartRead first = take_read(0);
   ASSERT_NE(first.patch, nullptr);

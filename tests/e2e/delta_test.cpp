@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <sstream>
+#include <utility>
 #include <thread>
 #include <chrono>
 #include <string>
@@ -189,6 +191,100 @@ TEST_F(Delta, ASourceThatLeavesMidPatchLeavesTheReaderExact) {
   EXPECT_EQ(r0->stats().patch_reads, 0u);
   ASSERT_TRUE(whole.value()->wait().ok());
   EXPECT_TRUE(engine2.holds(model));
+}
+
+// Worker processes whose bytes change in one version of ten (th-e2e-worker --change-period): the
+// trainer publishes version 2 with patches against version 1. A patch read is slowed to take a
+// second or more, so that it is in flight when the test kills something.
+const std::vector<std::string> kPatchedShape = {"--tensors", "2", "--tensor-bytes", "262144", "--change-period", "10"};
+std::vector<std::string> patched_shape(std::vector<std::string> more = {}) {
+  more.insert(more.begin(), kPatchedShape.begin(), kPatchedShape.end());
+  return more;
+}
+
+// "patch-stats reads R failed F patch_bytes P bytes B" → {R, F}.
+std::pair<std::uint64_t, std::uint64_t> patch_reads_of(const std::string& line) {
+  std::istringstream words(line);
+  std::string word;
+  std::uint64_t reads = 0, failed = 0;
+  words >> word >> word >> reads >> word >> failed;
+  return {reads, failed};
+}
+
+// A source killed (kill -9) while it serves a patch: the reader's read is cut mid-patch, no tensor
+// it patches was written (a patch is applied once whole), and it ends bit-exact on version 2 from
+// the other holder.
+TEST_F(Delta, ASourceKilledMidPatchLeavesTheReaderExact) {
+  const std::string server = start_server();
+  Process& trainer = worker({server}, "trainer", patched_shape(), {"publish:1", "wait-line", "unpublish", "publish:2", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& first = worker({server}, "rollout-a", patched_shape(),
+                          {"replicate:latest", "verify", "wait-line", "update:latest", "verify", "patch-stats", "wait-line"});
+  EXPECT_EQ(expect(first, "verify "), "verify ok 1");
+  // About 105 KB of patch at 60 KB/s: killed within the first few milliseconds of it.
+  Process& reader = worker({server}, "rollout-b", patched_shape({"--read-rate", read_rate(60000), "--report-source"}),
+                           {"replicate:latest", "verify", "wait-line", "update:latest", "verify", "patch-stats"});
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+  trainer.send_line("go");
+  expect(trainer, "publish ok 2");
+  first.send_line("go");
+  EXPECT_EQ(expect(first, "update "), "update updated 2 from trainer");
+  EXPECT_EQ(expect(first, "verify "), "verify ok 2");
+  EXPECT_EQ(patch_reads_of(expect(first, "patch-stats ")), std::make_pair(std::uint64_t{1}, std::uint64_t{0}))
+      << "rollout-a applied the patch (and keeps it to serve)";
+  reader.send_line("go");
+  // (Version 1's "source" line went by before its "verify".)
+  const std::string source = expect(reader, "source ").substr(7);
+  ASSERT_TRUE(source == "trainer" || source == "rollout-a") << source;
+  (source == "trainer" ? trainer : first).kill9();
+  const std::string survivor = source == "trainer" ? "rollout-a" : "trainer";
+  EXPECT_EQ(expect(reader, "update "), "update updated 2 from " + survivor);
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 2") << "bit-exact on the trainer's version 2";
+  // The server placed the read again on the other holder of the patch (which rollout-a keeps) if
+  // it saw the source go first, or the bytes if the reader's report of the cut read came first;
+  // the reader counts the cut read as a failed patch read if it saw it before the new grant.
+  const auto [reads, failed] = patch_reads_of(expect(reader, "patch-stats "));
+  EXPECT_LE(reads, 1u);
+  EXPECT_LE(failed, 1u);
+  EXPECT_GE(reads + failed, 1u) << "one patch read, applied or cut";
+}
+
+// The server is killed (kill -9) while a rollout reads a patch: every client moves to the backup,
+// and the rollout ends bit-exact on version 2, and so does a rollout that asks the backup for it
+// afterwards. (The read in flight is given up with the server that placed it; the backup learns
+// what each shard holds, not the patches they keep, and places reads of the bytes.)
+TEST_F(Delta, AServerFailoverMidPatchLeavesTheReadersExact) {
+  const std::string primary = start_server();
+  const std::string backup = start_server();
+  Process& trainer = worker({primary, backup}, "trainer", patched_shape(),
+                            {"publish:1", "wait-line", "unpublish", "publish:2", "wait-line"});
+  expect(trainer, "publish ok 1");
+  Process& reader = worker({primary, backup}, "rollout-a", patched_shape({"--read-rate", read_rate(60000), "--report-source"}),
+                           {"replicate:latest", "verify", "wait-line", "update:latest", "verify", "wait-line", "update:latest", "verify"});
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+  Process& later = worker({primary, backup}, "rollout-b", patched_shape(),
+                          {"replicate:latest", "verify", "wait-line", "poll:latest", "verify"});
+  EXPECT_EQ(expect(later, "verify "), "verify ok 1");
+  trainer.send_line("go");
+  expect(trainer, "publish ok 2");
+  reader.send_line("go");
+  EXPECT_EQ(expect(reader, "source "), "source trainer") << "the patch's one holder";
+  servers_[0]->kill9();
+  // The update, re-sent to the backup, may reach it before the trainer re-opened there: the backup
+  // then knows version 1 as the latest, and the rollout (whose buffers, partly patched, held no
+  // version) reads that, exact; its next update gets version 2.
+  const std::string first = expect(reader, "update ");
+  if (first.rfind("update updated 1 ", 0) == 0) {
+    EXPECT_EQ(expect(reader, "verify "), "verify ok 1");
+    reader.send_line("go");
+    EXPECT_EQ(expect(reader, "update "), "update updated 2 from trainer");
+  } else {
+    EXPECT_EQ(first, "update updated 2 from trainer");
+  }
+  EXPECT_EQ(expect(reader, "verify "), "verify ok 2") << "bit-exact on the trainer's version 2";
+  later.send_line("go");
+  EXPECT_EQ(expect(later, "update "), "update updated 2 from trainer") << "through the backup";
+  EXPECT_EQ(expect(later, "verify "), "verify ok 2");
 }
 
 TEST_F(Delta, WriteTensorRefusesWhatItCannotDoNamingTheTensor) {

@@ -29,8 +29,8 @@ class Process {
   int wait_exit(int timeout_ms);
 
   const std::vector<std::string>& lines() const { return lines_; }
-  std::string describe() const;
-  const std::string& log_path() const { return log_path_; }  // its stderr  // its command, the lines seen and the tail of its stderr
+  std::string describe() const;  // its command, the lines seen and the tail of its stderr
+  const std::string& log_path() const { return log_path_; }  // its stderr
   int pid() const { return pid_; }
 
  private:

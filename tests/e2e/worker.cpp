@@ -4,7 +4,8 @@
 //   th-e2e-worker --server HOST:PORT [--server BACKUP] --token T --replica NAME [options] -- CMD...
 //
 // Commands (each prints one line when it finishes; errors print "<cmd> error <code> <detail>"):
-//   publish:V        fill the tensors with the bytes of version V, publish V
+//   publish:V        fill the tensors with the bytes of version V, publish V (with --change-period,
+//                    through write_tensor: a patch against the version published before)
 //   unpublish        unpublish
 //   scribble         overwrite every tensor (as a trainer's next step would)
 //   replicate:SEL    replicate; prints "replicate ok V from SOURCE"
@@ -15,8 +16,11 @@
 //   sleep:MS         sleep
 //   list             prints "list latest=V replicas=N"
 //   close            close
+//   patch-stats      prints "patch-stats reads R failed F patch_bytes P bytes B" (HandleStats)
 // Tensor bytes are a function of (version, shard, tensor, offset): a byte from the wrong version,
-// tensor or place cannot pass `verify`.
+// tensor or place cannot pass `verify`. With --change-period P, a byte changes in one version of
+// every P (at a phase of its own), as a trainer's weights do at a small learning rate: version V
+// differs from V-1 in about 1/P of its bytes, which a patch carries.
 #include <CLI/CLI.hpp>
 
 #include <atomic>
@@ -40,6 +44,16 @@ std::uint8_t byte_of(std::uint64_t version, std::uint32_t shard, std::size_t ten
   x *= 0xBF58476D1CE4E5B9ull;
   x ^= x >> 32;
   return static_cast<std::uint8_t>(x >> (8 * (offset % 8)));
+}
+
+// The byte at `offset` in version `version` when each byte changes once every `change_period`
+// versions (0: every version).
+std::uint8_t content_of(std::uint64_t version, std::uint32_t change_period, std::uint32_t shard, std::size_t tensor,
+                        std::uint64_t offset) {
+  if (change_period == 0) return byte_of(version, shard, tensor, offset);
+  std::uint64_t phase = (offset + 1) * 0x9E3779B97F4A7C15ull ^ (tensor + 1) * 0xD1B54A32D192ED03ull;
+  phase ^= phase >> 31;
+  return byte_of((version + phase % change_period) / change_period, shard, tensor, offset);
 }
 
 void say(const std::string& line) {
@@ -70,6 +84,7 @@ int main(int argc, char** argv) {
   std::size_t name_bytes = 0;
   bool report_source = false;
   std::uint64_t halfway_bytes = 0;
+  std::uint32_t change_period = 0;
   std::uint64_t retain_latest = 0;
   bool retain = false;
   std::vector<std::string> script;
@@ -94,6 +109,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::size_t{0}, std::size_t{256}));
   app.add_option("--read-rate", options.read_rate_bytes_per_s, "receive rate cap, bytes/s")->capture_default_str();
   app.add_option("--data-streams", options.data_streams, "connections per read")->capture_default_str();
+  app.add_option("--change-period", change_period,
+                 "each byte changes once every this many versions, and publish writes through "
+                 "write_tensor (patches); 0: every byte, every version")
+      ->capture_default_str();
   app.add_flag("--report-source", report_source, "print 'source NAME' when a read from NAME starts");
   app.add_option("--halfway-bytes", halfway_bytes, "replicate-watched: print 'halfway' once this much arrived")
       ->capture_default_str();
@@ -119,12 +138,14 @@ int main(int argc, char** argv) {
 
   // Big tensors first, then small ones; names in a different order than sizes on purpose.
   std::vector<std::vector<std::uint8_t>> buffers;
+  std::vector<std::string> names;
   for (std::uint32_t i = 0; i < tensors; ++i) buffers.emplace_back(tensor_bytes + i * 4099);
   for (std::uint32_t i = 0; i < small_tensors; ++i) buffers.emplace_back(1000 + i * 77);
   for (std::uint32_t i = 0; i < tiny_tensors; ++i) buffers.emplace_back(8);
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     std::string name = "t" + std::to_string(buffers.size() - i);
     if (name.size() < name_bytes) name.insert(0, name_bytes - name.size(), 'n');
+    names.push_back(name);
     auto status = handle->register_tensor(name, buffers[i].data(), buffers[i].size(), th::DType::kUInt8);
     if (!status.ok()) {
       say("register error " + std::string(th::errc_name(status.error().code)) + " " + status.error().detail);
@@ -156,9 +177,20 @@ int main(int argc, char** argv) {
     const std::string arg = colon == std::string::npos ? "" : command.substr(colon + 1);
     if (verb == "publish") {
       const std::uint64_t version = std::stoull(arg);
-      for (std::size_t t = 0; t < buffers.size(); ++t) {
-        for (std::uint64_t at = 0; at < buffers[t].size(); ++at) buffers[t][at] = byte_of(version, options.shard, t, at);
+      bool written = true;
+      std::vector<std::uint8_t> next;
+      for (std::size_t t = 0; t < buffers.size() && written; ++t) {
+        std::vector<std::uint8_t>& into = change_period == 0 ? buffers[t] : next;
+        into.resize(buffers[t].size());
+        for (std::uint64_t at = 0; at < into.size(); ++at) into[at] = content_of(version, change_period, options.shard, t, at);
+        if (change_period == 0) continue;
+        auto status = handle->write_tensor(names[t], next.data(), th::DType::kUInt8);
+        if (!status.ok()) {
+          fail(verb, status.error());
+          written = false;
+        }
       }
+      if (!written) continue;
       auto published = handle->publish(version);
       if (!published.ok()) {
         fail(verb, published.error());
@@ -228,7 +260,9 @@ int main(int argc, char** argv) {
     } else if (verb == "verify") {
       std::uint64_t wrong = 0;
       for (std::size_t t = 0; t < buffers.size(); ++t) {
-        for (std::uint64_t at = 0; at < buffers[t].size(); ++at) wrong += buffers[t][at] != byte_of(held, options.shard, t, at);
+        for (std::uint64_t at = 0; at < buffers[t].size(); ++at) {
+          wrong += buffers[t][at] != content_of(held, change_period, options.shard, t, at);
+        }
       }
       say(wrong == 0 ? "verify ok " + std::to_string(held) : "verify BAD " + std::to_string(wrong) + " bytes");
     } else if (verb == "wait-line") {
@@ -246,6 +280,10 @@ int main(int argc, char** argv) {
       }
       say("list latest=" + (listed.value().latest ? std::to_string(*listed.value().latest) : std::string("none")) +
           " replicas=" + std::to_string(listed.value().replicas.size()));
+    } else if (verb == "patch-stats") {
+      const th::HandleStats stats = handle->stats();
+      say("patch-stats reads " + std::to_string(stats.patch_reads) + " failed " + std::to_string(stats.patch_reads_failed) +
+          " patch_bytes " + std::to_string(stats.patch_bytes_received) + " bytes " + std::to_string(stats.bytes_received));
     } else if (verb == "close") {
       auto status = handle->close();
       status.ok() ? say("close ok") : fail(verb, status.error());

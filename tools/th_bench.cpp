@@ -10,6 +10,7 @@
 //                 round trips against echo-server): operations/s and latency percentiles.
 //   echo-server   the reference for control-load: answers every call at once.
 //   fanout-node   one emulated host of bench/run-fanout (network namespaces, shaped links).
+//   delta-node    one emulated host of bench/run-delta (a real training run's versions, patch or dense).
 //   reshard       rollouts reading from trainers of another layout against the same-layout read of
 //                 the same bytes (bench/run-reshard; tools/bench_reshard.h).
 #include <CLI/CLI.hpp>
@@ -32,6 +33,7 @@
 #include "server/embedded_server.h"
 #include "tools/bench_control.h"
 #include "tools/big_buffer.h"
+#include "tools/bench_delta.h"
 #include "tools/bench_fanout.h"
 #include "tools/bench_reshard.h"
 #include "tensorhub/client.h"
@@ -462,6 +464,22 @@ int main(int argc, char** argv) {
                      "rollout: after replicating version 1, update to version 2 once this file exists, timed "
                      "(the trainer runs with --second-version-file)");
 
+  auto* delta = app.add_subcommand("delta-node", "One emulated host of bench/run-delta (trainer or rollout)");
+  th::bench::DeltaNodeOptions delta_node;
+  delta->add_option("--role", delta_node.role, "trainer or rollout")->required();
+  delta->add_option("--server", delta_node.server, "th-server address")->required();
+  delta->add_option("--token", delta_node.token, "cluster token");
+  delta->add_option("--replica", delta_node.replica, "replica name")->required();
+  delta->add_option("--data-ip", delta_node.data_ip, "this host's address for the data plane");
+  delta->add_option("--steps-dir", delta_node.steps_dir, "bench/delta_train.py's output (params.tsv, step-K.f32)")
+      ->required();
+  delta->add_option("--control-dir", delta_node.control_dir, "where the script makes publish-K, read-K and stop")
+      ->required();
+  delta->add_option("--mode", delta_node.mode, "trainer: patch (write_tensor) or dense (the bytes)")->capture_default_str();
+  delta->add_option("--versions", delta_node.versions, "versions 1..N: steps 0..N-1")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1000));
+
   auto* reshard = app.add_subcommand(
       "reshard", "Rollouts reading from a trainer of another layout (TP=8 -> TP=4/2/1, FSDP x8 -> TP=2) against "
                  "the same-layout read of the same bytes");
@@ -479,6 +497,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (reshard->parsed()) return th::bench::run_reshard(reshard_options);
   if (fanout->parsed()) return th::bench::run_fanout_node(node);
+  if (delta->parsed()) return th::bench::run_delta_node(delta_node);
   if (reg->parsed()) return run_register(register_tensors, register_bytes, rounds);
   if (pair->parsed() && source_process) return run_pair_split(gib, tensor_mb, rounds, streams, transport, rdma_device);
   if (pair->parsed()) return run_pair(gib, tensor_mb, rounds, streams, transport);

@@ -776,6 +776,11 @@ Status Handle::Impl::write_tensor(std::string_view name, const void* source, DTy
       refused = make_error(Errc::kInvalidArgument, "write_tensor: tensor '" + std::string(name) +
                                                        "' is GPU memory; patches of GPU tensors are not built yet "
                                                        "(copy it and publish: it is read whole)");
+    } else if (found->second.spec.bytes % dtype_bytes(found->second.spec.dtype) != 0) {
+      refused = make_error(Errc::kInvalidArgument,
+                           "write_tensor: tensor '" + std::string(name) + "' is " + std::to_string(found->second.spec.bytes) +
+                               " bytes, not a whole number of " + std::string(dtype_name(found->second.spec.dtype)) +
+                               " elements: write_tensor writes whole elements");
     } else if (!convertible(source_dtype, found->second.spec.dtype)) {
       refused = make_error(Errc::kInvalidArgument, "write_tensor: tensor '" + std::string(name) + "' is " +
                                                        std::string(dtype_name(found->second.spec.dtype)) + ", which " +

@@ -113,10 +113,14 @@ PatchReadOutcome read_patch(net::DataTransport& transport, const StartRead& read
       continue;
     }
     if (applied.error().code == Errc::kChecksumConflict) {
-      // Patched by an earlier attempt of this transfer (the server moved it), or not the base.
+      // Patched by an earlier attempt of this transfer (the server moved it). Else the patch was
+      // made against other bytes than the base whose checksums this shard recorded when it held
+      // it whole (none was hashed now): the source's patch is at fault, as for a malformed one.
       if (checksum(tensor.data(), tensor.size()) == (*read.checksums)[index]) continue;
-      return fail(ReadFailure::kPatchBaseMismatch, "tensor '" + tensors[index].name + "' does not hold version " +
-                                                       std::to_string(read.patch->base) + ": " + applied.error().detail);
+      return fail(ReadFailure::kChecksumMismatch, "the patch of tensor '" + tensors[index].name + "' from " +
+                                                      read.source.replica + " is not against version " +
+                                                      std::to_string(read.patch->base) + " as this shard holds it: " +
+                                                      applied.error().detail);
     }
     // Malformed, or made for another tensor: the source's patch is at fault, nothing was written.
     return fail(ReadFailure::kChecksumMismatch, "the patch of tensor '" + tensors[index].name + "' from " +

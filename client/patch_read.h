@@ -41,9 +41,10 @@ struct PatchReadOutcome {
 
 // Reads `read` (StartRead::patch set) into the shard's tensors, which hold the patch's base, whose
 // checksums are `base_checksums` (null: unknown, so the read is refused without a byte written).
-// Every patch is checked whole before it writes (core/patch.h); a tensor the base checksum does not
-// match is refused (kPatchBaseMismatch) unless it holds the version already (an earlier attempt of
-// the same transfer patched it). Then every tensor is verified against the version's checksums.
+// Every patch is checked whole before it writes (core/patch.h); a patch whose base checksum is not
+// the one recorded for the tensor is the source's fault (kChecksumMismatch: two such reads and the
+// server stops placing its patch) unless the tensor holds the version already (an earlier attempt
+// of the same transfer patched it). Then every tensor is verified against the version's checksums.
 // CPU tensors only, for now: a shard with GPU tensors refuses (kPatchBaseMismatch), and reads the
 // bytes next.
 PatchReadOutcome read_patch(net::DataTransport& transport, const StartRead& read, const Plan& plan, std::byte* packed,

@@ -297,7 +297,7 @@ void ShardAgent::finish_call(const Outcome& outcome, bool released) {
   auto received = [&](Version version, const LayoutRef& layout) {
     for (const auto& [transfer, reading] : reads_) {
       if (reading.version == version && reading.done) {
-        held_ = HeldCopy{version, layout, reading.checksums};
+        held_ = HeldCopy{version, layout, reading.checksums, 0, reading.patch};
         return;
       }
     }
@@ -308,7 +308,7 @@ void ShardAgent::finish_call(const Outcome& outcome, bool released) {
         using T = std::decay_t<decltype(value)>;
         if constexpr (std::is_same_v<T, PublishOk>) {
           const auto& publish = std::get<PublishRequest>(call.body);
-          held_ = HeldCopy{value.version, publish.layout, publish.checksums};
+          held_ = HeldCopy{value.version, publish.layout, publish.checksums, 0, publish.patch};
         } else if constexpr (std::is_same_v<T, ReplicateOk>) {
           // Resumed after a failover, the shard may already have held it and read nothing.
           if (!held_ || held_->version != value.version || call.writes) {
@@ -454,7 +454,7 @@ void ShardAgent::on_start_read(const StartRead& read) {
     revoke_grants(primary);
   }
   const bool reshard = !read.reshard.empty();
-  reads_[read.transfer] = Reading{read.epoch, read.version, reshard ? nullptr : read.checksums, false, reshard};
+  reads_[read.transfer] = Reading{read.epoch, read.version, reshard ? nullptr : read.checksums, false, reshard, read.patch};
   emit(BeginRead{read});
 }
 

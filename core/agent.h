@@ -205,6 +205,7 @@ class ShardAgent {
     ChecksumsRef checksums;  // of the reader's own tensors: from the hub, or assembled (reshard)
     bool done = false;  // every byte arrived and matched (reported to the hub)
     bool reshard = false;  // from a source of another layout: TransferDone carries `checksums`
+    PatchRef patch;        // this epoch reads the source's patch (kept once done: HeldCopy::patch)
   };
 
   void on_call(const UserCall& call);

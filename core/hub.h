@@ -290,6 +290,8 @@ class Hub {
                      const PatchRef& patch) const;
   // A publish completes: its shards' patches become the copy's if every shard announced one.
   void commit_patches(Copy& copy);
+  // A replica re-opened (failover) holding `copy` whole: the patches its shards say they keep.
+  void resume_patches(const Replica& replica, Copy& copy);
   // The version an update's reader may read a patch against: the one its buffers hold whole.
   std::optional<Version> patch_base(const Replica& replica, const Txn& txn) const;
   bool holds_patch(const Copy& candidate, const Transfer& transfer) const;

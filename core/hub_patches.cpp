@@ -78,6 +78,23 @@ void Hub::commit_patches(Copy& copy) {
   copy.pending_patches.clear();
 }
 
+void Hub::resume_patches(const Replica& replica, Copy& copy) {
+  TH_ASSERT(copy.state == CopyState::kComplete && copy.kind == CopyKind::kPrimary && copy.patch.empty());
+  // As a publish's (commit_patches), but every shard must name its own: the server that knew which
+  // shard had none is gone. A patch the shard no longer has is refused by it at the first read
+  // (kSourceRefused), and dropped then.
+  std::vector<PatchRef> patches;
+  for (std::uint32_t shard = 0; shard < replica.num_shards; ++shard) {
+    const auto& resume = replica.shards[shard].resume;
+    if (!resume || !resume->primary || resume->primary->version != copy.record->version) return;
+    const HeldCopy& held = *resume->primary;
+    if (held.patch == nullptr || (!patches.empty() && held.patch->base != patches.front()->base)) return;
+    if (!check_patch(replica, held.version, shard, held.layout, held.patch)) return;
+    patches.push_back(held.patch);
+  }
+  copy.patch = std::move(patches);
+}
+
 std::optional<Version> Hub::patch_base(const Replica& replica, const Txn& txn) const {
   // The replica's buffers hold `previous` whole (its copy was complete when the update began) and,
   // as far as readers found, as published. A copy that readers reported may hold other bytes: the

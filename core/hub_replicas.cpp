@@ -483,7 +483,10 @@ bool Hub::announce(Replica& replica, Txn* seeded) {
       }
     }
     replica.primary = &copy;
-    if (full) on_copy_complete(copy);
+    if (full) {
+      resume_patches(replica, copy);
+      on_copy_complete(copy);
+    }
   }
   // Offload copies: only one that every shard still holds is of any use.
   std::map<Version, ShardSet> offloads;

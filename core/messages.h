@@ -77,6 +77,9 @@ struct HeldCopy {
   LayoutRef layout;
   ChecksumsRef checksums;
   std::uint64_t copy = 0;  // an offload copy: the id the server that made it gave it
+  // A primary's patch of `version` that the shard keeps and serves (it published it, or applied it
+  // in a read): the new server places patch reads from it as the old one did. Null: none.
+  PatchRef patch = nullptr;
 };
 
 // The last call a shard completed and the answer it got, as the client remembers it for failover

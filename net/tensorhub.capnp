@@ -105,6 +105,7 @@ struct HeldCopy {
   layout @1 :List(TensorSpec);
   checksums @2 :List(UInt64);
   copy @3 :UInt64;  # an offload copy: the id the server that made it gave it
+  patch @4 :PatchInfo;  # a primary's patch of the version that the shard keeps (unset: none)
 }
 
 # A shard's patch of a version against an earlier one (core/types.h PatchInfo): per tensor in layout

@@ -142,11 +142,14 @@ void put(const Outcome& outcome, wire::Outcome::Builder out) {
       outcome);
 }
 
+void put_patch(const PatchInfo& patch, wire::PatchInfo::Builder out);
+
 void put(const HeldCopy& held, wire::HeldCopy::Builder out) {
   out.setVersion(held.version);
   out.setCopy(held.copy);
   put_layout(held.layout, [&](unsigned n) { return out.initLayout(n); });
   put_checksums(held.checksums, [&](unsigned n) { return out.initChecksums(n); });
+  if (held.patch != nullptr) put_patch(*held.patch, out.initPatch());
 }
 
 void put(const Resume& resume, wire::Resume::Builder out) {
@@ -386,7 +389,7 @@ Outcome get(wire::Outcome::Reader in) {
 
 HeldCopy get(wire::HeldCopy::Reader in) {
   HeldCopy held{in.getVersion(), get_layout(in.getLayout()), get_checksums(in.getChecksums()),
-                in.getCopy()};
+                in.getCopy(), in.hasPatch() ? get_patch(in.getPatch()) : nullptr};
   if (held.layout == nullptr || held.checksums == nullptr ||
       held.checksums->size() != held.layout->tensors().size()) {
     invalid("a held copy needs a layout and one checksum per tensor");

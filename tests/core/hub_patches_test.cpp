@@ -236,6 +236,48 @@ TEST(HubPatchesSharded, AShardWithoutAPatchIsReadWholeWithinThePatchRead) {
   }
 }
 
+// A shard that re-opens on a fresh server (failover) holding `version`, with the patch it keeps.
+ClientId resume_holding(Driver& driver, const std::string& name, const std::string& role, Version version, PatchRef patch) {
+  ReplicaSpec spec;
+  spec.name = name;
+  spec.role = role;
+  OpenRequest request = driver.open_request(spec, 0);
+  Resume resume;
+  resume.primary = HeldCopy{version, layout_for(0), checksums_for(version, 0), 0, std::move(patch)};
+  request.resume = std::make_shared<const Resume>(std::move(resume));
+  const ClientId client = driver.new_client();
+  driver.open(client, request, 5);
+  EXPECT_TRUE(is<OpenOk>(driver.replies({client})));
+  driver.set_next_seq(client, 6);
+  return client;
+}
+
+// After a failover the new server knows the patches the shards keep: a rollout that holds the base
+// reads the patch, as it would have from the old server; a patch that is not against an earlier
+// version is not believed (the bytes are read).
+TEST(HubPatchesFailover, APatchTheShardsKeepIsServedByTheNewServer) {
+  for (const bool sound : {true, false}) {
+    SCOPED_TRACE(sound ? "a patch against 1" : "a patch against itself");
+    Driver driver;
+    resume_holding(driver, "t", "trainer", 2, sound ? patch_against(1) : patch_against(2));
+    const ClientId rollout = resume_holding(driver, "r", "rollout", 1, nullptr);
+    driver.call(rollout, UpdateRequest{Selector::latest(), layout_for(0)});
+    auto& reads = driver.inbox(rollout).reads;
+    ASSERT_EQ(reads.size(), 1u);
+    const StartRead read = reads.begin()->second;
+    EXPECT_EQ(read.source.replica, "t");
+    if (sound) {
+      ASSERT_NE(read.patch, nullptr) << "the trainer said it keeps the patch of 2 against 1";
+      EXPECT_EQ(*read.patch, *patch_against(1));
+    } else {
+      EXPECT_EQ(read.patch, nullptr);
+    }
+    driver.report(rollout, TransferDone{read.transfer, read.epoch, nullptr});
+    EXPECT_TRUE(is<UpdateOk>(driver.replies({rollout})));
+    EXPECT_EQ(driver.hub().stats().patches_kept, sound ? 1u : 0u);
+  }
+}
+
 TEST_F(HubPatches, APublishRefusesAPatchOverFortyPercentOfItsTensorNamingIt) {
   publish(1, nullptr);
   driver_.call_all(trainer_, UnpublishRequest{});

@@ -53,7 +53,8 @@ void expect_same_layout(const LayoutRef& a, const LayoutRef& b) {
 
 TEST(Wire, OpenWithResumeKeepsEveryField) {
   auto resume = std::make_shared<Resume>();
-  resume->primary = HeldCopy{7, sample_layout(), sample_checksums()};
+  resume->primary = HeldCopy{7, sample_layout(), sample_checksums(), 0,
+                             std::make_shared<const PatchInfo>(PatchInfo{6, std::vector<std::uint64_t>(sample_layout()->tensors().size(), 3)})};
   resume->offloads.push_back(HeldCopy{5, sample_layout(), sample_checksums(), 44});
   resume->last_txn = TxnRecord{
       9, OpKey{OpKind::kReplicate, Selector::latest(2), 0, WaitPredicate{}},
@@ -84,7 +85,10 @@ TEST(Wire, OpenWithResumeKeepsEveryField) {
   EXPECT_EQ(o.resume->primary->version, 7u);
   expect_same_layout(o.resume->primary->layout, sample_layout());
   EXPECT_EQ(*o.resume->primary->checksums, *sample_checksums());
+  ASSERT_NE(o.resume->primary->patch, nullptr);
+  EXPECT_EQ(*o.resume->primary->patch, *resume->primary->patch);
   ASSERT_EQ(o.resume->offloads.size(), 1u);
+  EXPECT_EQ(o.resume->offloads[0].patch, nullptr);
   EXPECT_EQ(o.resume->offloads[0].version, 5u);
   EXPECT_EQ(o.resume->offloads[0].copy, 44u);
   ASSERT_TRUE(o.resume->last_txn.has_value());

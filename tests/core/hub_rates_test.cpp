@@ -336,5 +336,43 @@ TEST(HubRates, AReaderThatFailedItsOwnReaderTakesNoSlowCopysPlace) {
   }
 }
 
+// Delta versions (core/hub_patches.cpp): a reader that can read the patch waits for a holder whose
+// slot a patch read holds, as that is short; but not for one held by a patch reader known to go at
+// under half its rate (an attack's find: a slow rollout held a fast one up for its whole patch
+// read, where the bytes took milliseconds). The fast reader goes ahead of the slow one and reads
+// the patch from the trainer; the slow one reads the bytes behind it.
+TEST(HubRates, AFastReaderDoesNotWaitForASlowPatchReader) {
+  Fleet fleet;
+  fleet.first_version(/*slow_shard_ms=*/1000);  // r0 measured slow; r1 and r2 kept its pace
+  Driver& driver = fleet.driver;
+  driver.call_all(fleet.t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(fleet.t)));
+  for (std::uint32_t shard = 0; shard < fleet.t.size(); ++shard) {
+    PatchInfo patch{1, {}};
+    const LayoutRef layout = layout_for(shard);
+    for (const TensorSpec& tensor : layout->tensors()) patch.tensor_bytes.push_back(tensor.bytes / 20);
+    driver.call(fleet.t[shard], PublishRequest{2, layout_for(shard), checksums_for(2, shard),
+                                               std::make_shared<const PatchInfo>(std::move(patch))});
+  }
+  EXPECT_TRUE(is<PublishOk>(driver.replies(fleet.t)));
+  // The patch of each reader's newest read (false: none, or no read).
+  auto reads_patch = [&](const char* name) {
+    const auto& reads = driver.inbox(fleet.rollouts[name][0]).reads;
+    return !reads.empty() && reads.rbegin()->second.patch != nullptr;
+  };
+  start_update(driver, fleet.rollouts["r0"]);
+  EXPECT_EQ(fleet.sources({"r0"}), "r0<-t");
+  EXPECT_TRUE(reads_patch("r0")) << "r0 holds version 1 whole: it reads the patch";
+  driver.advance(1);
+  start_update(driver, fleet.rollouts["r1"]);
+  EXPECT_EQ(fleet.sources({"r1", "r0"}), "r1<-t r0<-r1") << "r1 did not wait for r0's slow patch read";
+  EXPECT_TRUE(reads_patch("r1")) << "r1 reads the patch";
+  EXPECT_FALSE(reads_patch("r0")) << "r0 reads the bytes behind r1, which does not have the patch yet";
+  for (const char* name : {"r1", "r0"}) {
+    driver.finish_reads(fleet.rollouts[name]);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(fleet.rollouts[name]))) << name;
+  }
+}
+
 }  // namespace
 }  // namespace th::test

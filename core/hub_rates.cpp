@@ -60,8 +60,11 @@ void Hub::measure_shard_read(Transfer& transfer, std::uint32_t shard) {
   // A seed's read crosses datacenters over TCP, which says nothing of how fast the replica
   // receives here (record_receive_rate leaves it out too). Only a transfer's first source is
   // timed: at a later one a shard may go on from the bytes it verified (client resume), and its
-  // whole shard over the time since would look far faster than it read.
-  if (transfer.cross_dc || transfer.reader->kind != CopyKind::kPrimary || transfer.epoch != 1) return;
+  // whole shard over the time since would look far faster than it read. Nor is a patch read
+  // (hub_patches.cpp): it moves a few percent of the shard, which would look many times faster
+  // than any read of the bytes and make every other reader look slow (bench/run-delta: a rollout
+  // passed over as "much slower" read a version's bytes instead of its patch).
+  if (transfer.cross_dc || transfer.reader->kind != CopyKind::kPrimary || transfer.epoch != 1 || transfer.patch) return;
   const LayoutRef& layout = replica.layout->shards[shard];
   if (layout == nullptr || layout->total_bytes() == 0) return;
   const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);

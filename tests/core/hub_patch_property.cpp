@@ -270,7 +270,9 @@ TEST(HubModel, PatchesTurnTheBaseIntoTheVersion) {
             << '\n';
   // Each rule must be exercised: a property that never reads a patch says nothing.
   EXPECT_GE(seen.patch_reads, seen.dense_reads / 4);
-  EXPECT_GE(seen.clean_versions_all_patched, static_cast<std::uint64_t>(cases) / 2);
+  // (A quarter: about half the cases have a clean version, and at 100 cases on a random seed a
+  // half was crossed either way: 45-64 seen.)
+  EXPECT_GE(seen.clean_versions_all_patched, static_cast<std::uint64_t>(cases) / 4);
   EXPECT_GE(seen.fallbacks, static_cast<std::uint64_t>(cases) / 10);
 }
 

@@ -124,9 +124,9 @@ bool Hub::reading_patch(const Copy& candidate, const Transfer& transfer) const {
 
 // Among the copies `usable` allows: a holder of the reader's patch with a free slot, in the
 // reader's datacenter first; else, while one here has its slots held by patch reads (or is still
-// reading the patch), none of them known to go at under half the reader's rate, wait for it: a patch is at most 40 % of the bytes (patch_bytes_limit) and
-// each reader that applies it serves it too, so holders double while a read of the bytes would
-// still be under way. A holder whose slot a read of the bytes holds may stay busy long: not waited
+// reading the patch), none of them known to go at under half the reader's rate, wait for it: a
+// patch is at most 40 % of the bytes (patch_bytes_limit) and each reader that applies it serves it
+// too, so holders double while a read of the bytes would still be under way. A holder whose slot a read of the bytes holds may stay busy long: not waited
 // for. Across datacenters only into a datacenter with no other copy, from a holder with a slot.
 // None: choose as for the bytes. (Linear in the version's copies, for each reader that can read a
 // patch: hub_bench's 2,048 readers would pay it; an index of holders by datacenter is the remedy.)

@@ -4,11 +4,88 @@
 
 #include <algorithm>
 #include <bit>
+#include <new>
 #include <vector>
 
+#include "client/xxh3_build.h"
 #include "core/assert.h"
 
 namespace th::client_impl {
+
+namespace {
+
+XXH3_state_t* state_of(void* state) { return static_cast<XXH3_state_t*>(state); }
+
+// libxxhash as Debian builds it (baseline x86-64, or whatever the platform's is).
+const Xxh3Build& xxh3_library_build() {
+  static const Xxh3Build build{
+      [](const std::byte* data, std::uint64_t bytes) -> std::uint64_t { return XXH3_64bits(data, bytes); },
+      []() -> void* {
+        XXH3_state_t* state = XXH3_createState();
+        if (state != nullptr) XXH3_64bits_reset(state);
+        return state;
+      },
+      [](void* state) { XXH3_freeState(state_of(state)); },
+      [](void* state) { XXH3_64bits_reset(state_of(state)); },
+      [](void* state, const std::byte* data, std::uint64_t bytes) { XXH3_64bits_update(state_of(state), data, bytes); },
+      [](const void* state) -> std::uint64_t { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state)); },
+  };
+  return build;
+}
+
+const Xxh3Build& chosen_build() {
+  static const Xxh3Build& build = [&]() -> const Xxh3Build& {
+#if defined(TH_HAVE_XXH3_AVX2)
+    if (__builtin_cpu_supports("avx2")) return xxh3_avx2_build();
+#endif
+    return xxh3_library_build();
+  }();
+  return build;
+}
+
+}  // namespace
+
+bool xxh3_avx2_built() {
+#if defined(TH_HAVE_XXH3_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::uint64_t xxh3_64_avx2(const std::byte* data, std::uint64_t bytes) {
+#if defined(TH_HAVE_XXH3_AVX2)
+  return xxh3_avx2_build().hash(data, bytes);
+#else
+  TH_REQUIRE(false, "XXH3 for AVX2 is not built here (not x86-64)");
+  return 0;
+#endif
+}
+
+std::uint64_t checksum_block(const std::byte* data, std::uint64_t bytes) {
+  TH_REQUIRE((data != nullptr || bytes == 0) && bytes <= kChecksumBlockBytes, "a block of", bytes, "bytes");
+  return chosen_build().hash(data, bytes);
+}
+
+BlockHasher::BlockHasher() : build_(&chosen_build()), state_(build_->new_state()) {
+  if (state_ == nullptr) throw std::bad_alloc();
+}
+
+BlockHasher::~BlockHasher() { build_->free_state(state_); }
+
+void BlockHasher::update(const std::byte* data, std::uint64_t bytes) {
+  TH_REQUIRE((data != nullptr || bytes == 0) && bytes <= kChecksumBlockBytes - fed_bytes_, "a block's piece of", bytes,
+             "bytes after", fed_bytes_);
+  build_->update(state_, data, bytes);
+  fed_bytes_ += bytes;
+}
+
+std::uint64_t BlockHasher::finish() {
+  const std::uint64_t digest = build_->digest(state_);
+  build_->reset(state_);
+  fed_bytes_ = 0;
+  return digest;
+}
 
 std::uint64_t checksum_of_digests(std::span<const std::uint64_t> digests) {
   // The definition hashes little-endian bytes: on a little-endian host, the array's own bytes.
@@ -22,7 +99,7 @@ std::uint64_t checksum(const std::byte* data, std::uint64_t bytes) {
   std::vector<std::uint64_t> digests(blocks);
   for (std::uint64_t block = 0; block < blocks; ++block) {
     const std::uint64_t offset = block * kChecksumBlockBytes;
-    digests[block] = XXH3_64bits(data + offset, std::min(kChecksumBlockBytes, bytes - offset));
+    digests[block] = checksum_block(data + offset, std::min(kChecksumBlockBytes, bytes - offset));
   }
   return checksum_of_digests(digests);
 }

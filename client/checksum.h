@@ -36,4 +36,34 @@ std::uint64_t checksum(const std::byte* data, std::uint64_t bytes);
 // GPU path, which computes the digests on the device.
 std::uint64_t checksum_of_digests(std::span<const std::uint64_t> digests);
 
+// XXH3_64bits of one block (at most kChecksumBlockBytes): a digest d_i of the definition.
+std::uint64_t checksum_block(const std::byte* data, std::uint64_t bytes);
+
+struct Xxh3Build;  // client/xxh3_build.h
+
+// The digest of one block fed in pieces, in order, as they arrive: a reader hashes each piece right
+// after receiving it, while it is still in cache (client/receive.h). finish() equals
+// checksum_block of the pieces together, and starts the next block.
+class BlockHasher {
+ public:
+  BlockHasher();  // throws std::bad_alloc when no memory is to be had for the state
+  ~BlockHasher();
+  BlockHasher(const BlockHasher&) = delete;
+  BlockHasher& operator=(const BlockHasher&) = delete;
+
+  void update(const std::byte* data, std::uint64_t bytes);  // at most a block in all
+  std::uint64_t fed_bytes() const { return fed_bytes_; }
+  std::uint64_t finish();
+
+ private:
+  const Xxh3Build* build_;  // the build checksum_block uses
+  void* state_;             // owned: build_'s streaming state
+  std::uint64_t fed_bytes_ = 0;
+};
+
+// XXH3_64bits built for AVX2 (client/xxh3_avx2.cpp), where the build has it (x86-64): call it only
+// on a CPU with AVX2 (checksum_block chooses so itself). For tests.
+bool xxh3_avx2_built();
+std::uint64_t xxh3_64_avx2(const std::byte* data, std::uint64_t bytes);
+
 }  // namespace th::client_impl

@@ -92,6 +92,32 @@ TEST(Xxh3Parts, RefusesShortInputs) {
   EXPECT_THROW(xxh3_by_parts(data.data(), 240), RequirementFailure);
 }
 
+// The AVX2 build of XXH3 (client/xxh3_avx2.cpp), which checksum() uses on such a CPU, gives
+// libxxhash's digest for every length and alignment, the short paths included.
+TEST(Xxh3Avx2, EqualsLibxxhash) {
+  if (!client_impl::xxh3_avx2_built() || !__builtin_cpu_supports("avx2")) GTEST_SKIP() << "no AVX2 here";
+  const std::vector<std::byte> data = random_bytes(11, 3 * kBlockBytes + 64);
+  std::vector<std::uint64_t> lengths = test::long_path_lengths();
+  for (std::uint64_t length = 0; length <= 240; ++length) lengths.push_back(length);
+  for (std::uint64_t offset : Lengths{0, 1, 7, 33}) {
+    for (std::uint64_t length : lengths) {
+      ASSERT_LE(offset + length, data.size());
+      ASSERT_EQ(client_impl::xxh3_64_avx2(data.data() + offset, length), XXH3_64bits(data.data() + offset, length))
+          << "offset " << offset << " length " << length;
+    }
+  }
+}
+
+TEST(BlockedChecksum, ABlockIsXxh3OfItsBytes) {
+  const std::vector<std::byte> data = random_bytes(12, kBlockBytes);
+  for (std::uint64_t length : Lengths{0, 1, 240, 241, 4096, kBlockBytes - 1, kBlockBytes}) {
+    EXPECT_EQ(client_impl::checksum_block(data.data(), length), XXH3_64bits(data.data(), length)) << "length " << length;
+  }
+  EXPECT_THROW(client_impl::checksum_block(nullptr, 1), RequirementFailure);
+  const std::vector<std::byte> longer(kBlockBytes + 1);
+  EXPECT_THROW(client_impl::checksum_block(longer.data(), longer.size()), RequirementFailure);
+}
+
 TEST(BlockedChecksum, EqualsItsDefinition) {
   const std::vector<std::byte> all = random_bytes(4, 3 * kBlockBytes + 17);
   for (std::uint64_t length : Lengths{0, 1, 17, 240, 241, kBlockBytes - 1, kBlockBytes, kBlockBytes + 1,

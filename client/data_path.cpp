@@ -239,6 +239,7 @@ void Handle::Impl::run_read(ReadJob& job) {
       pull_options.start_bytes = job.stream->resume(*earlier->attempt, *attempt, *job.cancelled);
     }
   }
+  attempt->hash_from(pull_options.start_bytes);
   job.stream->begin(attempt);
   if (pull_options.start_bytes > 0) {
     log(LogLevel::kInfo, "data", "version " + std::to_string(job.read.version) + " from " + job.read.source.replica +
@@ -263,6 +264,7 @@ void Handle::Impl::run_read(ReadJob& job) {
     flush();
     if (flush_failed.load()) return;
     job.progress->advance_to(ready);
+    attempt->hash_arrived(ready);  // (after the pipeline readers hear of the bytes: they check their own)
     job.stream->advance(*attempt, ready);
   };
   const auto started = std::chrono::steady_clock::now();

@@ -47,6 +47,55 @@ ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_
   }
   units.assign(unit_end.size(), Unit::kPending);
   TH_ASSERT(end == plan.layout->total_bytes(), "the units cover the shard");
+  big_digests.resize(plan.big.size());
+  for (std::size_t big = 0; big < plan.big.size(); ++big) {
+    big_digests[big].resize(checksum_blocks(tensors[plan.big[big]].bytes));
+  }
+}
+
+void ReadAttempt::hash_from(std::uint64_t start_bytes) {
+  TH_ASSERT(hash_cursor == 0 && hash_unit == 0, "before the pull");
+  while (hash_unit < unit_end.size() && unit_end[hash_unit] <= start_bytes) ++hash_unit;
+  hash_cursor = hash_unit == 0 ? 0 : unit_end[hash_unit - 1];
+  hashed_through.store(hash_cursor, std::memory_order_release);
+}
+
+void ReadAttempt::hash_arrived(std::uint64_t ready) {
+  while (hash_unit < unit_end.size()) {
+    const std::uint64_t unit_start = hash_unit == 0 ? 0 : unit_end[hash_unit - 1];
+    const std::uint64_t unit_stop = unit_end[hash_unit];
+    TH_ASSERT(hash_cursor >= unit_start && hash_cursor <= unit_stop, "the cursor lies in its unit");
+    if (hash_unit >= packed_units && !plan.device_tensor(plan.big[hash_unit - packed_units])) {
+      // (Packed units are scattered before they are checked, and GPU tensors hashed on their
+      // device: check_unit does both as before.)
+      const std::byte* data = plan.tensor_data[plan.big[hash_unit - packed_units]];
+      std::vector<std::uint64_t>& digests = big_digests[hash_unit - packed_units];
+      // A block at a time, in pieces as they arrive (the receive steps are smaller than a block:
+      // each piece is hashed while it is in cache, twice as fast as a block read back whole).
+      while (hash_cursor < unit_stop) {
+        const std::uint64_t offset = hash_cursor - unit_start;
+        const std::uint64_t block = offset / kChecksumBlockBytes;
+        const std::uint64_t block_stop = std::min(unit_start + (block + 1) * kChecksumBlockBytes, unit_stop);
+        TH_ASSERT(block < digests.size() && block_hasher.fed_bytes() == offset % kChecksumBlockBytes,
+                  "the hasher holds the block up to the cursor");
+        const std::uint64_t piece_stop = std::min(block_stop, ready);
+        if (piece_stop <= hash_cursor) return;
+        if (block_hasher.fed_bytes() == 0 && piece_stop == block_stop) {
+          digests[block] = checksum_block(data + offset, block_stop - hash_cursor);
+        } else {
+          block_hasher.update(data + offset, piece_stop - hash_cursor);
+          if (piece_stop == block_stop) digests[block] = block_hasher.finish();
+        }
+        hash_cursor = piece_stop;
+        if (hash_cursor < block_stop) return;  // (`ready` lies inside the block)
+      }
+    } else if (unit_stop > ready) {
+      return;
+    }
+    hash_cursor = unit_stop;
+    ++hash_unit;
+    hashed_through.store(unit_stop, std::memory_order_release);
+  }
 }
 
 std::optional<std::size_t> ReadAttempt::check(std::size_t unit) const {
@@ -91,6 +140,11 @@ std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
     return std::nullopt;
   }
   const std::size_t index = plan.big[unit - packed_units];
+  if (!plan.device_tensor(index) && hashed_through.load(std::memory_order_acquire) >= unit_end[unit]) {
+    // Hashed as it arrived (hash_arrived): its blocks' digests make its checksum.
+    if (!whole || checksum_of_digests(big_digests[unit - packed_units]) != (*checksums)[index]) return index;
+    return std::nullopt;
+  }
   if (!matches(index, plan.tensor_data[index])) return index;
   return std::nullopt;
 }

@@ -20,6 +20,7 @@
 #include <optional>
 #include <vector>
 
+#include "client/checksum.h"
 #include "client/plan.h"
 #include "core/messages.h"
 #include "tensorhub/client.h"
@@ -42,6 +43,16 @@ struct ReadAttempt {
   // Scatters (if packed) and checks unit `unit` against the checksums; no lock held. Returns the
   // layout index of the first tensor that does not match, if one does not.
   std::optional<std::size_t> check(std::size_t unit) const;
+  // Hashes the checksum blocks of the host-memory tensors with a region of their own (plan.big)
+  // that lie wholly below `ready` and were not hashed yet, so that their units are then checked
+  // from these digests (client/checksum.h: a tensor's checksum is the hash of its blocks'
+  // digests) instead of by a second pass over memory. Called by whoever tells the read's progress,
+  // right after the bytes arrived (still in cache), one call at a time; bytes below `ready` are
+  // final for this attempt (net::PullOptions::on_progress's prefix).
+  void hash_arrived(std::uint64_t ready);
+  // A resumed attempt: hashing starts at the unit that holds byte `start_bytes` (those before it
+  // were verified by the earlier attempt). Before the pull begins.
+  void hash_from(std::uint64_t start_bytes);
   std::size_t unit_of(std::size_t tensor) const { return tensor_unit[tensor]; }
   // What failed on this host's GPU while checking, if anything did ("" otherwise).
   std::string device_failure() const {
@@ -70,6 +81,16 @@ struct ReadAttempt {
   // unit's begin in it.
   std::vector<std::size_t> packed_tensors;
   std::vector<std::size_t> packed_unit_first;
+  // hash_arrived's: per big unit (index unit - packed_units) its blocks' digests, filled in order;
+  // the next byte to hash (a data-plane offset) and its unit; the block it lies in, hashed up to
+  // it. Only hash_arrived's caller touches these until it publishes a unit through hashed_through.
+  std::vector<std::vector<std::uint64_t>> big_digests;
+  std::uint64_t hash_cursor = 0;
+  std::size_t hash_unit = 0;
+  BlockHasher block_hasher;
+  // Every unit that ends at or below it is hashed, if it is one hash_arrived hashes (release: a
+  // checker that reads it with acquire sees the digests).
+  std::atomic<std::uint64_t> hashed_through{0};
   mutable std::mutex device_error_mutex;
   mutable std::string device_error;
 };

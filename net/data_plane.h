@@ -263,8 +263,11 @@ class DataServer {
 struct PullOptions {
   std::uint64_t chunk_bytes = 8ull << 20;  // one request
   // How often on_progress hears of a growing prefix while a response arrives: a reader of this
-  // shard (pipeline replication) trails it by about this much, at every hop of a chain.
-  std::uint64_t progress_step_bytes = 1ull << 20;
+  // shard (pipeline replication) trails it by about this much, at every hop of a chain. Also the
+  // size of one receive: the reader hashes each step as it arrives (client/receive.h), and a step
+  // of 256 KiB is still in cache then (1 MiB steps hashed at half the speed, and the whole read ran
+  // 20 % slower: bench/results/data-pair-2026-12-06.md).
+  std::uint64_t progress_step_bytes = 256ull << 10;
   std::uint32_t depth = 4;                 // requests in flight on the connection (complete sources)
   // Connections used at once for a complete source, each pulling whole regions (helps on links
   // with a large bandwidth-delay product, where one TCP stream does not fill the pipe).

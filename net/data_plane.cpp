@@ -76,6 +76,12 @@ constexpr std::uint32_t kListenBacklogMax = 4096;
 // pauses this long instead of spinning (and lets finished connections give their descriptors back).
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 
+// Host memory is handed to the kernel this much per send(): a reader's request is 8 MiB, and one
+// send() of it filled the socket buffer with megabytes that left the cache before the reader
+// copied them out, so every byte crossed memory twice more (bench/results/data-pair-2026-12-06.md:
+// one stream over loopback, 1 MiB sends of distinct memory 3.0-3.6 GB/s, 8 MiB ones 2.1-2.5).
+constexpr std::size_t kSendPieceBytesMax = std::size_t{1} << 20;
+
 Deadline after_ms(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
 
 // A response of `bytes` must be sent by then: a reader may be slow, but not slower than
@@ -556,7 +562,11 @@ bool DataServer::answer(Connection& self, const ReadRequestFrame& request, int& 
     send_all_by(self.socket, &response, sizeof response, deadline);
     if (!ring) {
       TH_ASSERT(!region.on_device || length == 0, "GPU memory is sent through a ring");
-      send_all_by(self.socket, region.base + request.offset, length, deadline);
+      for (std::uint64_t sent = 0; sent < length;) {
+        const std::size_t piece = static_cast<std::size_t>(std::min<std::uint64_t>(kSendPieceBytesMax, length - sent));
+        send_all_by(self.socket, region.base + request.offset + sent, piece, deadline);
+        sent += piece;
+      }
     } else {
       ring->drain(region.base + request.offset, length, [&](std::span<const std::byte> piece) {
         send_all_by(self.socket, piece.data(), piece.size(), deadline);

@@ -7,38 +7,19 @@
 #include <new>
 #include <vector>
 
-#include "client/xxh3_build.h"
+#include "client/xxh3_build_of_this_unit.h"
 #include "core/assert.h"
 
 namespace th::client_impl {
 
 namespace {
 
-XXH3_state_t* state_of(void* state) { return static_cast<XXH3_state_t*>(state); }
-
-// libxxhash as Debian builds it (baseline x86-64, or whatever the platform's is).
-const Xxh3Build& xxh3_library_build() {
-  static const Xxh3Build build{
-      [](const std::byte* data, std::uint64_t bytes) -> std::uint64_t { return XXH3_64bits(data, bytes); },
-      []() -> void* {
-        XXH3_state_t* state = XXH3_createState();
-        if (state != nullptr) XXH3_64bits_reset(state);
-        return state;
-      },
-      [](void* state) { XXH3_freeState(state_of(state)); },
-      [](void* state) { XXH3_64bits_reset(state_of(state)); },
-      [](void* state, const std::byte* data, std::uint64_t bytes) { XXH3_64bits_update(state_of(state), data, bytes); },
-      [](const void* state) -> std::uint64_t { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state)); },
-  };
-  return build;
-}
-
 const Xxh3Build& chosen_build() {
-  static const Xxh3Build& build = [&]() -> const Xxh3Build& {
+  static const Xxh3Build& build = []() -> const Xxh3Build& {
 #if defined(TH_HAVE_XXH3_AVX2)
     if (__builtin_cpu_supports("avx2")) return xxh3_avx2_build();
 #endif
-    return xxh3_library_build();
+    return build_of_this_unit();  // libxxhash as the platform builds it (baseline x86-64 on Debian)
   }();
   return build;
 }

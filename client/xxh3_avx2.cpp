@@ -9,30 +9,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "client/xxh3_build.h"
+#include "client/xxh3_build_of_this_unit.h"
 
 namespace th::client_impl {
 
-namespace {
-
-XXH3_state_t* state_of(void* state) { return static_cast<XXH3_state_t*>(state); }
-
-}  // namespace
-
-const Xxh3Build& xxh3_avx2_build() {
-  static const Xxh3Build build{
-      [](const std::byte* data, std::uint64_t bytes) -> std::uint64_t { return XXH3_64bits(data, bytes); },
-      []() -> void* {
-        XXH3_state_t* state = XXH3_createState();
-        if (state != nullptr) XXH3_64bits_reset(state);
-        return state;
-      },
-      [](void* state) { XXH3_freeState(state_of(state)); },
-      [](void* state) { XXH3_64bits_reset(state_of(state)); },
-      [](void* state, const std::byte* data, std::uint64_t bytes) { XXH3_64bits_update(state_of(state), data, bytes); },
-      [](const void* state) -> std::uint64_t { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state)); },
-  };
-  return build;
-}
+const Xxh3Build& xxh3_avx2_build() { return build_of_this_unit(); }
 
 }  // namespace th::client_impl

@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -63,6 +64,10 @@ double move_once(const std::byte* source, std::byte* target, std::size_t span, s
   check(::listen(listener.get(), 1) == 0, "listen");
   socklen_t length = sizeof address;
   check(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&address), &length) == 0, "getsockname");
+  // accept() gives up after this: a sender that could not connect must not leave us waiting.
+  const timeval accept_timeout{10, 0};
+  check(::setsockopt(listener.get(), SOL_SOCKET, SO_RCVTIMEO, &accept_timeout, sizeof accept_timeout) == 0,
+        "setsockopt");
 
   std::thread sender([&] {
     Socket connection(::socket(AF_INET, SOCK_STREAM, 0));
@@ -75,7 +80,13 @@ double move_once(const std::byte* source, std::byte* target, std::size_t span, s
       sent += static_cast<std::uint64_t>(done);
     }
   });
-  Socket connection(::accept(listener.get(), nullptr, nullptr));
+  const int accepted = ::accept(listener.get(), nullptr, nullptr);
+  if (accepted < 0) {
+    const int error = errno;
+    sender.join();
+    throw std::system_error(error, std::generic_category(), "accept");
+  }
+  Socket connection(accepted);
   th::client_impl::BlockHasher hasher;
   std::uint64_t digests = 0;
   const auto started = std::chrono::steady_clock::now();

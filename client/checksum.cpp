@@ -12,12 +12,17 @@
 
 namespace th::client_impl {
 
+// AVX2's build is compiled in only for x86 (client/CMakeLists.txt), and checked for here again.
+#if defined(TH_HAVE_XXH3_AVX2) && (defined(__x86_64__) || defined(__i386__))
+#define TH_XXH3_AVX2 1
+#endif
+
 namespace {
 
 const Xxh3Build& chosen_build() {
   static const Xxh3Build& build = []() -> const Xxh3Build& {
-#if defined(TH_HAVE_XXH3_AVX2)
-    if (__builtin_cpu_supports("avx2")) return xxh3_avx2_build();
+#if defined(TH_XXH3_AVX2)
+    if (xxh3_avx2_usable()) return xxh3_avx2_build();
 #endif
     return build_of_this_unit();  // libxxhash as the platform builds it (baseline x86-64 on Debian)
   }();
@@ -26,19 +31,21 @@ const Xxh3Build& chosen_build() {
 
 }  // namespace
 
-bool xxh3_avx2_built() {
-#if defined(TH_HAVE_XXH3_AVX2)
-  return true;
+bool xxh3_avx2_usable() {
+#if defined(TH_XXH3_AVX2)
+  return __builtin_cpu_supports("avx2");  // (libgcc's check includes the OS saving AVX state)
 #else
   return false;
 #endif
 }
 
 std::uint64_t xxh3_64_avx2(const std::byte* data, std::uint64_t bytes) {
-#if defined(TH_HAVE_XXH3_AVX2)
+  TH_REQUIRE(xxh3_avx2_usable(), "XXH3 for AVX2 is not built here (not x86-64) or this CPU has no AVX2");
+#if defined(TH_XXH3_AVX2)
   return xxh3_avx2_build().hash(data, bytes);
 #else
-  TH_REQUIRE(false, "XXH3 for AVX2 is not built here (not x86-64)");
+  (void)data;
+  (void)bytes;
   return 0;
 #endif
 }

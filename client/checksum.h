@@ -61,9 +61,9 @@ class BlockHasher {
   std::uint64_t fed_bytes_ = 0;
 };
 
-// XXH3_64bits built for AVX2 (client/xxh3_avx2.cpp), where the build has it (x86-64): call it only
-// on a CPU with AVX2 (checksum_block chooses so itself). For tests.
-bool xxh3_avx2_built();
+// XXH3_64bits built for AVX2 (client/xxh3_avx2.cpp), where the build has it (x86-64) and the CPU
+// can run it (checksum_block then uses it); callable only when usable. For tests.
+bool xxh3_avx2_usable();
 std::uint64_t xxh3_64_avx2(const std::byte* data, std::uint64_t bytes);
 
 }  // namespace th::client_impl

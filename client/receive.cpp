@@ -56,6 +56,7 @@ ReadAttempt::ReadAttempt(Plan plan_, std::byte* packed_, ChecksumsRef checksums_
 void ReadAttempt::hash_from(std::uint64_t start_bytes) {
   TH_ASSERT(hash_cursor == 0 && hash_unit == 0, "before the pull");
   while (hash_unit < unit_end.size() && unit_end[hash_unit] <= start_bytes) ++hash_unit;
+  hash_first_unit = hash_unit;
   hash_cursor = hash_unit == 0 ? 0 : unit_end[hash_unit - 1];
   hashed_through.store(hash_cursor, std::memory_order_release);
 }
@@ -140,7 +141,8 @@ std::optional<std::size_t> ReadAttempt::check_unit(std::size_t unit) const {
     return std::nullopt;
   }
   const std::size_t index = plan.big[unit - packed_units];
-  if (!plan.device_tensor(index) && hashed_through.load(std::memory_order_acquire) >= unit_end[unit]) {
+  if (!plan.device_tensor(index) && unit >= hash_first_unit &&
+      hashed_through.load(std::memory_order_acquire) >= unit_end[unit]) {
     // Hashed as it arrived (hash_arrived): its blocks' digests make its checksum.
     if (!whole || checksum_of_digests(big_digests[unit - packed_units]) != (*checksums)[index]) return index;
     return std::nullopt;

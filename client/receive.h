@@ -87,6 +87,7 @@ struct ReadAttempt {
   std::vector<std::vector<std::uint64_t>> big_digests;
   std::uint64_t hash_cursor = 0;
   std::size_t hash_unit = 0;
+  std::size_t hash_first_unit = 0;  // hash_from's: units before it are never hashed here
   BlockHasher block_hasher;
   // Every unit that ends at or below it is hashed, if it is one hash_arrived hashes (release: a
   // checker that reads it with acquire sees the digests).

@@ -19,7 +19,7 @@ struct Xxh3Build {
   std::uint64_t (*digest)(const void* state);
 };
 
-// The AVX2 build; only where TH_HAVE_XXH3_AVX2 is defined, to be used only on a CPU with AVX2.
+// The AVX2 build; only where TH_HAVE_XXH3_AVX2 is defined (x86), to be used only on a CPU with AVX2.
 const Xxh3Build& xxh3_avx2_build();
 
 }  // namespace th::client_impl

@@ -298,6 +298,10 @@ PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& se
   std::vector<bool> finished(targets.size(), false);
   std::size_t prefix_regions = 0;
   std::uint64_t prefix_bytes = 0;
+  // on_progress is told outside `mutex`, one call at a time and in order: it may take a while (the
+  // client hashes what arrived), and the other streams must not wait for it to note their regions.
+  std::mutex reporting_mutex;
+  std::uint64_t reported_bytes = 0;
   std::atomic<std::size_t> next_region{0};
   std::atomic<bool> failed{false};
   PullOutcome total;
@@ -308,22 +312,31 @@ PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& se
     for (std::size_t region = next_region++; region < targets.size() && !failed.load(); region = next_region++) {
       PullOutcome part = pull_stream(source, key, secret, targets.subspan(region, 1),
                                      first_region + static_cast<std::uint32_t>(region), one);
-      std::lock_guard lock(mutex);
-      total.bytes += part.bytes;
-      if (!part.ok()) {
-        if (!total.error || *total.error == ReadError::kCancelled) {
-          total.error = part.error;
-          total.detail = part.detail;
+      std::uint64_t prefix = 0;
+      {
+        std::lock_guard lock(mutex);
+        total.bytes += part.bytes;
+        if (!part.ok()) {
+          if (!total.error || *total.error == ReadError::kCancelled) {
+            total.error = part.error;
+            total.detail = part.detail;
+          }
+          failed.store(true);
+          return;
         }
-        failed.store(true);
-        return;
+        finished[region] = true;
+        while (prefix_regions < targets.size() && finished[prefix_regions]) {
+          prefix_bytes += targets[prefix_regions++].bytes;
+        }
+        prefix = prefix_bytes;
       }
-      finished[region] = true;
-      const std::uint64_t before = prefix_bytes;
-      while (prefix_regions < targets.size() && finished[prefix_regions]) {
-        prefix_bytes += targets[prefix_regions++].bytes;
+      if (options.on_progress) {
+        std::lock_guard reporting(reporting_mutex);
+        if (prefix > reported_bytes) {
+          reported_bytes = prefix;
+          options.on_progress(prefix);
+        }
       }
-      if (prefix_bytes > before && options.on_progress) options.on_progress(prefix_bytes);
     }
   };
   std::vector<std::thread> helpers;

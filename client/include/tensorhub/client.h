@@ -310,7 +310,10 @@ class Handle {
   // Brings a version ("42", "latest", "latest-2") into the registered tensors. Blocks until it
   // exists and every shard received it, verified against its checksums; 0: no timeout. GPU
   // tensors' bytes are then visible to every stream (the copies were waited for). The copy
-  // then serves other readers (even while it is still being received).
+  // then serves other readers (even while it is still being received). The tensors must not be
+  // written while the call runs (nor until unpublish() after it): each piece is verified as it
+  // arrives, and a write behind the reader's back is served on to other readers, whose checksums
+  // refuse it and, twice so, stop reading from this replica.
   Result<ReplicateInfo> replicate(std::string_view selector, TimeMs timeout_ms = 0);
   // Moves to a newer version if one is available (like unpublish + replicate), else returns at
   // once with kNoNewerVersion or kNotYet.

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,16 @@ struct Tensors {
   std::map<std::string, std::vector<std::byte>> bytes;
 };
 
+// A trainer that published `published` as version 1.
+std::unique_ptr<Handle> publish_trainer(const std::string& server, Tensors& published) {
+  published.fill();
+  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  if (trainer == nullptr) return nullptr;
+  published.register_with(*trainer);
+  if (!trainer->publish(1).ok()) return nullptr;
+  return trainer;
+}
+
 struct Flip {
   std::string tensor;
   std::size_t at;
@@ -75,11 +86,8 @@ TEST_F(BadSource, ABadByteIsCaughtWhereverItLiesAndItsTensorIsNeverHandedOut) {
   for (const Flip& flip : flips) {
     SCOPED_TRACE(flip.tensor + " byte " + std::to_string(flip.at) + ", " + std::to_string(flip.streams) + " stream(s)");
     Tensors published;
-    published.fill();
-    auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+    auto trainer = publish_trainer(server, published);
     ASSERT_NE(trainer, nullptr);
-    published.register_with(*trainer);
-    ASSERT_TRUE(trainer->publish(1).ok());
     published.bytes[flip.tensor][flip.at] ^= std::byte{0x10};  // the source now serves a bad byte
 
     ClientOptions options = options_for(server, "rollout", "rollout");
@@ -114,11 +122,8 @@ TEST_F(BadSource, GoodBytesReadAfterABadSourceAreAccepted) {
   // and must end bit-exact.
   const std::string server = start_server();
   Tensors published;
-  published.fill();
-  auto trainer = open_or_fail(options_for(server, "trainer", "trainer"));
+  auto trainer = publish_trainer(server, published);
   ASSERT_NE(trainer, nullptr);
-  published.register_with(*trainer);
-  ASSERT_TRUE(trainer->publish(1).ok());
   auto first = open_or_fail(options_for(server, "rollout-first", "rollout"));
   ASSERT_NE(first, nullptr);
   Tensors first_bytes;

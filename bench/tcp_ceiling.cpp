@@ -27,26 +27,21 @@
 #include <vector>
 
 #include "client/checksum.h"
+#include "net/socket.h"
 
 namespace {
 
 constexpr std::size_t kSendBytes = std::size_t{1} << 20;
 constexpr std::size_t kReceiveBytes = std::size_t{256} << 10;
 
-// A socket closed when it goes out of scope.
-class Socket {
- public:
-  explicit Socket(int fd) : fd_(fd) {
-    if (fd_ < 0) throw std::system_error(errno, std::generic_category(), "socket");
-  }
-  ~Socket() { ::close(fd_); }
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  int get() const { return fd_; }
+using th::net::Fd;  // (the project's owner of a descriptor: closed when it goes out of scope)
 
- private:
-  int fd_;
-};
+// A new TCP socket, or the error.
+Fd tcp_socket() {
+  Fd socket(::socket(AF_INET, SOCK_STREAM, 0));
+  if (!socket.valid()) throw std::system_error(errno, std::generic_category(), "socket");
+  return socket;
+}
 
 void check(bool ok, const char* what) {
   if (!ok) throw std::system_error(errno, std::generic_category(), what);
@@ -56,7 +51,7 @@ void check(bool ok, const char* what) {
 // the blocks' digests folded (printed, so that the hashing is not optimised away).
 double move_once(const std::byte* source, std::byte* target, std::size_t span, std::uint64_t bytes, bool hash,
                  std::uint64_t& digest) {
-  Socket listener(::socket(AF_INET, SOCK_STREAM, 0));
+  const Fd listener = tcp_socket();
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -70,7 +65,7 @@ double move_once(const std::byte* source, std::byte* target, std::size_t span, s
         "setsockopt");
 
   std::thread sender([&] {
-    Socket connection(::socket(AF_INET, SOCK_STREAM, 0));
+    const Fd connection = tcp_socket();
     if (::connect(connection.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) return;
     for (std::uint64_t sent = 0; sent < bytes;) {
       const std::size_t at = sent % span;
@@ -86,7 +81,7 @@ double move_once(const std::byte* source, std::byte* target, std::size_t span, s
     sender.join();
     throw std::system_error(error, std::generic_category(), "accept");
   }
-  Socket connection(accepted);
+  const Fd connection(accepted);
   th::client_impl::BlockHasher hasher;
   std::uint64_t digests = 0;
   const auto started = std::chrono::steady_clock::now();

@@ -126,8 +126,9 @@ bool Hub::reading_patch(const Copy& candidate, const Transfer& transfer) const {
 // reader's datacenter first; else, while one here has its slots held by patch reads (or is still
 // reading the patch), none of them known to go at under half the reader's rate, wait for it: a
 // patch is at most 40 % of the bytes (patch_bytes_limit) and each reader that applies it serves it
-// too, so holders double while a read of the bytes would still be under way. A holder whose slot a read of the bytes holds may stay busy long: not waited
-// for. Across datacenters only into a datacenter with no other copy, from a holder with a slot.
+// too, so holders double while a read of the bytes would still be under way. A holder whose slot a
+// read of the bytes holds may stay busy long: not waited for. Across datacenters only into a
+// datacenter with no other copy, from a holder with a slot.
 // None: choose as for the bytes. (Linear in the version's copies, for each reader that can read a
 // patch: hub_bench's 2,048 readers would pay it; an index of holders by datacenter is the remedy.)
 Hub::PatchSource Hub::patch_source(const Transfer& transfer, const std::function<bool(const Copy*)>& usable) const {
@@ -154,7 +155,9 @@ Hub::PatchSource Hub::patch_source(const Transfer& transfer, const std::function
     return std::any_of(slow_patch_readers.begin(), slow_patch_readers.end(),
                        [&](const Copy* slow) { return slow->incoming->source == &holder; });
   };
-  auto better = [](const Copy* a, const Copy* b) { return b == nullptr || std::pair{a->readers, a->id} < std::pair{b->readers, b->id}; };
+  auto better = [](const Copy* a, const Copy* b) {
+    return b == nullptr || std::pair{a->readers, a->id} < std::pair{b->readers, b->id};
+  };
   for (Copy* copy : record.copies) {
     if (copy->owner->dc != dc) continue;
     if (copy != &reader && (copy->counted.servable || copy->state == CopyState::kComplete)) any_here = true;

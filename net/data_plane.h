@@ -260,13 +260,34 @@ class DataServer {
   std::thread acceptor_;
 };
 
+// Tells on_progress of a prefix that threads of one pull (streams, rails) grow, outside their own
+// locks: one call at a time, each prefix larger than the last told (a smaller one that comes late
+// is not told). The other threads then go on receiving while on_progress runs.
+class OrderedProgress {
+ public:
+  explicit OrderedProgress(const std::function<void(std::uint64_t)>& on_progress) : on_progress_(on_progress) {}
+  void tell(std::uint64_t prefix_bytes) {
+    if (!on_progress_) return;
+    std::lock_guard lock(mutex_);
+    if (prefix_bytes <= told_bytes_) return;
+    told_bytes_ = prefix_bytes;
+    on_progress_(prefix_bytes);
+  }
+
+ private:
+  const std::function<void(std::uint64_t)>& on_progress_;
+  std::mutex mutex_;
+  std::uint64_t told_bytes_ = 0;
+};
+
 struct PullOptions {
   std::uint64_t chunk_bytes = 8ull << 20;  // one request
   // How often on_progress hears of a growing prefix while a response arrives: a reader of this
   // shard (pipeline replication) trails it by about this much, at every hop of a chain. Also the
   // size of one receive: the reader hashes each step as it arrives (client/receive.h), and a step
-  // of 256 KiB is still in cache then (1 MiB steps hashed at half the speed, and the whole read ran
-  // 20 % slower: bench/results/data-pair-2026-12-06.md).
+  // of 256 KiB is still in cache then (bench/results/data-pair-2026-12-06.md: in a bare stream,
+  // 1 MiB steps hashed at half the speed and the stream ran 20 % slower; th-bench pair's reader
+  // spent 15 % more CPU per GB).
   std::uint64_t progress_step_bytes = 256ull << 10;
   std::uint32_t depth = 4;                 // requests in flight on the connection (complete sources)
   // Connections used at once for a complete source, each pulling whole regions (helps on links
@@ -289,7 +310,8 @@ struct PullOptions {
   // Polled between chunks: true stops the pull with kCancelled.
   std::function<bool()> cancelled;
   // Called as the prefix of the targets (layout order) that has arrived grows: a receiving shard
-  // exposes it to its own readers from here.
+  // exposes it to its own readers from here (and hashes what arrived: it may take a while). One
+  // call at a time; a pull of several threads tells it through an OrderedProgress.
   std::function<void(std::uint64_t ready_bytes)> on_progress;
   // Moves bytes into targets of GPU memory (on_device): each connection borrows a ring for the
   // pull. A response into GPU memory is told to on_progress once it is all on the device.

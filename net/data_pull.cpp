@@ -298,10 +298,7 @@ PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& se
   std::vector<bool> finished(targets.size(), false);
   std::size_t prefix_regions = 0;
   std::uint64_t prefix_bytes = 0;
-  // on_progress is told outside `mutex`, one call at a time and in order: it may take a while (the
-  // client hashes what arrived), and the other streams must not wait for it to note their regions.
-  std::mutex reporting_mutex;
-  std::uint64_t reported_bytes = 0;
+  OrderedProgress progress(options.on_progress);  // (outside `mutex`: the streams go on meanwhile)
   std::atomic<std::size_t> next_region{0};
   std::atomic<bool> failed{false};
   PullOutcome total;
@@ -330,13 +327,7 @@ PullOutcome pull_tcp(const Endpoint& source, GrantKey key, const GrantSecret& se
         }
         prefix = prefix_bytes;
       }
-      if (options.on_progress) {
-        std::lock_guard reporting(reporting_mutex);
-        if (prefix > reported_bytes) {
-          reported_bytes = prefix;
-          options.on_progress(prefix);
-        }
-      }
+      progress.tell(prefix);
     }
   };
   std::vector<std::thread> helpers;

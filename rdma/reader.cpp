@@ -706,10 +706,7 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
   std::mutex progress_mutex;
   std::vector<std::uint64_t> done(rails.size());
   for (std::size_t i = 0; i < rails.size(); ++i) done[i] = rails[i].begin;
-  // on_progress is told outside progress_mutex, one call at a time and in order: it may take a
-  // while (the client hashes what landed), and the other rails must not wait for it to note theirs.
-  std::mutex reporting_mutex;
-  std::uint64_t reported = 0;
+  net::OrderedProgress progress(options.on_progress);  // (outside progress_mutex: the rails go on meanwhile)
   auto report = [&](std::size_t i, std::uint64_t landed) {
     std::uint64_t prefix = 0;
     {
@@ -720,12 +717,7 @@ net::PullOutcome RdmaTransport::pull(const net::Endpoint& source, net::GrantKey 
         if (done[r] < rails[r].end) break;
       }
     }
-    if (!options.on_progress) return;
-    std::lock_guard reporting(reporting_mutex);
-    if (prefix > reported) {
-      reported = prefix;
-      options.on_progress(prefix);
-    }
+    progress.tell(prefix);
   };
   auto options_of = [&](std::size_t i) {
     net::PullOptions mine = options;

@@ -211,8 +211,11 @@ class Hub {
   // Rate-aware source selection (hub_rates.cpp).
   void measure_shard_read(Transfer& transfer, std::uint32_t shard);
   void record_receive_rate(const Transfer& transfer);
+  // What a wrong "slower" would cost: a reorder (the reader goes ahead of the candidate, and is
+  // timed) or a shared source (the reader passes over the candidate for a busier source).
+  enum class Risk : std::uint8_t { kReorder, kShare };
   // Whether `candidate` is known to receive at under 1/factor of `reader`'s rate.
-  bool slower(const Replica& candidate, const Replica& reader, double factor) const;
+  bool slower(const Replica& candidate, const Replica& reader, double factor, Risk risk) const;
   bool much_slower(const Replica& candidate, const Replica& reader) const;
   // Whether `reader` may be faster than `candidate`, which nothing measured can say: it goes
   // ahead of it to find out (insertion_point only).

@@ -141,25 +141,28 @@ Contribution Hub::contribution(const Copy& copy) const {
   c.eligible = serves_now && has_slot(copy, false);
   c.eligible_across = serves_now && has_slot(copy, true);
   c.layout = copy.owner->layout != nullptr ? copy.owner->layout->id : detail::kNoLayout;
-  c.key = SourceKey{copy.readers, static_cast<std::uint8_t>(active ? 1 : 0), copy.id};
+  const auto partial = static_cast<std::uint8_t>(active ? 1 : 0);
+  c.key = SourceKey{copy.readers - copy.readers_across, partial, copy.id};
+  c.key_across = SourceKey{copy.readers, partial, copy.id};
   return c;
 }
 
 void Hub::apply(Copy& copy, const Contribution& c, int sign) {
   VersionRecord& record = *copy.record;
   DcSources& sources = record.by_dc[copy.owner->dc];
-  auto index = [&](bool indexed, std::set<std::pair<detail::SourceKey, Copy*>>& eligible) {
+  auto index = [&](bool indexed, const detail::SourceKey& key,
+                   std::set<std::pair<detail::SourceKey, Copy*>>& eligible) {
     if (!indexed) return;
     if (sign > 0) {
-      const bool inserted = eligible.emplace(c.key, &copy).second;
+      const bool inserted = eligible.emplace(key, &copy).second;
       TH_ASSERT(inserted);
     } else {
-      const std::size_t erased = eligible.erase({c.key, &copy});
+      const std::size_t erased = eligible.erase({key, &copy});
       TH_ASSERT(erased == 1);
     }
   };
-  index(c.eligible, sources.eligible);
-  index(c.eligible_across, sources.eligible_across);
+  index(c.eligible, c.key, sources.eligible);
+  index(c.eligible_across, c.key_across, sources.eligible_across);
   add_count(sources.servable, c.servable, sign);
   add_count(sources.complete, c.complete, sign);
   add_count(sources.seeding, c.seeding, sign);

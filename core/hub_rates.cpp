@@ -24,6 +24,7 @@
 namespace th {
 
 using detail::CopyState;
+using detail::NewestFastest;
 
 namespace {
 
@@ -71,14 +72,7 @@ void Hub::measure_shard_read(Transfer& transfer, std::uint32_t shard) {
   const double rate = static_cast<double>(layout->total_bytes()) / static_cast<double>(elapsed_ms);
   transfer.slowest_bytes_per_ms =
       transfer.slowest_bytes_per_ms == 0 ? rate : std::min(transfer.slowest_bytes_per_ms, rate);
-  Model& model = *replica.model;
-  const Version version = transfer.reader->record->version;
-  if (version > model.fastest_read_version) {
-    model.fastest_read_version = version;  // rates change: the newest version's reads say what is
-    model.fastest_read_bytes_per_ms = rate;
-  } else if (version == model.fastest_read_version) {
-    model.fastest_read_bytes_per_ms = std::max(model.fastest_read_bytes_per_ms, rate);
-  }
+  replica.model->fastest_shard_read.record(transfer.reader->record->version, rate);
   TH_ASSERT(transfer.slowest_bytes_per_ms > 0 && transfer.slowest_bytes_per_ms <= rate);
 }
 
@@ -116,18 +110,20 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   }
   rate.last_version = version;
   rate.last_bytes_per_ms = measured;
-  std::multiset<double>& exact_rates = replica.model->exact_rates_bytes_per_ms;
+  Model& model = *replica.model;
+  model.fastest_replica_read.record(version, measured);
+  std::multiset<double>& exact_rates = model.exact_rates_bytes_per_ms;
   if (exact_before) {
     const auto found = exact_rates.find(*exact_before);
     TH_ASSERT(found != exact_rates.end(), "the model holds each exact rate of its replicas");
     exact_rates.erase(found);
   }
   if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
-  if (exact_rates.size() >= 2) replica.model->exact_rates_compared = true;
+  if (exact_rates.size() >= 2) model.exact_rates_compared = true;
   TH_ASSERT(paced_by_reader ? rate.exact && rate.bytes_per_ms == measured : rate.bytes_per_ms >= measured);
 }
 
-bool Hub::slower(const Replica& candidate, const Replica& reader, double factor) const {
+bool Hub::slower(const Replica& candidate, const Replica& reader, double factor, Risk risk) const {
   const detail::ReceiveRate& slow = candidate.receive_rate;
   const detail::ReceiveRate& fast = reader.receive_rate;
   // Only a candidate measured exactly is known slow (a lower bound may be far below what it can do).
@@ -142,9 +138,18 @@ bool Hub::slower(const Replica& candidate, const Replica& reader, double factor)
   // "Slow" against the fastest this model's replicas have shown: the newest version's fastest
   // read, or a replica's own pace measured in any version (when every reader of the newest one
   // went behind a slow member, its fastest read is the slow member's pace).
-  const std::multiset<double>& exact = reader.model->exact_rates_bytes_per_ms;
+  // Putting a reader ahead compares with the fastest shard read: a replica with a shard far
+  // slower than that may be slow, and if it was not (the source set the pace), the reader, timed
+  // alone at the source, says so. Passing over a copy for a busier source compares with the
+  // fastest replica: with NICs of unequal speed nearly every replica has a shard far slower than
+  // the fastest shard anywhere, and a reader that passed over its chain then shared a source
+  // whose slowest NIC set everyone's pace, halving it (th-plan --nic-jitter 0.99 --fanout 2
+  // --seed 5: 128.6 -> 237.4 GPU-s per version from the second version on).
+  const Model& model = *reader.model;
+  const std::multiset<double>& exact = model.exact_rates_bytes_per_ms;
   const double fastest_exact = exact.empty() ? 0.0 : *exact.rbegin();
-  const double fastest = std::max(reader.model->fastest_read_bytes_per_ms, fastest_exact);
+  const NewestFastest& fastest_read = risk == Risk::kReorder ? model.fastest_shard_read : model.fastest_replica_read;
+  const double fastest = std::max(fastest_read.bytes_per_ms, fastest_exact);
   return fast.bytes_per_ms > 0 && slow.bytes_per_ms * kBehindFraction <= fast.bytes_per_ms &&
          slow.bytes_per_ms * kSlowFactor < fastest;
 }
@@ -166,7 +171,7 @@ bool Hub::unexplored(const Replica& candidate, const Replica& reader) const {
 }
 
 bool Hub::much_slower(const Replica& candidate, const Replica& reader) const {
-  return slower(candidate, reader, kSlowFactor);
+  return slower(candidate, reader, kSlowFactor, Risk::kShare);
 }
 
 bool Hub::slow_chain(const Copy& candidate, const Copy& reader) const {
@@ -220,7 +225,7 @@ Hub::Copy* Hub::insertion_point(Copy& candidate, const Copy& reader) const {
   Copy* point = nullptr;
   Copy* at = &candidate;
   for (std::size_t hops = 0; at->state == CopyState::kActive && hops < limits::kChainHopsWeighedMax; ++hops) {
-    if ((slower(*at->owner, *reader.owner, kReorderFactor) || unexplored(*at->owner, *reader.owner)) &&
+    if ((slower(*at->owner, *reader.owner, kReorderFactor, Risk::kReorder) || unexplored(*at->owner, *reader.owner)) &&
         displaceable(*at, reader) && early(*at)) {
       point = at;  // the last one found is nearest the root
     }

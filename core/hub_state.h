@@ -68,7 +68,14 @@ enum class DrainPurpose : std::uint8_t {
 };
 
 // Order of preference among sources: least loaded, then complete before partial, then oldest.
-// The copy id makes every key unique, so the order never depends on a pointer value.
+// For a reader of the copy's own datacenter the load is the readers here: one across moves what
+// one TCP stream across moves, little of the copy's NIC (a chain's end that seeds another
+// datacenter is not busier than the trainer feeding the chain: a rollout that joined mid-broadcast
+// shared the trainer instead and halved the whole chain's pace, th-plan --fanout 2 --spot 2
+// --remote 2). For a reader across, every reader: its read loads the same NIC (ordered by readers
+// across only, the seeder took the trainer from the chain's root: bench/run-plan-policy, jitter 0,
+// 2 remote, 5.08 -> 7.00 GPU-s per version). The copy id makes every key unique, so the order
+// never depends on a pointer value.
 struct SourceKey {
   std::uint32_t readers = 0;
   std::uint8_t partial = 0;
@@ -80,8 +87,9 @@ struct SourceKey {
 // Hub::contribution) and remembered in the copy, so that removing the contribution again is exact.
 struct Contribution {
   bool eligible = false;        // in by_dc[dc].eligible under `key`: a slot for readers here
-  bool eligible_across = false; // in by_dc[dc].eligible_across under `key`: a slot for readers elsewhere
-  SourceKey key;
+  bool eligible_across = false; // in by_dc[dc].eligible_across under `key_across`: a slot for readers elsewhere
+  SourceKey key;                // for readers here: by the readers here
+  SourceKey key_across;         // for readers elsewhere: by every reader
   bool servable = false;        // kComplete or kActive, not failed
   bool complete = false;        // kComplete, not failed (primary or offload)
   bool complete_primary = false;
@@ -218,6 +226,21 @@ struct Transfer {
   std::uint32_t patch_epochs = 0;
   ShardSet patched;
   std::vector<PatchRef> patch_read;  // the last patch source's patches, which the reader keeps
+};
+
+// The fastest of the reads of the newest version measured: rates change, and the newest
+// version's reads say what is.
+struct NewestFastest {
+  Version version = 0;
+  double bytes_per_ms = 0;  // 0: none measured
+  void record(Version read_version, double read_bytes_per_ms) {
+    if (read_version > version) {
+      version = read_version;
+      bytes_per_ms = read_bytes_per_ms;
+    } else if (read_version == version && read_bytes_per_ms > bytes_per_ms) {
+      bytes_per_ms = read_bytes_per_ms;
+    }
+  }
 };
 
 // How fast a replica receives, as the hub measured its reads (hub_rates.cpp, issue 34): the rate
@@ -366,10 +389,12 @@ struct Model {
   // Draining copies whose readers are revoked at the deadline (settings.drain_grace_ms after the
   // drain began), in deadline order; exactly the copies with drain_deadline_ms != 0.
   std::set<std::pair<TimeMs, CopyId>> drain_deadlines;
-  // The fastest any shard received the newest version measured (hub_rates.cpp): against it, a
-  // replica measured exactly is slow or not.
-  Version fastest_read_version = 0;
-  double fastest_read_bytes_per_ms = 0;
+  // The fastest read of the newest version measured (hub_rates.cpp): against it, a replica
+  // measured exactly is slow or not. Of any shard, for putting a reader ahead of a slow copy
+  // (cheap if wrong: the reader is then timed alone); of any replica, by its slowest shard as a
+  // replica's rate is, for passing over a slow copy for a busier source (costly if wrong).
+  NewestFastest fastest_shard_read;
+  NewestFastest fastest_replica_read;
   // The exact receive rates of its replicas, one per replica that has one (hub_rates.cpp): the
   // fastest says what a replica here can do, whichever version showed it (the newest version's
   // reads may all have gone behind a slow member); with one only, nothing to compare it with.

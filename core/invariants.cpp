@@ -291,7 +291,9 @@ void Hub::check_invariants() const {
     }
     TH_ASSERT(exact_rates == model.exact_rates_bytes_per_ms, "the model holds exactly its replicas' exact rates");
     TH_ASSERT(exact_rates.size() < 2 || model.exact_rates_compared, "two exact rates have been compared");
-    TH_ASSERT(model.fastest_read_bytes_per_ms >= 0, "the model's fastest read is a measurement or none");
+    TH_ASSERT(model.fastest_shard_read.bytes_per_ms >= 0 && model.fastest_replica_read.bytes_per_ms >= 0 &&
+                  model.fastest_replica_read.version <= model.fastest_shard_read.version,
+              "the model's fastest reads are measurements or none, a replica's read after its shards'");
 
     // ---- transfers ----
     for (const auto& [id, transfer_ptr] : model.transfers) {
@@ -381,17 +383,17 @@ void Hub::check_invariants() const {
         const auto indexed = record.by_dc.find(copy->owner->dc);
         const bool has_sources = indexed != record.by_dc.end();
         auto check_indexed = [&](std::set<std::pair<detail::SourceKey, Copy*>> detail::DcSources::*index,
-                                 const char* readers) {
-          TH_ASSERT(has_sources && (indexed->second.*index).contains({c.key, const_cast<Copy*>(copy)}),
+                                 const detail::SourceKey& key, const char* readers) {
+          TH_ASSERT(has_sources && (indexed->second.*index).contains({key, const_cast<Copy*>(copy)}),
                     "eligible copy", copy->id, "is indexed as a source for readers", readers);
         };
         if (c.eligible) {
           ++sources.eligible;
-          check_indexed(&detail::DcSources::eligible, "here");
+          check_indexed(&detail::DcSources::eligible, c.key, "here");
         }
         if (c.eligible_across) {
           ++sources.eligible_across;
-          check_indexed(&detail::DcSources::eligible_across, "across datacenters");
+          check_indexed(&detail::DcSources::eligible_across, c.key_across, "across datacenters");
         }
         sources.servable += c.servable;
         sources.complete += c.complete;

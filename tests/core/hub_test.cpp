@@ -47,6 +47,19 @@ std::optional<StartRead> read_of(Driver& driver, ClientId client) {
   return reads.rbegin()->second;
 }
 
+// A rollout of two shards opens in `datacenter` and replicates the latest version: its shards.
+std::vector<ClientId> replicating(Driver& driver, std::string name, std::string datacenter) {
+  const std::vector<ClientId> shards = driver.open_replica(rollout(std::move(name), 2, std::move(datacenter)));
+  start_replicate(driver, shards, Selector::latest());
+  return shards;
+}
+
+// The replica the hub told the first shard to read from ("(none)": none yet).
+std::string source_of(Driver& driver, const std::vector<ClientId>& shards) {
+  const std::optional<StartRead> read = read_of(driver, shards[0]);
+  return read ? read->source.replica : "(none)";
+}
+
 std::string expect_error(const std::optional<Outcome>& outcome, Errc code) {
   if (!outcome) return "no reply";
   if (!is_error(*outcome, code)) return "got " + describe(*outcome);
@@ -888,17 +901,14 @@ TEST(HubTopology, ASeedAcrossDatacentersDoesNotTakeTheLocalReadersSlot) {
   Driver driver;  // pipeline on, fan-out 1
   const auto t = driver.open_replica(trainer("t"));  // dc0
   driver.publish(t, 1);
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  start_replicate(driver, far, Selector::latest());
-  EXPECT_EQ(read_of(driver, far[0])->source.replica, "t");
+  const auto far = replicating(driver, "far", "dc1");
+  EXPECT_EQ(source_of(driver, far), "t");
   // The side across is limited too: a reader of a third datacenter waits, since the trainer
   // serves one reader across already and nobody reads behind a copy still crossing datacenters.
-  const auto third = driver.open_replica(rollout("third", 2, "dc2"));
-  start_replicate(driver, third, Selector::latest());
+  const auto third = replicating(driver, "third", "dc2");
   EXPECT_FALSE(read_of(driver, third[0])) << "the trainer's slot across datacenters is taken";
   // A local reader joins while the seed crosses: it reads the trainer too, at once.
-  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
-  start_replicate(driver, near, Selector::latest());
+  const auto near = replicating(driver, "near", "dc0");
   const auto near_read = read_of(driver, near[0]);
   ASSERT_TRUE(near_read) << "a local reader must not queue behind a seed across datacenters";
   EXPECT_EQ(near_read->source.replica, "t");
@@ -907,10 +917,8 @@ TEST(HubTopology, ASeedAcrossDatacentersDoesNotTakeTheLocalReadersSlot) {
   ASSERT_TRUE(read_of(driver, third[0]));
   EXPECT_EQ(read_of(driver, third[0])->source.replica, "near");
   // near serves one reader across and none here: a second local reader pipelines from it too.
-  const auto near2 = driver.open_replica(rollout("near2", 2, "dc0"));
-  start_replicate(driver, near2, Selector::latest());
-  ASSERT_TRUE(read_of(driver, near2[0]));
-  EXPECT_EQ(read_of(driver, near2[0])->source.replica, "near");
+  const auto near2 = replicating(driver, "near2", "dc0");
+  EXPECT_EQ(source_of(driver, near2), "near");
   for (const auto& reader : {far, near, near2, third}) {
     driver.finish_reads(reader);
     EXPECT_TRUE(is<ReplicateOk>(driver.replies(reader)));
@@ -929,18 +937,14 @@ TEST(HubTopology, AJoinerReadsTheChainsEndThatSeedsAcrossRatherThanShareTheTrain
   Driver driver(settings);
   const auto t = driver.open_replica(trainer("t"));  // dc0
   driver.publish(t, 1);
-  const auto near = driver.open_replica(rollout("near", 2, "dc0"));
-  start_replicate(driver, near, Selector::latest());
-  EXPECT_EQ(read_of(driver, near[0])->source.replica, "t");
+  const auto near = replicating(driver, "near", "dc0");
+  EXPECT_EQ(source_of(driver, near), "t");
   // near is the least loaded copy here and across (no reader), partial: it seeds dc1.
-  const auto far = driver.open_replica(rollout("far", 2, "dc1"));
-  start_replicate(driver, far, Selector::latest());
-  EXPECT_EQ(read_of(driver, far[0])->source.replica, "near");
+  const auto far = replicating(driver, "far", "dc1");
+  EXPECT_EQ(source_of(driver, far), "near");
   // Each copy here has one reader: near's reads across, the trainer's here.
-  const auto joiner = driver.open_replica(rollout("joiner", 2, "dc0"));
-  start_replicate(driver, joiner, Selector::latest());
-  ASSERT_TRUE(read_of(driver, joiner[0]));
-  EXPECT_EQ(read_of(driver, joiner[0])->source.replica, "near");
+  const auto joiner = replicating(driver, "joiner", "dc0");
+  EXPECT_EQ(source_of(driver, joiner), "near");
   for (const auto& reader : {near, far, joiner}) {
     driver.finish_reads(reader);
     EXPECT_TRUE(is<ReplicateOk>(driver.replies(reader)));

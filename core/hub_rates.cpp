@@ -24,7 +24,6 @@
 namespace th {
 
 using detail::CopyState;
-using detail::NewestFastest;
 
 namespace {
 
@@ -111,7 +110,7 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   rate.last_version = version;
   rate.last_bytes_per_ms = measured;
   Model& model = *replica.model;
-  model.fastest_replica_read.record(version, measured);
+  model.fastest_replica_read_by_dc[replica.dc].record(version, measured);
   std::multiset<double>& exact_rates = model.exact_rates_bytes_per_ms;
   if (exact_before) {
     const auto found = exact_rates.find(*exact_before);
@@ -140,16 +139,23 @@ bool Hub::slower(const Replica& candidate, const Replica& reader, double factor,
   // went behind a slow member, its fastest read is the slow member's pace).
   // Putting a reader ahead compares with the fastest shard read: a replica with a shard far
   // slower than that may be slow, and if it was not (the source set the pace), the reader, timed
-  // alone at the source, says so. Passing over a copy for a busier source compares with the
-  // fastest replica: with NICs of unequal speed nearly every replica has a shard far slower than
-  // the fastest shard anywhere, and a reader that passed over its chain then shared a source
-  // whose slowest NIC set everyone's pace, halving it (th-plan --nic-jitter 0.99 --fanout 2
-  // --seed 5: 128.6 -> 237.4 GPU-s per version from the second version on).
+  // alone at the source, says so. Passing over a copy for a busier source compares only with the
+  // newest version's fastest replica read in the reader's datacenter: with NICs of unequal speed
+  // nearly every replica has a shard far slower than the fastest shard anywhere, and replicas of
+  // another datacenter read other sources (its seeder); measured against either, a reader passed
+  // over its chain and shared the trainer whose slowest NIC set everyone's pace, halving it
+  // (th-plan --nic-jitter 0.99 --fanout 2 --seed 5: 128.6 -> 237.4 GPU-s per version from the
+  // second version on; with 2 remote rollouts and 2 joining, 6 rollouts, seed 15: 107 -> 210).
   const Model& model = *reader.model;
-  const std::multiset<double>& exact = model.exact_rates_bytes_per_ms;
-  const double fastest_exact = exact.empty() ? 0.0 : *exact.rbegin();
-  const NewestFastest& fastest_read = risk == Risk::kReorder ? model.fastest_shard_read : model.fastest_replica_read;
-  const double fastest = std::max(fastest_read.bytes_per_ms, fastest_exact);
+  double fastest = 0;
+  if (risk == Risk::kReorder) {
+    const std::multiset<double>& exact = model.exact_rates_bytes_per_ms;
+    const double fastest_exact = exact.empty() ? 0.0 : *exact.rbegin();
+    fastest = std::max(model.fastest_shard_read.bytes_per_ms, fastest_exact);
+  } else if (const auto here = model.fastest_replica_read_by_dc.find(reader.dc);
+             here != model.fastest_replica_read_by_dc.end()) {
+    fastest = here->second.bytes_per_ms;
+  }
   return fast.bytes_per_ms > 0 && slow.bytes_per_ms * kBehindFraction <= fast.bytes_per_ms &&
          slow.bytes_per_ms * kSlowFactor < fastest;
 }

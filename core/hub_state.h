@@ -391,10 +391,11 @@ struct Model {
   std::set<std::pair<TimeMs, CopyId>> drain_deadlines;
   // The fastest read of the newest version measured (hub_rates.cpp): against it, a replica
   // measured exactly is slow or not. Of any shard, for putting a reader ahead of a slow copy
-  // (cheap if wrong: the reader is then timed alone); of any replica, by its slowest shard as a
-  // replica's rate is, for passing over a slow copy for a busier source (costly if wrong).
+  // (cheap if wrong: the reader is then timed alone); of any replica of a datacenter, by its
+  // slowest shard as a replica's rate is, for passing over a slow copy there for a busier source
+  // (costly if wrong). At most one entry per datacenter (limits::kDatacentersMax).
   NewestFastest fastest_shard_read;
-  NewestFastest fastest_replica_read;
+  std::map<DcId, NewestFastest> fastest_replica_read_by_dc;
   // The exact receive rates of its replicas, one per replica that has one (hub_rates.cpp): the
   // fastest says what a replica here can do, whichever version showed it (the newest version's
   // reads may all have gone behind a slow member); with one only, nothing to compare it with.

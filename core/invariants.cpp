@@ -291,9 +291,15 @@ void Hub::check_invariants() const {
     }
     TH_ASSERT(exact_rates == model.exact_rates_bytes_per_ms, "the model holds exactly its replicas' exact rates");
     TH_ASSERT(exact_rates.size() < 2 || model.exact_rates_compared, "two exact rates have been compared");
-    TH_ASSERT(model.fastest_shard_read.bytes_per_ms >= 0 && model.fastest_replica_read.bytes_per_ms >= 0 &&
-                  model.fastest_replica_read.version <= model.fastest_shard_read.version,
-              "the model's fastest reads are measurements or none, a replica's read after its shards'");
+    TH_ASSERT(model.fastest_shard_read.bytes_per_ms >= 0, "the model's fastest shard read is a measurement or none");
+    TH_ASSERT(model.fastest_replica_read_by_dc.size() <= limits::kDatacentersMax);
+    for (const auto& [dc, fastest] : model.fastest_replica_read_by_dc) {
+      // A replica's read is timed by its shards': none newer, none faster than the fastest shard.
+      TH_ASSERT(fastest.bytes_per_ms > 0 && fastest.version <= model.fastest_shard_read.version &&
+                    (fastest.version < model.fastest_shard_read.version ||
+                     fastest.bytes_per_ms <= model.fastest_shard_read.bytes_per_ms),
+                "the fastest replica read of datacenter", dc, "is a measurement of its shards'");
+    }
 
     // ---- transfers ----
     for (const auto& [id, transfer_ptr] : model.transfers) {

@@ -71,6 +71,14 @@ struct Fleet {
     publish(2);
     for (const char* name : order) start_update(driver, rollouts[name]);
   }
+  // Version 2: r0 updates, and r1 200 ms later, too late for r0 (a read of about 1000 ms) to give
+  // its source away.
+  void r1_after_r0_late() {
+    publish(2);
+    start_update(driver, rollouts["r0"]);
+    driver.advance(200);
+    start_update(driver, rollouts["r1"]);
+  }
   // Each rollout's source, in the order given: "r0<-t r1<-r0 ...".
   std::string sources(std::initializer_list<const char*> order) {
     std::string out;
@@ -197,12 +205,9 @@ TEST(HubRates, ASlowCopyLateInItsReadKeepsItsSource) {
   Fleet fleet;
   fleet.first_version(/*slow_shard_ms=*/1000);
   Driver& driver = fleet.driver;
-  fleet.publish(2);
-  start_update(driver, fleet.rollouts["r0"]);
-  // r0's read takes about 1000 ms at its rate: past its first eighth, reading again would cost
-  // more than it saves the readers behind it.
-  driver.advance(200);
-  start_update(driver, fleet.rollouts["r1"]);
+  // r0's read takes about 1000 ms at its rate: 200 ms in, past its first eighth, reading again
+  // would cost more than it saves the readers behind it.
+  fleet.r1_after_r0_late();
   EXPECT_EQ(source_of(driver, fleet.rollouts["r0"]), "t");
   EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
@@ -231,10 +236,7 @@ TEST(HubRates, AFastReaderPassesOverAMuchSlowerCopyForOneThatCanServeIt) {
   Fleet fleet(with_fanout(2));
   two_reads_alone(fleet, /*r1_ms=*/10);
   Driver& driver = fleet.driver;
-  fleet.publish(2);
-  start_update(driver, fleet.rollouts["r0"]);
-  driver.advance(200);  // too late for r0 to give its source away
-  start_update(driver, fleet.rollouts["r1"]);
+  fleet.r1_after_r0_late();
   // The least loaded copy is r0 (no reader yet), but it receives at a hundredth of r1's rate,
   // and the trainer served r1 at that rate: r1 shares the trainer instead.
   EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "t");
@@ -251,10 +253,7 @@ TEST(HubRates, ACopyAsFastAsEveryReadOfTheFleetIsNotPassedOver) {
   // has a shard far slower than the fastest shard anywhere.)
   fleet.first_version(/*slow_shard_ms=*/1000);
   Driver& driver = fleet.driver;
-  fleet.publish(2);
-  start_update(driver, fleet.rollouts["r0"]);
-  driver.advance(200);  // too late for r0 to give its source away
-  start_update(driver, fleet.rollouts["r1"]);
+  fleet.r1_after_r0_late();
   // Sharing the trainer would halve both reads if the trainer set the pace (th-plan --nic-jitter
   // 0.99 --fanout 2 --seed 5: 128.6 -> 237.4 GPU-s per version when it did): r1 reads behind r0.
   EXPECT_EQ(source_of(driver, fleet.rollouts["r1"]), "r0");
@@ -315,10 +314,7 @@ TEST(HubRates, AFastReplicaOfAnotherDatacenterMakesNoCopyHereLookSlow) {
   driver.advance(10);
   driver.finish_reads(far2);
   EXPECT_TRUE(is<UpdateOk>(driver.replies(far2)));
-  fleet.publish(2);
-  start_update(driver, fleet.rollouts["r0"]);
-  driver.advance(200);  // too late for r0 to give its source away
-  start_update(driver, fleet.rollouts["r1"]);
+  fleet.r1_after_r0_late();
   // Nothing here read faster than r0: r1 reads behind it rather than share the trainer (th-plan
   // with 2 remote rollouts and 2 joining, 6 rollouts, --fanout 2 --nic-jitter 0.99 --seed 15:
   // 107 -> 210 GPU-s per version when a remote replica's rate made r0 look slow).

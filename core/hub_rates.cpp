@@ -15,7 +15,6 @@
 #include "core/hub.h"
 
 #include <algorithm>
-#include <optional>
 #include <set>
 #include <vector>
 
@@ -85,16 +84,24 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   Replica& replica = *reader.owner;
   const Version version = reader.record->version;
   const double measured = transfer.slowest_bytes_per_ms;
-  const detail::ReceiveRate& upstream = transfer.source->owner->receive_rate;
-  const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
-                            measured < upstream.last_bytes_per_ms * kBehindFraction;
-  detail::ReceiveRate& rate = replica.receive_rate;
-  const std::optional<double> exact_before = rate.exact ? std::optional(rate.bytes_per_ms) : std::nullopt;
-  // Alone at a complete copy of its own layout from start to end (another reader joining shares
-  // the source's pace; a CPU offload copy or pieces of another layout set their own).
+  // Whatever else holds, a source that served another reader too (another rollout of its
+  // datacenter, or a seed across) shared its upload with it, and the reader may have gone at its
+  // share, however fast the source received: a reader behind a slow rollout that also fed a seed
+  // across looked twice as slow as the slow one, and the slow one went back ahead of it
+  // (HubModel.ShardsAndSharedSourcesFollowMeasuredRates).
   const Copy& source = *transfer.source;
-  const bool alone = transfer.sole_reader_of_complete && source.readers_joined == transfer.source_readers_joined &&
-                     source.kind == CopyKind::kPrimary && !transfer.reshard;
+  const bool source_was_its_own = transfer.sole_reader && source.readers_joined == transfer.source_readers_joined;
+  const detail::ReceiveRate& upstream = source.owner->receive_rate;
+  const bool source_ahead = source_was_its_own && upstream.last_version == version &&
+                            upstream.last_bytes_per_ms > 0 && measured < upstream.last_bytes_per_ms * kBehindFraction;
+  detail::ReceiveRate& rate = replica.receive_rate;
+  // (A plain pair rather than an optional: GCC 12 takes an optional's value for uninitialized.)
+  const bool was_exact = rate.exact;
+  const double exact_before_bytes_per_ms = rate.bytes_per_ms;
+  // Alone at a complete copy of its own layout from start to end (a CPU offload copy or pieces
+  // of another layout set their own pace).
+  const bool alone = source_was_its_own && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
+                     !transfer.reshard;
   const bool paced_by_reader = alone || source_ahead;
   if (paced_by_reader) {
     rate.bytes_per_ms = measured;  // the replica set the pace: what it can do now
@@ -112,8 +119,8 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   Model& model = *replica.model;
   model.fastest_replica_read_by_dc[replica.dc].record(version, measured);
   std::multiset<double>& exact_rates = model.exact_rates_bytes_per_ms;
-  if (exact_before) {
-    const auto found = exact_rates.find(*exact_before);
+  if (was_exact) {
+    const auto found = exact_rates.find(exact_before_bytes_per_ms);
     TH_ASSERT(found != exact_rates.end(), "the model holds each exact rate of its replicas");
     exact_rates.erase(found);
   }

@@ -1,0 +1,356 @@
+// Property of rate-aware source selection (core/hub_rates.cpp, issue 34) where replicas have
+// several shards, each behind its own NIC, sources share their upload among their readers, and a
+// second datacenter may read across. HubModel.ChainsFollowMeasuredRates (hub_rates_property.cpp)
+// has one shard per rollout and one datacenter, where a replica's pace and its shard's coincide,
+// and cannot see the rules that tell them apart.
+//
+// The model of what a user sees, written without the hub's rules: every NIC moves a shard in its
+// own time each way; a source serves each shard's readers an equal share of that shard's NIC; a
+// read goes no faster than its own NIC, its share of its source's, a link across datacenters, or
+// the bytes its source has (a copy still receiving passes on only what reached it). Time runs in
+// milliseconds; a read reports done (through the test driver, which the hub times) the
+// millisecond its last byte arrives. A read given another source goes on from the bytes it has.
+//
+// What must hold:
+//   - every update completes, whatever the order the rollouts ask in;
+//   - in a fleet that is alike by replica (within each datacenter every replica's slowest NIC
+//     moves a shard in the same time, give or take the 10 % of noise, however fast its other
+//     shards are), no copy ever serves two readers of its own datacenter the same shard at once:
+//     with or without rate-aware selection the readers of an alike fleet form chains, and a
+//     reader that passes over its chain to share a busy source halves that source's pace for
+//     both (th-plan --nic-jitter 0.99 --fanout 2: 128.6 -> 237.4 GPU-s per version when a copy
+//     was judged slow against the fastest *shard* read anywhere, or against a faster datacenter);
+//   - one rollout with one NIC much slower than every other serves no one from the second
+//     version after its first read on, and no update of the fleet waits for it: each version's
+//     other rollouts complete no later than its slowest of them would alone behind the trainer,
+//     plus a millisecond a hop and the noise.
+#include <gtest/gtest.h>
+#include <rapidcheck.h>
+
+#include <algorithm>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tests/core/testkit/driver.h"
+
+namespace th::test {
+namespace {
+
+struct ShardsCase {
+  std::uint32_t rollouts = 3;
+  std::uint32_t shards = 2;
+  std::uint32_t fanout = 1;
+  std::uint32_t versions = 4;
+  std::vector<std::uint32_t> datacenter;        // each rollout's: 0 (the trainer's) or 1
+  std::vector<std::vector<TimeMs>> nic_ms;      // per rollout and shard: a shard through its NIC, each way
+  std::vector<TimeMs> trainer_nic_ms;           // per shard
+  TimeMs across_ms = 0;                         // a shard across datacenters, per read
+  std::optional<std::uint32_t> slow;            // the rollout with one NIC much slower than every other
+  std::vector<std::uint32_t> first_version;     // the version each rollout first reads (1 or later)
+  std::vector<std::vector<std::uint32_t>> orders;       // per version, the order the rollouts ask in
+  std::vector<std::vector<std::vector<int>>> jitter_percent;  // per version, rollout and shard: +-10 %
+};
+
+std::ostream& operator<<(std::ostream& out, const ShardsCase& c) {
+  out << "rollouts " << c.rollouts << " x " << c.shards << " shards, fan-out " << c.fanout << ", versions "
+      << c.versions << ", across " << c.across_ms << " ms, trainer NICs ms";
+  for (TimeMs ms : c.trainer_nic_ms) out << ' ' << ms;
+  for (std::uint32_t r = 0; r < c.rollouts; ++r) {
+    out << "\n  r" << r << " dc" << c.datacenter[r] << " from version " << c.first_version[r] << ", NICs ms";
+    for (TimeMs ms : c.nic_ms[r]) out << ' ' << ms;
+    if (c.slow == r) out << " (slow)";
+  }
+  for (std::size_t v = 0; v < c.orders.size(); ++v) {
+    out << "\n  version " << v + 1 << " order";
+    for (std::uint32_t r : c.orders[v]) out << " r" << r;
+  }
+  return out;
+}
+
+rc::Gen<ShardsCase> gen_shards_case() {
+  return rc::gen::exec([] {
+    ShardsCase c;
+    c.rollouts = *rc::gen::inRange<std::uint32_t>(2, 7);
+    c.shards = *rc::gen::inRange<std::uint32_t>(1, 4);
+    c.fanout = *rc::gen::inRange<std::uint32_t>(1, 4);
+    c.versions = *rc::gen::inRange<std::uint32_t>(3, 6);
+    // Each datacenter's replica pace: the time its replicas' slowest NIC takes. The second one's
+    // may be up to three times faster or slower than the first's.
+    const TimeMs pace_ms = *rc::gen::inRange<TimeMs>(60, 301);
+    const bool remote = c.rollouts > 2 && *rc::gen::arbitrary<bool>();
+    const TimeMs remote_pace_ms = remote ? *rc::gen::inRange<TimeMs>(pace_ms / 3, 3 * pace_ms + 1) : pace_ms;
+    c.across_ms = *rc::gen::inRange<TimeMs>(pace_ms / 3, 3 * pace_ms + 1);
+    const auto nics = [&](TimeMs slowest_ms) {
+      // One NIC at the pace, the others anywhere from three times faster to it.
+      std::vector<TimeMs> ms = *rc::gen::container<std::vector<TimeMs>>(c.shards, rc::gen::inRange<TimeMs>(slowest_ms / 3, slowest_ms + 1));
+      ms[*rc::gen::inRange<std::uint32_t>(0, c.shards)] = slowest_ms;
+      return ms;
+    };
+    c.trainer_nic_ms = *rc::gen::container<std::vector<TimeMs>>(c.shards, rc::gen::inRange<TimeMs>(pace_ms / 3, pace_ms + 1));
+    c.datacenter.assign(c.rollouts, 0);
+    if (remote) {
+      const std::uint32_t across = *rc::gen::inRange<std::uint32_t>(1, c.rollouts - 1);
+      for (std::uint32_t r = 0; r < across; ++r) c.datacenter[c.rollouts - 1 - r] = 1;
+    }
+    for (std::uint32_t r = 0; r < c.rollouts; ++r) c.nic_ms.push_back(nics(c.datacenter[r] == 0 ? pace_ms : remote_pace_ms));
+    if (*rc::gen::arbitrary<bool>()) {
+      c.slow = *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
+      const TimeMs slowest_ms = *std::max_element(c.nic_ms[*c.slow].begin(), c.nic_ms[*c.slow].end());
+      c.nic_ms[*c.slow][*rc::gen::inRange<std::uint32_t>(0, c.shards)] = slowest_ms * *rc::gen::inRange<TimeMs>(4, 11);
+    }
+    c.first_version.assign(c.rollouts, 1);
+    if (c.rollouts > 2 && *rc::gen::arbitrary<bool>()) {
+      const std::uint32_t late = c.slow && *rc::gen::arbitrary<bool>() ? *c.slow : *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
+      c.first_version[late] = *rc::gen::inRange<std::uint32_t>(2, 4);
+    }
+    for (std::uint32_t v = 0; v < c.versions; ++v) {
+      // A random permutation; the slow rollout first half the time (the chain's root).
+      std::vector<std::uint32_t> order(c.rollouts);
+      for (std::uint32_t r = 0; r < c.rollouts; ++r) order[r] = r;
+      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[*rc::gen::inRange<std::size_t>(0, i)]);
+      if (c.slow && *rc::gen::arbitrary<bool>()) {
+        order.erase(std::find(order.begin(), order.end(), *c.slow));
+        order.insert(order.begin(), *c.slow);
+      }
+      c.orders.push_back(std::move(order));
+      std::vector<std::vector<int>> jitter;
+      for (std::uint32_t r = 0; r < c.rollouts; ++r) {
+        jitter.push_back(*rc::gen::container<std::vector<int>>(c.shards, rc::gen::inRange(-10, 11)));
+      }
+      c.jitter_percent.push_back(std::move(jitter));
+    }
+    return c;
+  });
+}
+
+std::string name_of(std::uint32_t rollout) { return "r" + std::to_string(rollout); }
+
+struct Outcomes {
+  bool shared_here = false;        // a copy served two readers of its datacenter one shard at once
+  bool slow_served_late = false;   // the slow rollout served someone when it must not have
+  bool slow_served_early = false;  // ... in a version where it still may (coverage)
+  bool read_across = false;        // coverage: a read crossed datacenters
+  std::uint64_t displaced = 0;
+  // Per rollout, the versions it read in its own datacenter only: the hub times those reads
+  // (a seed's read across says nothing of how fast a replica receives, and is not timed) ...
+  std::vector<std::uint32_t> versions_read_here;
+  // ... and those where besides every shard read a complete copy that served no one else, from
+  // a NIC no slower than its own: the read went at the rollout's own pace, and the hub, which
+  // sees only when reads end, could tell. (Alone at a complete copy whose NIC is slower, the
+  // read goes at the source's pace, and the hub takes it for the reader's.)
+  std::vector<std::uint32_t> versions_timed;
+};
+
+// One version's reads, millisecond by millisecond, until every rollout that updates has its
+// version. Returns when each rollout completed, from the version's start.
+std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
+                                             const std::vector<std::vector<ClientId>>& clients, std::uint32_t version,
+                                             Outcomes& run) {
+  const auto ask = [&](std::uint32_t r) {
+    for (std::uint32_t s = 0; s < c.shards; ++s) driver.call(clients[r][s], UpdateRequest{Selector::latest(), layout_for(s)});
+  };
+  std::set<std::uint32_t> reading;
+  for (std::uint32_t r : c.orders[version - 1]) {
+    if (version < c.first_version[r]) continue;
+    ask(r);
+    reading.insert(r);
+  }
+  // A rollout of a datacenter whose only copies still cross into it is told "not yet" (smart
+  // skipping), and asks again a poll later.
+  constexpr TimeMs kPollMs = 10;
+  std::map<std::uint32_t, TimeMs> asks_again_ms;
+  const TimeMs start_ms = driver.now_ms();
+  std::set<std::uint32_t> seeds;   // rollouts that read across datacenters in this version
+  // Rollouts that read, in this version, from a copy still receiving or one that served another
+  // reader too: the pace of such a read may be its source's.
+  std::set<std::uint32_t> untimed;
+  std::map<std::uint32_t, TimeMs> completed_ms;
+  std::map<std::string, std::uint32_t> by_name;
+  for (std::uint32_t r = 0; r < c.rollouts; ++r) by_name[name_of(r)] = r;
+  // Bytes each shard has, as a fraction of the shard; a read given another source goes on.
+  std::vector<std::vector<double>> has(c.rollouts, std::vector<double>(c.shards, 0.0));
+  std::vector<std::vector<bool>> done(c.rollouts, std::vector<bool>(c.shards, false));
+  // A bound far above any schedule the hub could make: every read alone, one after another.
+  TimeMs slowest_ms = c.across_ms;
+  for (const auto& ms : c.nic_ms) slowest_ms = std::max(slowest_ms, *std::max_element(ms.begin(), ms.end()));
+  const TimeMs bound_ms = 4 * slowest_ms * (c.rollouts + 1) * c.shards;
+  while (!reading.empty()) {
+    for (auto again = asks_again_ms.begin(); again != asks_again_ms.end();) {
+      if (again->second > driver.now_ms()) {
+        ++again;
+        continue;
+      }
+      ask(again->first);
+      again = asks_again_ms.erase(again);
+    }
+    // Who reads what from whom, as the hub said last.
+    struct Read {
+      std::uint32_t rollout, shard;
+      std::optional<std::uint32_t> source;  // none: the trainer
+      bool across;
+    };
+    std::vector<Read> reads;
+    std::map<std::pair<std::optional<std::uint32_t>, std::uint32_t>, std::uint32_t> serving;  // by source and shard
+    std::map<std::pair<std::optional<std::uint32_t>, std::uint32_t>, std::uint32_t> serving_here;
+    for (std::uint32_t r : reading) {
+      if (asks_again_ms.contains(r)) continue;
+      if (driver.has_reply(clients[r][0])) {
+        const std::optional<Outcome> outcome = driver.replies(clients[r]);
+        RC_ASSERT(outcome.has_value());
+        if (!is<UpdateOk>(outcome) || std::get<UpdateOk>(*outcome).status != UpdateStatus::kNotYet) {
+          RC_FAIL(name_of(r) + " answered while reading: " + describe(*outcome));
+        }
+        asks_again_ms[r] = driver.now_ms() + kPollMs;
+        continue;
+      }
+      for (std::uint32_t s = 0; s < c.shards; ++s) {
+        if (done[r][s]) continue;
+        const auto& inbox_reads = driver.inbox(clients[r][s]).reads;
+        RC_ASSERT(inbox_reads.size() <= 1u);
+        if (inbox_reads.empty()) continue;  // waiting for a source
+        const StartRead& read = inbox_reads.begin()->second;
+        Read entry{r, s, std::nullopt, read.source.datacenter != "dc" + std::to_string(c.datacenter[r])};
+        if (read.source.replica != "t") entry.source = by_name.at(read.source.replica);
+        reads.push_back(entry);
+        ++serving[{entry.source, s}];
+        if (!entry.across) {
+          if (++serving_here[{entry.source, s}] > 1) run.shared_here = true;
+        } else {
+          run.read_across = true;
+        }
+        RC_LOG() << "version " << version << " at +" << driver.now_ms() - start_ms << " ms: " << name_of(r) << "/" << s
+                 << " <- " << read.source.replica << (entry.across ? " (across)" : "") << '\n';
+        if (entry.across) seeds.insert(r);
+        // The slow rollout feeds a reader of its datacenter a shard it still receives. It is known
+        // from the second version after its first read here (timed alone, or behind a faster copy,
+        // or behind readers that went ahead of it to be timed) unless it seeds its datacenter
+        // now (its read across is not timed, and the readers here have no other source); a
+        // reader never timed joins where it would have. A complete copy serves at its own pace.
+        if (c.slow && entry.source == c.slow && !entry.across && !done[*c.slow][s]) {
+          const bool known = run.versions_timed[*c.slow] >= 1 && run.versions_read_here[*c.slow] >= 2 &&
+                             !seeds.contains(*c.slow) && run.versions_timed[r] >= 1;
+          (known ? run.slow_served_late : run.slow_served_early) = true;
+        }
+      }
+    }
+    for (const Read& read : reads) {
+      const bool source_complete = !read.source || done[*read.source][read.shard];
+      const TimeMs source_nic_ms = read.source ? c.nic_ms[*read.source][read.shard] : c.trainer_nic_ms[read.shard];
+      if (serving.at({read.source, read.shard}) > 1 || !source_complete || source_nic_ms > c.nic_ms[read.rollout][read.shard]) {
+        untimed.insert(read.rollout);
+      }
+    }
+    if (reads.empty()) {  // every reader waits: for the hub's next tick, or for ever (the bound)
+      RC_ASSERT(driver.now_ms() - start_ms < bound_ms);
+      driver.advance(1);
+      continue;
+    }
+    // Millisecond by millisecond until a read has its last byte or a rollout asks again (the
+    // hub hears of time passing then: nothing it does in between changes a read).
+    TimeMs asks_next_ms = driver.now_ms() + bound_ms;
+    for (const auto& [r, at_ms] : asks_again_ms) asks_next_ms = std::min(asks_next_ms, at_ms);
+    std::vector<const Read*> finished;
+    TimeMs elapsed_ms = 0;
+    while (finished.empty() && driver.now_ms() + elapsed_ms < asks_next_ms) {
+      RC_ASSERT(driver.now_ms() + elapsed_ms - start_ms < bound_ms);
+      const std::vector<std::vector<double>> before = has;
+      for (const Read& read : reads) {
+        const std::uint32_t r = read.rollout, s = read.shard;
+        const TimeMs own_ms = c.nic_ms[r][s] + c.nic_ms[r][s] * c.jitter_percent[version - 1][r][s] / 100;
+        const TimeMs source_nic_ms = read.source ? c.nic_ms[*read.source][s] : c.trainer_nic_ms[s];
+        double per_ms = std::min(1.0 / static_cast<double>(std::max<TimeMs>(own_ms, 1)),
+                                 1.0 / static_cast<double>(source_nic_ms * serving.at({read.source, s})));
+        if (read.across) per_ms = std::min(per_ms, 1.0 / static_cast<double>(c.across_ms));
+        const double source_has = read.source ? (done[*read.source][s] ? 1.0 : before[*read.source][s]) : 1.0;
+        has[r][s] = std::max(before[r][s], std::min(before[r][s] + per_ms, source_has));
+      }
+      ++elapsed_ms;
+      for (const Read& read : reads) {
+        if (has[read.rollout][read.shard] >= 1.0 - 1e-9) finished.push_back(&read);
+      }
+    }
+    driver.advance(elapsed_ms);
+    for (const Read* read : finished) {
+      done[read->rollout][read->shard] = true;
+      driver.finish_reads({clients[read->rollout][read->shard]});
+    }
+    for (const Read* read : finished) {
+      const std::uint32_t r = read->rollout;
+      if (!reading.contains(r) || !std::all_of(done[r].begin(), done[r].end(), [](bool d) { return d; })) continue;
+      const std::optional<Outcome> outcome = driver.replies(clients[r]);
+      RC_ASSERT(is<UpdateOk>(outcome));
+      completed_ms[r] = driver.now_ms() - start_ms;
+      if (!seeds.contains(r)) ++run.versions_read_here[r];
+      if (!seeds.contains(r) && !untimed.contains(r)) ++run.versions_timed[r];
+      reading.erase(r);
+    }
+  }
+  return completed_ms;
+}
+
+Outcomes run_case(const ShardsCase& c) {
+  HubSettings settings;
+  settings.fanout_max = c.fanout;
+  Driver driver(settings);
+  ReplicaSpec trainer_spec;
+  trainer_spec.name = "t";
+  trainer_spec.role = "trainer";
+  trainer_spec.num_shards = c.shards;
+  const std::vector<ClientId> trainer = driver.open_replica(trainer_spec);
+  std::vector<std::vector<ClientId>> clients;
+  for (std::uint32_t r = 0; r < c.rollouts; ++r) {
+    ReplicaSpec spec;
+    spec.name = name_of(r);
+    spec.num_shards = c.shards;
+    spec.datacenter = "dc" + std::to_string(c.datacenter[r]);
+    clients.push_back(driver.open_replica(spec));
+  }
+  Outcomes run;
+  run.versions_read_here.assign(c.rollouts, 0);
+  run.versions_timed.assign(c.rollouts, 0);
+  for (std::uint32_t version = 1; version <= c.versions; ++version) {
+    if (version > 1) {
+      driver.call_all(trainer, UnpublishRequest{});
+      RC_ASSERT(is<UnpublishOk>(driver.replies(trainer)));
+    }
+    driver.publish(trainer, version);
+    const std::map<std::uint32_t, TimeMs> completed_ms = run_version(c, driver, clients, version, run);
+    RC_LOG() << "version " << version << " completed:";
+    for (const auto& [r, ms] : completed_ms) RC_LOG() << ' ' << name_of(r) << " +" << ms;
+    RC_LOG() << '\n';
+    driver.advance(10);
+  }
+  run.displaced = driver.hub().stats().transfers_displaced;
+  return run;
+}
+
+TEST(HubModel, ShardsAndSharedSourcesFollowMeasuredRates) {
+  std::map<std::string, int> seen;
+  int cases = 0;
+  EXPECT_TRUE(rc::check("shards and shared sources follow measured rates", [&] {
+    const ShardsCase c = *gen_shards_case();
+    RC_LOG() << c << '\n';
+    const Outcomes run = run_case(c);
+    ++cases;
+    if (run.read_across) ++seen["reads across datacenters"];
+    if (!c.slow) {
+      RC_ASSERT(!run.shared_here);
+      if (run.displaced > 0) ++seen["alike fleets reordered"];
+    } else {
+      RC_ASSERT(!run.slow_served_late);
+      if (run.slow_served_early) ++seen["slow rollout served before it was known"];
+      if (run.shared_here) ++seen["slow fleets shared a source"];
+    }
+  }));
+  for (const auto& [label, count] : seen) std::cout << "  " << label << ": " << 100.0 * count / std::max(cases, 1) << "%\n";
+  for (const char* label : {"reads across datacenters", "alike fleets reordered", "slow rollout served before it was known"}) {
+    EXPECT_GE(seen[label], cases / 20) << label;
+  }
+}
+
+}  // namespace
+}  // namespace th::test

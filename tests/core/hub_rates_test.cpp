@@ -322,6 +322,35 @@ TEST(HubRates, AFastReplicaOfAnotherDatacenterMakesNoCopyHereLookSlow) {
   EXPECT_EQ(driver.hub().stats().slow_sources_passed, 0u);
 }
 
+TEST(HubRates, AReaderWhoseSourceAlsoFedASeedAcrossIsNotTakenForSlow) {
+  Fleet fleet;
+  Driver& driver = fleet.driver;
+  ReplicaSpec far_spec = replica("far", "rollout");
+  far_spec.datacenter = "dc1";
+  const std::vector<ClientId> far = driver.open_replica(far_spec);
+  // Version 1: r0 reads the trainer alone; far seeds dc1 from r0 and r1 reads behind r0, both
+  // sharing r0's upload, so r1 takes twice r0's time though it could keep r0's pace.
+  driver.publish(fleet.t, 1);
+  start_update(driver, fleet.rollouts["r0"]);
+  start_update(driver, far);
+  start_update(driver, fleet.rollouts["r1"]);
+  EXPECT_EQ(fleet.sources({"r0", "r1"}), "r0<-t r1<-r0");
+  EXPECT_EQ(source_of(driver, far), "r0");
+  finish_chain(fleet, {"r0"}, 100);
+  driver.advance(99);
+  driver.finish_reads(far);
+  EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
+  finish_chain(fleet, {"r1"}, 0);
+  // Version 2: r1 asks first. Its read went at half r0's rate, behind a source that received
+  // faster, but that source served far as well: nothing says r1 set the pace, and r0 reads
+  // behind it rather than take its source (a rollout known slow goes to the end of the chain).
+  fleet.publish(2);
+  start_update(driver, fleet.rollouts["r1"]);
+  start_update(driver, fleet.rollouts["r0"]);
+  EXPECT_EQ(fleet.sources({"r1", "r0"}), "r1<-t r0<-r1");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
+}
+
 // Version 2 after two_reads_alone: r0 and r1 update, in that order.
 void two_exact_rates(Fleet& fleet, TimeMs r1_ms) {
   two_reads_alone(fleet, r1_ms);

@@ -94,7 +94,26 @@ def parse(path):
             raise CatalogueError(f"{where}: empty original")
         if mutant["original"] == mutant["mutant"]:
             raise CatalogueError(f"{where}: the mutant equals the original")
+        if mutant["kind"] == "expr":
+            for part in ("original", "mutant"):
+                if has_top_level_comma(mutant[part]):
+                    raise CatalogueError(f"{where}: an expr {part} with a comma outside brackets (a list of "
+                                         "arguments, not one expression: the schema would turn it into a comma "
+                                         "operator, and the build without any mutant would change)")
     return mutants
+
+
+def has_top_level_comma(snippet):
+    """Whether a comma of the snippet sits outside (), [] and {}: outside one expression."""
+    depth = 0
+    for char in snippet:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            return True
+    return False
 
 
 def schema(mutant, number):

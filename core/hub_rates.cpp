@@ -34,7 +34,8 @@ constexpr double kSlowFactor = 2;
 // worth it there: 5/4 still keeps equal members (measured within a few percent) in place.
 constexpr double kReorderFactor = 1.25;
 // A read went at the reader's own pace when it took under 4/5 of the rate its source itself
-// received the same version at: the source kept ahead of it.
+// received the same version at, divided among the readers the source served: the source kept
+// ahead of it.
 constexpr double kBehindFraction = 0.8;
 // A slow copy gives its source away only in the first 1/kDisplaceWindowDivisor of its read (as
 // long as its rate says the read takes), counted from its first source: it then reads the bytes
@@ -84,23 +85,29 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   Replica& replica = *reader.owner;
   const Version version = reader.record->version;
   const double measured = transfer.slowest_bytes_per_ms;
-  // Whatever else holds, a source that served another reader too (another rollout of its
-  // datacenter, or a seed across) shared its upload with it, and the reader may have gone at its
-  // share, however fast the source received: a reader behind a slow rollout that also fed a seed
-  // across looked twice as slow as the slow one, and the slow one went back ahead of it
-  // (HubModel.ShardsAndSharedSourcesFollowMeasuredRates).
+  // A source that served other readers too (rollouts of its datacenter, a seed across) shared its
+  // upload with them: the reader may have gone at its share, however fast the source received. It
+  // set its own pace only if it went clearly slower than that share (the readers the source had
+  // when this one joined, and those that joined since, counted for the whole read: a bound that
+  // errs towards "not known"). Taking the share for the reader's pace made a reader behind a slow
+  // rollout that also fed a seed across look twice as slow as the slow one, which went back ahead
+  // of it (HubModel.ShardsAndSharedSourcesFollowMeasuredRates); ignoring every shared read left a
+  // slow rollout behind a seeding source unknown for ever, and the readers behind it at its pace
+  // (HubRates.ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut).
   const Copy& source = *transfer.source;
-  const bool source_was_its_own = transfer.sole_reader && source.readers_joined == transfer.source_readers_joined;
+  TH_ASSERT(source.readers_joined >= transfer.source_readers_joined);
+  const double sharing = 1.0 + static_cast<double>(transfer.source_readers_at_assign) +
+                         static_cast<double>(source.readers_joined - transfer.source_readers_joined);
   const detail::ReceiveRate& upstream = source.owner->receive_rate;
-  const bool source_ahead = source_was_its_own && upstream.last_version == version &&
-                            upstream.last_bytes_per_ms > 0 && measured < upstream.last_bytes_per_ms * kBehindFraction;
+  const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
+                            measured * sharing < upstream.last_bytes_per_ms * kBehindFraction;
   detail::ReceiveRate& rate = replica.receive_rate;
   // (A plain pair rather than an optional: GCC 12 takes an optional's value for uninitialized.)
   const bool was_exact = rate.exact;
   const double exact_before_bytes_per_ms = rate.bytes_per_ms;
   // Alone at a complete copy of its own layout from start to end (a CPU offload copy or pieces
   // of another layout set their own pace).
-  const bool alone = source_was_its_own && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
+  const bool alone = sharing == 1.0 && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
                      !transfer.reshard;
   const bool paced_by_reader = alone || source_ahead;
   if (paced_by_reader) {

@@ -208,11 +208,12 @@ struct Transfer {
   // again (see Hub::resend_seed_reads).
   std::vector<TimeMs> resend_at_ms;
   // What the read's rate says of the reader (hub_rates.cpp): when this epoch's source was given,
-  // whether the source then served no one else (its upload was the reader's alone) and held every
-  // byte, and the slowest rate of the shards that finished under it, in bytes per ms (0: none yet).
+  // how many other readers it then served (here and across: they share its upload) and whether it
+  // held every byte, and the slowest rate of the shards that finished under it, in bytes per ms
+  // (0: none yet).
   TimeMs assigned_ms = 0;
   TimeMs first_assigned_ms = 0;  // when its first source was given (displacements count from it)
-  bool sole_reader = false;
+  std::uint32_t source_readers_at_assign = 0;
   bool source_was_complete = false;
   std::uint64_t source_readers_joined = 0;  // the source's readers_joined once this one joined
   double slowest_bytes_per_ms = 0;

@@ -512,7 +512,7 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   ++transfer.epoch;
   transfer.last_source = source.owner->name;
   transfer.assigned_ms = now_ms_;
-  transfer.sole_reader = source.readers == 0;
+  transfer.source_readers_at_assign = source.readers;
   transfer.source_was_complete = source.state == CopyState::kComplete;
   transfer.slowest_bytes_per_ms = 0;
   // A patch where the source has the reader's; else the bytes, which leave the buffers no base.

@@ -351,6 +351,40 @@ TEST(HubRates, AReaderWhoseSourceAlsoFedASeedAcrossIsNotTakenForSlow) {
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 0u);
 }
 
+TEST(HubRates, ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut) {
+  Fleet fleet;
+  Driver& driver = fleet.driver;
+  ReplicaSpec far_spec = replica("far", "rollout");
+  far_spec.datacenter = "dc1";
+  const std::vector<ClientId> far = driver.open_replica(far_spec);
+  // Version 1: r0 and r2 read the trainer alone, 100 ms each: two exact rates.
+  driver.publish(fleet.t, 1);
+  for (const char* name : {"r0", "r2"}) {
+    start_update(driver, fleet.rollouts[name]);
+    finish_chain(fleet, {name}, 100);
+  }
+  // Versions 2 and 3: r0 reads the trainer, far seeds dc1 from r0, r1 reads behind r0 and r2
+  // behind r1. r1 takes 1000 ms: a tenth of r0's rate, five times under its half share of r0.
+  for (Version version : {2, 3}) {
+    fleet.publish(version);
+    for (const char* name : {"r0", "r1"}) {
+      start_update(driver, fleet.rollouts[name]);
+      if (name == std::string("r0")) start_update(driver, far);
+    }
+    start_update(driver, fleet.rollouts["r2"]);
+    if (version == 3) break;
+    EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
+    EXPECT_EQ(source_of(driver, far), "r0");
+    finish_chain(fleet, {"r0"}, 100);
+    driver.finish_reads(far);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
+    finish_chain(fleet, {"r1", "r2"}, 899);
+  }
+  // r1 was slower than any share of r0 explains: it is known slow, and r2 takes its source.
+  EXPECT_EQ(fleet.sources({"r0", "r2", "r1"}), "r0<-t r2<-r0 r1<-r2");
+  EXPECT_EQ(driver.hub().stats().transfers_displaced, 1u);
+}
+
 // Version 2 after two_reads_alone: r0 and r1 update, in that order.
 void two_exact_rates(Fleet& fleet, TimeMs r1_ms) {
   two_reads_alone(fleet, r1_ms);

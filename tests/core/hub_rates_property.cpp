@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/hub_rates_gen.h"
 #include "tests/core/testkit/driver.h"
 
 namespace th::test {
@@ -66,24 +67,9 @@ rc::Gen<RatesCase> gen_rates_case() {
       c.slow = *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
       c.read_ms[*c.slow] = 100 * *rc::gen::inRange<TimeMs>(3, 11);
     }
-    // Now and then a rollout joins late: never measured, it must not move anyone. Often the slow
-    // one: asking first in its first version, it is the root every other read of that version
-    // went behind, so the version's fastest read is its own pace.
-    c.first_version.assign(c.rollouts, 1);
-    if (c.rollouts > 2 && *rc::gen::arbitrary<bool>()) {
-      const std::uint32_t late = c.slow && *rc::gen::arbitrary<bool>() ? *c.slow : *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
-      c.first_version[late] = *rc::gen::inRange<std::uint32_t>(2, 4);
-    }
+    c.first_version = gen_first_versions(c.rollouts, c.slow);
     for (std::uint32_t v = 0; v < c.versions; ++v) {
-      // A random permutation; the slow rollout first half the time (the chain's root).
-      std::vector<std::uint32_t> order(c.rollouts);
-      for (std::uint32_t r = 0; r < c.rollouts; ++r) order[r] = r;
-      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[*rc::gen::inRange<std::size_t>(0, i)]);
-      if (c.slow && *rc::gen::arbitrary<bool>()) {
-        order.erase(std::find(order.begin(), order.end(), *c.slow));
-        order.insert(order.begin(), *c.slow);
-      }
-      c.orders.push_back(std::move(order));
+      c.orders.push_back(gen_ask_order(c.rollouts, c.slow));
       c.jitter_percent.push_back(*rc::gen::container<std::vector<int>>(c.rollouts, rc::gen::inRange(-10, 11)));
     }
     return c;
@@ -98,8 +84,6 @@ struct Outcomes {
   bool slow_served_early = false;  // ... in a version where it still may (coverage)
 };
 
-std::string name_of(std::uint32_t rollout) { return "r" + std::to_string(rollout); }
-
 Outcomes run_case(const RatesCase& c) {
   HubSettings settings;
   settings.fanout_max = c.fanout;
@@ -111,7 +95,7 @@ Outcomes run_case(const RatesCase& c) {
   std::vector<ClientId> clients;  // one shard per rollout
   for (std::uint32_t r = 0; r < c.rollouts; ++r) {
     ReplicaSpec spec;
-    spec.name = name_of(r);
+    spec.name = rollout_name(r);
     clients.push_back(driver.open_replica(spec).at(0));
   }
   Outcomes run;
@@ -135,7 +119,7 @@ Outcomes run_case(const RatesCase& c) {
     for (std::size_t step = 0; !reading.empty(); ++step) {
       RC_ASSERT(step < 4 * c.rollouts + 8);  // each step completes a read, or the hub is stuck
       std::map<std::string, std::uint32_t> by_name;
-      for (std::uint32_t r : reading) by_name[name_of(r)] = r;
+      for (std::uint32_t r : reading) by_name[rollout_name(r)] = r;
       // Each reading rollout's source now, and when its read would complete.
       std::map<std::uint32_t, std::string> source;
       for (std::uint32_t r : reading) {
@@ -144,10 +128,10 @@ Outcomes run_case(const RatesCase& c) {
         const auto& [transfer, read] = *reads.begin();
         started_ms.try_emplace({transfer, read.epoch}, driver.now_ms());
         source[r] = read.source.replica;
-        RC_LOG() << "version " << version << " at " << driver.now_ms() << " ms: " << name_of(r) << " <- "
+        RC_LOG() << "version " << version << " at " << driver.now_ms() << " ms: " << rollout_name(r) << " <- "
                  << read.source.replica << " (epoch " << read.epoch << ")\n";
         // (A rollout in its first read is never measured: it joins where it would have.)
-        if (c.slow && read.source.replica == name_of(*c.slow)) {
+        if (c.slow && read.source.replica == rollout_name(*c.slow)) {
           (version >= slow_known_from && version > c.first_version[r] ? run.slow_served_late : run.slow_served_early) =
               true;
         }

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/hub_rates_gen.h"
 #include "tests/core/testkit/driver.h"
 
 namespace th::test {
@@ -106,21 +107,9 @@ rc::Gen<ShardsCase> gen_shards_case() {
       const TimeMs slowest_ms = *std::max_element(c.nic_ms[*c.slow].begin(), c.nic_ms[*c.slow].end());
       c.nic_ms[*c.slow][*rc::gen::inRange<std::uint32_t>(0, c.shards)] = slowest_ms * *rc::gen::inRange<TimeMs>(4, 11);
     }
-    c.first_version.assign(c.rollouts, 1);
-    if (c.rollouts > 2 && *rc::gen::arbitrary<bool>()) {
-      const std::uint32_t late = c.slow && *rc::gen::arbitrary<bool>() ? *c.slow : *rc::gen::inRange<std::uint32_t>(0, c.rollouts);
-      c.first_version[late] = *rc::gen::inRange<std::uint32_t>(2, 4);
-    }
+    c.first_version = gen_first_versions(c.rollouts, c.slow);
     for (std::uint32_t v = 0; v < c.versions; ++v) {
-      // A random permutation; the slow rollout first half the time (the chain's root).
-      std::vector<std::uint32_t> order(c.rollouts);
-      for (std::uint32_t r = 0; r < c.rollouts; ++r) order[r] = r;
-      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[*rc::gen::inRange<std::size_t>(0, i)]);
-      if (c.slow && *rc::gen::arbitrary<bool>()) {
-        order.erase(std::find(order.begin(), order.end(), *c.slow));
-        order.insert(order.begin(), *c.slow);
-      }
-      c.orders.push_back(std::move(order));
+      c.orders.push_back(gen_ask_order(c.rollouts, c.slow));
       std::vector<std::vector<int>> jitter;
       for (std::uint32_t r = 0; r < c.rollouts; ++r) {
         jitter.push_back(*rc::gen::container<std::vector<int>>(c.shards, rc::gen::inRange(-10, 11)));
@@ -130,8 +119,6 @@ rc::Gen<ShardsCase> gen_shards_case() {
     return c;
   });
 }
-
-std::string name_of(std::uint32_t rollout) { return "r" + std::to_string(rollout); }
 
 struct Outcomes {
   bool shared_here = false;        // a copy served two readers of its datacenter one shard at once
@@ -175,7 +162,7 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
   std::set<std::uint32_t> untimed;
   std::map<std::uint32_t, TimeMs> completed_ms;
   std::map<std::string, std::uint32_t> by_name;
-  for (std::uint32_t r = 0; r < c.rollouts; ++r) by_name[name_of(r)] = r;
+  for (std::uint32_t r = 0; r < c.rollouts; ++r) by_name[rollout_name(r)] = r;
   // Bytes each shard has, as a fraction of the shard; a read given another source goes on.
   std::vector<std::vector<double>> has(c.rollouts, std::vector<double>(c.shards, 0.0));
   std::vector<std::vector<bool>> done(c.rollouts, std::vector<bool>(c.shards, false));
@@ -207,7 +194,7 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
         const std::optional<Outcome> outcome = driver.replies(clients[r]);
         RC_ASSERT(outcome.has_value());
         if (!is<UpdateOk>(outcome) || std::get<UpdateOk>(*outcome).status != UpdateStatus::kNotYet) {
-          RC_FAIL(name_of(r) + " answered while reading: " + describe(*outcome));
+          RC_FAIL(rollout_name(r) + " answered while reading: " + describe(*outcome));
         }
         asks_again_ms[r] = driver.now_ms() + kPollMs;
         continue;
@@ -227,7 +214,7 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
         } else {
           run.read_across = true;
         }
-        RC_LOG() << "version " << version << " at +" << driver.now_ms() - start_ms << " ms: " << name_of(r) << "/" << s
+        RC_LOG() << "version " << version << " at +" << driver.now_ms() - start_ms << " ms: " << rollout_name(r) << "/" << s
                  << " <- " << read.source.replica << (entry.across ? " (across)" : "") << '\n';
         if (entry.across) seeds.insert(r);
         // The slow rollout feeds a reader of its datacenter a shard it still receives. It is known
@@ -310,7 +297,7 @@ Outcomes run_case(const ShardsCase& c, bool rate_aware = true) {
   std::vector<std::vector<ClientId>> clients;
   for (std::uint32_t r = 0; r < c.rollouts; ++r) {
     ReplicaSpec spec;
-    spec.name = name_of(r);
+    spec.name = rollout_name(r);
     spec.num_shards = c.shards;
     spec.datacenter = "dc" + std::to_string(c.datacenter[r]);
     clients.push_back(driver.open_replica(spec));
@@ -329,7 +316,7 @@ Outcomes run_case(const ShardsCase& c, bool rate_aware = true) {
     for (const auto& [r, ms] : completed_ms) makespan_ms = std::max(makespan_ms, ms);
     run.makespan_ms.push_back(makespan_ms);
     RC_LOG() << "version " << version << " completed:";
-    for (const auto& [r, ms] : completed_ms) RC_LOG() << ' ' << name_of(r) << " +" << ms;
+    for (const auto& [r, ms] : completed_ms) RC_LOG() << ' ' << rollout_name(r) << " +" << ms;
     RC_LOG() << '\n';
     driver.advance(10);
   }

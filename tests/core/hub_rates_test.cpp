@@ -85,6 +85,12 @@ struct Fleet {
     for (const char* name : order) out += (out.empty() ? "" : " ") + std::string(name) + "<-" + source_of(driver, rollouts[name]);
     return out;
   }
+  // A rollout of datacenter dc1 (the fleet's is dc0).
+  std::vector<ClientId> open_far(const char* name) {
+    ReplicaSpec spec = replica(name, "rollout");
+    spec.datacenter = "dc1";
+    return driver.open_replica(spec);
+  }
   // The trainer unpublishes the version it held and publishes the next.
   void publish(Version version) {
     driver.call_all(t, UnpublishRequest{});
@@ -297,12 +303,8 @@ TEST(HubRates, AReaderGoesAheadOfACopyWhoseSlowShardTheSourceServesFasterToOther
 TEST(HubRates, AFastReplicaOfAnotherDatacenterMakesNoCopyHereLookSlow) {
   Fleet fleet(with_fanout(2));
   Driver& driver = fleet.driver;
-  ReplicaSpec far_spec = replica("far", "rollout");
-  far_spec.datacenter = "dc1";
-  ReplicaSpec near_far_spec = replica("far2", "rollout");
-  near_far_spec.datacenter = "dc1";
-  const std::vector<ClientId> far = driver.open_replica(far_spec);
-  const std::vector<ClientId> far2 = driver.open_replica(near_far_spec);
+  const std::vector<ClientId> far = fleet.open_far("far");
+  const std::vector<ClientId> far2 = fleet.open_far("far2");
   fleet.first_version(/*slow_shard_ms=*/1000);  // every reader here at r0's pace
   // far seeds dc1 (across datacenters: not timed); far2 then reads far, complete, alone, in 10 ms:
   // a hundred times r0's rate, but from another source than any here.
@@ -325,9 +327,7 @@ TEST(HubRates, AFastReplicaOfAnotherDatacenterMakesNoCopyHereLookSlow) {
 TEST(HubRates, AReaderWhoseSourceAlsoFedASeedAcrossIsNotTakenForSlow) {
   Fleet fleet;
   Driver& driver = fleet.driver;
-  ReplicaSpec far_spec = replica("far", "rollout");
-  far_spec.datacenter = "dc1";
-  const std::vector<ClientId> far = driver.open_replica(far_spec);
+  const std::vector<ClientId> far = fleet.open_far("far");
   // Version 1: r0 reads the trainer alone; far seeds dc1 from r0 and r1 reads behind r0, both
   // sharing r0's upload, so r1 takes twice r0's time though it could keep r0's pace.
   driver.publish(fleet.t, 1);
@@ -354,9 +354,7 @@ TEST(HubRates, AReaderWhoseSourceAlsoFedASeedAcrossIsNotTakenForSlow) {
 TEST(HubRates, ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut) {
   Fleet fleet;
   Driver& driver = fleet.driver;
-  ReplicaSpec far_spec = replica("far", "rollout");
-  far_spec.datacenter = "dc1";
-  const std::vector<ClientId> far = driver.open_replica(far_spec);
+  const std::vector<ClientId> far = fleet.open_far("far");
   // Version 1: r0 and r2 read the trainer alone, 100 ms each: two exact rates.
   driver.publish(fleet.t, 1);
   for (const char* name : {"r0", "r2"}) {

@@ -157,8 +157,8 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
   std::map<std::uint32_t, TimeMs> asks_again_ms;
   const TimeMs start_ms = driver.now_ms();
   std::set<std::uint32_t> seeds;   // rollouts that read across datacenters in this version
-  // Rollouts that read, in this version, from a copy still receiving or one that served another
-  // reader too: the pace of such a read may be its source's.
+  // Rollouts that read, in this version, from a copy still receiving, one that served another
+  // reader too, or one behind a slower NIC: the pace of such a read may be its source's.
   std::set<std::uint32_t> untimed;
   std::map<std::uint32_t, TimeMs> completed_ms;
   std::map<std::string, std::uint32_t> by_name;
@@ -166,7 +166,9 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
   // Bytes each shard has, as a fraction of the shard; a read given another source goes on.
   std::vector<std::vector<double>> has(c.rollouts, std::vector<double>(c.shards, 0.0));
   std::vector<std::vector<bool>> done(c.rollouts, std::vector<bool>(c.shards, false));
-  // A bound far above any schedule the hub could make: every read alone, one after another.
+  // A bound far above the schedules the hub makes (a chain of every rollout at the slowest NIC's
+  // pace takes about that pace and a millisecond a hop; this is every rollout's and shard's read
+  // one after another at that pace, four times over): past it, the hub left someone waiting.
   TimeMs slowest_ms = c.across_ms;
   for (const auto& ms : c.nic_ms) slowest_ms = std::max(slowest_ms, *std::max_element(ms.begin(), ms.end()));
   const TimeMs bound_ms = 4 * slowest_ms * (c.rollouts + 1) * c.shards;

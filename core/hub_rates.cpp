@@ -96,18 +96,19 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   // (HubRates.ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut).
   const Copy& source = *transfer.source;
   TH_ASSERT(source.readers_joined >= transfer.source_readers_joined);
-  const double sharing = 1.0 + static_cast<double>(transfer.source_readers_at_assign) +
-                         static_cast<double>(source.readers_joined - transfer.source_readers_joined);
+  const std::uint64_t shared_with =
+      transfer.source_readers_at_assign + (source.readers_joined - transfer.source_readers_joined);
   const detail::ReceiveRate& upstream = source.owner->receive_rate;
   const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
-                            measured * sharing < upstream.last_bytes_per_ms * kBehindFraction;
+                            measured * static_cast<double>(1 + shared_with) <
+                                upstream.last_bytes_per_ms * kBehindFraction;
   detail::ReceiveRate& rate = replica.receive_rate;
   // (A plain pair rather than an optional: GCC 12 takes an optional's value for uninitialized.)
   const bool was_exact = rate.exact;
   const double exact_before_bytes_per_ms = rate.bytes_per_ms;
   // Alone at a complete copy of its own layout from start to end (a CPU offload copy or pieces
   // of another layout set their own pace).
-  const bool alone = sharing == 1.0 && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
+  const bool alone = shared_with == 0 && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
                      !transfer.reshard;
   const bool paced_by_reader = alone || source_ahead;
   if (paced_by_reader) {

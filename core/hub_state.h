@@ -72,9 +72,9 @@ enum class DrainPurpose : std::uint8_t {
 // that feeds a chain slows every copy on the chain, sharing a chain's end with the seed it feeds
 // across slows that one seed, held back by TCP across anyway (counted by every reader, the two
 // ranked alike, and a rollout that joined mid-broadcast shared the trainer and halved the whole
-// chain's pace: th-plan --fanout 2 --spot 2 --remote 2). For a reader across, every reader: its read loads the same NIC (ordered by readers
-// across only, the seeder took the trainer from the chain's root: bench/run-plan-policy, jitter 0,
-// 2 remote, 5.08 -> 7.00 GPU-s per version). The copy id makes every key unique, so the order
+// chain's pace: th-plan --fanout 2 --spot 2 --remote 2). For a reader across, every reader: its
+// read loads the same NIC (ordered by readers across only, the seeder took the trainer from the
+// chain's root: bench/run-plan-policy, jitter 0, 2 remote, 5.08 -> 7.00 GPU-s per version). The copy id makes every key unique, so the order
 // never depends on a pointer value.
 struct SourceKey {
   std::uint32_t readers = 0;

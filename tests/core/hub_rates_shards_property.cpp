@@ -161,6 +161,9 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
   // reader too, or one behind a slower NIC: the pace of such a read may be its source's.
   std::set<std::uint32_t> untimed;
   std::map<std::uint32_t, TimeMs> completed_ms;
+  const auto source_nic_ms = [&](std::optional<std::uint32_t> source, std::uint32_t shard) {
+    return source ? c.nic_ms[*source][shard] : c.trainer_nic_ms[shard];
+  };
   std::map<std::string, std::uint32_t> by_name;
   for (std::uint32_t r = 0; r < c.rollouts; ++r) by_name[rollout_name(r)] = r;
   // Bytes each shard has, as a fraction of the shard; a read given another source goes on.
@@ -220,10 +223,10 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
                  << " <- " << read.source.replica << (entry.across ? " (across)" : "") << '\n';
         if (entry.across) seeds.insert(r);
         // The slow rollout feeds a reader of its datacenter a shard it still receives. It is known
-        // from the second version after its first read here (timed alone, or behind a faster copy,
-        // or behind readers that went ahead of it to be timed) unless it seeds its datacenter
-        // now (its read across is not timed, and the readers here have no other source); a
-        // reader never timed joins where it would have. A complete copy serves at its own pace.
+        // once the hub could time it in an earlier version and it has read here twice (one
+        // version of exploration), unless it seeds its datacenter now (its read across is not
+        // timed, and the readers here have no other source); a reader the hub never could time
+        // joins where it would have. A complete copy serves at its own pace.
         if (c.slow && entry.source == c.slow && !entry.across && !done[*c.slow][s]) {
           const bool known = run.versions_timed[*c.slow] >= 1 && run.versions_read_here[*c.slow] >= 2 &&
                              !seeds.contains(*c.slow) && run.versions_timed[r] >= 1;
@@ -233,8 +236,8 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
     }
     for (const Read& read : reads) {
       const bool source_complete = !read.source || done[*read.source][read.shard];
-      const TimeMs source_nic_ms = read.source ? c.nic_ms[*read.source][read.shard] : c.trainer_nic_ms[read.shard];
-      if (serving.at({read.source, read.shard}) > 1 || !source_complete || source_nic_ms > c.nic_ms[read.rollout][read.shard]) {
+      if (serving.at({read.source, read.shard}) > 1 || !source_complete ||
+          source_nic_ms(read.source, read.shard) > c.nic_ms[read.rollout][read.shard]) {
         untimed.insert(read.rollout);
       }
     }
@@ -255,9 +258,8 @@ std::map<std::uint32_t, TimeMs> run_version(const ShardsCase& c, Driver& driver,
       for (const Read& read : reads) {
         const std::uint32_t r = read.rollout, s = read.shard;
         const TimeMs own_ms = c.nic_ms[r][s] + c.nic_ms[r][s] * c.jitter_percent[version - 1][r][s] / 100;
-        const TimeMs source_nic_ms = read.source ? c.nic_ms[*read.source][s] : c.trainer_nic_ms[s];
         double per_ms = std::min(1.0 / static_cast<double>(std::max<TimeMs>(own_ms, 1)),
-                                 1.0 / static_cast<double>(source_nic_ms * serving.at({read.source, s})));
+                                 1.0 / static_cast<double>(source_nic_ms(read.source, s) * serving.at({read.source, s})));
         if (read.across) per_ms = std::min(per_ms, 1.0 / static_cast<double>(c.across_ms));
         const double source_has = read.source ? (done[*read.source][s] ? 1.0 : before[*read.source][s]) : 1.0;
         has[r][s] = std::max(before[r][s], std::min(before[r][s] + per_ms, source_has));

@@ -85,11 +85,15 @@ struct Fleet {
     for (const char* name : order) out += (out.empty() ? "" : " ") + std::string(name) + "<-" + source_of(driver, rollouts[name]);
     return out;
   }
-  // A rollout of datacenter dc1 (the fleet's is dc0).
+  // A rollout of datacenter dc1 (the fleet's is dc0), and its read finished.
   std::vector<ClientId> open_far(const char* name) {
     ReplicaSpec spec = replica(name, "rollout");
     spec.datacenter = "dc1";
     return driver.open_replica(spec);
+  }
+  void finish_far(const std::vector<ClientId>& far) {
+    driver.finish_reads(far);
+    EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
   }
   // The trainer unpublishes the version it held and publishes the next.
   void publish(Version version) {
@@ -309,13 +313,11 @@ TEST(HubRates, AFastReplicaOfAnotherDatacenterMakesNoCopyHereLookSlow) {
   // far seeds dc1 (across datacenters: not timed); far2 then reads far, complete, alone, in 10 ms:
   // a hundred times r0's rate, but from another source than any here.
   start_update(driver, far);
-  driver.finish_reads(far);
-  EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
+  fleet.finish_far(far);
   start_update(driver, far2);
   EXPECT_EQ(source_of(driver, far2), "far");
   driver.advance(10);
-  driver.finish_reads(far2);
-  EXPECT_TRUE(is<UpdateOk>(driver.replies(far2)));
+  fleet.finish_far(far2);
   fleet.r1_after_r0_late();
   // Nothing here read faster than r0: r1 reads behind it rather than share the trainer (th-plan
   // with 2 remote rollouts and 2 joining, 6 rollouts, --fanout 2 --nic-jitter 0.99 --seed 15:
@@ -338,8 +340,7 @@ TEST(HubRates, AReaderWhoseSourceAlsoFedASeedAcrossIsNotTakenForSlow) {
   EXPECT_EQ(source_of(driver, far), "r0");
   finish_chain(fleet, {"r0"}, 100);
   driver.advance(99);
-  driver.finish_reads(far);
-  EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
+  fleet.finish_far(far);
   finish_chain(fleet, {"r1"}, 0);
   // Version 2: r1 asks first. Its read went at half r0's rate, behind a source that received
   // faster, but that source served far as well: nothing says r1 set the pace, and r0 reads
@@ -361,24 +362,25 @@ TEST(HubRates, ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut) {
     start_update(driver, fleet.rollouts[name]);
     finish_chain(fleet, {name}, 100);
   }
-  // Versions 2 and 3: r0 reads the trainer, far seeds dc1 from r0, r1 reads behind r0 and r2
-  // behind r1. r1 takes 1000 ms: a tenth of r0's rate, five times under its half share of r0.
-  for (Version version : {2, 3}) {
+  // Versions 2 and 3 ask alike: r0, far (which seeds dc1), r1, r2.
+  const auto ask = [&](Version version) {
     fleet.publish(version);
-    for (const char* name : {"r0", "r1"}) {
-      start_update(driver, fleet.rollouts[name]);
-      if (name == std::string("r0")) start_update(driver, far);
-    }
+    start_update(driver, fleet.rollouts["r0"]);
+    start_update(driver, far);
+    start_update(driver, fleet.rollouts["r1"]);
     start_update(driver, fleet.rollouts["r2"]);
-    if (version == 3) break;
-    EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
-    EXPECT_EQ(source_of(driver, far), "r0");
-    finish_chain(fleet, {"r0"}, 100);
-    driver.finish_reads(far);
-    EXPECT_TRUE(is<UpdateOk>(driver.replies(far)));
-    finish_chain(fleet, {"r1", "r2"}, 899);
-  }
-  // r1 was slower than any share of r0 explains: it is known slow, and r2 takes its source.
+  };
+  // Version 2: far seeds from r0, r1 reads behind r0 and r2 behind r1. r1 takes 1000 ms: a tenth
+  // of r0's rate, five times under its half share of r0.
+  ask(2);
+  EXPECT_EQ(fleet.sources({"r0", "r1", "r2"}), "r0<-t r1<-r0 r2<-r1");
+  EXPECT_EQ(source_of(driver, far), "r0");
+  finish_chain(fleet, {"r0"}, 100);
+  fleet.finish_far(far);
+  finish_chain(fleet, {"r1", "r2"}, 899);
+  // Version 3: r1 was slower than any share of r0 explains: it is known slow, and r2 takes its
+  // source.
+  ask(3);
   EXPECT_EQ(fleet.sources({"r0", "r2", "r1"}), "r0<-t r2<-r0 r1<-r2");
   EXPECT_EQ(driver.hub().stats().transfers_displaced, 1u);
 }

@@ -260,12 +260,23 @@ void Handle::Impl::run_read(ReadJob& job) {
       if (!flush_failed.exchange(true)) flush_error = error.what();
     }
   };
+  // The server times this replica by the first sixteenth from this source (ReadProgress): a
+  // version's first chains form before any read has ended, maybe behind a slow member.
+  const std::uint64_t shard_bytes = plan.layout->total_bytes();
+  const std::uint64_t report_progress_at = pull_options.start_bytes + progress_report_bytes(shard_bytes);
+  bool progress_reported = job.seed != nullptr || shard_bytes == 0;  // (a seed's read is not timed)
   pull_options.on_progress = [&](std::uint64_t ready) {
     flush();
     if (flush_failed.load()) return;
     job.progress->advance_to(ready);
     attempt->hash_arrived(ready);  // (after the pipeline readers hear of the bytes: they check their own)
     job.stream->advance(*attempt, ready);
+    if (!progress_reported && ready >= report_progress_at && ready < shard_bytes) {
+      progress_reported = true;
+      on_io([this, progress = ReadProgress{job.read.transfer, job.read.epoch, ready - pull_options.start_bytes}] {
+        step(progress);
+      });
+    }
   };
   const auto started = std::chrono::steady_clock::now();
   net::PullOutcome outcome = [&] {

@@ -53,6 +53,8 @@ void ShardAgent::step(const AgentInput& input, TimeMs now_ms, AgentEffects& effe
           on_hub(in);
         } else if constexpr (std::is_same_v<T, ReadFinished>) {
           on_read_finished(in);
+        } else if constexpr (std::is_same_v<T, ReadProgress>) {
+          on_read_progress(in);
         } else if constexpr (std::is_same_v<T, OffloadFinished>) {
           on_offload_finished(in);
         } else if constexpr (std::is_same_v<T, ServerLost>) {
@@ -740,6 +742,26 @@ void ShardAgent::on_read_finished(const ReadFinished& finished) {
   } else {
     report(TransferFailed{finished.transfer, finished.epoch, *finished.failure});
   }
+}
+
+void ShardAgent::on_read_progress(const ReadProgress& progress) {
+  auto found = reads_.find(progress.transfer);
+  // A seed's read crosses datacenters, a patch moves a few percent of the shard and a read across
+  // layouts reads pieces of several sources: none says how fast this replica receives here (the
+  // hub would not time it).
+  if (found == reads_.end() || phase_ != AgentPhase::kOpen) return;
+  Reading& reading = found->second;
+  if (reading.epoch != progress.epoch || reading.done || reading.progress_reported || reading.reshard ||
+      reading.patch != nullptr) {
+    return;
+  }
+  reading.progress_reported = true;
+  send_report(TransferProgress{progress.transfer, progress.epoch, progress.bytes});
+}
+
+std::uint64_t progress_report_bytes(std::uint64_t shard_bytes) {
+  constexpr std::uint64_t kProgressReportDivisor = 16;
+  return shard_bytes == 0 ? 0 : std::max<std::uint64_t>(shard_bytes / kProgressReportDivisor, 1);
 }
 
 TransferDone ShardAgent::done_report(TransferId transfer, const Reading& reading) {

@@ -76,6 +76,21 @@ struct ReadFinished {
   // as assembled, which the agent reports and keeps as what its buffers hold.
   ChecksumsRef checksums = nullptr;
 };
+// The read of this transfer and epoch has moved `bytes` of the shard from its source (not
+// counting a prefix verified under an earlier source). The data plane feeds it once, when `bytes`
+// first reaches progress_report_bytes() of the shard: the agent tells the hub (TransferProgress),
+// which may time the replica before the read ends. Ignored for a read that is no longer current.
+struct ReadProgress {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+  std::uint64_t bytes = 0;
+};
+// How many bytes of a shard of `shard_bytes` a read moves before the data plane feeds ReadProgress:
+// a sixteenth, early enough for the hub to reorder a chain (only the first 1/8 of a slow member's
+// read is worth moving it for, hub_rates.cpp), late enough that the time to connect is a small part
+// of what it times. 0 for an empty shard: nothing to report.
+std::uint64_t progress_report_bytes(std::uint64_t shard_bytes);
+
 struct OffloadFinished {
   Version version = 0;
   // The data plane could not make the copy (a GPU copy failed): nothing is reported, and the hub
@@ -94,7 +109,8 @@ struct UserCancel {
   std::uint64_t call_id = 0;
 };
 
-using AgentInput = std::variant<UserCall, FromHub, ReadFinished, OffloadFinished, ServerLost, AgentTick, UserCancel>;
+using AgentInput =
+    std::variant<UserCall, FromHub, ReadFinished, ReadProgress, OffloadFinished, ServerLost, AgentTick, UserCancel>;
 
 // ---- Effects ---------------------------------------------------------------------------------------
 
@@ -206,6 +222,7 @@ class ShardAgent {
     bool done = false;  // every byte arrived and matched (reported to the hub)
     bool reshard = false;  // from a source of another layout: TransferDone carries `checksums`
     PatchRef patch;        // this epoch reads the source's patch (kept once done: HeldCopy::patch)
+    bool progress_reported = false;  // this epoch's TransferProgress went out
   };
 
   void on_call(const UserCall& call);
@@ -222,6 +239,7 @@ class ShardAgent {
   void on_release_offload(const ReleaseOffload& release);
   void report_announced_offloads();
   void on_read_finished(const ReadFinished& finished);
+  void on_read_progress(const ReadProgress& progress);
   void on_seed_read(const StartRead& read);
   void on_seed_finished(const ReadFinished& finished);
   // Forgets the seed of `version`: a read in progress stops and its buffer is freed; a complete one

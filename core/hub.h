@@ -79,6 +79,8 @@ struct HubStats {
   // slow readers that gave their source to a faster one and read behind it.
   std::uint64_t slow_sources_passed = 0;
   std::uint64_t transfers_displaced = 0;
+  std::uint64_t progress_reports = 0;  // TransferProgress heard (once per shard and epoch)
+  std::uint64_t passed_mid_read = 0;   // of transfers_displaced: on a read's progress (pass_mid_read)
   // Delta versions (hub_patches.cpp): copies published with a patch, reads placed as patch reads,
   // patch reads that failed (the transfer went on with the bytes), readers that kept the patch.
   std::uint64_t patches_published = 0;
@@ -166,6 +168,7 @@ class Hub {
   void on_transfer_failed(Replica& replica, std::uint32_t shard, const TransferFailed& failed);
   void on_offload_done(Replica& replica, std::uint32_t shard, const OffloadDone& done);
   void on_cancel_call(Replica& replica, std::uint32_t shard, const CancelCall& cancel);
+  void on_transfer_progress(Replica& replica, std::uint32_t shard, const TransferProgress& progress);
 
   // Transactions.
   Txn* txn_for(Replica& replica, std::uint32_t shard, std::uint64_t seq, const OpKey& op);
@@ -211,6 +214,20 @@ class Hub {
   // Rate-aware source selection (hub_rates.cpp).
   void measure_shard_read(Transfer& transfer, std::uint32_t shard);
   void record_receive_rate(const Transfer& transfer);
+  // How many other readers the transfer's source served during its read (hub_rates.cpp).
+  std::uint64_t readers_shared_with(const Transfer& transfer) const;
+  // Sets the replica's rate, keeping its model's set of exact rates in step.
+  void set_receive_rate(Replica& replica, double bytes_per_ms, bool exact, bool provisional);
+  // Whether the transfer's source is alone with it, complete and of its layout: its reader sets its
+  // own pace.
+  bool alone_at_complete(const Transfer& transfer) const;
+  // A reader behind a copy still receiving that the hub now knows is slower (or cannot compare)
+  // takes that copy's source in the middle of the read, and the copy looks for another (the
+  // progress of a version's first chain, hub_rates.cpp): whether it did.
+  bool pass_mid_read(Transfer& faster);
+  // Whether `behind`, reading from `ahead`'s copy, kept that copy's pace on every shard it reads
+  // (each timed by its progress report).
+  bool kept_pace(const Transfer& behind, const Transfer& ahead) const;
   // What a wrong "slower" would cost: a reorder (the reader goes ahead of the candidate, and is
   // timed) or a shared source (the reader passes over the candidate for a busier source).
   enum class Risk : std::uint8_t { kReorder, kShare };
@@ -233,6 +250,8 @@ class Hub {
   Copy* insertion_point(Copy& candidate, const Copy& reader) const;
   // `faster`'s reader takes `slower`'s source, and `slower` reads behind it.
   void put_ahead(Transfer& faster, Transfer& slower);
+  // The transfer leaves its source and waits, its verified shards kept (for put_ahead, pass_mid_read).
+  void unhook(Transfer& moving);
   void keep_one_seeder(const Copy& seeder);
   void complete_transfer(Transfer& transfer);
   void fail_transfer(Transfer& transfer, const Error& error);

@@ -95,46 +95,177 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   // slow rollout behind a seeding source unknown for ever, and the readers behind it at its pace
   // (HubRates.ASlowReaderBehindASourceThatFeedsASeedIsStillFoundOut).
   const Copy& source = *transfer.source;
-  TH_ASSERT(source.readers_joined >= transfer.source_readers_joined);
-  const std::uint64_t shared_with =
-      transfer.source_readers_at_assign + (source.readers_joined - transfer.source_readers_joined);
+  const std::uint64_t shared_with = readers_shared_with(transfer);
   const detail::ReceiveRate& upstream = source.owner->receive_rate;
   const bool source_ahead = upstream.last_version == version && upstream.last_bytes_per_ms > 0 &&
                             measured * static_cast<double>(1 + shared_with) <
                                 upstream.last_bytes_per_ms * kBehindFraction;
-  detail::ReceiveRate& rate = replica.receive_rate;
-  // (A plain pair rather than an optional: GCC 12 takes an optional's value for uninitialized.)
-  const bool was_exact = rate.exact;
-  const double exact_before_bytes_per_ms = rate.bytes_per_ms;
-  // Alone at a complete copy of its own layout from start to end (a CPU offload copy or pieces
-  // of another layout set their own pace).
-  const bool alone = shared_with == 0 && transfer.source_was_complete && source.kind == CopyKind::kPrimary &&
-                     !transfer.reshard;
-  const bool paced_by_reader = alone || source_ahead;
+  const detail::ReceiveRate& rate = replica.receive_rate;
+  const bool paced_by_reader = alone_at_complete(transfer) || source_ahead;
   if (paced_by_reader) {
-    rate.bytes_per_ms = measured;  // the replica set the pace: what it can do now
-    rate.exact = true;
+    set_receive_rate(replica, measured, /*exact=*/true, /*provisional=*/false);  // what it can do now
   } else if (measured > rate.bytes_per_ms) {
     // It went at least this fast, behind its source. Faster than its exact rate by less than the
     // reordering factor is noise: the rate stays exact, at the faster figure (else one shared read
     // a little faster would make a replica known slow unknown again, and readers would go behind
     // it once more: the property test's HubModel.ChainsFollowMeasuredRates, with 10 % jitter).
-    rate.exact = rate.exact && measured < rate.bytes_per_ms * kReorderFactor;
-    rate.bytes_per_ms = measured;
+    set_receive_rate(replica, measured, rate.exact && measured < rate.bytes_per_ms * kReorderFactor,
+                     /*provisional=*/false);
+  } else {
+    replica.receive_rate.provisional = false;
   }
-  rate.last_version = version;
-  rate.last_bytes_per_ms = measured;
+  replica.receive_rate.last_version = version;
+  replica.receive_rate.last_bytes_per_ms = measured;
+  replica.model->fastest_replica_read_by_dc[replica.dc].record(version, measured);
+  TH_ASSERT(paced_by_reader ? rate.exact && rate.bytes_per_ms == measured : rate.bytes_per_ms >= measured);
+}
+
+std::uint64_t Hub::readers_shared_with(const Transfer& transfer) const {
+  // A source that served other readers too (rollouts of its datacenter, a seed across) shared its
+  // upload with them: the readers it had when this one joined, and those that joined since, counted
+  // for the whole read (a bound that errs towards "not known").
+  const Copy& source = *transfer.source;
+  TH_ASSERT(source.readers_joined >= transfer.source_readers_joined);
+  return transfer.source_readers_at_assign + (source.readers_joined - transfer.source_readers_joined);
+}
+
+bool Hub::alone_at_complete(const Transfer& transfer) const {
+  // Alone at a complete copy of its own layout from the start (a CPU offload copy or pieces of
+  // another layout set their own pace).
+  TH_ASSERT(transfer.source != nullptr);
+  return readers_shared_with(transfer) == 0 && transfer.source_was_complete &&
+         transfer.source->kind == CopyKind::kPrimary && !transfer.reshard;
+}
+
+void Hub::set_receive_rate(Replica& replica, double bytes_per_ms, bool exact, bool provisional) {
+  TH_ASSERT(bytes_per_ms > 0, "a rate measured");
+  detail::ReceiveRate& rate = replica.receive_rate;
   Model& model = *replica.model;
-  model.fastest_replica_read_by_dc[replica.dc].record(version, measured);
   std::multiset<double>& exact_rates = model.exact_rates_bytes_per_ms;
-  if (was_exact) {
-    const auto found = exact_rates.find(exact_before_bytes_per_ms);
+  if (rate.exact) {
+    const auto found = exact_rates.find(rate.bytes_per_ms);
     TH_ASSERT(found != exact_rates.end(), "the model holds each exact rate of its replicas");
     exact_rates.erase(found);
   }
-  if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
+  rate.bytes_per_ms = bytes_per_ms;
+  rate.exact = exact;
+  rate.provisional = provisional;
+  if (exact) exact_rates.insert(bytes_per_ms);
   if (exact_rates.size() >= 2) model.exact_rates_compared = true;
-  TH_ASSERT(paced_by_reader ? rate.exact && rate.bytes_per_ms == measured : rate.bytes_per_ms >= measured);
+}
+
+// ---- timing a read on the way (TransferProgress) ------------------------------------------------
+//
+// A replica never timed counts as fast, so the first version's chains form in the order the
+// readers ask; if the first to ask is a slow member (bench/run-change "slow": one link at a quarter
+// rate), everyone behind it waits for it to the end of the version: 3.15 x the ideal, where only a
+// read's end timed replicas. Each reader shard reports once, a sixteenth into its read, how many
+// bytes came from its source; the hub times the reader as at a read's end (the root, alone at a
+// complete copy, exactly; a reader behind a copy still receiving, as a lower bound), and a reader
+// behind a copy it may be faster than (Hub::slower, Hub::unexplored: the same tests as a chain's
+// reorder) takes that copy's source there and then; the slow copy looks for another, at a chain's
+// end. Both go on from the bytes they verified (client resume), so the move costs little, and
+// each transfer gives its source away a bounded number of times. A replica timed by a read that
+// ended keeps that rate: a sixteenth of a read says less.
+
+void Hub::on_transfer_progress(Replica& replica, std::uint32_t shard, const TransferProgress& progress) {
+  Model& model = *replica.model;
+  const auto found = model.transfers.find(progress.transfer);
+  if (found == model.transfers.end()) return;  // ended or cancelled: a late report
+  Transfer& transfer = *found->second;
+  Copy& reader = *transfer.reader;
+  TH_ASSERT(shard < replica.num_shards);
+  // This epoch's only, once per shard still reading: a report repeated, late or made up counts at
+  // most once, and moves nothing the hub would not move for an honest one.
+  if (reader.owner != &replica || progress.epoch != transfer.epoch || !transfer.started.test(shard) ||
+      reader.ready.test(shard) || transfer.progress_heard.test(shard)) {
+    return;
+  }
+  transfer.progress_heard.set(shard);
+  ++stats_.progress_reports;
+  // What measure_shard_read leaves out, for the same reasons.
+  if (!settings_.rate_aware_sources || transfer.source == nullptr || transfer.cross_dc ||
+      reader.kind != CopyKind::kPrimary || transfer.reshard || transfer.patch) {
+    return;
+  }
+  const detail::ReceiveRate& rate = replica.receive_rate;
+  if (rate.bytes_per_ms > 0 && !rate.provisional) return;
+  const LayoutRef& layout = replica.layout->shards[shard];
+  if (layout == nullptr || progress.bytes == 0 || progress.bytes > layout->total_bytes()) return;
+  const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
+  std::vector<double>& shard_rates = transfer.progress_bytes_per_ms;
+  if (shard_rates.empty()) shard_rates.assign(replica.num_shards, 0.0);
+  shard_rates[shard] = static_cast<double>(progress.bytes) / static_cast<double>(elapsed_ms);
+  // The slowest shard heard sets the replica's rate, as at a read's end.
+  double slowest = 0;
+  bool every_shard_timed = true;
+  for (std::uint32_t at = 0; at < replica.num_shards; ++at) {
+    if (!transfer.started.test(at)) continue;
+    if (shard_rates[at] == 0) every_shard_timed = false;
+    if (shard_rates[at] > 0 && (slowest == 0 || shard_rates[at] < slowest)) slowest = shard_rates[at];
+  }
+  TH_ASSERT(slowest > 0);
+  // As at a read's end: the pace the reader set itself, or a lower bound that only raises what is
+  // known (a slow copy timed alone, then read behind another's prefix, stays known slow).
+  if (alone_at_complete(transfer)) {
+    set_receive_rate(replica, slowest, /*exact=*/true, /*provisional=*/true);
+  } else if (slowest > rate.bytes_per_ms) {
+    set_receive_rate(replica, slowest, rate.exact && slowest < rate.bytes_per_ms * kReorderFactor,
+                     /*provisional=*/true);
+  }
+  replica.receive_rate.last_version = reader.record->version;
+  replica.receive_rate.last_bytes_per_ms = slowest;
+  if (!every_shard_timed || pass_mid_read(transfer) || reader.readers == 0) return;
+  // Every shard of the reader is timed now: one behind it that was timed first may go ahead of it.
+  // (Once a transfer and epoch, for a copy that serves: the version's copies walked rarely.)
+  for (Copy* copy : reader.record->copies) {
+    Transfer* behind = copy->incoming;
+    if (copy->state == CopyState::kActive && behind != nullptr && behind->source == &reader && pass_mid_read(*behind)) {
+      return;
+    }
+  }
+}
+
+bool Hub::kept_pace(const Transfer& behind, const Transfer& ahead) const {
+  // On every shard it reads, the reader went nearly as fast as the copy ahead of it received:
+  // that copy set the pace on each, and the reader is slow on none. A replica receives on as many
+  // NICs as it has shards, and one source serves all of them: a copy slow on one shard only,
+  // moved to a chain's end, would wait there on each other shard for the slowest member's NIC
+  // (th-plan --nic-jitter 0.99 with 8 shards a replica: the first version 80 -> 115 GPU-s when
+  // any lower bound above the copy's rate moved it).
+  const std::vector<double>& mine = behind.progress_bytes_per_ms;
+  const std::vector<double>& theirs = ahead.progress_bytes_per_ms;
+  if (mine.empty() || theirs.size() != mine.size()) return false;
+  for (std::uint32_t shard = 0; shard < mine.size(); ++shard) {
+    if (!behind.started.test(shard)) continue;
+    if (mine[shard] == 0 || theirs[shard] == 0 || mine[shard] < theirs[shard] * kBehindFraction) return false;
+  }
+  return true;
+}
+
+bool Hub::pass_mid_read(Transfer& faster) {
+  Copy* slow = faster.source;
+  Copy& reader = *faster.reader;
+  if (slow == nullptr || slow->state != CopyState::kActive || reader.owner->receive_rate.bytes_per_ms <= 0) {
+    return false;
+  }
+  if (!slower(*slow->owner, *reader.owner, kReorderFactor, Risk::kReorder) && !unexplored(*slow->owner, *reader.owner)) {
+    return false;
+  }
+  Transfer& behind = *slow->incoming;
+  if (!displaceable(*slow, reader) || !early(*slow) || !kept_pace(faster, behind)) return false;
+  Copy& source = *behind.source;
+  ++behind.displacements;
+  ++stats_.transfers_displaced;
+  ++stats_.passed_mid_read;
+  unhook(faster);
+  unhook(behind);
+  TH_ASSERT(has_slot(source, /*across=*/false), "the slow copy's place at its source is free");
+  assign(faster, source);
+  // The slow copy reads wherever settle() finds it a place: a chain's end, most often.
+  orphans_.emplace_back(reader.owner->model, behind.id);
+  TH_ASSERT(faster.source == &source && behind.source == nullptr);
+  return true;
 }
 
 bool Hub::slower(const Replica& candidate, const Replica& reader, double factor, Risk risk) const {
@@ -272,20 +403,23 @@ void Hub::put_ahead(Transfer& faster, Transfer& slower) {
   Copy& source = *slower.source;
   ++slower.displacements;
   ++stats_.transfers_displaced;
-  for (Transfer* moving : {&faster, &slower}) {
-    detach_source(*moving);
-    dequeue_waiting(*moving);
-    // Each reads afresh from its next source (see reassign): verified shards stay.
-    moving->reader->mismatched.reset();
-    moving->reader->corrupt = false;
-    set_state(*moving->reader, CopyState::kWaiting);
-  }
+  unhook(faster);
+  unhook(slower);
   assign(faster, source);
   // The slower copy reads behind the faster one, which serves no one yet: the chain keeps its
   // order, and no other copy takes the place (settle() could give it its old source back).
   TH_ASSERT(has_slot(fast_copy, /*across=*/false), "a reader that took a source serves no one yet");
   assign(slower, fast_copy);
   TH_ASSERT(faster.source == &source && slower.source == &fast_copy);
+}
+
+void Hub::unhook(Transfer& moving) {
+  detach_source(moving);
+  dequeue_waiting(moving);
+  // It reads afresh from its next source (see reassign): verified shards stay.
+  moving.reader->mismatched.reset();
+  moving.reader->corrupt = false;
+  set_state(*moving.reader, CopyState::kWaiting);
 }
 
 }  // namespace th

@@ -217,6 +217,10 @@ struct Transfer {
   bool source_was_complete = false;
   std::uint64_t source_readers_joined = 0;  // the source's readers_joined once this one joined
   double slowest_bytes_per_ms = 0;
+  // This epoch's shards that reported their progress (TransferProgress: once each), and the rate
+  // each showed, in bytes per ms, by shard (empty, or 0 for a shard: none timed).
+  ShardSet progress_heard;
+  std::vector<double> progress_bytes_per_ms;
   // Times a faster reader took this transfer's source from it (at most limits::kDisplacementsPerTransferMax).
   std::uint32_t displacements = 0;
   // Delta versions (hub_patches.cpp): the version the reader's buffers hold whole and healthy,
@@ -256,6 +260,9 @@ struct ReceiveRate {
   // The last read measured, whatever it said: a reader behind this replica compares with it.
   Version last_version = 0;
   double last_bytes_per_ms = 0;
+  // Timed only on the way (TransferProgress) since the last read that ended: the next progress
+  // report may set it again, and a read's end does.
+  bool provisional = false;
 };
 
 // Where a transaction of a replica stands.

@@ -515,6 +515,8 @@ void Hub::assign(Transfer& transfer, Copy& source) {
   transfer.source_readers_at_assign = source.readers;
   transfer.source_was_complete = source.state == CopyState::kComplete;
   transfer.slowest_bytes_per_ms = 0;
+  transfer.progress_heard.reset();
+  transfer.progress_bytes_per_ms.clear();
   // A patch where the source has the reader's; else the bytes, which leave the buffers no base.
   transfer.patch = !transfer.reshard && reader.kind == CopyKind::kPrimary && holds_patch(source, transfer);
   if (transfer.patch) {
@@ -640,6 +642,8 @@ void Hub::detach_source(Transfer& transfer) {
     });
   }
   transfer.started.reset();
+  transfer.progress_heard.reset();
+  transfer.progress_bytes_per_ms.clear();
   transfer.reshard = false;
   if (transfer.patch) {
     TH_ASSERT(source->patch_readers > 0);
@@ -793,6 +797,8 @@ void Hub::on_report(const Report& report) {
           on_offload_done(replica, shard, body);
         } else if constexpr (std::is_same_v<T, CancelCall>) {
           on_cancel_call(replica, shard, body);
+        } else if constexpr (std::is_same_v<T, TransferProgress>) {
+          on_transfer_progress(replica, shard, body);
         } else {
           static_assert(std::is_same_v<T, Heartbeat>);
           if (!replica.offloads.empty()) resend_seed_reads(replica, shard, /*now=*/false);

@@ -287,6 +287,7 @@ void Hub::check_invariants() const {
       TH_ASSERT(rate.bytes_per_ms >= 0 && (!rate.exact || rate.bytes_per_ms > 0) && rate.last_bytes_per_ms >= 0 &&
                     (rate.bytes_per_ms == 0) == (rate.last_bytes_per_ms == 0),
                 "the receive rate of", name, "is a measurement or none");
+      TH_ASSERT(!rate.provisional || rate.bytes_per_ms > 0, "a rate timed on the way is a measurement");
       if (rate.exact) exact_rates.insert(rate.bytes_per_ms);
     }
     TH_ASSERT(exact_rates == model.exact_rates_bytes_per_ms, "the model holds exactly its replicas' exact rates");
@@ -322,6 +323,15 @@ void Hub::check_invariants() const {
       TH_ASSERT(transfer.slowest_bytes_per_ms >= 0 && transfer.first_assigned_ms <= transfer.assigned_ms &&
                     transfer.assigned_ms <= now_ms_ && (transfer.epoch > 0 || transfer.slowest_bytes_per_ms == 0),
                 "transfer", id, "measures its read from when its source was given");
+      TH_ASSERT((transfer.progress_heard & ~(transfer.started | reader.ready)).none() &&
+                    (transfer.progress_bytes_per_ms.empty() ||
+                     transfer.progress_bytes_per_ms.size() == reader.owner->num_shards),
+                "transfer", id, "heard the progress of shards of this epoch's read only");
+      for (std::uint32_t shard = 0; shard < transfer.progress_bytes_per_ms.size(); ++shard) {
+        TH_ASSERT(transfer.progress_bytes_per_ms[shard] >= 0 &&
+                      (transfer.progress_bytes_per_ms[shard] == 0 || transfer.progress_heard.test(shard)),
+                  "transfer", id, "timed shard", shard, "by its progress report");
+      }
       // A patch read: from a complete holder of the patch against the version the reader's buffers
       // hold, of the reader's layout; the epochs that read one come first.
       TH_ASSERT(!transfer.patch_base || *transfer.patch_base < reader.record->version, "transfer", id,

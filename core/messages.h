@@ -196,7 +196,18 @@ struct OffloadDone {
 struct CancelCall {
   std::uint64_t seq = 0;
 };
-using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone, CancelCall>;
+// How far a reader shard's read from this epoch's source has come: `bytes` of its shard arrived from
+// that source (not counting a prefix verified under an earlier source). Sent once per shard and
+// epoch, early in the read (ShardAgent, kProgressReportDivisor), so that the hub can time a
+// replica before its first read ends: the root of a version's first chain may be a slow member
+// that everyone behind it waits for (hub_rates.cpp). Not retransmitted: a lost one only means
+// the hub learns the rate when the read ends.
+struct TransferProgress {
+  TransferId transfer = 0;
+  std::uint32_t epoch = 0;
+  std::uint64_t bytes = 0;
+};
+using ReportBody = std::variant<Heartbeat, TransferDone, TransferFailed, OffloadDone, CancelCall, TransferProgress>;
 
 struct Report {
   ClientId client = 0;

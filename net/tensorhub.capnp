@@ -176,6 +176,8 @@ struct Report {
     transferFailed :group { transfer @5 :UInt64; epoch @6 :UInt32; reason @7 :UInt8; }
     offloadDone @8 :UInt64;  # the version
     cancelCall @10 :UInt64;  # the sequence number of the call the application gave up
+    # bytes: of the shard, moved from this epoch's source so far (sent once, early in the read)
+    transferProgress :group { transfer @12 :UInt64; epoch @13 :UInt32; bytes @14 :UInt64; }
   }
   offloadCopy @9 :UInt64;  # offloadDone: the copy, as the offload instruction named it
 }

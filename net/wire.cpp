@@ -499,6 +499,11 @@ Report get(wire::Report::Reader in) {
       report.body = OffloadDone{body.getOffloadDone(), in.getOffloadCopy()};
       break;
     case wire::Report::Body::CANCEL_CALL: report.body = CancelCall{body.getCancelCall()}; break;
+    case wire::Report::Body::TRANSFER_PROGRESS: {
+      auto progress = body.getTransferProgress();
+      report.body = TransferProgress{progress.getTransfer(), progress.getEpoch(), progress.getBytes()};
+      break;
+    }
     default: invalid("report of an unknown kind");
   }
   return report;
@@ -659,6 +664,11 @@ void encode(const Report& report, wire::Report::Builder out) {
           failed.setReason(static_cast<std::uint8_t>(fact.reason));
         } else if constexpr (std::is_same_v<T, CancelCall>) {
           body.setCancelCall(fact.seq);
+        } else if constexpr (std::is_same_v<T, TransferProgress>) {
+          auto progress = body.initTransferProgress();
+          progress.setTransfer(fact.transfer);
+          progress.setEpoch(fact.epoch);
+          progress.setBytes(fact.bytes);
         } else {
           static_assert(std::is_same_v<T, OffloadDone>);
           body.setOffloadDone(fact.version);

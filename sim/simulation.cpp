@@ -162,6 +162,16 @@ struct Worker {
     bool seed = false;
   };
   std::map<TransferId, FinishedRead> finished_reads;
+  // A read of the buffers that ended short (failed, cancelled, or replaced by another source):
+  // as a real client does (client/data_path.cpp), the next read of the same transfer and version
+  // goes on after the prefix that arrived, if it is still the version's.
+  struct Resumable {
+    TransferId transfer = 0;
+    Version version = 0;
+    double progress = 0;     // modelled bytes
+    std::size_t copied = 0;  // real bytes
+  };
+  std::optional<Resumable> resumable;
   // The host and its network.
   bool straggler = false;
   bool throttled = false;  // its downloads crawl at kThrottledBytesPerMs while faults are on
@@ -190,6 +200,8 @@ struct Flow {
   // bytes a read across layouts reads).
   std::optional<std::pair<std::size_t, int>> flip;
   double total = 0;        // modelled bytes to move
+  bool progress_reported = false;  // ReadProgress fed to the reader's agent (once a flow)
+  double resumed_from = 0;         // modelled bytes an earlier read of the transfer left (resume)
   // A read from a source of another layout (StartRead::reshard): its plan, the process serving
   // each source shard (-1: none runs), those that had a grant, and the pieces landed so far.
   std::shared_ptr<const ReshardRead> reshard;
@@ -323,6 +335,7 @@ class Simulation {
     for (const auto& server : servers_) {
       result_.models_ended += server->stats().models_forgotten;
       result_.readers_put_ahead += server->stats().transfers_displaced;
+      result_.readers_passed_mid_read += server->stats().passed_mid_read;
       result_.slow_sources_passed += server->stats().slow_sources_passed;
     }
     result_.trace_hash = trace_.hash();
@@ -534,6 +547,7 @@ class Simulation {
     worker.offloads.clear();
     worker.offloads_corrupt.clear();
     worker.finished_reads.clear();
+    worker.resumable.reset();
     worker.grants.clear();
     worker.server_lost_pending = false;
     worker.app = App{};
@@ -625,7 +639,10 @@ class Simulation {
           } else if constexpr (std::is_same_v<T, BeginRead>) {
             begin_read(w, e.read);
           } else if constexpr (std::is_same_v<T, CancelRead>) {
-            flows_.erase({w, e.transfer});
+            if (auto flow = flows_.find({w, e.transfer}); flow != flows_.end()) {
+              keep_for_resume(flow->second);
+              flows_.erase(flow);
+            }
           } else if constexpr (std::is_same_v<T, GrantServe>) {
             worker.grants[{e.grant.transfer, e.grant.epoch}] = e.grant;
           } else if constexpr (std::is_same_v<T, RevokeServe>) {
@@ -938,10 +955,38 @@ class Simulation {
 
   // ---- the data plane ----
 
+  // A read of the buffers, of the bytes, from one source: what a later read may go on from.
+  void keep_for_resume(const Flow& flow) {
+    const StartRead& read = flow.read;
+    if (read.offload_copy != 0 || flow.reshard || read.patch != nullptr) return;
+    workers_[flow.reader].resumable = Worker::Resumable{read.transfer, read.version, flow.progress, flow.copied};
+  }
+
+  // Where a new read of the buffers starts: after the prefix an earlier read of the same transfer
+  // left, if the buffers still hold that version's bytes there (a fault's bytes stop it, as a
+  // tensor that fails its checksum stops a real client's resume).
+  std::pair<double, std::size_t> resume_point(int w, const StartRead& read) {
+    Worker& reader = workers_[w];
+    const std::optional<Worker::Resumable> earlier = std::exchange(reader.resumable, std::nullopt);
+    if (!earlier || earlier->transfer != read.transfer || earlier->version != read.version ||
+        read.offload_copy != 0 || !read.reshard.empty() || read.patch != nullptr ||
+        reader.buffer_version != read.version || reader.buffer_corrupt || earlier->copied > reader.buffer.size()) {
+      return {0, 0};
+    }
+    const int model = content_model(replica_of(w).model);
+    for (std::size_t offset = 0; offset < earlier->copied; ++offset) {
+      if (reader.buffer[offset] != reader.content->byte(model, read.version, offset)) return {0, 0};
+    }
+    return {earlier->progress, earlier->copied};
+  }
+
   void begin_read(int w, const StartRead& read) {
     const bool seed = read.offload_copy != 0;
     if (!seed) check_may_write(w, read.version);
     Worker& reader = workers_[w];
+    // The read it replaces, if any, ends short here.
+    if (auto replaced = flows_.find({w, read.transfer}); replaced != flows_.end()) keep_for_resume(replaced->second);
+    const auto [resume_progress, resume_copied] = resume_point(w, read);
     Flow flow;
     flow.reader = w;
     flow.read = read;
@@ -976,10 +1021,12 @@ class Simulation {
       reader.offloads_corrupt.erase(read.version);
     } else {
       reader.buffer_version = read.version;  // from here on the buffers hold this version's prefix
-      reader.buffer_bytes = 0;
+      reader.buffer_bytes = static_cast<std::uint64_t>(resume_progress);
       reader.patch.reset();  // freed with the version it came with
       // (A patch read checks at the end that the buffers still hold its base: they are unchanged.)
       if (read.patch == nullptr) reader.buffer_corrupt = reader.buffer_tampered = false;
+      flow.progress = flow.resumed_from = resume_progress;
+      flow.copied = resume_copied;
     }
     flows_[{w, read.transfer}] = flow;
     if (!data_tick_scheduled_) {
@@ -1245,6 +1292,7 @@ class Simulation {
     const int reader = flow.reader;
     const StartRead& read = flow.read;
     flows_.erase({reader, read.transfer});
+    if (failure) keep_for_resume(flow);
     if (failure) {
       ++result_.reads_failed;
     } else {
@@ -1387,10 +1435,29 @@ class Simulation {
     if (!seed && flow.copied < std::min(target, size)) check_may_write(flow.reader, read.version);
     flow.copied = std::max(flow.copied, std::min(target, size));
     if (!seed) reader.buffer_bytes = static_cast<std::uint64_t>(flow.progress);
-    if (flow.progress < total) return;
+    if (flow.progress < total) {
+      report_progress(flow);
+      return;
+    }
     // Every tensor is checked against the checksums the hub gave with the instruction.
     const bool matches = reader.content->checksums(*into) == *read.checksums;
     finish_flow(flow, matches ? std::nullopt : std::optional(ReadFailure::kChecksumMismatch));
+  }
+
+  // As a real data plane does, once a sixteenth of the shard has moved from this source (the hub's
+  // unit: its bytes of the reader's layout, in the proportion the flow has moved of its modelled
+  // bytes since it began, a resumed prefix not counted).
+  void report_progress(Flow& flow) {
+    if (flow.progress_reported || flow.read.offload_copy != 0) return;
+    const std::uint64_t shard_bytes = workers_[flow.reader].content->layout()->total_bytes();
+    const std::uint64_t bytes = progress_bytes(flow, shard_bytes);
+    if (shard_bytes == 0 || bytes < progress_report_bytes(shard_bytes)) return;
+    flow.progress_reported = true;
+    agent_step(flow.reader, ReadProgress{flow.read.transfer, flow.read.epoch, bytes});
+  }
+
+  static std::uint64_t progress_bytes(const Flow& flow, std::uint64_t shard_bytes) {
+    return static_cast<std::uint64_t>(static_cast<double>(shard_bytes) * (flow.progress - flow.resumed_from) / flow.total);
   }
 
   // A patch read (StartRead::patch, from a complete copy that has the patch), once its bytes moved
@@ -1479,6 +1546,16 @@ class Simulation {
       if (torn_offload_ == offloaded->version) {
         throw Violation("integrity: " + who + " keeps and reports an offload copy of version " +
                         std::to_string(offloaded->version) + " made while its buffers held another");
+      }
+      return;
+    }
+    if (const auto* progress = std::get_if<TransferProgress>(&body)) {
+      // Sent as the data plane fed it: of the read in progress, no more than has moved.
+      const auto flow = flows_.find({w, progress->transfer});
+      if (flow == flows_.end() || flow->second.read.epoch != progress->epoch ||
+          progress->bytes > progress_bytes(flow->second, worker.content->layout()->total_bytes())) {
+        throw Violation("consistency: " + who + " reports progress of transfer " + std::to_string(progress->transfer) +
+                        " epoch " + std::to_string(progress->epoch) + " that its read has not made");
       }
       return;
     }
@@ -2246,6 +2323,7 @@ class Simulation {
       worker.offloads.clear();
       worker.offloads_corrupt.clear();
       worker.finished_reads.clear();
+      worker.resumable.reset();
       worker.buffer_version.reset();
       worker.buffer_bytes = 0;
       worker.buffer_corrupt = worker.buffer_tampered = false;
@@ -2531,7 +2609,8 @@ std::string SimResult::summary() const {
       << (models_ended > 0 ? std::to_string(models_ended) + " models ended, " : std::string())
       << (corrupt_notices > 0 ? std::to_string(corrupt_notices) + " corrupt-copy notices, " : std::string())
       << (readers_put_ahead + slow_sources_passed > 0
-              ? std::to_string(readers_put_ahead) + " readers put ahead of slower ones, " +
+              ? std::to_string(readers_put_ahead) + " readers put ahead of slower ones (" +
+                    std::to_string(readers_passed_mid_read) + " on the way), " +
                     std::to_string(slow_sources_passed) + " slow sources passed, "
               : std::string())
       << evictions

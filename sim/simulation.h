@@ -115,6 +115,7 @@ struct SimResult {
   // Rate-aware source selection (the servers alive at the end; core/hub_rates.cpp): readers that
   // took a slower copy's source (it read behind them), and reads placed past a much slower copy.
   std::uint64_t readers_put_ahead = 0;
+  std::uint64_t readers_passed_mid_read = 0;  // of those, on a read's progress (TransferProgress)
   std::uint64_t slow_sources_passed = 0;
   std::uint64_t messages = 0;
   std::uint64_t messages_lost = 0;

@@ -490,6 +490,30 @@ TEST_F(AgentTest, ReadsOnlyInsideAReadingCallAndReportsOnce) {
   EXPECT_EQ(agent_.held()->version, 2u);
 }
 
+TEST_F(AgentTest, ReportsAReadsProgressOnceAnEpochAndOnlyOfTheCurrentRead) {
+  open();
+  call(ReplicateRequest{Selector::absolute(2), layout_, 0});
+  only<BeginRead>(hub(start_read(1, 1, 2)));
+  const std::vector<ReportBody> first = reports(step(ReadProgress{1, 1, 64}));
+  ASSERT_EQ(first.size(), 1u);
+  const auto& progress = std::get<TransferProgress>(first[0]);
+  EXPECT_EQ(progress.transfer, 1u);
+  EXPECT_EQ(progress.epoch, 1u);
+  EXPECT_EQ(progress.bytes, 64u);
+  EXPECT_TRUE(step(ReadProgress{1, 1, 128}).empty());  // once an epoch
+  EXPECT_TRUE(step(ReadProgress{7, 1, 64}).empty());   // no such read
+  // Not retransmitted: a lost one only means the hub times the read at its end.
+  for (const ReportBody& body : reports(tick_at(60'000))) EXPECT_FALSE(std::holds_alternative<TransferProgress>(body));
+  // Another source: a report of its own; the old epoch's data plane, late, is not heard.
+  only<BeginRead>(hub(start_read(1, 2, 2)));
+  EXPECT_TRUE(step(ReadProgress{1, 1, 64}).empty());
+  EXPECT_EQ(reports(step(ReadProgress{1, 2, 32})).size(), 1u);
+  // Nor a read that is done.
+  only<BeginRead>(hub(start_read(1, 3, 2)));
+  EXPECT_EQ(reports(step(ReadFinished{1, 3, std::nullopt})).size(), 1u);
+  EXPECT_TRUE(step(ReadProgress{1, 3, 64}).empty());
+}
+
 TEST_F(AgentTest, AReadOfAnotherLayoutReportsWhatItAssembledAndHoldsIt) {
   open();
   call(ReplicateRequest{Selector::absolute(2), layout_, 0});

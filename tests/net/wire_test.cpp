@@ -185,6 +185,11 @@ TEST(Wire, EveryReportKind) {
   EXPECT_EQ(offloaded.version, 12u);
   EXPECT_EQ(offloaded.copy, 13u);
   EXPECT_EQ(std::get<CancelCall>(round_trip<wire::Report>(Report{4, CancelCall{31}, 6}).body).seq, 31u);
+  const auto progress =
+      std::get<TransferProgress>(round_trip<wire::Report>(Report{4, TransferProgress{14, 5, 1ULL << 40}, 6}).body);
+  EXPECT_EQ(progress.transfer, 14u);
+  EXPECT_EQ(progress.epoch, 5u);
+  EXPECT_EQ(progress.bytes, 1ULL << 40);
   const Report heartbeat = round_trip<wire::Report>(Report{4, Heartbeat{}, 6});
   EXPECT_TRUE(std::holds_alternative<Heartbeat>(heartbeat.body));
   EXPECT_EQ(heartbeat.client, 4u);

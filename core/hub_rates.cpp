@@ -37,6 +37,11 @@ constexpr double kReorderFactor = 1.25;
 // received the same version at, divided among the readers the source served: the source kept
 // ahead of it.
 constexpr double kBehindFraction = 0.8;
+// A sixteenth of a read that took less than this (TransferProgress) is mostly the time to start
+// it and to report it (a control-plane round trip of a millisecond or two): it is not timed. A
+// fast read ends before moving it could pay; a slow member's sixteenth takes far longer (th-plan's
+// 1 GB shards at 25 GB/s: 2.5 ms, timed at half their pace, made equal replicas look slow).
+constexpr TimeMs kProgressTimedMinMs = 20;
 // A slow copy gives its source away only in the first 1/kDisplaceWindowDivisor of its read (as
 // long as its rate says the read takes), counted from its first source: it then reads the bytes
 // it had again, from the faster reader, which soon passes it.
@@ -77,12 +82,20 @@ void Hub::measure_shard_read(Transfer& transfer, std::uint32_t shard) {
 
 void Hub::record_receive_rate(const Transfer& transfer) {
   const Copy& reader = *transfer.reader;
+  Replica& replica = *reader.owner;
+  // The read's progress reports timed a sixteenth of it; its end, where timed, times all of it,
+  // as if they had said nothing (and where not, the sixteenth is all the hub knows of it).
+  const std::optional<detail::ReceiveRate> before_progress = std::exchange(replica.rate_before_progress, std::nullopt);
   // Nor does a read with no shard finished under its last source.
   if (transfer.slowest_bytes_per_ms == 0 || transfer.source == nullptr || transfer.cross_dc ||
       reader.kind != CopyKind::kPrimary) {
     return;
   }
-  Replica& replica = *reader.owner;
+  if (before_progress) {
+    set_receive_rate(replica, before_progress->bytes_per_ms, before_progress->exact, before_progress->provisional);
+    replica.receive_rate.last_version = before_progress->last_version;
+    replica.receive_rate.last_bytes_per_ms = before_progress->last_bytes_per_ms;
+  }
   const Version version = reader.record->version;
   const double measured = transfer.slowest_bytes_per_ms;
   // A source that served other readers too (rollouts of its datacenter, a seed across) shared its
@@ -138,7 +151,7 @@ bool Hub::alone_at_complete(const Transfer& transfer) const {
 }
 
 void Hub::set_receive_rate(Replica& replica, double bytes_per_ms, bool exact, bool provisional) {
-  TH_ASSERT(bytes_per_ms > 0, "a rate measured");
+  TH_ASSERT(bytes_per_ms > 0 || (bytes_per_ms == 0 && !exact && !provisional), "a rate measured, or none");
   detail::ReceiveRate& rate = replica.receive_rate;
   Model& model = *replica.model;
   std::multiset<double>& exact_rates = model.exact_rates_bytes_per_ms;
@@ -192,7 +205,8 @@ void Hub::on_transfer_progress(Replica& replica, std::uint32_t shard, const Tran
   if (rate.bytes_per_ms > 0 && !rate.provisional) return;
   const LayoutRef& layout = replica.layout->shards[shard];
   if (layout == nullptr || progress.bytes == 0 || progress.bytes > layout->total_bytes()) return;
-  const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
+  const TimeMs elapsed_ms = now_ms_ - transfer.assigned_ms;
+  if (elapsed_ms < kProgressTimedMinMs) return;
   std::vector<double>& shard_rates = transfer.progress_bytes_per_ms;
   if (shard_rates.empty()) shard_rates.assign(replica.num_shards, 0.0);
   shard_rates[shard] = static_cast<double>(progress.bytes) / static_cast<double>(elapsed_ms);
@@ -205,13 +219,14 @@ void Hub::on_transfer_progress(Replica& replica, std::uint32_t shard, const Tran
     if (shard_rates[at] > 0 && (slowest == 0 || shard_rates[at] < slowest)) slowest = shard_rates[at];
   }
   TH_ASSERT(slowest > 0);
-  // As at a read's end: the pace the reader set itself, or a lower bound that only raises what is
-  // known (a slow copy timed alone, then read behind another's prefix, stays known slow).
-  if (alone_at_complete(transfer)) {
-    set_receive_rate(replica, slowest, /*exact=*/true, /*provisional=*/true);
-  } else if (slowest > rate.bytes_per_ms) {
-    set_receive_rate(replica, slowest, rate.exact && slowest < rate.bytes_per_ms * kReorderFactor,
-                     /*provisional=*/true);
+  // As at a read's end: the pace the reader set itself (alone at a complete copy), or a lower
+  // bound that only raises what is known (a slow copy timed alone, then read behind another's
+  // prefix, stays known slow; a little faster than its exact rate is noise).
+  if (!replica.rate_before_progress) replica.rate_before_progress = rate;
+  const bool alone = alone_at_complete(transfer);
+  if (alone || slowest > rate.bytes_per_ms) {
+    const bool exact = alone || (rate.exact && slowest < rate.bytes_per_ms * kReorderFactor);
+    set_receive_rate(replica, slowest, exact, /*provisional=*/true);
   }
   replica.receive_rate.last_version = reader.record->version;
   replica.receive_rate.last_bytes_per_ms = slowest;

@@ -350,6 +350,9 @@ struct Replica {
   std::optional<Version> seed_failed;
   std::map<std::uint64_t, Txn> txns;
   ReceiveRate receive_rate;
+  // What receive_rate was before a read's progress reports changed it (hub_rates.cpp): that
+  // read's end, if timed, supersedes them.
+  std::optional<ReceiveRate> rate_before_progress;
 };
 
 struct TxnRef {

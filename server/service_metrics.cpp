@@ -172,6 +172,10 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
   out.family("th_server_readers_put_ahead_total", Type::kCounter,
              "Readers that took the source of a slower copy early in its read, which then read behind them");
   out.sample({}, static_cast<double>(stats.transfers_displaced));
+  out.family("th_server_readers_passed_mid_read_total", Type::kCounter,
+             "Of those, readers that did so on their progress report (a sixteenth into their read), having kept "
+             "the slower copy's pace on every shard");
+  out.sample({}, static_cast<double>(stats.passed_mid_read));
   out.family("th_server_slow_sources_passed_total", Type::kCounter,
              "Reads placed past a copy that receives at under half the reader's rate");
   out.sample({}, static_cast<double>(stats.slow_sources_passed));

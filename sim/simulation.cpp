@@ -861,6 +861,9 @@ class Simulation {
           std::cerr << " transfer-done t" << finished->transfer << "/" << finished->epoch;
         } else if (const auto* failed = std::get_if<TransferFailed>(&report->body)) {
           std::cerr << " transfer-failed t" << failed->transfer << "/" << failed->epoch;
+        } else if (const auto* progress = std::get_if<TransferProgress>(&report->body)) {
+          std::cerr << " transfer-progress t" << progress->transfer << "/" << progress->epoch << " " << progress->bytes
+                    << " bytes";
         }
         std::cerr << "\n";
       }

@@ -81,6 +81,7 @@ struct HubStats {
   std::uint64_t transfers_displaced = 0;
   std::uint64_t progress_reports = 0;  // TransferProgress heard (once per shard and epoch)
   std::uint64_t passed_mid_read = 0;   // of transfers_displaced: on a read's progress (pass_mid_read)
+  std::uint64_t progress_claims_refuted = 0;  // reads whose progress claimed more than arrived
   // Delta versions (hub_patches.cpp): copies published with a patch, reads placed as patch reads,
   // patch reads that failed (the transfer went on with the bytes), readers that kept the patch.
   std::uint64_t patches_published = 0;
@@ -228,6 +229,9 @@ class Hub {
   // Whether `behind`, reading from `ahead`'s copy, kept that copy's pace on every shard it reads
   // (each timed by its progress report).
   bool kept_pace(const Transfer& behind, const Transfer& ahead) const;
+  // At the end of a shard's read under this epoch: whether its progress report claimed more than
+  // could have arrived (Transfer::progress_refuted).
+  void check_progress_claim(Transfer& transfer, std::uint32_t shard);
   // What a wrong "slower" would cost: a reorder (the reader goes ahead of the candidate, and is
   // timed) or a shared source (the reader passes over the candidate for a busier source).
   enum class Risk : std::uint8_t { kReorder, kShare };

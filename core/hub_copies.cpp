@@ -214,7 +214,15 @@ void Hub::count_reader(Copy& source, const Transfer& transfer, int delta) {
   TH_ASSERT(delta > 0 || (source.readers > 0 && (!transfer.cross_dc || source.readers_across > 0)),
             "a source counts the transfer that leaves it");
   source.readers += delta;
-  if (delta > 0) ++source.readers_joined;
+  if (delta > 0) {
+    ++source.readers_joined;
+    source.reading.push_back(transfer.id);
+  } else {
+    const auto found = std::find(source.reading.begin(), source.reading.end(), transfer.id);
+    TH_ASSERT(found != source.reading.end(), "a source lists the transfer that leaves it");
+    source.reading.erase(found);
+  }
+  TH_ASSERT(source.reading.size() == source.readers);
   if (transfer.cross_dc) source.readers_across += delta;
   TH_ASSERT(source.readers_across <= source.readers);
   reindex(source);

@@ -84,18 +84,18 @@ void Hub::record_receive_rate(const Transfer& transfer) {
   const Copy& reader = *transfer.reader;
   Replica& replica = *reader.owner;
   // The read's progress reports timed a sixteenth of it; its end, where timed, times all of it,
-  // as if they had said nothing (and where not, the sixteenth is all the hub knows of it).
+  // as if they had said nothing (and where not, the sixteenth is all the hub knows of it, unless
+  // its end showed the sixteenth claimed more than arrived: check_progress_claim).
   const std::optional<detail::ReceiveRate> before_progress = std::exchange(replica.rate_before_progress, std::nullopt);
   // Nor does a read with no shard finished under its last source.
-  if (transfer.slowest_bytes_per_ms == 0 || transfer.source == nullptr || transfer.cross_dc ||
-      reader.kind != CopyKind::kPrimary) {
-    return;
-  }
-  if (before_progress) {
+  const bool timed = transfer.slowest_bytes_per_ms > 0 && transfer.source != nullptr && !transfer.cross_dc &&
+                     reader.kind == CopyKind::kPrimary;
+  if (before_progress && (timed || transfer.progress_refuted)) {
     set_receive_rate(replica, before_progress->bytes_per_ms, before_progress->exact, before_progress->provisional);
     replica.receive_rate.last_version = before_progress->last_version;
     replica.receive_rate.last_bytes_per_ms = before_progress->last_bytes_per_ms;
   }
+  if (!timed) return;
   const Version version = reader.record->version;
   const double measured = transfer.slowest_bytes_per_ms;
   // A source that served other readers too (rollouts of its datacenter, a seed across) shared its
@@ -201,8 +201,6 @@ void Hub::on_transfer_progress(Replica& replica, std::uint32_t shard, const Tran
       reader.kind != CopyKind::kPrimary || transfer.reshard || transfer.patch) {
     return;
   }
-  const detail::ReceiveRate& rate = replica.receive_rate;
-  if (rate.bytes_per_ms > 0 && !rate.provisional) return;
   const LayoutRef& layout = replica.layout->shards[shard];
   if (layout == nullptr || progress.bytes == 0 || progress.bytes > layout->total_bytes()) return;
   const TimeMs elapsed_ms = now_ms_ - transfer.assigned_ms;
@@ -219,25 +217,47 @@ void Hub::on_transfer_progress(Replica& replica, std::uint32_t shard, const Tran
     if (shard_rates[at] > 0 && (slowest == 0 || shard_rates[at] < slowest)) slowest = shard_rates[at];
   }
   TH_ASSERT(slowest > 0);
-  // As at a read's end: the pace the reader set itself (alone at a complete copy), or a lower
-  // bound that only raises what is known (a slow copy timed alone, then read behind another's
-  // prefix, stays known slow; a little faster than its exact rate is noise).
-  if (!replica.rate_before_progress) replica.rate_before_progress = rate;
-  const bool alone = alone_at_complete(transfer);
-  if (alone || slowest > rate.bytes_per_ms) {
-    const bool exact = alone || (rate.exact && slowest < rate.bytes_per_ms * kReorderFactor);
-    set_receive_rate(replica, slowest, exact, /*provisional=*/true);
-  }
-  replica.receive_rate.last_version = reader.record->version;
-  replica.receive_rate.last_bytes_per_ms = slowest;
-  if (!every_shard_timed || pass_mid_read(transfer) || reader.readers == 0) return;
-  // Every shard of the reader is timed now: one behind it that was timed first may go ahead of it.
-  // (Once a transfer and epoch, for a copy that serves: the version's copies walked rarely.)
-  for (Copy* copy : reader.record->copies) {
-    Transfer* behind = copy->incoming;
-    if (copy->state == CopyState::kActive && behind != nullptr && behind->source == &reader && pass_mid_read(*behind)) {
-      return;
+  // The replica's own rate, if no read's end timed it: as at a read's end, the pace it set itself
+  // (alone at a complete copy), or a lower bound that only raises what is known (a slow copy
+  // timed alone, then read behind another's prefix, stays known slow; a little faster than its
+  // exact rate is noise). A replica timed by a read that ended keeps that rate: a sixteenth of a
+  // read says less (its shards' figures still say whether it kept the pace of the copy ahead).
+  const detail::ReceiveRate& rate = replica.receive_rate;
+  if (rate.bytes_per_ms == 0 || rate.provisional) {
+    if (!replica.rate_before_progress) replica.rate_before_progress = rate;
+    const bool alone = alone_at_complete(transfer);
+    if (alone || slowest > rate.bytes_per_ms) {
+      const bool exact = alone || (rate.exact && slowest < rate.bytes_per_ms * kReorderFactor);
+      set_receive_rate(replica, slowest, exact, /*provisional=*/true);
     }
+    replica.receive_rate.last_version = reader.record->version;
+    replica.receive_rate.last_bytes_per_ms = slowest;
+  }
+  if (!every_shard_timed || pass_mid_read(transfer)) return;
+  // Every shard of the reader is timed now: one behind it that was timed first may go ahead of it
+  // (a copy of the transfers it serves, which a pass changes).
+  const std::vector<TransferId> behind = reader.reading;
+  for (TransferId id : behind) {
+    const auto next = model.transfers.find(id);
+    TH_ASSERT(next != model.transfers.end() && next->second->source == &reader, "a copy lists its readers");
+    if (pass_mid_read(*next->second)) return;
+  }
+}
+
+void Hub::check_progress_claim(Transfer& transfer, std::uint32_t shard) {
+  // A shard that ended its read under this epoch's source moved at most its whole shard since the
+  // source was given: a sixteenth that claimed a pace far above that (more bytes than arrived, or
+  // counted from before a resume) is not believed, and what it set is undone at the read's end.
+  // (Nothing else checks it: a read moved to another source is not timed at its end.)
+  const std::vector<double>& shard_rates = transfer.progress_bytes_per_ms;
+  if (shard_rates.empty() || shard_rates[shard] == 0) return;
+  const LayoutRef& layout = transfer.reader->owner->layout->shards[shard];
+  TH_ASSERT(layout != nullptr, "a timed shard has a layout");
+  const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
+  const double at_most = static_cast<double>(layout->total_bytes()) / static_cast<double>(elapsed_ms);
+  if (shard_rates[shard] > at_most * kReorderFactor) {
+    if (!transfer.progress_refuted) ++stats_.progress_claims_refuted;
+    transfer.progress_refuted = true;
   }
 }
 

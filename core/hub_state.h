@@ -123,6 +123,7 @@ struct Copy {
   // slot the readers of the copy's own datacenter need (issue 34).
   std::uint32_t readers_across = 0;
   std::uint64_t readers_joined = 0;  // transfers that ever took this copy as their source
+  std::vector<TransferId> reading;   // the transfers counted in `readers` (fan-out bounds it)
   Transfer* incoming = nullptr;    // kGathering, kWaiting, kActive
   bool failed = false;             // a reader could not read it; never chosen again
   // Shards whose bytes failed a reader's checksums since their last good read. A second failure
@@ -221,6 +222,9 @@ struct Transfer {
   // each showed, in bytes per ms, by shard (empty, or 0 for a shard: none timed).
   ShardSet progress_heard;
   std::vector<double> progress_bytes_per_ms;
+  // A shard's read ended sooner than its progress report allowed (Hub::check_progress_claim):
+  // what the reports set of the replica's rate is undone at the read's end. For the transfer.
+  bool progress_refuted = false;
   // Times a faster reader took this transfer's source from it (at most limits::kDisplacementsPerTransferMax).
   std::uint32_t displacements = 0;
   // Delta versions (hub_patches.cpp): the version the reader's buffers hold whole and healthy,

@@ -836,7 +836,10 @@ void Hub::on_transfer_done(Replica& replica, std::uint32_t shard, const Transfer
   }
   if (transfer.started.test(shard)) {
     TH_ASSERT(transfer.source != nullptr, "started shards read from a source");
-    if (done.epoch == transfer.epoch) measure_shard_read(transfer, shard);
+    if (done.epoch == transfer.epoch) {
+      measure_shard_read(transfer, shard);
+      check_progress_claim(transfer, shard);
+    }
     if (!transfer.reshard) {
       emit_to(transfer.source->owner->shards[shard], StopServing{transfer.id, transfer.epoch});
       // The source's bytes of this shard read well: an earlier checksum failure was passing trouble.

@@ -302,6 +302,17 @@ void Hub::check_invariants() const {
                 "the fastest replica read of datacenter", dc, "is a measurement of its shards'");
     }
 
+    // Each copy lists the transfers it serves (the readers it counts), each of them reading it.
+    for (const auto& [copy_id, copy] : model.copies) {
+      TH_ASSERT(copy->reading.size() == copy->readers, "copy", copy_id, "lists", copy->reading.size(),
+                "transfers and counts", copy->readers);
+      for (TransferId id : copy->reading) {
+        const auto reading = model.transfers.find(id);
+        TH_ASSERT(reading != model.transfers.end() && reading->second->source == copy.get(), "copy", copy_id,
+                  "lists transfer", id, "which does not read it");
+      }
+    }
+
     // ---- transfers ----
     for (const auto& [id, transfer_ptr] : model.transfers) {
       const Transfer& transfer = *transfer_ptr;

@@ -176,6 +176,9 @@ std::string ServiceMetrics::render(const Hub& hub, const ShellFigures& shell) co
              "Of those, readers that did so on their progress report (a sixteenth into their read), having kept "
              "the slower copy's pace on every shard");
   out.sample({}, static_cast<double>(stats.passed_mid_read));
+  out.family("th_server_progress_claims_refuted_total", Type::kCounter,
+             "Reads that ended later than their progress report allowed: the rate it set was undone");
+  out.sample({}, static_cast<double>(stats.progress_claims_refuted));
   out.family("th_server_slow_sources_passed_total", Type::kCounter,
              "Reads placed past a copy that receives at under half the reader's rate");
   out.sample({}, static_cast<double>(stats.slow_sources_passed));

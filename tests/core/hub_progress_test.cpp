@@ -181,6 +181,63 @@ TEST(HubProgress, ARootMovedToTheEndStaysKnownSlowForTheNextVersion) {
   EXPECT_EQ(chain.sources({"r1", "r0"}), "r1<-t r0<-r1");
 }
 
+TEST(HubProgress, AReaderTimedInAnEarlierVersionPassesANewSlowRoot) {
+  // r0 and r1 were each timed alone at the trainer in version 1 (a shard in 100 ms). A new host,
+  // never timed, asks first for version 2 and takes the root; a sixteenth in 400 ms, it is 16
+  // times slower, and r0 behind it kept its pace: r0 takes the trainer. (A reader's figures on
+  // the way count for passing even when a read's end timed it before.)
+  Chain chain;
+  Driver& driver = chain.driver;
+  chain.finish({"r0", "r1", "r2"});
+  chain.rollouts["s"] = driver.open_replica(replica("s", "rollout"));
+  driver.call_all(chain.t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(chain.t)));
+  driver.publish(chain.t, 2);
+  for (const char* name : {"s", "r0", "r1"}) {
+    for (std::uint32_t shard = 0; shard < 2; ++shard) {
+      driver.call(chain.rollouts[name][shard], UpdateRequest{Selector::latest(), layout_for(shard)});
+    }
+  }
+  ASSERT_EQ(chain.source_of("s"), "t");
+  const char* behind = chain.source_of("r0") == "s" ? "r0" : "r1";
+  ASSERT_EQ(chain.source_of(behind), "s");
+  driver.advance(400);
+  for (const char* name : {"s", "r0", "r1"}) chain.progress(name, progress_report_bytes(kShardBytes));
+  EXPECT_EQ(chain.source_of(behind), "t");
+  EXPECT_NE(chain.source_of("s"), "t");
+  EXPECT_EQ(driver.hub().stats().passed_mid_read, 1u);
+}
+
+// An attack (helper review of the change): a token holder's progress report is its own word. A
+// slow rollout that claims its whole shard a sixteenth in, then again alone at the trainer, was
+// taken for exact at many times everyone's pace, and (its read moved, so never timed at its end)
+// kept the root of every later chain. The read's end belies the claim: undone, and counted.
+TEST(HubProgress, AProgressClaimThatTheReadsEndBeliesIsUndone) {
+  Chain chain;
+  Driver& driver = chain.driver;
+  driver.advance(100);
+  chain.progress("r0", progress_report_bytes(kShardBytes));
+  chain.progress("r1", kShardBytes);  // a lie: its whole shard
+  ASSERT_EQ(chain.sources({"r1", "r2", "r0"}), "r1<-t r2<-r1 r0<-r2");
+  driver.advance(25);
+  chain.progress("r1", kShardBytes);  // alone at the trainer: "exact", at 66 times r0's pace
+  driver.advance(3000);  // r1 really reads slowly: 3 s
+  chain.finish({"r1", "r2", "r0"});
+  EXPECT_EQ(driver.hub().stats().progress_claims_refuted, 1u);
+  driver.call_all(chain.t, UnpublishRequest{});
+  EXPECT_TRUE(is<UnpublishOk>(driver.replies(chain.t)));
+  driver.publish(chain.t, 2);
+  // r0 asks first and takes the trainer; r1 counts as never timed, not as the fleet's fastest,
+  // and joins behind it (believed, it took r0's place: r1<-t r0<-r1).
+  for (const char* name : {"r0", "r1"}) {
+    for (std::uint32_t shard = 0; shard < 2; ++shard) {
+      driver.call(chain.rollouts[name][shard], UpdateRequest{Selector::latest(), layout_for(shard)});
+    }
+    driver.advance(5);
+  }
+  EXPECT_EQ(chain.sources({"r0", "r1"}), "r0<-t r1<-r0");
+}
+
 TEST(HubProgress, WithoutRateAwarenessTheChainKeepsItsOrder) {
   HubSettings settings;
   settings.rate_aware_sources = false;

@@ -81,6 +81,17 @@ std::ostream& operator<<(std::ostream& out, const ShardsCase& c) {
   return out;
 }
 
+// One more version's noise: each read within 10 % of its NIC's time, each rollout's progress
+// reports 0-2 ms on their way.
+void gen_version_noise(ShardsCase& c) {
+  std::vector<std::vector<int>> jitter;
+  for (std::uint32_t r = 0; r < c.rollouts; ++r) {
+    jitter.push_back(*rc::gen::container<std::vector<int>>(c.shards, rc::gen::inRange(-10, 11)));
+  }
+  c.jitter_percent.push_back(std::move(jitter));
+  c.report_delay_ms.push_back(*rc::gen::container<std::vector<TimeMs>>(c.rollouts, rc::gen::inRange<TimeMs>(0, 3)));
+}
+
 rc::Gen<ShardsCase> gen_shards_case() {
   return rc::gen::exec([] {
     ShardsCase c;
@@ -115,12 +126,7 @@ rc::Gen<ShardsCase> gen_shards_case() {
     c.first_version = gen_first_versions(c.rollouts, c.slow);
     for (std::uint32_t v = 0; v < c.versions; ++v) {
       c.orders.push_back(gen_ask_order(c.rollouts, c.slow));
-      std::vector<std::vector<int>> jitter;
-      for (std::uint32_t r = 0; r < c.rollouts; ++r) {
-        jitter.push_back(*rc::gen::container<std::vector<int>>(c.shards, rc::gen::inRange(-10, 11)));
-      }
-      c.jitter_percent.push_back(std::move(jitter));
-      c.report_delay_ms.push_back(*rc::gen::container<std::vector<TimeMs>>(c.rollouts, rc::gen::inRange<TimeMs>(0, 3)));
+      gen_version_noise(c);
     }
     return c;
   });
@@ -448,12 +454,7 @@ rc::Gen<ShardsCase> gen_slow_host_case() {
     std::vector<std::uint32_t>& order = c.orders.back();
     order.erase(std::find(order.begin(), order.end(), *c.slow));
     order.insert(order.begin(), *c.slow);
-    std::vector<std::vector<int>> jitter;
-    for (std::uint32_t r = 0; r < c.rollouts; ++r) {
-      jitter.push_back(*rc::gen::container<std::vector<int>>(c.shards, rc::gen::inRange(-10, 11)));
-    }
-    c.jitter_percent.push_back(std::move(jitter));
-    c.report_delay_ms.push_back(*rc::gen::container<std::vector<TimeMs>>(c.rollouts, rc::gen::inRange<TimeMs>(0, 3)));
+    gen_version_noise(c);
     return c;
   });
 }

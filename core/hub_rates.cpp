@@ -42,6 +42,11 @@ constexpr double kBehindFraction = 0.8;
 // fast read ends before moving it could pay; a slow member's sixteenth takes far longer (th-plan's
 // 1 GB shards at 25 GB/s: 2.5 ms, timed at half their pace, made equal replicas look slow).
 constexpr TimeMs kProgressTimedMinMs = 20;
+// A sixteenth that went more than this many times faster than its shard's whole read under the
+// same source could have is not believed (Hub::check_progress_claim): a second reader at the
+// source may halve a read's pace on the way, but a claim of bytes that never arrived, or of a
+// resumed prefix, is many times over (a whole shard claimed a sixteenth in: 16 x at least).
+constexpr double kProgressClaimSlackFactor = 4;
 // A slow copy gives its source away only in the first 1/kDisplaceWindowDivisor of its read (as
 // long as its rate says the read takes), counted from its first source: it then reads the bytes
 // it had again, from the faster reader, which soon passes it.
@@ -248,14 +253,15 @@ void Hub::check_progress_claim(Transfer& transfer, std::uint32_t shard) {
   // A shard that ended its read under this epoch's source moved at most its whole shard since the
   // source was given: a sixteenth that claimed a pace far above that (more bytes than arrived, or
   // counted from before a resume) is not believed, and what it set is undone at the read's end.
-  // (Nothing else checks it: a read moved to another source is not timed at its end.)
+  // (Nothing else checks it: a read moved to another source is not timed at its end.) A liar can
+  // still move one chain once a version, as an honest reader behind a slow root would be moved.
   const std::vector<double>& shard_rates = transfer.progress_bytes_per_ms;
   if (shard_rates.empty() || shard_rates[shard] == 0) return;
   const LayoutRef& layout = transfer.reader->owner->layout->shards[shard];
   TH_ASSERT(layout != nullptr, "a timed shard has a layout");
   const TimeMs elapsed_ms = std::max<TimeMs>(now_ms_ - transfer.assigned_ms, 1);
   const double at_most = static_cast<double>(layout->total_bytes()) / static_cast<double>(elapsed_ms);
-  if (shard_rates[shard] > at_most * kReorderFactor) {
+  if (shard_rates[shard] > at_most * kProgressClaimSlackFactor) {
     if (!transfer.progress_refuted) ++stats_.progress_claims_refuted;
     transfer.progress_refuted = true;
   }

@@ -273,6 +273,7 @@ class HubService final : private kj::TaskSet::ErrorHandler {
   LogSummary foreign_messages_log_;
   LogSummary invalid_messages_log_;
   LogSummary claims_refused_log_;
+  LogSummary progress_claims_log_;  // progress reports a read's end belied (HubStats::progress_claims_refuted)
   LogSummary tls_failures_log_;
   LogSummary heartbeat_budget_log_;
   LogSummary handshake_budget_log_;

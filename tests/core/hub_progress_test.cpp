@@ -129,11 +129,18 @@ TEST(HubProgress, AReportRepeatedOrOfAnEarlierEpochCountsOnce) {
     chain.driver.report(shard, TransferProgress{read.transfer, 1, kShardBytes / 2});
   }
   EXPECT_EQ(chain.driver.hub().stats().progress_reports, 4u);
-  // More bytes than the shard has: not a measurement.
-  chain.driver.advance(10);
-  chain.progress("r2", kShardBytes + 1);
-  EXPECT_EQ(chain.sources({"r1", "r2", "r0"}), "r1<-t r2<-r1 r0<-r2");
   chain.finish({"r1", "r2", "r0"});
+}
+
+TEST(HubProgress, AReportOfMoreBytesThanTheShardHasIsNoMeasurement) {
+  Chain chain;
+  chain.driver.advance(100);
+  chain.progress("r0", progress_report_bytes(kShardBytes));
+  // Taken as a measurement, r1 would have kept the root's pace (and more) and passed it.
+  chain.progress("r1", kShardBytes + 1);
+  EXPECT_EQ(chain.sources(), "r0<-t r1<-r0 r2<-r1");
+  EXPECT_EQ(chain.driver.hub().stats().transfers_displaced, 0u);
+  chain.finish({"r0", "r1", "r2"});
 }
 
 TEST(HubProgress, AReaderSlowerThanTheRootOnOneShardStaysBehindIt) {
